@@ -1,0 +1,21 @@
+"""Options of every suite, registered whichever suite (or all of them) pytest is pointed at."""
+
+from __future__ import annotations
+
+import pytest
+
+from suites.decommission import options as decommission_options
+from suites.health import options as health_options
+from suites.p2p import options as p2p_options
+
+_SUITES = (p2p_options, decommission_options, health_options)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    for suite in _SUITES:
+        suite.addoption(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for suite in _SUITES:
+        suite.validate(config)
