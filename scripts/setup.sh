@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install everything the demo and the tests need, from nothing, on Debian 12 as root. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+for pkg in python3 python3-venv python3-dev openssh-server openssh-client fuse3 libfuse3-3 rsync \
+           iproute2 psmisc lsof procps util-linux curl chromium awscli git; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+done
+if ((${#need_apt[@]})); then
+  echo "setup: apt-get install ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# sshd must not run on the machine itself: lab hosts start their own inside their namespaces.
+systemctl disable --now ssh.service >/dev/null 2>&1 || true
+
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import pytest_gpuhost, mfusepy, moto, testinfra, pytest_html, xdist" 2>/dev/null \
+   || [[ pyproject.toml -nt .venv/.installed ]]; then
+  echo "setup: pip install -e .[dev]"
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  touch .venv/.installed
+fi
+modprobe fuse 2>/dev/null || true
+[[ -e /dev/fuse ]] || { echo "setup: /dev/fuse is missing: the lab needs FUSE" >&2; exit 1; }
+echo "setup: ready (.venv: $(.venv/bin/python --version))"
