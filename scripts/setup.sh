@@ -15,9 +15,6 @@ if ((${#need_apt[@]})); then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-# sshd must not run on the machine itself: lab hosts start their own inside their namespaces.
-systemctl disable --now ssh.service >/dev/null 2>&1 || true
-
 PY=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
   echo "setup: creating .venv"
