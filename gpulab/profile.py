@@ -1,0 +1,536 @@
+"""Load and validate lab host profiles (``fixtures/profiles/NAME.yaml``).
+
+A profile describes one emulated machine: its kernel, PCI functions, GPUs, the link model between
+GPU pairs, its kernel log, containers, services and file trees. The schema is documented in
+``fixtures/profiles/README.md``; every validation error is one line that names the file and the
+field, e.g. ``proxmox-rtx6000.yaml: pci[3].bdf: '17:00.0' is not a PCI address like 0000:17:00.0``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "PROFILE_DIR",
+    "Container",
+    "FileTree",
+    "Gpu",
+    "GpuHealth",
+    "GpuLink",
+    "KernelLogLine",
+    "LinkState",
+    "PciFunction",
+    "Profile",
+    "ProfileError",
+    "Service",
+    "load_profile",
+    "profile_names",
+]
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "profiles"
+
+BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+HEX16_RE = re.compile(r"^0x[0-9a-f]{4}$")
+CLASS_RE = re.compile(r"^0x[0-9a-f]{6}$")
+KERNEL_RE = re.compile(r"^(\d+)\.(\d+)")
+DOMAIN_TYPES = ("DMA", "DMA-FQ", "identity", "blocked", "unmanaged")
+LINK_TYPES = ("nvlink", "pcie-switch", "host-bridge", "numa")
+SERVICE_KINDS = ("sglang", "persistenced", "decoy")
+MANAGERS = ("systemd", "none")
+CONTAINER_KINDS = ("pct", "lxc")
+GENERATORS = ("b200-data",)
+
+
+class ProfileError(ValueError):
+    """A profile is missing, malformed or inconsistent; the message is one line."""
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """PCIe link of a function, as sysfs spells it (``32.0 GT/s PCIe``, width 16)."""
+
+    speed: str
+    width: int
+    max_speed: str
+    max_width: int
+
+
+@dataclass(frozen=True)
+class PciFunction:
+    """One PCI function the lab's ``/sys/bus/pci`` shows."""
+
+    bdf: str
+    vendor: str
+    device: str
+    klass: str
+    driver: str | None
+    iommu_group: int | None
+    numa_node: int
+    parent: str | None
+    link: LinkState | None
+    subsystem_vendor: str
+    subsystem_device: str
+
+    @property
+    def is_gpu(self) -> bool:
+        """Say whether this is a display-class function (VGA or 3D controller)."""
+        return self.klass.startswith("0x0300") or self.klass.startswith("0x0302")
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """Health figures nvidia-smi reports for one GPU."""
+
+    temperature: int = 35
+    ecc_uncorrected: int = 0
+    ecc_corrected: int = 0
+    retired_pages_pending: int = 0
+    remapped_rows_failure: int = 0
+    throttle_reasons: str = "0x0000000000000000"
+    power_draw: float = 60.0
+    nvlinks: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU: the function at ``bdf`` and what the driver reports about it."""
+
+    bdf: str
+    minor: int
+    model: str
+    memory_mib: int
+    uuid: str
+    serial: str
+    power_limit: float
+    health: GpuHealth
+
+
+@dataclass(frozen=True)
+class GpuLink:
+    """The path between two GPUs: its type and one-direction bandwidth in GB/s."""
+
+    a: str
+    b: str
+    type: str
+    gbps: float
+
+
+@dataclass(frozen=True)
+class KernelLogLine:
+    """One line of the boot kernel log, ``t`` seconds after boot."""
+
+    t: float
+    msg: str
+
+
+@dataclass(frozen=True)
+class Container:
+    """A container inside the host (Proxmox ``pct`` or plain ``lxc``)."""
+
+    id: int
+    kind: str
+    name: str
+    hostname: str
+
+
+@dataclass(frozen=True)
+class Service:
+    """A process the host or one of its containers runs."""
+
+    name: str
+    where: str
+    kind: str
+    manager: str
+    argv: tuple[str, ...]
+    gpus: tuple[str, ...]
+    port: int | None
+    ignore_sigterm: str
+    unit: Mapping[str, Any]
+    enabled: bool
+    log_file: str | None
+
+    @property
+    def container_id(self) -> int | None:
+        """Return the container's id for ``where: container:ID``, None on the host."""
+        if self.where.startswith("container:"):
+            return int(self.where.split(":", 1)[1])
+        return None
+
+
+@dataclass(frozen=True)
+class FileTree:
+    """A tree the lab creates on the host with a generator from ``gpulab.files``."""
+
+    root: str
+    generator: str
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A validated lab host profile; ``raw`` is the plain dict (what ``profile.json`` holds)."""
+
+    name: str
+    hostname: str
+    kernel: str
+    cmdline: str
+    default_domain: str
+    driver_version: str
+    cuda_version: str
+    pci: tuple[PciFunction, ...]
+    gpus: tuple[Gpu, ...]
+    links: tuple[GpuLink, ...]
+    link_default: GpuLink | None
+    kernel_log: tuple[KernelLogLine, ...]
+    containers: tuple[Container, ...]
+    services: tuple[Service, ...]
+    files: tuple[FileTree, ...]
+    raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def kernel_version(self) -> tuple[int, int]:
+        """Return (major, minor) of the kernel release."""
+        m = KERNEL_RE.match(self.kernel)
+        assert m is not None  # validated on load
+        return int(m.group(1)), int(m.group(2))
+
+    @property
+    def type_era(self) -> str:
+        """Return ``"eperm"`` (6.4+), ``"ebusy"`` (5.11..6.3) or ``"none"`` (no ``type`` file)."""
+        v = self.kernel_version
+        if v >= (6, 4):
+            return "eperm"
+        if v >= (5, 11):
+            return "ebusy"
+        return "none"
+
+    def function(self, bdf: str) -> PciFunction:
+        """Return the PCI function at ``bdf`` (KeyError when the profile has none)."""
+        for f in self.pci:
+            if f.bdf == bdf:
+                return f
+        raise KeyError(bdf)
+
+    def gpu(self, bdf: str) -> Gpu:
+        """Return the GPU at ``bdf`` (KeyError when it is not a GPU)."""
+        for g in self.gpus:
+            if g.bdf == bdf:
+                return g
+        raise KeyError(bdf)
+
+    def link(self, a: str, b: str) -> GpuLink | None:
+        """Return the link model between two GPUs (either order), or the default."""
+        for lk in self.links:
+            if {lk.a, lk.b} == {a, b}:
+                return lk
+        if self.link_default is not None:
+            return GpuLink(a, b, self.link_default.type, self.link_default.gbps)
+        return None
+
+    def groups(self) -> dict[int, list[str]]:
+        """Return IOMMU group number -> BDFs of its members, in profile order."""
+        out: dict[int, list[str]] = {}
+        for f in self.pci:
+            if f.iommu_group is not None:
+                out.setdefault(f.iommu_group, []).append(f.bdf)
+        return out
+
+    def to_json(self) -> str:
+        """Return the profile as JSON (what lab hosts read from ``profile.json``)."""
+        return json.dumps(self.raw, indent=2, sort_keys=False)
+
+
+def profile_names() -> list[str]:
+    """Return the names of the profiles shipped in ``fixtures/profiles``."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def _resolve(name_or_path: str | Path) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml", ".json") or p.exists():
+        if not p.exists():
+            raise ProfileError(f"{p}: no such profile file")
+        return p
+    cand = PROFILE_DIR / f"{name_or_path}.yaml"
+    if not cand.exists():
+        raise ProfileError(f"no profile named {name_or_path!r} (known: {', '.join(profile_names())})")
+    return cand
+
+
+def load_profile(name_or_path: str | Path, overrides: Mapping[str, Any] | None = None) -> Profile:
+    """Load a profile by name (``fixtures/profiles/NAME.yaml``) or path, and validate it.
+
+    ``overrides`` replaces top-level keys before validation (tests use ``{"kernel": "6.1.0"}``
+    to get the pre-6.4 era). Raises ProfileError with a one-line message.
+    """
+    path = _resolve(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ProfileError(f"{path.name}: cannot parse: {first}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path.name}: top level must be a mapping")
+    data = copy.deepcopy(data)
+    if overrides:
+        data.update(copy.deepcopy(dict(overrides)))
+    return parse_profile(data, source=path.name)
+
+
+class _V:
+    """Field accessors that raise one-line ProfileErrors naming the field."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, msg: str) -> ProfileError:
+        return ProfileError(f"{self.source}: {where}: {msg}")
+
+    def get(
+        self, d: Mapping[str, Any], key: str, where: str, typ: type | tuple[type, ...], default: Any = ...
+    ) -> Any:
+        if key not in d or d[key] is None:
+            if default is ...:
+                raise self.fail(f"{where}{key}", "missing")
+            return default
+        v = d[key]
+        if typ is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if isinstance(v, bool) and typ is not bool and (typ is int or typ is float):
+            raise self.fail(f"{where}{key}", f"expected {getattr(typ, '__name__', typ)}, got {v!r}")
+        if not isinstance(v, typ):
+            names = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+            raise self.fail(f"{where}{key}", f"expected {names}, got {type(v).__name__} {v!r}")
+        return v
+
+    def bdf(self, v: Any, where: str) -> str:
+        if not isinstance(v, str) or not BDF_RE.match(v):
+            raise self.fail(where, f"{v!r} is not a PCI address like 0000:17:00.0")
+        return v
+
+
+def _seq(v: _V, data: Mapping[str, Any], key: str) -> list[Any]:
+    seq = v.get(data, key, "", list, [])
+    for i, item in enumerate(seq):
+        if not isinstance(item, dict):
+            raise v.fail(f"{key}[{i}]", f"expected a mapping, got {item!r}")
+    return list(seq)
+
+
+def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile:
+    """Validate a profile dict and build the dataclasses; errors name ``source`` and the field."""
+    v = _V(source)
+    name = v.get(data, "name", "", str)
+    hostname = v.get(data, "hostname", "", str)
+    kernel = str(v.get(data, "kernel", "", (str, int, float)))
+    if not KERNEL_RE.match(kernel):
+        raise v.fail("kernel", f"{kernel!r} is not a kernel release like 6.8.12-4-pve")
+    cmdline = v.get(data, "cmdline", "", str, "")
+    default_domain = v.get(data, "default_domain", "", str, "DMA-FQ")
+    if default_domain not in DOMAIN_TYPES:
+        raise v.fail("default_domain", f"{default_domain!r} is not one of {', '.join(DOMAIN_TYPES)}")
+    driver_version = str(v.get(data, "driver_version", "", (str, float, int), "570.133.07"))
+    cuda_version = str(v.get(data, "cuda_version", "", (str, float, int), "12.8"))
+
+    pci: list[PciFunction] = []
+    seen: set[str] = set()
+    for i, f in enumerate(_seq(v, data, "pci")):
+        w = f"pci[{i}]."
+        bdf = v.bdf(f.get("bdf"), f"{w}bdf")
+        if bdf in seen:
+            raise v.fail(f"{w}bdf", f"{bdf} listed twice")
+        seen.add(bdf)
+        vendor = v.get(f, "vendor", w, str).lower()
+        device = v.get(f, "device", w, str).lower()
+        for key, val in (("vendor", vendor), ("device", device)):
+            if not HEX16_RE.match(val):
+                raise v.fail(f"{w}{key}", f"{val!r} is not like 0x10de")
+        klass = v.get(f, "class", w, str).lower()
+        if not CLASS_RE.match(klass):
+            raise v.fail(f"{w}class", f"{klass!r} is not like 0x030000")
+        link = None
+        if f.get("link") is not None:
+            lk = v.get(f, "link", w, dict)
+            lw = f"{w}link."
+            speed = v.get(lk, "speed", lw, str)
+            width = v.get(lk, "width", lw, int)
+            link = LinkState(
+                speed, width, v.get(lk, "max_speed", lw, str, speed), v.get(lk, "max_width", lw, int, width)
+            )
+        parent = f.get("parent")
+        if parent is not None:
+            v.bdf(parent, f"{w}parent")
+        group = v.get(f, "iommu_group", w, int, None)
+        pci.append(
+            PciFunction(
+                bdf=bdf,
+                vendor=vendor,
+                device=device,
+                klass=klass,
+                driver=v.get(f, "driver", w, str, None),
+                iommu_group=group,
+                numa_node=v.get(f, "numa_node", w, int, -1),
+                parent=parent,
+                link=link,
+                subsystem_vendor=v.get(f, "subsystem_vendor", w, str, vendor).lower(),
+                subsystem_device=v.get(f, "subsystem_device", w, str, "0x0000").lower(),
+            )
+        )
+    for i, f in enumerate(pci):
+        if f.parent is not None and f.parent not in seen:
+            raise v.fail(f"pci[{i}].parent", f"{f.parent} is not in pci")
+
+    gpus: list[Gpu] = []
+    minors: set[int] = set()
+    for i, g in enumerate(_seq(v, data, "gpus")):
+        w = f"gpus[{i}]."
+        bdf = v.bdf(g.get("bdf"), f"{w}bdf")
+        if bdf not in seen:
+            raise v.fail(f"{w}bdf", f"{bdf} is not in pci")
+        minor = v.get(g, "minor", w, int)
+        if minor in minors:
+            raise v.fail(f"{w}minor", f"minor {minor} used twice")
+        minors.add(minor)
+        h = v.get(g, "health", w, dict, {})
+        hw = f"{w}health."
+        health = GpuHealth(
+            temperature=v.get(h, "temperature", hw, int, 35),
+            ecc_uncorrected=v.get(h, "ecc_uncorrected", hw, int, 0),
+            ecc_corrected=v.get(h, "ecc_corrected", hw, int, 0),
+            retired_pages_pending=v.get(h, "retired_pages_pending", hw, int, 0),
+            remapped_rows_failure=v.get(h, "remapped_rows_failure", hw, int, 0),
+            throttle_reasons=v.get(h, "throttle_reasons", hw, str, "0x0000000000000000"),
+            power_draw=v.get(h, "power_draw", hw, float, 60.0),
+            nvlinks=tuple(float(x) for x in v.get(h, "nvlinks", hw, list, [])),
+        )
+        uuid = v.get(g, "uuid", w, str)
+        if not re.match(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", uuid):
+            raise v.fail(f"{w}uuid", f"{uuid!r} is not like GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx")
+        gpus.append(
+            Gpu(
+                bdf=bdf,
+                minor=minor,
+                model=v.get(g, "model", w, str),
+                memory_mib=v.get(g, "memory_mib", w, int),
+                uuid=uuid,
+                serial=str(v.get(g, "serial", w, (str, int))),
+                power_limit=v.get(g, "power_limit", w, float, 600.0),
+                health=health,
+            )
+        )
+
+    gpu_bdfs = {g.bdf for g in gpus}
+    links: list[GpuLink] = []
+    for i, lk in enumerate(_seq(v, data, "links")):
+        w = f"links[{i}]."
+        a = v.bdf(lk.get("a"), f"{w}a")
+        b = v.bdf(lk.get("b"), f"{w}b")
+        for key, bdf in (("a", a), ("b", b)):
+            if bdf not in gpu_bdfs:
+                raise v.fail(f"{w}{key}", f"{bdf} is not a GPU")
+        typ = v.get(lk, "type", w, str)
+        if typ not in LINK_TYPES:
+            raise v.fail(f"{w}type", f"{typ!r} is not one of {', '.join(LINK_TYPES)}")
+        links.append(GpuLink(a, b, typ, v.get(lk, "gbps", w, float)))
+    link_default = None
+    if data.get("link_default") is not None:
+        ld = v.get(data, "link_default", "", dict)
+        typ = v.get(ld, "type", "link_default.", str)
+        if typ not in LINK_TYPES:
+            raise v.fail("link_default.type", f"{typ!r} is not one of {', '.join(LINK_TYPES)}")
+        link_default = GpuLink("", "", typ, v.get(ld, "gbps", "link_default.", float))
+
+    kernel_log = tuple(
+        KernelLogLine(
+            float(v.get(k, "t", f"kernel_log[{i}].", float)), v.get(k, "msg", f"kernel_log[{i}].", str)
+        )
+        for i, k in enumerate(_seq(v, data, "kernel_log"))
+    )
+
+    containers: list[Container] = []
+    for i, c in enumerate(_seq(v, data, "containers")):
+        w = f"containers[{i}]."
+        kind = v.get(c, "kind", w, str, "pct")
+        if kind not in CONTAINER_KINDS:
+            raise v.fail(f"{w}kind", f"{kind!r} is not one of {', '.join(CONTAINER_KINDS)}")
+        cname = v.get(c, "name", w, str)
+        containers.append(Container(v.get(c, "id", w, int), kind, cname, v.get(c, "hostname", w, str, cname)))
+    cids = {c.id for c in containers}
+
+    services: list[Service] = []
+    for i, s in enumerate(_seq(v, data, "services")):
+        w = f"services[{i}]."
+        where = v.get(s, "where", w, str, "host")
+        if where != "host":
+            m = re.match(r"^container:(\d+)$", where)
+            if not m:
+                raise v.fail(f"{w}where", f"{where!r} is not host or container:ID")
+            if int(m.group(1)) not in cids:
+                raise v.fail(f"{w}where", f"container {m.group(1)} is not in containers")
+        kind = v.get(s, "kind", w, str)
+        if kind not in SERVICE_KINDS:
+            raise v.fail(f"{w}kind", f"{kind!r} is not one of {', '.join(SERVICE_KINDS)}")
+        manager = v.get(s, "manager", w, str, "systemd")
+        if manager not in MANAGERS:
+            raise v.fail(f"{w}manager", f"{manager!r} is not one of {', '.join(MANAGERS)}")
+        argv = v.get(s, "argv", w, list, [])
+        if not all(isinstance(a, str) for a in argv):
+            raise v.fail(f"{w}argv", "every argument must be a string")
+        sg = v.get(s, "gpus", w, list, [])
+        for j, b in enumerate(sg):
+            v.bdf(b, f"{w}gpus[{j}]")
+            if b not in gpu_bdfs:
+                raise v.fail(f"{w}gpus[{j}]", f"{b} is not a GPU")
+        ign = str(v.get(s, "ignore_sigterm", w, (str, int), "0"))
+        if ign != "forever" and not ign.isdigit():
+            raise v.fail(f"{w}ignore_sigterm", f"{ign!r} is not 0, seconds or forever")
+        if kind == "sglang" and not sg:
+            raise v.fail(f"{w}gpus", "an sglang service needs its GPUs")
+        services.append(
+            Service(
+                name=v.get(s, "name", w, str),
+                where=where,
+                kind=kind,
+                manager=manager,
+                argv=tuple(argv),
+                gpus=tuple(sg),
+                port=v.get(s, "port", w, int, None),
+                ignore_sigterm=ign,
+                unit=dict(v.get(s, "unit", w, dict, {})),
+                enabled=v.get(s, "enabled", w, bool, manager == "systemd"),
+                log_file=v.get(s, "log_file", w, str, None),
+            )
+        )
+
+    files: list[FileTree] = []
+    for i, t in enumerate(_seq(v, data, "files")):
+        gen = v.get(t, "generator", f"files[{i}].", str)
+        if gen not in GENERATORS:
+            raise v.fail(f"files[{i}].generator", f"{gen!r} is not one of {', '.join(GENERATORS)}")
+        files.append(FileTree(v.get(t, "root", f"files[{i}].", str), gen))
+
+    return Profile(
+        name=name,
+        hostname=hostname,
+        kernel=kernel,
+        cmdline=cmdline,
+        default_domain=default_domain,
+        driver_version=driver_version,
+        cuda_version=cuda_version,
+        pci=tuple(pci),
+        gpus=tuple(gpus),
+        links=tuple(links),
+        link_default=link_default,
+        kernel_log=kernel_log,
+        containers=tuple(containers),
+        services=tuple(services),
+        files=tuple(files),
+        raw=json.loads(json.dumps(dict(data), default=str)),
+    )
