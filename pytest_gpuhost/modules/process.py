@@ -1,0 +1,302 @@
+"""Select processes on a target and stop them: exactly those selected, never the run's own.
+
+Selection is by systemd unit (the unit's cgroup), by matchers on the executable and arguments
+(regex on the basename of argv[0] or exe, the module after `-m`, exact argv elements; never a
+substring of the whole command line, so `vim sglang_notes.md` is not an SGLang server), or by
+"everything holding a GPU" (`/dev/nvidia*` open).  The agent's own PID, its ancestors and its
+session are excluded on the node itself.  Stopping records the selection (PIDs, start times,
+command lines) before any signal, then SIGTERM, a bounded wait, SIGKILL, and a verifying wait;
+every signal goes to an exact PID whose start time is re-checked on the node (pidfd when the
+node's Python has it), so a PID reused by another process is never hit.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any, Protocol
+
+__all__ = [
+    "Matcher",
+    "Proc",
+    "ProcessTable",
+    "Selection",
+    "StopResult",
+    "parse_selection",
+    "stop_processes",
+]
+
+
+class _Conn(Protocol):
+    def call(self, op: str, **params: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Matcher:
+    """Match a process on its executable and arguments; every given field must hold."""
+
+    argv0: str | None = None  # regex, full match on basename(argv[0]) or basename(exe)
+    module: str | None = None  # exact: the argument after "-m"
+    args: tuple[str, ...] = ()  # exact elements that appear consecutively in argv
+    name: str = ""
+
+    def matches(self, proc: Proc) -> bool:
+        if not proc.argv:
+            return False  # kernel threads and zombies have no argv
+        if self.argv0 is not None:
+            rx = re.compile(self.argv0)
+            names = {proc.argv[0].rsplit("/", 1)[-1]}
+            if proc.exe:
+                names.add(proc.exe.rsplit("/", 1)[-1])
+            if not any(rx.fullmatch(n) for n in names):
+                return False
+        if self.module is not None:
+            argv = proc.argv
+            if not any(argv[i] == "-m" and argv[i + 1] == self.module for i in range(1, len(argv) - 1)):
+                return False
+        if self.args:
+            n = len(self.args)
+            if not any(tuple(proc.argv[i : i + n]) == self.args for i in range(len(proc.argv) - n + 1)):
+                return False
+        return True
+
+    def describe(self) -> str:
+        parts = []
+        if self.argv0 is not None:
+            parts.append(f"argv0~/{self.argv0}/")
+        if self.module is not None:
+            parts.append(f"-m {self.module}")
+        if self.args:
+            parts.append("args " + shlex.join(self.args))
+        return self.name or " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which processes a procedure stops."""
+
+    units: tuple[str, ...] = ()  # glob on unit names, e.g. "sglang-*.service"
+    matchers: tuple[Matcher, ...] = ()
+    gpu_holders: bool = False
+    term_timeout: float = 30.0
+    kill_timeout: float = 10.0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.units or self.matchers or self.gpu_holders)
+
+
+def parse_selection(doc: dict[str, Any]) -> Selection:
+    """Build a Selection from a manifest's `stop:` mapping; raise ValueError naming the bad key."""
+    unknown = set(doc) - {"units", "match", "gpu_holders", "term_timeout", "kill_timeout"}
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)}")
+    matchers = []
+    for i, m in enumerate(doc.get("match") or []):
+        if (
+            not isinstance(m, dict)
+            or not set(m) <= {"argv0", "module", "args", "name"}
+            or not ({"argv0", "module", "args"} & set(m))
+        ):
+            raise ValueError(f"match[{i}] needs argv0 (regex), module and/or args (list)")
+        if m.get("argv0") is not None:
+            try:
+                re.compile(m["argv0"])
+            except re.error as exc:
+                raise ValueError(f"match[{i}].argv0 {m['argv0']!r}: {exc}") from exc
+        matchers.append(
+            Matcher(
+                argv0=m.get("argv0"),
+                module=m.get("module"),
+                args=tuple(m.get("args") or ()),
+                name=str(m.get("name", "")),
+            )
+        )
+    units = doc.get("units") or []
+    if isinstance(units, str):
+        units = [units]
+    return Selection(
+        units=tuple(str(u) for u in units),
+        matchers=tuple(matchers),
+        gpu_holders=bool(doc.get("gpu_holders", False)),
+        term_timeout=float(doc.get("term_timeout", 30.0)),
+        kill_timeout=float(doc.get("kill_timeout", 10.0)),
+    )
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One process as the node's /proc shows it."""
+
+    pid: int
+    ppid: int
+    sid: int
+    starttime: int
+    state: str
+    argv: tuple[str, ...]
+    exe: str | None
+    cgroup: str
+    comm: str
+    gpus: tuple[str, ...] = ()
+
+    @property
+    def unit(self) -> str | None:
+        """The systemd unit whose cgroup holds this process (innermost .service/.scope)."""
+        for part in reversed(self.cgroup.split("/")):
+            if part.endswith((".service", ".scope")):
+                return part
+        return None
+
+    @property
+    def cmdline(self) -> str:
+        return shlex.join(self.argv) if self.argv else f"[{self.comm}]"
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "ppid": self.ppid,
+            "starttime": self.starttime,
+            "unit": self.unit,
+            "cmdline": self.cmdline,
+            "gpus": list(self.gpus),
+        }
+
+
+@dataclass
+class ProcessTable:
+    """The node's processes and the agent's own tree (never to be selected)."""
+
+    procs: list[Proc]
+    own_pid: int
+    own_ancestors: tuple[int, ...]
+    own_sid: int
+
+    @classmethod
+    def read(cls, conn: _Conn, *, gpu_holders: bool = True) -> ProcessTable:
+        res = conn.call("proc_list", gpu_holders=gpu_holders)
+        return cls.from_result(res)
+
+    @classmethod
+    def from_result(cls, res: dict[str, Any]) -> ProcessTable:
+        procs = [
+            Proc(
+                pid=p["pid"],
+                ppid=p["ppid"],
+                sid=p["sid"],
+                starttime=p["starttime"],
+                state=p["state"],
+                argv=tuple(p["argv"]),
+                exe=p.get("exe"),
+                cgroup=p.get("cgroup", ""),
+                comm=p.get("comm", ""),
+                gpus=tuple(p.get("gpus", ())),
+            )
+            for p in res["processes"]
+        ]
+        own = res["self"]
+        return cls(procs, own["pid"], tuple(own["ancestors"]), own["sid"])
+
+    def is_own(self, p: Proc) -> bool:
+        return p.pid == self.own_pid or p.pid in self.own_ancestors or p.sid == self.own_sid
+
+    def select(self, sel: Selection) -> list[tuple[Proc, str]]:
+        """Return (process, why selected), in PID order, excluding the run's own tree."""
+        out = []
+        for p in sorted(self.procs, key=lambda p: p.pid):
+            if self.is_own(p) or p.state in ("Z", "X") or p.pid == 1:
+                continue
+            why = None
+            unit = p.unit
+            if unit and any(fnmatchcase(unit, u) for u in sel.units):
+                why = f"unit {unit}"
+            if why is None:
+                for m in sel.matchers:
+                    if m.matches(p):
+                        why = f"matcher {m.describe()}"
+                        break
+            if why is None and sel.gpu_holders and p.gpus:
+                why = "holds " + ",".join(p.gpus)
+            if why is not None:
+                out.append((p, why))
+        return out
+
+    def gpu_holders(self) -> list[Proc]:
+        return [p for p in self.procs if p.gpus and p.state not in ("Z", "X")]
+
+
+@dataclass
+class StopResult:
+    """What stop_processes did, step by step."""
+
+    selected: list[dict[str, Any]]
+    termed: list[int] = field(default_factory=list)
+    killed: list[int] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # reused / refused / gone
+    units_stopped: list[str] = field(default_factory=list)
+    timeline: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.survivors
+
+
+def stop_processes(
+    conn: _Conn,
+    chosen: Sequence[Proc],
+    *,
+    term_timeout: float = 30.0,
+    kill_timeout: float = 10.0,
+    record: Callable[[str, Any], None] | None = None,
+    run: Callable[[list[str]], Any] | None = None,
+    units: Sequence[str] = (),
+) -> StopResult:
+    """Stop exactly these processes: record, SIGTERM, bounded wait, SIGKILL, verify.
+
+    `record(label, value)` is called with the selection before any signal is sent (the evidence).
+    `run(argv)` runs a command on the node; when units are given, `systemctl stop --no-block`
+    goes first so that systemd does not restart what we kill.
+    """
+    import time
+
+    result = StopResult(selected=[p.record() for p in chosen])
+    if record is not None:
+        record("selected for stop", result.selected)
+    targets = [{"pid": p.pid, "starttime": p.starttime} for p in chosen]
+    if units and run is not None:
+        run(["systemctl", "stop", "--no-block", *units])
+        result.units_stopped = list(units)
+    if not targets:
+        return result
+    result.timeline.append(("SIGTERM", time.time()))
+    for r in conn.call("proc_signal", targets=targets, signal=int(signal.SIGTERM)):
+        if r["status"] == "sent":
+            result.termed.append(r["pid"])
+        else:
+            result.skipped.append(r)
+    live = [t for t in targets if t["pid"] in result.termed]
+    alive = conn.call("proc_wait", targets=live, timeout=term_timeout)["alive"] if live else []
+    if alive:
+        result.timeline.append(("SIGKILL", time.time()))
+        left = [t for t in live if t["pid"] in alive]
+        for r in conn.call("proc_signal", targets=left, signal=int(signal.SIGKILL)):
+            if r["status"] == "sent":
+                result.killed.append(r["pid"])
+        alive = conn.call("proc_wait", targets=left, timeout=kill_timeout)["alive"]
+    result.survivors = list(alive)
+    result.timeline.append(("verified" if not alive else "survivors", time.time()))
+    if record is not None:
+        record(
+            "stop result",
+            {
+                "termed": result.termed,
+                "killed": result.killed,
+                "survivors": result.survivors,
+                "skipped": result.skipped,
+            },
+        )
+    return result
