@@ -1,0 +1,292 @@
+# Agent probe: NVIDIA GPUs, their PCI functions and IOMMU groups, GPU holders, persistence, P2P.
+#
+# Runs ON the target, concatenated after agent.py (which defines `op` and `fact`). Stdlib only;
+# Python 3.6 syntax. pynvml and cupy are imported only inside the P2P probe, where present.
+# ruff: noqa: F821
+import glob as _gpu_glob
+import os as _gpu_os
+import re as _gpu_re
+import subprocess as _gpu_subprocess
+import time as _gpu_time
+
+_PCI = "/sys/bus/pci/devices"
+_GROUPS = "/sys/kernel/iommu_groups"
+_NVIDIA_VENDOR = "0x10de"
+_GPU_CLASSES = ("0x0300", "0x0302")
+
+
+def _gpu_read(path, default=None):
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return default
+
+
+def _gpu_link_name(path):
+    try:
+        return _gpu_os.path.basename(_gpu_os.readlink(path))
+    except OSError:
+        return None
+
+
+def _gpu_int(text):
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _gpu_function(bdf):
+    base = _gpu_os.path.join(_PCI, bdf)
+    group = _gpu_link_name(base + "/iommu_group")
+    return {
+        "bdf": bdf,
+        "vendor": _gpu_read(base + "/vendor"),
+        "device": _gpu_read(base + "/device"),
+        "class": _gpu_read(base + "/class"),
+        "driver": _gpu_link_name(base + "/driver"),
+        "driver_override": _gpu_read(base + "/driver_override"),
+        "iommu_group": _gpu_int(group),
+        "numa_node": _gpu_int(_gpu_read(base + "/numa_node")),
+    }
+
+
+def _gpu_minor_from_proc(bdf):
+    info = _gpu_read(f"/proc/driver/nvidia/gpus/{bdf.lower()}/information")
+    if not info:
+        return None
+    m = _gpu_re.search(r"Device Minor:\s*(\d+)", info)
+    return int(m.group(1)) if m else None
+
+
+def _gpu_smi(args, timeout=20):
+    """Run nvidia-smi with args; return stdout, or None when it is missing or fails."""
+    try:
+        proc = _gpu_subprocess.run(  # noqa: UP022 - capture_output/text need 3.7
+            ["nvidia-smi"] + list(args),
+            stdout=_gpu_subprocess.PIPE,
+            stderr=_gpu_subprocess.PIPE,
+            timeout=timeout,
+            universal_newlines=True,  # noqa: UP021
+        )
+    except (OSError, _gpu_subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _gpu_norm_bdf(bus_id):
+    # nvidia-smi prints 00000000:17:00.0; sysfs uses 0000:17:00.0
+    bus_id = bus_id.strip().lower()
+    m = _gpu_re.match(r"^([0-9a-f]+):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$", bus_id)
+    if not m:
+        return bus_id
+    return f"{int(m.group(1), 16) & 0xFFFF:04x}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
+
+
+def _gpu_smi_table(fields):
+    """Query nvidia-smi --query-gpu; return {bdf: {field: value}} or None."""
+    out = _gpu_smi(["--query-gpu=pci.bus_id," + ",".join(fields), "--format=csv,noheader,nounits"])
+    if out is None:
+        return None
+    table = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(fields) + 1:
+            continue
+        table[_gpu_norm_bdf(cells[0])] = dict(zip(fields, cells[1:]))  # noqa: B905 - runs on Python 3.6
+    return table
+
+
+@fact("gpus")
+def gpus_fact(params):
+    """Every NVIDIA display/3D function with its driver, IOMMU group (type, members), link, minor."""
+    result = []
+    smi_minors = None
+    for path in sorted(_gpu_glob.glob(_PCI + "/*")):
+        bdf = _gpu_os.path.basename(path)
+        vendor = _gpu_read(path + "/vendor")
+        klass = _gpu_read(path + "/class") or ""
+        if vendor != _NVIDIA_VENDOR or not klass.startswith(_GPU_CLASSES):
+            continue
+        entry = _gpu_function(bdf)
+        entry["link"] = {
+            "speed": _gpu_read(path + "/current_link_speed"),
+            "width": _gpu_int(_gpu_read(path + "/current_link_width")),
+            "max_speed": _gpu_read(path + "/max_link_speed"),
+            "max_width": _gpu_int(_gpu_read(path + "/max_link_width")),
+        }
+        group = entry["iommu_group"]
+        if group is not None:
+            gbase = f"{_GROUPS}/{group}"
+            entry["group_type"] = _gpu_read(gbase + "/type")
+            members = (
+                sorted(_gpu_os.listdir(gbase + "/devices"))
+                if _gpu_os.path.isdir(gbase + "/devices")
+                else [bdf]
+            )
+            entry["group_members"] = [_gpu_function(m) for m in members]
+        else:
+            entry["group_type"] = None
+            entry["group_members"] = [_gpu_function(bdf)]
+        minor = None
+        if entry["driver"] == "nvidia":
+            minor = _gpu_minor_from_proc(bdf)
+            if minor is None:
+                if smi_minors is None:
+                    smi_minors = _gpu_smi_table(["minor_number"]) or {}
+                minor = _gpu_int((smi_minors.get(bdf) or {}).get("minor_number"))
+        entry["minor"] = minor
+        result.append(entry)
+    return result
+
+
+def _gpu_proc_holders(prefix="/dev/nvidia"):
+    holders = []
+    me = _gpu_os.getpid()
+    for pid_dir in _gpu_glob.glob("/proc/[0-9]*"):
+        pid = int(_gpu_os.path.basename(pid_dir))
+        if pid == me:
+            continue
+        files = set()
+        try:
+            fds = _gpu_os.listdir(pid_dir + "/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = _gpu_os.readlink(pid_dir + "/fd/" + fd)
+            except OSError:
+                continue
+            if target.startswith(prefix):
+                files.add(target)
+        if not files:
+            continue
+        cmdline = ""
+        try:
+            with open(pid_dir + "/cmdline", "rb") as fh:
+                cmdline = fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        except OSError:
+            pass
+        holders.append(
+            {
+                "pid": pid,
+                "comm": _gpu_read(pid_dir + "/comm", ""),
+                "cmdline": cmdline,
+                "files": sorted(files),
+                "cgroup": ((_gpu_read(pid_dir + "/cgroup", "") or "").splitlines() or [""])[-1],
+            }
+        )
+    return sorted(holders, key=lambda h: h["pid"])
+
+
+@fact("gpu_holders")
+def gpu_holders_fact(params):
+    """Processes with /dev/nvidia* open: pid, comm, cmdline, which files (scans /proc/*/fd)."""
+    return _gpu_proc_holders(params.get("prefix", "/dev/nvidia"))
+
+
+def _gpu_running(comm):
+    pids = []
+    for pid_dir in _gpu_glob.glob("/proc/[0-9]*"):
+        if _gpu_read(pid_dir + "/comm") == comm:
+            pids.append(int(_gpu_os.path.basename(pid_dir)))
+    return sorted(pids)
+
+
+@fact("persistence")
+def persistence_fact(params):
+    """nvidia-persistenced processes and legacy persistence mode per GPU (nvidia-smi)."""
+    table = _gpu_smi_table(["persistence_mode"])
+    legacy = None
+    if table is not None:
+        legacy = {bdf: row.get("persistence_mode") for bdf, row in table.items()}
+    return {"persistenced_pids": _gpu_running("nvidia-persistenced"), "legacy": legacy}
+
+
+@fact("nvidia_smi_gpus")
+def nvidia_smi_gpus_fact(params):
+    """GPUs nvidia-smi lists: {bdf: {index, minor_number, name}}, or None if it cannot run."""
+    return _gpu_smi_table(["index", "minor_number", "name"])
+
+
+@fact("host_info")
+def host_info_fact(params):
+    """Kernel release, boot id and kernel command line: what picks the sysfs era and detects reboots."""
+    return {
+        "kernel": _gpu_os.uname()[2],
+        "boot_id": _gpu_read("/proc/sys/kernel/random/boot_id"),
+        "cmdline": _gpu_read("/proc/cmdline"),
+        "time": _gpu_time.time(),
+    }
+
+
+_P2P_PROBE_SIZE = 64 << 20
+
+
+@op("p2p_probe")
+def p2p_probe(params):
+    """Measure peer copies between CUDA devices with cupy; capabilities with pynvml.
+
+    Returns {"available": False, "reason": ...} where cupy or pynvml is missing, so the caller
+    falls back to nvbandwidth. Devices are addressed by PCI bus id, never by CUDA ordinal.
+    """
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # ImportError, or a CUDA library that fails to load
+        return {"available": False, "reason": f"cupy: {exc}"}
+    size = int(params.get("size", _P2P_PROBE_SIZE))
+    repeat = int(params.get("repeat", 5))
+    want = [b.lower() for b in params.get("bdfs") or []]
+    runtime = cupy.cuda.runtime
+    count = runtime.getDeviceCount()
+    ordinals = {}
+    for i in range(count):
+        ordinals[_gpu_norm_bdf(runtime.deviceGetPCIBusId(i))] = i
+    bdfs = [b for b in (want or sorted(ordinals)) if b in ordinals]
+    capability = {}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = {b: pynvml.nvmlDeviceGetHandleByPciBusId(b.encode()) for b in bdfs}
+        for a in bdfs:
+            for b in bdfs:
+                if a != b:
+                    # read capability index is the literal 0 (the module's constant is a tuple)
+                    capability[a + ">" + b] = int(pynvml.nvmlDeviceGetP2PStatus(handles[a], handles[b], 0))
+        pynvml.nvmlShutdown()
+    except Exception as exc:
+        capability = {"error": str(exc)}
+    bandwidth = {}
+    for a in bdfs:
+        for b in bdfs:
+            if a == b:
+                continue
+            src_dev, dst_dev = ordinals[a], ordinals[b]
+            if not runtime.deviceCanAccessPeer(dst_dev, src_dev):
+                bandwidth[a + ">" + b] = None
+                continue
+            with cupy.cuda.Device(dst_dev):
+                try:
+                    runtime.deviceEnablePeerAccess(src_dev)
+                except cupy.cuda.runtime.CUDARuntimeError:
+                    pass
+                dst = cupy.empty(size, dtype=cupy.uint8)
+            with cupy.cuda.Device(src_dev):
+                src = cupy.ones(size, dtype=cupy.uint8)
+            with cupy.cuda.Device(dst_dev):
+                stream = cupy.cuda.Stream(non_blocking=True)
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                runtime.memcpyPeerAsync(dst.data.ptr, dst_dev, src.data.ptr, src_dev, size, stream.ptr)
+                stream.synchronize()
+                start.record(stream)
+                for _ in range(repeat):
+                    runtime.memcpyPeerAsync(dst.data.ptr, dst_dev, src.data.ptr, src_dev, size, stream.ptr)
+                end.record(stream)
+                end.synchronize()
+                ms = cupy.cuda.get_elapsed_time(start, end)
+                ok = bool((dst[:4096] == 1).all())
+            bandwidth[a + ">" + b] = round(size * repeat / (ms / 1000.0) / 1e9, 2) if ok else None
+            del src, dst
+    return {"available": True, "bdfs": bdfs, "capability": capability, "bandwidth": bandwidth, "size": size}
