@@ -1,0 +1,367 @@
+"""The state of one lab host's PCI bus and IOMMU groups, with the kernel's rules for changing it.
+
+``HostModel`` is what the FUSE daemon (``gpulab.sysfs``) serves. It knows which driver each
+function is bound to, each function's ``driver_override``, each IOMMU group's domain type, the
+nvidia minor numbers and legacy persistence mode, and it applies the errno rules of
+``drivers/base/bus.c`` and ``drivers/iommu/iommu.c`` for the profile's kernel era (see
+``DESIGN.md``, "Facts"). An nvidia unbind waits, like the driver, until no process holds the
+GPU's ``/dev/nvidiaN`` and legacy persistence is off. Every write is appended to
+``STATE/record.jsonl``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpulab.profile import PciFunction, Profile
+
+__all__ = ["HostModel", "SysfsError", "find_holders", "DOMAIN_WRITE_VALUES"]
+
+DOMAIN_WRITE_VALUES = ("DMA", "DMA-FQ", "identity", "auto")
+POLL_S = 0.05
+
+# Drivers the lab knows, and which functions each matches without a dynamic id or override.
+_MATCHERS: dict[str, Callable[[PciFunction], bool]] = {
+    "nvidia": lambda f: f.vendor == "0x10de" and f.klass[:6] in ("0x0300", "0x0302"),
+    "snd_hda_intel": lambda f: f.klass[:6] == "0x0403",
+    "pcieport": lambda f: f.klass[:6] == "0x0604",
+    "vfio-pci": lambda f: False,  # only through new_id or driver_override
+}
+# Probe order: vfio-pci is loaded first (initramfs softdep), so its ids= win over nvidia.
+_PROBE_ORDER = ("vfio-pci", "pcieport", "snd_hda_intel", "nvidia")
+
+
+class SysfsError(OSError):
+    """A sysfs write failed with the errno the kernel would return."""
+
+    def __init__(self, err: int, why: str = "") -> None:
+        super().__init__(err, os.strerror(err) + (f" ({why})" if why else ""))
+
+
+def find_holders(paths: Iterable[str | os.PathLike[str]], proc: str = "/proc") -> dict[str, list[int]]:
+    """Return path -> PIDs holding that file open, found through ``/proc/*/fd`` by st_dev/st_ino.
+
+    Paths that do not exist are left out. Processes that vanish mid-scan are skipped.
+    """
+    keys: dict[tuple[int, int], str] = {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        keys[(st.st_dev, st.st_ino)] = str(p)
+    out: dict[str, list[int]] = {v: [] for v in keys.values()}
+    if not keys:
+        return out
+    me = os.getpid()
+    try:
+        pids = [int(d) for d in os.listdir(proc) if d.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        if pid == me:
+            continue
+        fd_dir = f"{proc}/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            hit = keys.get((st.st_dev, st.st_ino))
+            if hit is not None and pid not in out[hit]:
+                out[hit].append(pid)
+    return out
+
+
+@dataclass
+class _Boot:
+    driver: dict[str, str | None]
+    override: dict[str, str | None]
+    gtype: dict[int, str]
+    minor: dict[str, int]
+
+
+class HostModel:
+    """PCI/IOMMU state of one lab host and the kernel rules for changing it."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        state_dir: str | os.PathLike[str] | None = None,
+        devdir: str | os.PathLike[str] | None = None,
+        proc: str = "/proc",
+    ) -> None:
+        self.profile = profile
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self.devdir = Path(devdir) if devdir is not None else None
+        self.proc = proc
+        self.lock = threading.RLock()
+        self.stopping = threading.Event()
+        self.functions = {f.bdf: f for f in profile.pci}
+        self.gpu_bdfs = [g.bdf for g in profile.gpus]
+        names = {f.driver for f in profile.pci if f.driver} | {"nvidia", "vfio-pci"}
+        self.drivers = sorted(names)
+        self._dev_locks = {b: threading.Lock() for b in self.functions}
+        self.boot = _Boot(
+            driver={f.bdf: f.driver for f in profile.pci},
+            # Proxmox binds a VM's devices by setting driver_override before the VM starts.
+            override={f.bdf: ("vfio-pci" if f.driver == "vfio-pci" else None) for f in profile.pci},
+            gtype={g: profile.default_domain for g in profile.groups()},
+            minor={g.bdf: g.minor for g in profile.gpus if self._boot_driver(g.bdf) == "nvidia"},
+        )
+        self.reset()
+
+    def _boot_driver(self, bdf: str) -> str | None:
+        return self.profile.function(bdf).driver
+
+    # ----------------------------------------------------------------- state
+
+    def reset(self) -> None:
+        """Put every function, group and GPU back to the profile's boot state."""
+        with self.lock:
+            self.driver: dict[str, str | None] = dict(self.boot.driver)
+            self.override: dict[str, str | None] = dict(self.boot.override)
+            self.gtype: dict[int, str] = dict(self.boot.gtype)
+            self.minor: dict[str, int] = dict(self.boot.minor)
+            self.persistence: dict[str, int] = {b: 0 for b in self.gpu_bdfs}
+            self.dyn_ids: dict[str, list[tuple[str, str]]] = {d: [] for d in self.drivers}
+
+    def snapshot(self) -> dict[str, object]:
+        """Return the current state as plain data (served as ``ctl/state.json``)."""
+        with self.lock:
+            return {
+                "kernel": self.profile.kernel,
+                "drivers": dict(self.driver),
+                "driver_override": dict(self.override),
+                "iommu_groups": {str(g): t for g, t in self.gtype.items()},
+                "minors": dict(self.minor),
+                "persistence": dict(self.persistence),
+            }
+
+    def group_of(self, bdf: str) -> int | None:
+        """Return the IOMMU group number of a function."""
+        return self.functions[bdf].iommu_group
+
+    def group_members(self, group: int) -> list[str]:
+        """Return the BDFs in an IOMMU group."""
+        return [b for b, f in self.functions.items() if f.iommu_group == group]
+
+    def bound(self, driver: str) -> list[str]:
+        """Return the BDFs bound to a driver."""
+        with self.lock:
+            return [b for b, d in self.driver.items() if d == driver]
+
+    def dev_path(self, bdf: str) -> Path | None:
+        """Return ``DEVDIR/nvidiaN`` for a GPU bound to nvidia, else None."""
+        m = self.minor.get(bdf)
+        if m is None or self.devdir is None:
+            return None
+        return self.devdir / f"nvidia{m}"
+
+    def holders(self, bdf: str) -> list[int]:
+        """Return PIDs holding the GPU's ``/dev/nvidiaN`` open."""
+        p = self.dev_path(bdf)
+        if p is None:
+            return []
+        return find_holders([p], self.proc).get(str(p), [])
+
+    # ----------------------------------------------------------------- record
+
+    def record(self, path: str, value: str, err: int, pid: int | None = None, **extra: object) -> None:
+        """Append one line to ``STATE/record.jsonl`` (a single O_APPEND write, so lines never mix)."""
+        if self.state_dir is None:
+            return
+        line: dict[str, object] = {
+            "t": round(time.time(), 6),
+            "kind": "sysfs",
+            "path": path,
+            "value": value,
+            "errno": err,
+            "result": "ok" if err == 0 else errno.errorcode.get(err, str(err)),
+        }
+        if pid is not None:
+            line["pid"] = pid
+        line.update(extra)
+        data = (json.dumps(line) + "\n").encode()
+        fd = os.open(self.state_dir / "record.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    # ----------------------------------------------------------------- matching
+
+    def matches(self, driver: str, bdf: str) -> bool:
+        """Say whether ``driver`` would accept the function (pci_match_device with driver_override)."""
+        f = self.functions[bdf]
+        ov = self.override.get(bdf)
+        if ov:
+            return ov == driver
+        ids = (f.vendor[2:], f.device[2:])
+        if ids in self.dyn_ids.get(driver, []):
+            return True
+        m = _MATCHERS.get(driver)
+        return bool(m and m(f))
+
+    def _attach(self, driver: str, bdf: str) -> None:
+        self.driver[bdf] = driver
+        if driver == "nvidia" and bdf in self.gpu_bdfs:
+            used = set(self.minor.values())
+            n = 0
+            while n in used:
+                n += 1
+            self.minor[bdf] = n
+
+    def _detach(self, bdf: str) -> None:
+        self.driver[bdf] = None
+        self.minor.pop(bdf, None)
+
+    # ----------------------------------------------------------------- writes
+
+    def bind(self, driver: str, bdf: str) -> None:
+        """``echo BDF > drivers/DRIVER/bind``: ENODEV unknown/non-matching, EBUSY already bound."""
+        with self.lock:
+            if bdf not in self.functions or not self.matches(driver, bdf):
+                raise SysfsError(errno.ENODEV)
+            if self.driver[bdf] is not None:
+                raise SysfsError(errno.EBUSY)
+            self._attach(driver, bdf)
+
+    def unbind(self, driver: str, bdf: str, on_wait: Callable[[], None] | None = None) -> float:
+        """``echo BDF > drivers/DRIVER/unbind``; returns seconds it blocked.
+
+        ENODEV when the function is not bound to DRIVER. For nvidia it waits (polling every 50 ms,
+        without a bound, like the driver) until no process holds the GPU and legacy persistence
+        is off; ``on_wait`` is called once when it starts waiting.
+        """
+        if bdf not in self.functions:
+            raise SysfsError(errno.ENODEV)
+        start = time.monotonic()
+        with self._dev_locks[bdf]:
+            with self.lock:
+                if self.driver[bdf] != driver:
+                    raise SysfsError(errno.ENODEV)
+            if driver == "nvidia" and bdf in self.gpu_bdfs:
+                told = False
+                while True:
+                    # Scan /proc outside the lock: it takes milliseconds and reads must not wait.
+                    held = bool(self.holders(bdf))
+                    with self.lock:
+                        if not held and self.persistence.get(bdf, 0) == 0:
+                            self._detach(bdf)
+                            break
+                    if not told and on_wait is not None:
+                        on_wait()
+                        told = True
+                    if self.stopping.wait(POLL_S):
+                        raise SysfsError(errno.EINTR)
+            else:
+                with self.lock:
+                    self._detach(bdf)
+        return time.monotonic() - start
+
+    def set_override(self, bdf: str, value: str) -> None:
+        """Write ``driver_override``: a driver name, or empty to clear."""
+        with self.lock:
+            self.override[bdf] = value or None
+
+    def probe(self, bdf: str) -> None:
+        """``echo BDF > drivers_probe``: bind the first matching driver if unbound (none is fine)."""
+        with self.lock:
+            if bdf not in self.functions:
+                raise SysfsError(errno.ENODEV)
+            if self.driver[bdf] is not None:
+                return
+            ov = self.override.get(bdf)
+            if ov:
+                if ov in self.drivers:
+                    self._attach(ov, bdf)
+                return
+            for d in _PROBE_ORDER:
+                if d in self.drivers and self.matches(d, bdf):
+                    self._attach(d, bdf)
+                    return
+
+    def new_id(self, driver: str, value: str) -> None:
+        """``echo "10de 2bb5" > drivers/DRIVER/new_id``: add a dynamic id and probe unbound matches."""
+        parts = value.split()
+        if len(parts) < 2 or not all(_is_hex(p) for p in parts[:2]):
+            raise SysfsError(errno.EINVAL)
+        ids = (f"{int(parts[0], 16):04x}", f"{int(parts[1], 16):04x}")
+        with self.lock:
+            if ids in self.dyn_ids[driver]:
+                raise SysfsError(errno.EEXIST)
+            self.dyn_ids[driver].append(ids)
+            for bdf in self.functions:
+                if self.driver[bdf] is None and self.matches(driver, bdf):
+                    self._attach(driver, bdf)
+
+    def remove_id(self, driver: str, value: str) -> None:
+        """``echo "10de 2bb5" > drivers/DRIVER/remove_id``: ENODEV when not present."""
+        parts = value.split()
+        if len(parts) < 2 or not all(_is_hex(p) for p in parts[:2]):
+            raise SysfsError(errno.EINVAL)
+        ids = (f"{int(parts[0], 16):04x}", f"{int(parts[1], 16):04x}")
+        with self.lock:
+            if ids not in self.dyn_ids[driver]:
+                raise SysfsError(errno.ENODEV)
+            self.dyn_ids[driver].remove(ids)
+
+    def set_group_type(self, group: int, value: str) -> None:
+        """Write ``iommu_groups/N/type`` with the kernel era's rules (see module docstring)."""
+        era = self.profile.type_era
+        if era == "none":
+            raise SysfsError(errno.EACCES)
+        if value not in DOMAIN_WRITE_VALUES:
+            raise SysfsError(errno.EINVAL)
+        if value == "DMA-FQ" and self.profile.kernel_version < (5, 15):
+            raise SysfsError(errno.EINVAL)
+        with self.lock:
+            cur = self.gtype[group]
+            members = self.group_members(group)
+            bound = any(self.driver[b] is not None for b in members)
+            new = self.profile.default_domain if value == "auto" else value
+            if era == "eperm":
+                # 6.4+: a flush queue can be brought up under a bound driver; anything else
+                # needs every device of the group unbound (owner_cnt == 0).
+                if value == "DMA-FQ" and cur == "DMA":
+                    self.gtype[group] = "DMA-FQ"
+                    return
+                if bound:
+                    raise SysfsError(errno.EPERM)
+                self.gtype[group] = new
+                return
+            # 5.11 .. 6.3
+            if len(members) != 1:
+                raise SysfsError(errno.EINVAL, "Group has more than one device")
+            if bound and not (value == "DMA-FQ" and cur == "DMA"):
+                raise SysfsError(errno.EBUSY, "Device is still bound to driver")
+            self.gtype[group] = new
+
+    def set_persistence(self, bdf: str, value: str) -> None:
+        """Write ``ctl/persistence/BDF`` (legacy persistence mode): 0 or 1; EINVAL else."""
+        if value not in ("0", "1"):
+            raise SysfsError(errno.EINVAL)
+        with self.lock:
+            if self.driver.get(bdf) != "nvidia":
+                raise SysfsError(errno.ENODEV)
+            self.persistence[bdf] = int(value)
+
+
+def _is_hex(s: str) -> bool:
+    try:
+        int(s, 16)
+    except ValueError:
+        return False
+    return True
