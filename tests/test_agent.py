@@ -1,0 +1,290 @@
+"""The agent and the Connection over local:// (real processes on this machine)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_gpuhost.agent import BOOTSTRAP, agent_source
+from pytest_gpuhost.connection import CommandResult, Connection
+from pytest_gpuhost.errors import AgentError, CommandTimeout, GpuhostError
+from pytest_gpuhost.targets import open_connection, parse_host_url
+
+
+@pytest.fixture(scope="module")
+def conn():
+    c = open_connection(parse_host_url("local://"))
+    yield c
+    c.close()
+
+
+def test_program_is_core_probes_then_main():
+    src = agent_source()
+    assert src.rstrip().endswith("main()")
+    assert "\nfrom __future__ import" not in src
+    compile(src, "<agent>", "exec")
+    assert len(BOOTSTRAP) < 400
+
+
+def test_hello_lists_ops_and_facts(conn):
+    hello = conn.call("hello")
+    assert hello["pid"] != os.getpid()
+    assert {
+        "hello",
+        "run",
+        "read_files",
+        "write_file",
+        "stat",
+        "listdir",
+        "readlink",
+        "glob",
+        "facts",
+        "batch",
+    } <= set(hello["ops"])
+    assert "kernel" in hello["facts"]
+    assert hello["uid"] == os.getuid()
+
+
+def test_run_argv_and_shell(conn):
+    r = conn.run(["echo", "a b"])
+    assert (r.rc, r.stdout, r.ok) == (0, "a b\n", True)
+    r = conn.run("echo out; echo err >&2; exit 3")
+    assert (r.rc, r.stdout, r.stderr, r.ok) == (3, "out\n", "err\n", False)
+    assert r.target == "local" and r.duration >= 0 and r.start > 1e9
+    r = conn.run(["cat"], stdin="piped\n", env={"X_GPUHOST": "1"})
+    assert r.stdout == "piped\n"
+    assert conn.run(["sh", "-c", 'echo "$X_GPUHOST"'], env={"X_GPUHOST": "yes"}).stdout == "yes\n"
+    assert conn.run(["pwd"], cwd="/proc").stdout == "/proc\n"
+    assert conn.run(["/no/such/binary"]).rc == 127
+
+
+def test_hostile_arguments_are_data(conn, tmp_path):
+    canary = tmp_path / "x"
+    hostile = [
+        "$(touch " + str(canary) + ")",
+        "`touch " + str(canary) + "`",
+        "a'b\"c",
+        "line1\nline2",
+        "; rm -rf /",
+        "*",
+    ]
+    r = conn.run(["printf", "%s|"] + hostile)
+    assert r.stdout == "|".join(hostile) + "|"
+    assert not canary.exists()
+
+
+def test_binary_output_kept_exactly(conn):
+    r = conn.run(["printf", "\\377\\000ok"])
+    assert r.stdout_bytes == b"\xff\x00ok"
+
+
+def test_timeout_kills_process_group_and_keeps_output(conn, tmp_path):
+    pidfile = tmp_path / "child.pid"
+    t0 = time.monotonic()
+    r = conn.run(f"echo started; sleep 100 & echo $! > {pidfile}; wait", timeout=1)
+    elapsed = time.monotonic() - t0
+    assert r.timed_out and r.rc == -9 and not r.ok
+    assert r.stdout == "started\n"
+    assert elapsed < 1 + 2
+    child = int(pidfile.read_text())
+    # the background sleep was in the same process group: it is gone too
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child)
+    with pytest.raises(CommandTimeout, match="timed out"):
+        conn.run(["sleep", "100"], timeout=0.3, check=True)
+
+
+def test_sigterm_ignoring_command_is_killed(conn):
+    t0 = time.monotonic()
+    r = conn.run("trap '' TERM; echo x; sleep 100", timeout=0.5)
+    assert r.timed_out and r.stdout == "x\n"
+    assert time.monotonic() - t0 < 2.5
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_check_raises_one_line(conn):
+    with pytest.raises(GpuhostError) as exc:
+        conn.run("echo boom >&2; exit 4", check=True)
+    assert "\n" not in str(exc.value) and "exited 4: boom" in str(exc.value)
+
+
+def test_files_ops(conn, tmp_path):
+    (tmp_path / "a").write_text("alpha")
+    (tmp_path / "b").write_bytes(b"\xfe\xff")
+    os.symlink("a", tmp_path / "link")
+    got = conn.read_files([str(tmp_path / "a"), str(tmp_path / "missing"), "/proc/self/status"])
+    assert got[str(tmp_path / "a")] == "alpha"
+    missing = got[str(tmp_path / "missing")]
+    assert isinstance(missing, OSError) and missing.errno == 2
+    assert "Pid:" in str(got["/proc/self/status"])
+    st = conn.call("stat", paths=[str(tmp_path / "a"), str(tmp_path / "nope")])
+    assert st[str(tmp_path / "a")]["size"] == 5 and st[str(tmp_path / "a")]["type"] == "file"
+    assert st[str(tmp_path / "nope")]["errno"] == 2
+    assert conn.call("listdir", paths=[str(tmp_path)])[str(tmp_path)] == ["a", "b", "link"]
+    assert conn.call("readlink", paths=[str(tmp_path / "link")])[str(tmp_path / "link")] == {"target": "a"}
+    assert conn.call("glob", pattern=str(tmp_path / "[ab]")) == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert (
+        conn.call("stat", paths=[str(tmp_path / "link")], follow=False)[str(tmp_path / "link")]["type"]
+        == "link"
+    )
+
+
+def test_write_file_and_errors(conn, tmp_path):
+    path = tmp_path / "w"
+    wr = conn.write_file(str(path), "one\n", timeout=5)
+    assert wr.ok and not wr.timed_out
+    conn.write_file(str(path), "two\n", timeout=5, mode="a")
+    assert path.read_text() == "one\ntwo\n"
+    conn.write_file(str(path), b"\x00\x01", timeout=5)
+    assert path.read_bytes() == b"\x00\x01"
+    bad = conn.write_file(str(tmp_path / "no" / "dir"), "x", timeout=5)
+    assert not bad.ok and bad.errno == 2 and not bad.timed_out
+
+
+def test_blocked_write_times_out_and_agent_keeps_serving(conn, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # no reader: open() blocks in the kernel
+    t0 = time.monotonic()
+    wr = conn.write_file(str(fifo), "x", timeout=0.5)
+    assert wr.timed_out and not wr.ok
+    assert time.monotonic() - t0 < 2
+    assert conn.run(["echo", "alive"]).stdout == "alive\n"
+
+
+def test_batch_and_facts_in_one_round_trip(conn, tmp_path):
+    (tmp_path / "f").write_text("1")
+    before = conn.round_trips
+    out = conn.batch(
+        [
+            {"op": "read_files", "paths": [str(tmp_path / "f")]},
+            {"op": "run", "argv": ["echo", "hi"], "timeout": 5},
+            {"op": "no_such_op"},
+        ]
+    )
+    assert conn.round_trips == before + 1
+    assert out[0][str(tmp_path / "f")] == {"data": "1"}
+    assert out[1]["stdout"] == "hi\n"
+    assert isinstance(out[2], AgentError) and "unknown op" in str(out[2])
+    facts = conn.facts("kernel", "hostname", "no_such_fact")
+    assert facts["kernel"]["release"] == os.uname().release
+    assert "error" in facts["no_such_fact"]
+
+
+def test_stream_chunks(conn):
+    seen: list[tuple[str, str]] = []
+    r = conn.run(["sh", "-c", "echo a; echo b >&2"], on_output=lambda s, d: seen.append((s, d)))
+    assert r.stdout == "a\n" and ("stdout", "a\n") in seen and ("stderr", "b\n") in seen
+    items = list(conn.stream("run", argv=["echo", "z"], timeout=5, stream=True))
+    assert items[-1]["done"] and items[-1]["result"]["stdout"] == "z\n"
+    assert {"stream": "stdout", "data": "z\n"} in items[:-1]
+
+
+def test_open_channel_carries_bytes(conn):
+    with conn.open_channel(["sh", "-c", "cat; echo done >&2"]) as ch:
+        ch.send(b"\x00payload")
+        ch.close_stdin()
+        assert ch.read_exact(8, 5) == b"\x00payload"
+        assert ch.recv(5) == b""
+        assert ch.exit_status(5) == 0
+        assert "done" in ch.stderr_text()
+
+
+def test_on_command_sees_runs_and_writes(tmp_path):
+    seen: list[CommandResult] = []
+    with open_connection(parse_host_url("local://")) as c:
+        c.on_command.append(lambda target, res: seen.append(res))
+        c.run(["echo", "x"])
+        c.write_file(str(tmp_path / "v"), "identity", timeout=5)
+    assert [r.command for r in seen] == ["echo x", f"echo identity > {tmp_path / 'v'}"]
+    assert seen[0].target == "local"
+
+
+def test_agent_death_reconnects_once(tmp_path):
+    c = open_connection(parse_host_url("local://"))
+    try:
+        pid1 = c.hello["pid"]
+        with pytest.raises(AgentError, match="died during run"):
+            c.run("kill -9 $PPID")
+        assert c.run(["echo", "back"]).stdout == "back\n"
+        assert c.hello["pid"] != pid1
+    finally:
+        c.close()
+
+
+def test_agent_death_then_failed_restart_raises(tmp_path):
+    # python3 on this PATH works exactly once, as if the target lost its interpreter.
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    marker = tmp_path / "used"
+    wrapper = bindir / "python3"
+    wrapper.write_text(f'#!/bin/sh\n[ -e {marker} ] && exit 1\ntouch {marker}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    path = f"{bindir}:/usr/bin:/bin"
+    c = open_connection(parse_host_url(f"local://?path={path}"))
+    try:
+        with pytest.raises(AgentError):
+            c.run("kill -9 $PPID")
+        with pytest.raises(AgentError, match="cannot start the agent"):
+            c.run(["true"])
+    finally:
+        c.close()
+
+
+def test_fallback_without_python(tmp_path):
+    # A PATH with the usual tools but no python: one process per command under `timeout`.
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("sh", "cat", "echo", "printf", "sleep", "timeout", "env", "true", "touch"):
+        found = shutil.which(tool)
+        assert found, tool
+        os.symlink(found, bindir / tool)
+    c = open_connection(parse_host_url(f"local://?path={bindir}"))
+    try:
+        assert c.mode == "fallback"
+        canary = tmp_path / "canary"
+        r = c.run(["printf", "%s", f"$(touch {canary})"])
+        assert r.stdout == f"$(touch {canary})" and not canary.exists()
+        r = c.run("echo hi; echo err >&2; exit 2")
+        assert (r.rc, r.stdout, r.stderr) == (2, "hi\n", "err\n")
+        t0 = time.monotonic()
+        r = c.run("echo part; sleep 100", timeout=1)
+        assert r.timed_out and r.stdout == "part\n" and time.monotonic() - t0 < 3
+        (tmp_path / "f").write_text("data")
+        got = c.read_files([str(tmp_path / "f"), str(tmp_path / "nope")])
+        assert got[str(tmp_path / "f")] == "data"
+        assert isinstance(got[str(tmp_path / "nope")], OSError) and got[str(tmp_path / "nope")].errno == 2
+        assert c.write_file(str(tmp_path / "w"), "v\n", timeout=5).ok
+        assert (tmp_path / "w").read_text() == "v\n"
+        with pytest.raises(AgentError, match="no python3"):
+            c.facts("kernel")
+    finally:
+        c.close()
+
+
+def test_closed_connection_refuses(tmp_path):
+    c = open_connection(parse_host_url("local://"))
+    pid = c.hello["pid"]
+    c.close()
+    assert not _alive(pid)
+    with pytest.raises(AgentError, match="closed"):
+        c.run(["true"])
+
+
+def test_connection_repr_and_mode(conn):
+    assert isinstance(conn, Connection) and conn.mode == "agent" and "local" in repr(conn)
+    assert stat.S_ISDIR(os.stat(Path("/proc")).st_mode)
