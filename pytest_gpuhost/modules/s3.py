@@ -1,0 +1,397 @@
+"""Upload a verified local backup to S3 (or an S3-compatible store) and prove every object.
+
+Objects come from the local copy, which was verified against the node's SHA-256 on arrival.  Each
+object carries the SHA-256 three ways: the S3 checksum (`ChecksumSHA256`, validated by the
+server on real S3), user metadata `sha256` (full-object hex, also for multipart), and an ETag the
+server computes itself (MD5 of the body, or of the part MD5s with `-N` for multipart) which is
+compared with the MD5 computed locally while the bytes were read.  A rerun lists the prefix once
+and skips objects whose ETag and size match what this backup directory recorded as verified.
+Interrupted multipart uploads under the prefix are aborted before and checked after a run.
+
+Key layout: `PREFIX/<category>/<node path without the leading slash>`; bytes that S3 (or a
+server in front of it) cannot carry in a key (`%`, control characters such as newline, and
+non-UTF-8 bytes) are written as `%XX`, so the mapping is reversible.  Symlinks become small
+objects whose body is the link target and whose metadata says `symlink: "1"`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.modules.backup import Backup, Listing, Progress, StateFile
+
+__all__ = [
+    "S3Error",
+    "S3Item",
+    "S3Location",
+    "S3Plan",
+    "S3Result",
+    "S3Upload",
+    "items_from_backup",
+    "key_for",
+    "parse_s3_url",
+]
+
+MULTIPART_THRESHOLD = 64 * 1024 * 1024
+PART_SIZE = 32 * 1024 * 1024
+_META = ".gpuhost"
+
+
+class S3Error(GpuhostError):
+    """An S3 upload or verification failed."""
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """s3://bucket/prefix"""
+
+    bucket: str
+    prefix: str  # without leading or trailing slash; may be ""
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+
+def parse_s3_url(url: str) -> S3Location:
+    """Parse s3://BUCKET[/PREFIX]; raise ValueError saying what is wrong."""
+    u = urlparse(url)
+    if u.scheme != "s3" or not u.netloc:
+        raise ValueError(f"{url!r} is not an s3://BUCKET/PREFIX URL")
+    return S3Location(u.netloc, u.path.strip("/"))
+
+
+def key_for(rel: str) -> str:
+    """Map a backup-relative path (str, surrogateescape) to an S3 key, escaping with %XX."""
+    out = []
+    for ch in rel:
+        o = ord(ch)
+        if 0xDC80 <= o <= 0xDCFF:  # a non-UTF-8 byte carried by surrogateescape
+            out.append(f"%{o - 0xDC00:02X}")
+        elif o < 0x20 or o == 0x7F or ch == "%":
+            out.append(f"%{o:02X}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class S3Item:
+    """One verified local file or link to have in S3."""
+
+    rel: str  # path inside the backup directory
+    sha256: str  # hex, from the node, verified on arrival
+    size: int
+    link: bytes | None = None  # symlink target: the object body
+
+
+@dataclass
+class S3Plan:
+    upload: list[S3Item] = field(default_factory=list)
+    current: list[S3Item] = field(default_factory=list)
+
+    @property
+    def upload_bytes(self) -> int:
+        return sum(i.size for i in self.upload)
+
+
+@dataclass
+class S3Result:
+    uploaded: int = 0
+    uploaded_bytes: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    aborted_uploads: list[str] = field(default_factory=list)
+    open_uploads_after: list[str] = field(default_factory=list)
+    duration: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.open_uploads_after
+
+
+def make_client(endpoint: str | None = None, max_pool: int = 16) -> Any:
+    """Return a boto3 S3 client: credentials from boto3's chain, optional S3-compatible endpoint."""
+    import boto3
+    from botocore.config import Config
+
+    cfg = Config(
+        max_pool_connections=max_pool,
+        retries={"max_attempts": 5, "mode": "standard"},
+        connect_timeout=10,
+        read_timeout=120,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    return boto3.client("s3", endpoint_url=endpoint or None, config=cfg)
+
+
+class S3Upload:
+    """The S3 side of one backup directory."""
+
+    def __init__(
+        self,
+        dest: str | os.PathLike[str],
+        location: S3Location,
+        *,
+        client: Any = None,
+        endpoint: str | None = None,
+        workers: int = 8,
+        progress: Callable[[Progress], None] | None = None,
+        progress_interval: float = 1.0,
+    ) -> None:
+        self.dest = Path(dest)
+        self.loc = location
+        self.client = client or make_client(endpoint, max_pool=workers * 2)
+        self.workers = workers
+        self.progress = progress
+        self.progress_interval = progress_interval
+        meta = self.dest / _META
+        meta.mkdir(parents=True, exist_ok=True)
+        # one state per destination: the same directory may go to two buckets
+        tag = hashlib.sha256(f"{self.client.meta.endpoint_url}|{location.url}".encode()).hexdigest()[:12]
+        self.state = StateFile(meta, f"s3-{tag}")
+        self._lock = threading.Lock()
+
+    # -- listing and planning
+
+    def list_prefix(self) -> dict[str, dict[str, Any]]:
+        """Map key -> {etag, size} for every object under the prefix (1000 keys per request)."""
+        out: dict[str, dict[str, Any]] = {}
+        pager = self.client.get_paginator("list_objects_v2")
+        prefix = self.loc.prefix + "/" if self.loc.prefix else ""
+        for page in pager.paginate(Bucket=self.loc.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                out[obj["Key"]] = {"etag": obj["ETag"].strip('"'), "size": obj["Size"]}
+        return out
+
+    def plan(self, items: Iterable[S3Item], listing: dict[str, dict[str, Any]] | None = None) -> S3Plan:
+        """Split items into those verified in the bucket already and those to upload."""
+        listing = self.list_prefix() if listing is None else listing
+        plan = S3Plan()
+        for item in items:
+            key = self.loc.key(key_for(item.rel))
+            obj = listing.get(key)
+            rec = self.state.items.get(key)
+            if (
+                obj is not None
+                and rec is not None
+                and rec.get("sha256") == item.sha256
+                and rec.get("etag") == obj["etag"]
+                and obj["size"] == item.size
+            ):
+                plan.current.append(item)
+            else:
+                plan.upload.append(item)
+        return plan
+
+    # -- multipart hygiene
+
+    def open_uploads(self) -> list[tuple[str, str]]:
+        """List (key, upload id) of multipart uploads open under the prefix."""
+        out = []
+        kwargs: dict[str, Any] = {"Bucket": self.loc.bucket, "Prefix": self.loc.prefix}
+        while True:
+            res = self.client.list_multipart_uploads(**kwargs)
+            out += [(u["Key"], u["UploadId"]) for u in res.get("Uploads", []) or []]
+            if not res.get("IsTruncated"):
+                return out
+            kwargs.update(KeyMarker=res["NextKeyMarker"], UploadIdMarker=res["NextUploadIdMarker"])
+
+    def abort_open_uploads(self) -> list[str]:
+        """Abort every multipart upload left open under the prefix by an interrupted run."""
+        aborted = []
+        for key, upload_id in self.open_uploads():
+            self.client.abort_multipart_upload(Bucket=self.loc.bucket, Key=key, UploadId=upload_id)
+            aborted.append(key)
+        return aborted
+
+    # -- upload
+
+    def run(self, plan: S3Plan) -> S3Result:
+        """Upload the plan's items in parallel, verify each, journal each verified object."""
+        result = S3Result()
+        started = time.monotonic()
+        result.aborted_uploads = self.abort_open_uploads()
+        total = plan.upload_bytes
+        done = [0, 0]
+        last = [started]
+
+        def tick(n: int) -> None:
+            with self._lock:
+                done[1] += n
+                now = time.monotonic()
+                if self.progress is not None and now - last[0] >= self.progress_interval:
+                    last[0] = now
+                    self.progress(Progress(done[0], len(plan.upload), done[1], total, now - started))
+
+        # big files first, so that their multipart uploads overlap with the many small ones
+        queue = sorted(plan.upload, key=lambda i: -i.size)
+        try:
+            with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="s3up") as pool:
+                futures = {pool.submit(self._upload_one, item, tick): item for item in queue}
+                for fut in as_completed(futures):
+                    item = futures[fut]
+                    try:
+                        rec = fut.result()
+                    except Exception as exc:  # noqa: BLE001 - one line per failed object
+                        result.failed.append((item.rel, f"{type(exc).__name__}: {exc}"))
+                        continue
+                    with self._lock:
+                        self.state.record(rec.pop("key"), rec)
+                        done[0] += 1
+                    result.uploaded += 1
+                    result.uploaded_bytes += item.size
+        finally:
+            self.state.flush()
+            result.open_uploads_after = [k for k, _ in self.open_uploads()]
+            result.duration = time.monotonic() - started
+        if self.progress is not None:
+            self.progress(Progress(done[0], len(plan.upload), done[1], total, result.duration))
+        return result
+
+    def _upload_one(self, item: S3Item, tick: Callable[[int], None]) -> dict[str, Any]:
+        key = self.loc.key(key_for(item.rel))
+        meta = {"sha256": item.sha256}
+        if item.link is not None:
+            meta["symlink"] = "1"
+            body = item.link
+            if hashlib.sha256(body).hexdigest() != item.sha256:
+                raise S3Error("link target differs from the verified one")
+            etag = self._put(key, body, meta)
+        elif item.size >= MULTIPART_THRESHOLD:
+            etag = self._multipart(key, self.dest / item.rel, item, meta, tick)
+        else:
+            with open(self.dest / item.rel, "rb") as f:
+                body = f.read()
+            if len(body) != item.size or hashlib.sha256(body).hexdigest() != item.sha256:
+                raise S3Error("local copy no longer matches its verified SHA-256; back up again")
+            etag = self._put(key, body, meta)
+            tick(len(body))
+        return {"key": key, "sha256": item.sha256, "etag": etag, "size": item.size}
+
+    def _put(self, key: str, body: bytes, meta: dict[str, str]) -> str:
+        sha_b64 = base64.b64encode(hashlib.sha256(body).digest()).decode()
+        res = self.client.put_object(
+            Bucket=self.loc.bucket,
+            Key=key,
+            Body=body,
+            Metadata=meta,
+            ChecksumAlgorithm="SHA256",
+            ChecksumSHA256=sha_b64,
+        )
+        etag = str(res["ETag"]).strip('"')
+        if res.get("ChecksumSHA256") not in (None, sha_b64):
+            raise S3Error(f"{key}: S3 reports SHA-256 {res['ChecksumSHA256']}, expected {sha_b64}")
+        if etag != hashlib.md5(body).hexdigest() and "-" not in etag:  # noqa: S324 - the ETag is MD5
+            raise S3Error(f"{key}: ETag {etag} is not the MD5 of the bytes sent")
+        return etag
+
+    def _multipart(
+        self, key: str, path: Path, item: S3Item, meta: dict[str, str], tick: Callable[[int], None]
+    ) -> str:
+        mpu = self.client.create_multipart_upload(
+            Bucket=self.loc.bucket, Key=key, Metadata=meta, ChecksumAlgorithm="SHA256"
+        )
+        upload_id = mpu["UploadId"]
+        whole = hashlib.sha256()
+        part_md5s = []
+        parts = []
+        try:
+            with open(path, "rb") as f:
+                number = 0
+                while True:
+                    chunk = f.read(PART_SIZE)
+                    if not chunk:
+                        break
+                    number += 1
+                    whole.update(chunk)
+                    md5 = hashlib.md5(chunk)  # noqa: S324 - S3 part ETags are MD5
+                    part_md5s.append(md5.digest())
+                    sha_b64 = base64.b64encode(hashlib.sha256(chunk).digest()).decode()
+                    res = self.client.upload_part(
+                        Bucket=self.loc.bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=chunk,
+                        ChecksumAlgorithm="SHA256",
+                        ChecksumSHA256=sha_b64,
+                    )
+                    if str(res["ETag"]).strip('"') != md5.hexdigest():
+                        raise S3Error(f"{key}: part {number} ETag is not the MD5 of the bytes sent")
+                    parts.append({"PartNumber": number, "ETag": res["ETag"], "ChecksumSHA256": sha_b64})
+                    tick(len(chunk))
+            if whole.hexdigest() != item.sha256:
+                raise S3Error("local copy no longer matches its verified SHA-256; back up again")
+            res = self.client.complete_multipart_upload(
+                Bucket=self.loc.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.loc.bucket, Key=key, UploadId=upload_id)
+            except Exception:  # noqa: BLE001 - the next run aborts what is left open
+                pass
+            raise
+        etag = str(res["ETag"]).strip('"')
+        expect = hashlib.md5(b"".join(part_md5s)).hexdigest() + f"-{len(parts)}"  # noqa: S324
+        if etag != expect:
+            raise S3Error(f"{key}: multipart ETag {etag}, expected {expect}")
+        return etag
+
+    # -- verification
+
+    def verify(self, items: Iterable[S3Item], *, deep: bool = False) -> list[tuple[str, str]]:
+        """List (path, why) for items not verified in the bucket; deep: HEAD each and check sha256."""
+        listing = self.list_prefix()
+        missing = []
+        for item in items:
+            key = self.loc.key(key_for(item.rel))
+            obj = listing.get(key)
+            rec = self.state.items.get(key)
+            if obj is None:
+                missing.append((item.rel, f"not in {self.loc.url}"))
+            elif rec is None or rec.get("sha256") != item.sha256:
+                missing.append((item.rel, "in the bucket but not verified against the node's SHA-256"))
+            elif rec.get("etag") != obj["etag"] or obj["size"] != item.size:
+                missing.append((item.rel, "object changed in the bucket since it was verified"))
+            elif deep:
+                head = self.client.head_object(Bucket=self.loc.bucket, Key=key, ChecksumMode="ENABLED")
+                if head.get("Metadata", {}).get("sha256") != item.sha256:
+                    missing.append((item.rel, "object metadata sha256 differs"))
+        return missing
+
+    def finish(self) -> None:
+        self.state.compact()
+
+
+def items_from_backup(backup: Backup, listing: Listing) -> tuple[list[S3Item], list[tuple[str, str]]]:
+    """Return the S3 items of the categories marked s3, and (path, why) for those not verified locally."""
+    wanted = {c.name for c in backup.manifest.categories if c.s3}
+    items: list[S3Item] = []
+    unverified: list[tuple[str, str]] = []
+    for f in listing.files:
+        if f.category not in wanted:
+            continue
+        rec = backup.state.items.get(f.key)
+        if rec is None or rec.get("s") is None or "sha256" not in rec:
+            unverified.append((f.display, "not in the local backup yet"))
+            continue
+        if f.kind == "l":
+            items.append(S3Item(f.key, rec["sha256"], len(f.link or b""), link=f.link or b""))
+        else:
+            items.append(S3Item(f.key, rec["sha256"], int(rec["s"])))
+    return items, unverified
