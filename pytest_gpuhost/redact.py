@@ -1,0 +1,130 @@
+"""Hide credentials in text before it is stored in evidence or a report.
+
+Redaction is applied where evidence is recorded (commands, states, notes) and to report
+sections and failure text, so a secret that a command printed never reaches an output file.
+It errs on the side of hiding: a value that merely looks like a credential is replaced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["MASK", "redact", "redact_argv", "redact_env", "redact_obj", "secret_name"]
+
+MASK = "***"
+
+_SECRET_WORDS = frozenset(
+    {
+        "KEY",
+        "KEYS",
+        "APIKEY",
+        "TOKEN",
+        "TOKENS",
+        "SECRET",
+        "SECRETS",
+        "PASSWORD",
+        "PASSWORDS",
+        "PASSWD",
+        "PASS",
+        "CREDENTIAL",
+        "CREDENTIALS",
+        "PASSPHRASE",
+        "AUTH",
+    }
+)
+_WORD = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
+# Lower-case names are matched narrowly ("monkey=3" is not a secret, "api_key=..." is).
+_LOWER_SECRET = (
+    r"[\w.-]*(?:password|passwd|passphrase|token|secret|credential|api[_-]?key|access[_-]?key"
+    r"|private[_-]?key|secret[_-]?key|auth[_-]?key)s?[\w.-]*"
+)
+_UPPER_SECRET = r"[A-Z0-9_]*(?:KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PASSPHRASE)S?[A-Z0-9_]*"
+
+_PATTERNS: list[tuple[re.Pattern[str], str]] = [
+    # AWS access key ids.
+    (re.compile(r"\b(?:AKIA|ASIA|AIDA|AROA|AGPA)[A-Z0-9]{16}\b"), MASK),
+    # URLs with user:password@.
+    (re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)[^@\s/]+(@)"), r"\1" + MASK + r"\2"),
+    # Authorization headers and bearer tokens.
+    (
+        re.compile(
+            r"(?i)(\b(?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?(?:bearer|basic|token|digest)?\s*)[^\s\"',;]+"
+        ),
+        r"\1" + MASK,
+    ),
+    (re.compile(r"(?i)(\bbearer\s+)[A-Za-z0-9._~+/=-]+"), r"\1" + MASK),
+    # name=value, name: value, "name": "value" for secret-looking names.
+    (
+        re.compile(
+            r"((?<![\w-])(?:" + _UPPER_SECRET + r"|(?i:" + _LOWER_SECRET + r"))[\"']?\s*[:=]\s*)"
+            r"(\"[^\"\n]*\"|'[^'\n]*'|[^\s&,;\"']+)"
+        ),
+        r"\1" + MASK,
+    ),
+    # --password VALUE, --token VALUE (space separated command-line flags).
+    (
+        re.compile(r"(?i)((?<![\w-])--?" + _LOWER_SECRET + r"\s+)(?!-)([^\s\"']+|\"[^\"\n]*\"|'[^'\n]*')"),
+        r"\1" + MASK,
+    ),
+    # PEM private keys.
+    (
+        re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.DOTALL),
+        "-----PRIVATE KEY " + MASK + "-----",
+    ),
+]
+
+
+def secret_name(name: str) -> bool:
+    """Tell whether an environment variable, flag or field name looks like it holds a credential.
+
+    The name is split into words (`AWS_SECRET_ACCESS_KEY`, `--api-key`, `SecretAccessKey`), so
+    `MONKEY` or `keyboard` are not secrets while `DB_PASSWORD` and `x-auth-token` are.
+    """
+    return any(word.upper() in _SECRET_WORDS for word in _WORD.findall(name))
+
+
+def redact(text: str) -> str:
+    """Return `text` with credentials replaced by `***`."""
+    if not text:
+        return text
+    for pattern, repl in _PATTERNS:
+        text = pattern.sub(repl, text)
+    return text
+
+
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Return a copy of an environment with secret-looking names' values masked."""
+    return {k: (MASK if secret_name(k) else redact(str(v))) for k, v in env.items()}
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """Return a copy of an argument vector with credentials masked.
+
+    Handles `--password VALUE` split over two arguments as well as everything `redact` finds.
+    """
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next and not arg.startswith("-"):
+            out.append(MASK)
+            hide_next = False
+            continue
+        hide_next = arg.startswith("-") and "=" not in arg and secret_name(arg.lstrip("-"))
+        out.append(redact(arg))
+    return out
+
+
+def redact_obj(obj: Any) -> Any:
+    """Redact every string in a JSON-like structure; dict values under secret names are masked."""
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, Mapping):
+        return {
+            k: (MASK if isinstance(k, str) and secret_name(k) and isinstance(v, str) else redact_obj(v))
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list | tuple):
+        return [redact_obj(v) for v in obj]
+    return obj

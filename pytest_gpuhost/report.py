@@ -1,0 +1,294 @@
+"""The HTML report: output paths, outcome and target columns, targets x checks matrix, evidence, heatmaps.
+
+Built on pytest-html 4 (hooks `pytest_html_results_table_header/row`, `pytest_html_results_summary`;
+evidence travels as `report.extras` HTML). Everything is inline HTML and CSS, so the
+self-contained report opens anywhere without network access.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["HtmlCustomisation", "add_extras", "configure_outputs", "heatmap", "render_evidence"]
+
+OUTCOME_CSS = """
+.gh-outcome{display:inline-block;padding:1px 6px;border-radius:3px;font-weight:bold;color:#fff}
+.gh-passed{background:#2e7d32}.gh-fixed{background:#1565c0}.gh-would-fix{background:#ef6c00}
+.gh-failed{background:#c62828}.gh-skipped{background:#757575}.gh-error{background:#6a1b9a}
+.gh-ev{font-family:sans-serif;font-size:13px;margin:6px 0}
+.gh-ev h4{margin:8px 0 4px}
+.gh-ev table{border-collapse:collapse;margin:4px 0}
+.gh-ev td,.gh-ev th{border:1px solid #ccc;padding:2px 6px;vertical-align:top;text-align:left}
+.gh-ev pre{margin:0;white-space:pre-wrap;max-height:24em;overflow:auto;font-size:12px}
+.gh-rc-bad{color:#c62828;font-weight:bold}
+.gh-heat td{text-align:right;font-family:monospace;min-width:4.5em}
+.gh-heat .gh-below{outline:2px solid #c62828;outline-offset:-2px}
+.gh-heat-pair{display:flex;gap:24px;flex-wrap:wrap}
+.gh-matrix td,.gh-matrix th{border:1px solid #ccc;padding:2px 6px}
+"""
+
+
+def _css_class(outcome: str) -> str:
+    return "gh-" + outcome.replace(" ", "-")
+
+
+def outcome_badge(outcome: str) -> str:
+    """Return the styled HTML label of a gpuhost outcome."""
+    return f'<span class="gh-outcome {_css_class(outcome)}">{html.escape(outcome)}</span>'
+
+
+# --- output paths ---------------------------------------------------------------------------
+
+
+def configure_outputs(config: pytest.Config, report_dir: Path, name: str) -> None:
+    """Send HTML, JUnit XML and JSON to `<dir>/<name>.*` unless the user chose paths."""
+    from pytest_gpuhost.evidence import JsonWriter
+
+    base = report_dir if report_dir.is_absolute() else config.invocation_params.dir / report_dir
+    if getattr(config.option, "htmlpath", "unset") is None:
+        config.option.htmlpath = str(base / f"{name}.html")
+        config.option.self_contained_html = True
+    if getattr(config.option, "xmlpath", "unset") is None:
+        config.option.xmlpath = str(base / f"{name}.xml")
+    config.pluginmanager.register(JsonWriter(base / f"{name}.json", config), "gpuhost-json")
+
+
+# --- evidence as HTML -----------------------------------------------------------------------
+
+
+def _pre(text: Any) -> str:
+    return f"<pre>{html.escape(str(text))}</pre>" if text not in (None, "") else ""
+
+
+def _json_pre(value: Any) -> str:
+    if isinstance(value, str):
+        return _pre(value)
+    return _pre(json.dumps(value, indent=1, default=str))
+
+
+def _heat_colour(value: float, low: float, high: float) -> str:
+    # Red (low) through yellow to green (high), light enough for black text.
+    frac = 0.5 if high <= low else max(0.0, min(1.0, (value - low) / (high - low)))
+    hue = int(120 * frac)
+    return f"hsl({hue},70%,75%)"
+
+
+def heatmap(matrix: dict[str, Any], scale: tuple[float, float] | None = None) -> str:
+    """Render one matrix of measurements as an HTML table coloured by value (red low, green high)."""
+    labels = matrix.get("labels", [])
+    values = matrix.get("values", [])
+    flat = [v for row in values for v in row if isinstance(v, int | float) and math.isfinite(v)]
+    low, high = scale if scale is not None else ((min(flat), max(flat)) if flat else (0.0, 0.0))
+    threshold = matrix.get("threshold")
+    unit = matrix.get("unit") or ""
+    title = html.escape(str(matrix.get("name", "")))
+    target = matrix.get("target")
+    caption = f"{title} ({html.escape(unit)})" + (f" on {html.escape(str(target))}" if target else "")
+    if threshold is not None:
+        caption += f", threshold {threshold:g}"
+    out = [f'<table class="gh-heat"><caption>{caption}</caption><tr><th></th>']
+    out += [f"<th>{html.escape(str(label))}</th>" for label in labels]
+    out.append("</tr>")
+    for i, row in enumerate(values):
+        out.append(f"<tr><th>{html.escape(str(labels[i]) if i < len(labels) else str(i))}</th>")
+        for value in row:
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                out.append('<td style="background:#eee">N/A</td>')
+                continue
+            below = threshold is not None and value < threshold
+            cls = ' class="gh-below"' if below else ""
+            out.append(f'<td{cls} style="background:{_heat_colour(value, low, high)}">{value:.2f}</td>')
+        out.append("</tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def _heatmaps(matrices: list[dict[str, Any]]) -> str:
+    """Render matrices; ones sharing a name and target (before/after) side by side on one scale."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for m in matrices:
+        key = (
+            str(m.get("name", "")).removesuffix(" before").removesuffix(" after"),
+            str(m.get("target", "")),
+        )
+        groups.setdefault(key, []).append(m)
+    out = []
+    for group in groups.values():
+        flat = [
+            v
+            for m in group
+            for row in m.get("values", [])
+            for v in row
+            if isinstance(v, int | float) and math.isfinite(v)
+        ]
+        scale = (min(flat), max(flat)) if flat else None
+        out.append('<div class="gh-heat-pair">' + "".join(heatmap(m, scale) for m in group) + "</div>")
+    return "".join(out)
+
+
+def render_evidence(when: str, ev: dict[str, Any], remediations: list[dict[str, Any]] | None = None) -> str:
+    """Render one phase's evidence (and the test's remediations) as an HTML fragment."""
+    out = [
+        f'<div class="gh-ev" data-phase="{html.escape(when)}"><h4>gpuhost evidence ({html.escape(when)})</h4>'
+    ]
+    for rem in remediations or []:
+        out.append(
+            f"<p>{outcome_badge(rem['outcome'])} <b>{html.escape(rem['name'])}</b>"
+            f"{' on ' + html.escape(rem['target']) if rem.get('target') else ''}: "
+            f"{html.escape(rem.get('reason') or (rem.get('before') or {}).get('summary', ''))}</p>"
+        )
+    if ev.get("actions"):
+        out.append("<table><tr><th>action</th><th>command</th><th>target</th><th>status</th></tr>")
+        for a in ev["actions"]:
+            out.append(
+                f"<tr><td>{html.escape(str(a.get('description', '')))}</td><td>{_pre(a.get('command', ''))}</td>"
+                f"<td>{html.escape(str(a.get('target', '')))}</td><td>{html.escape(str(a.get('status', '')))}</td></tr>"
+            )
+        out.append("</table>")
+    if ev.get("states"):
+        by_label: dict[str, list[dict[str, Any]]] = {}
+        for s in ev["states"]:
+            by_label.setdefault(s["label"], []).append(s)
+        out.append(
+            "<table><tr>" + "".join(f"<th>{html.escape(label)}</th>" for label in by_label) + "</tr><tr>"
+        )
+        for states in by_label.values():
+            out.append("<td>" + "".join(_json_pre(s["value"]) for s in states) + "</td>")
+        out.append("</tr></table>")
+    if ev.get("commands"):
+        out.append(
+            "<table><tr><th>target</th><th>command</th><th>rc</th><th>duration</th><th>stdout</th><th>stderr</th></tr>"
+        )
+        for c in ev["commands"]:
+            rc = c.get("rc")
+            bad = rc != 0 or c.get("timed_out")
+            rc_text = html.escape(str(rc)) + (" (timed out)" if c.get("timed_out") else "")
+            rc_cls = ' class="gh-rc-bad"' if bad else ""
+            duration = c.get("duration")
+            dur_text = f"{duration * 1000:.1f} ms" if isinstance(duration, int | float) else ""
+            out.append(
+                f"<tr><td>{html.escape(str(c.get('target', '')))}</td><td>{_pre(c.get('command', ''))}</td>"
+                f"<td{rc_cls}>{rc_text}</td><td>{dur_text}</td>"
+                f"<td>{_pre(c.get('stdout', ''))}</td><td>{_pre(c.get('stderr', ''))}</td></tr>"
+            )
+        out.append("</table>")
+    if ev.get("measures"):
+        out.append("<table><tr><th>measurement</th><th>value</th><th>target</th></tr>")
+        for m in ev["measures"]:
+            unit = f" {m['unit']}" if m.get("unit") else ""
+            out.append(
+                f"<tr><td>{html.escape(str(m['name']))}</td><td>{html.escape(str(m['value']) + unit)}</td>"
+                f"<td>{html.escape(str(m.get('target', '')))}</td></tr>"
+            )
+        out.append("</table>")
+    if ev.get("matrices"):
+        out.append(_heatmaps(ev["matrices"]))
+    if ev.get("notes"):
+        out.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in ev["notes"]) + "</ul>")
+    out.append("</div>")
+    return "".join(out)
+
+
+def add_extras(report: pytest.TestReport) -> None:
+    """Append the phase's evidence to `report.extras` as HTML (pytest-html shows all phases' extras)."""
+    ev = getattr(report, "gpuhost_evidence", None) or {}
+    remediations = getattr(report, "gpuhost_remediations", None) or []
+    if not ev and not remediations:
+        return
+    extra = {
+        "name": f"gpuhost evidence ({report.when})",
+        "format_type": "html",
+        "content": render_evidence(report.when, ev, remediations),
+        "mime_type": None,
+        "extension": None,
+    }
+    report.extras = [*getattr(report, "extras", []), extra]  # type: ignore[attr-defined]
+
+
+# --- pytest-html hooks (controller only) ----------------------------------------------------
+
+
+def check_name(nodeid: str, target: str) -> str:
+    """Return a test's name without its file path and without the target's id."""
+    name = nodeid.split("::", 1)[-1]
+    base, bracket, params = name.partition("[")
+    if not bracket or not target:
+        return name
+    params = params.removesuffix("]")
+    if params == target:
+        return base
+    for rest in (params.removeprefix(target + "-"), params.removesuffix("-" + target)):
+        if rest != params:
+            return f"{base}[{rest}]"
+    return name
+
+
+class HtmlCustomisation:
+    """pytest-html hooks: Outcome and Target columns, the targets x checks matrix, the CSS."""
+
+    def __init__(self) -> None:
+        self.cells: dict[tuple[str, str], str] = {}
+        self.targets: list[str] = []
+        self.checks: list[str] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        outcome = getattr(report, "gpuhost_outcome", None)
+        if outcome is None or not (report.when == "call" or report.failed or report.skipped):
+            return
+        target = getattr(report, "gpuhost_target", "") or "(no target)"
+        check = check_name(report.nodeid, getattr(report, "gpuhost_target", ""))
+        if target not in self.targets:
+            self.targets.append(target)
+        if check not in self.checks:
+            self.checks.append(check)
+        key = (target, check)
+        if self.cells.get(key) not in ("failed",):  # a failed phase is never overwritten
+            self.cells[key] = "error" if report.failed and report.when != "call" else outcome
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_html_results_table_header(self, cells: list[str]) -> None:
+        cells.insert(1, '<th class="sortable" data-column-type="gpuhostOutcome">Outcome</th>')
+        cells.insert(3, '<th class="sortable" data-column-type="gpuhostTarget">Target</th>')
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_html_results_table_row(self, report: pytest.TestReport, cells: list[str]) -> None:
+        outcome = getattr(report, "gpuhost_outcome", None) or report.outcome
+        if report.failed and report.when != "call":
+            outcome = "error"
+        target = getattr(report, "gpuhost_target", "") or ""
+        cells.insert(1, f'<td class="col-gpuhostOutcome">{outcome_badge(outcome)}</td>')
+        cells.insert(3, f'<td class="col-gpuhostTarget">{html.escape(target)}</td>')
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_html_results_summary(
+        self, prefix: list[str], summary: list[str], postfix: list[str], session: Any
+    ) -> None:
+        prefix.append(f"<style>{OUTCOME_CSS}</style>")
+        counts: dict[str, int] = {}
+        for outcome in self.cells.values():
+            counts[outcome] = counts.get(outcome, 0) + 1
+        if counts:
+            prefix.append(
+                '<p class="gh-counts">'
+                + " ".join(f"{outcome_badge(k)} {v}" for k, v in sorted(counts.items()))
+                + "</p>"
+            )
+        if not self.cells:
+            return
+        rows = ['<h3>Targets x checks</h3><table class="gh-matrix" id="gpuhost-matrix"><tr><th>target</th>']
+        rows += [f"<th>{html.escape(c)}</th>" for c in self.checks]
+        rows.append("</tr>")
+        for target in self.targets:
+            rows.append(f"<tr><th>{html.escape(target)}</th>")
+            for check in self.checks:
+                cell = self.cells.get((target, check))
+                rows.append(f"<td>{outcome_badge(cell) if cell else ''}</td>")
+            rows.append("</tr>")
+        rows.append("</table>")
+        summary.append("".join(rows))
