@@ -1,0 +1,265 @@
+"""Prepare a lab machine's root and become its PID 1.
+
+Two halves. ``prepare_root``, ``make_dev`` and friends run in the root namespace on the merged
+overlay (writes there land in the overlay's upper dir, so this machine's own files are never
+changed). ``main`` runs as PID 1 of fresh PID, mount, UTS and IPC namespaces already joined to the
+machine's netns (``python -m gpulab.boot --root R ...``): it mounts /proc, a read-only /sys with the
+FUSE subtrees bound over /sys/bus/pci and /sys/kernel/iommu_groups, the machine's /dev, the state
+dir at /var/lib/gpulab, pivots into R and execs systemd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["MASKED_UNITS", "main", "make_dev", "prepare_root"]
+
+# Units that cannot work, or must not run, in a lab machine: udev would act on this machine's real
+# devices, sysctl/timesyncd/binfmt would change this machine's kernel, the rest mount or probe
+# things a namespace has no business with. Found by booting and reading `systemctl --failed`.
+MASKED_UNITS = (
+    "systemd-udevd.service",
+    "systemd-udevd-control.socket",
+    "systemd-udevd-kernel.socket",
+    "systemd-udev-trigger.service",
+    "systemd-udev-settle.service",
+    "systemd-sysctl.service",
+    "systemd-timesyncd.service",
+    "systemd-binfmt.service",
+    "proc-sys-fs-binfmt_misc.automount",
+    "proc-sys-fs-binfmt_misc.mount",
+    "systemd-modules-load.service",
+    "kmod-static-nodes.service",
+    "systemd-remount-fs.service",
+    "systemd-firstboot.service",
+    "systemd-repart.service",
+    "systemd-pstore.service",
+    "systemd-hwdb-update.service",
+    "systemd-pcrphase.service",
+    "systemd-pcrphase-sysinit.service",
+    "systemd-journald-audit.socket",
+    "sys-kernel-debug.mount",
+    "sys-kernel-tracing.mount",
+    "sys-kernel-config.mount",
+    "sys-fs-fuse-connections.mount",
+    "dev-hugepages.mount",
+    "getty@tty1.service",
+    "getty-static.service",
+    "console-getty.service",
+    "serial-getty@ttyS0.service",
+    "e2scrub_reap.service",
+    "apt-daily.timer",
+    "apt-daily-upgrade.timer",
+    "cron.service",
+    "postgresql.service",
+    "avahi-daemon.service",
+    "avahi-daemon.socket",
+)
+
+SSHD_CONFIG = """\
+# gpulab: this lab machine's sshd
+Port 22
+ListenAddress 0.0.0.0
+HostKey /etc/ssh/ssh_host_ed25519_key
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+AuthorizedKeysFile .ssh/authorized_keys
+UseDNS no
+X11Forwarding no
+PrintMotd no
+MaxStartups 200:30:400
+MaxSessions 200
+AcceptEnv LANG LC_*
+Subsystem sftp /usr/lib/openssh/sftp-server
+"""
+
+DEV_NODES = {
+    "null": (1, 3),
+    "zero": (1, 5),
+    "full": (1, 7),
+    "random": (1, 8),
+    "urandom": (1, 9),
+    "tty": (5, 0),
+}
+
+
+def _unlink(p: Path) -> None:
+    if p.is_symlink() or p.exists():
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def _write(p: Path, text: str, mode: int = 0o644) -> None:
+    p.parent.mkdir(parents=True, exist_ok=True)
+    _unlink(p)
+    p.write_text(text)
+    p.chmod(mode)
+
+
+def _symlink(target: str, p: Path) -> None:
+    p.parent.mkdir(parents=True, exist_ok=True)
+    _unlink(p)
+    p.symlink_to(target)
+
+
+def prepare_root(
+    root: Path,
+    hostname: str,
+    host_key: Path,
+    client_pubkey: Path,
+    enabled_units: Iterable[str] = (),
+) -> None:
+    """Strip this machine's enabled units from the merged overlay ``root`` and make it a lab machine.
+
+    Every ``*.wants`` link under /etc/systemd/system goes (PostgreSQL and friends would start), the
+    default target becomes multi-user, MASKED_UNITS are masked, ssh.service plus ``enabled_units``
+    are wanted by multi-user.target, and sshd gets its own config, host key and the lab client key.
+    """
+    etc_sd = root / "etc/systemd/system"
+    for wants in etc_sd.glob("*.wants"):
+        for link in wants.iterdir():
+            _unlink(link)
+    for sub in ("timers.target.wants", "sockets.target.wants", "getty.target.wants"):
+        _unlink(etc_sd / sub)
+    _symlink("/lib/systemd/system/multi-user.target", etc_sd / "default.target")
+    for unit in MASKED_UNITS:
+        _symlink("/dev/null", etc_sd / unit)
+    mu = etc_sd / "multi-user.target.wants"
+    mu.mkdir(parents=True, exist_ok=True)
+    _symlink("/lib/systemd/system/ssh.service", mu / "ssh.service")
+    for unit in enabled_units:
+        _symlink(f"/etc/systemd/system/{unit}", mu / unit)
+
+    _write(root / "etc/hostname", hostname + "\n")
+    _write(root / "etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n::1\tlocalhost ip6-localhost\n")
+    _write(root / "etc/machine-id", "")
+    ssh = root / "etc/ssh"
+    for old in ssh.glob("ssh_host_*"):
+        _unlink(old)
+    shutil.copyfile(host_key, ssh / "ssh_host_ed25519_key")
+    (ssh / "ssh_host_ed25519_key").chmod(0o600)
+    shutil.copyfile(str(host_key) + ".pub", ssh / "ssh_host_ed25519_key.pub")
+    _write(ssh / "sshd_config", SSHD_CONFIG)
+    for d in (ssh / "sshd_config.d",):
+        if d.is_dir():
+            for f in d.iterdir():
+                _unlink(f)
+    home = root / "root"
+    for dot in (".bashrc", ".profile"):
+        skel = Path("/etc/skel") / dot
+        if skel.exists():
+            _write(home / dot, skel.read_text())
+    dot_ssh = home / ".ssh"
+    _unlink(dot_ssh)
+    dot_ssh.mkdir(mode=0o700)
+    _write(dot_ssh / "authorized_keys", client_pubkey.read_text(), 0o600)
+    (root / "var/lib/gpulab").mkdir(parents=True, exist_ok=True)
+    (root / "etc/gpulab").mkdir(parents=True, exist_ok=True)
+
+
+def make_dev(dev: Path, nvidia_minors: Iterable[int]) -> None:
+    """Mount a tmpfs at ``dev`` with the usual nodes and the GPU files (regular files, by design)."""
+    dev.mkdir(parents=True, exist_ok=True)
+    if not os.path.ismount(dev):
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "mode=755,size=64m", "gpulab-dev", str(dev)],
+            check=True,
+            timeout=10,
+        )
+    for name, (major, minor) in DEV_NODES.items():
+        p = dev / name
+        if not p.exists():
+            os.mknod(p, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+            p.chmod(0o666)
+    for d in ("pts", "shm", "net"):
+        (dev / d).mkdir(exist_ok=True)
+    (dev / "shm").chmod(0o1777)
+    for name, target in (
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
+        if not (dev / name).is_symlink():
+            (dev / name).symlink_to(target)
+    for name in [f"nvidia{m}" for m in nvidia_minors] + ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]:
+        p = dev / name
+        if not p.exists():
+            p.touch()
+            p.chmod(0o666)
+
+
+def _mount(*args: str) -> None:
+    p = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=10)
+    if p.returncode != 0:
+        raise SystemExit(f"gpulab.boot: mount {' '.join(args)}: {p.stderr.strip()}")
+
+
+def _inner(ns: argparse.Namespace) -> None:
+    r = Path(ns.root)
+    _mount("--make-rprivate", "/")
+    _mount("-t", "proc", "proc", str(r / "proc"))
+    # /proc/sys and sysrq-trigger reach this machine's kernel: read-only, as in a real container.
+    _mount("--bind", str(r / "proc/sys"), str(r / "proc/sys"))
+    _mount("-o", "remount,bind,ro", str(r / "proc/sys"))
+    if (r / "proc/sysrq-trigger").exists():
+        _mount("--bind", "/dev/null", str(r / "proc/sysrq-trigger"))
+    _mount("-t", "sysfs", "-o", "ro,nosuid,nodev,noexec", "sysfs", str(r / "sys"))
+    _mount("--rbind", "/sys/fs/cgroup", str(r / "sys/fs/cgroup"))
+    if ns.sysfs:
+        _mount("--bind", os.path.join(ns.sysfs, "pci"), str(r / "sys/bus/pci"))
+        _mount("--bind", os.path.join(ns.sysfs, "iommu_groups"), str(r / "sys/kernel/iommu_groups"))
+    _mount("--rbind", ns.dev, str(r / "dev"))
+    _mount("-t", "devpts", "-o", "newinstance,ptmxmode=0666,mode=620,gid=5", "devpts", str(r / "dev/pts"))
+    _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev,size=256m", "shm", str(r / "dev/shm"))
+    if ns.state:
+        _mount("--bind", ns.state, str(r / "var/lib/gpulab"))
+        if ns.sysfs:
+            ctl = r / "var/lib/gpulab/ctl"
+            ctl.mkdir(exist_ok=True)
+            _mount("--bind", os.path.join(ns.sysfs, "ctl"), str(ctl))
+    os.chdir(r)
+    (r / ".oldroot").mkdir(exist_ok=True)
+    subprocess.run(["pivot_root", ".", ".oldroot"], check=True, timeout=10)
+    os.chdir("/")
+    subprocess.run(["umount", "-l", "/.oldroot"], check=True, timeout=10)
+    os.rmdir("/.oldroot")
+    hostname = Path("/etc/hostname").read_text().strip() or "localhost"
+    socket.sethostname(hostname)
+    env = {"container": "gpulab", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    os.execve("/lib/systemd/systemd", ["/lib/systemd/systemd", "--system"], env)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run as PID 1 of a new lab machine: mount, pivot, exec systemd."""
+    ap = argparse.ArgumentParser(prog="python -m gpulab.boot")
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--dev", required=True)
+    ap.add_argument("--sysfs", default="")
+    ap.add_argument("--state", default="")
+    ns = ap.parse_args(argv)
+    if os.getpid() != 1:
+        raise SystemExit("gpulab.boot: must run as PID 1 of a new PID namespace")
+    try:
+        _inner(ns)
+    except Exception as e:  # a failed boot must say why on the launcher's log, then end the namespace
+        print(f"gpulab.boot: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()
