@@ -1,0 +1,105 @@
+"""NVIDIA GPUs of a target: PCI function, driver, IOMMU group and its members, minor, holders.
+
+`inventory(target)` is what the plugin's `gpus` fixture returns. Everything comes from the
+agent's facts in one round trip (`gpus`, `gpu_holders`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_gpuhost.modules.iommu import IommuGroup
+from pytest_gpuhost.modules.pci import PciFunction
+
+__all__ = ["GpuInfo", "Holder", "inventory", "from_facts"]
+
+
+@dataclass
+class Holder:
+    """A process with GPU device files open."""
+
+    pid: int
+    comm: str
+    cmdline: str
+    files: list[str] = field(default_factory=list)
+    cgroup: str = ""
+
+    def describe(self) -> str:
+        """Return "pid 1234 (python3) holds /dev/nvidia0: CMDLINE"."""
+        return f"pid {self.pid} ({self.comm}) holds {', '.join(self.files)}: {self.cmdline[:200]}"
+
+
+@dataclass
+class GpuInfo:
+    """One NVIDIA GPU function with what the P2P procedure needs to know about it."""
+
+    bdf: str
+    function: PciFunction
+    group: IommuGroup | None
+    minor: int | None = None
+    holders: list[Holder] = field(default_factory=list)
+
+    @property
+    def driver(self) -> str | None:
+        """The driver bound to the GPU function (None when unbound)."""
+        return self.function.driver
+
+    @property
+    def iommu_group(self) -> int | None:
+        """The IOMMU group number."""
+        return self.function.iommu_group
+
+    @property
+    def group_type(self) -> str | None:
+        """The IOMMU group's type (DMA, DMA-FQ, identity, ...)."""
+        return self.group.type if self.group else None
+
+    @property
+    def on_vfio(self) -> bool:
+        """True when the GPU (or anything in its group) belongs to a VM through vfio-pci."""
+        return self.driver == "vfio-pci" or bool(self.group and self.group.has_vfio)
+
+    @property
+    def device_file(self) -> str | None:
+        """/dev/nvidiaN for this GPU, when it is on nvidia and its minor is known."""
+        return None if self.minor is None else f"/dev/nvidia{self.minor}"
+
+
+def _holders(raw: Any) -> list[Holder]:
+    if not isinstance(raw, list):
+        return []
+    return [
+        Holder(
+            int(h["pid"]),
+            str(h.get("comm") or ""),
+            str(h.get("cmdline") or ""),
+            list(h.get("files") or []),
+            str(h.get("cgroup") or ""),
+        )
+        for h in raw
+    ]
+
+
+def from_facts(gpus_fact: Any, holders_fact: Any = None) -> list[GpuInfo]:
+    """Build GpuInfo objects from the agent's `gpus` and `gpu_holders` facts."""
+    if isinstance(gpus_fact, dict) and "error" in gpus_fact:
+        raise RuntimeError(f"gpus fact failed on the target: {gpus_fact['error']}")
+    holders = _holders(holders_fact)
+    out: list[GpuInfo] = []
+    for entry in gpus_fact or []:
+        fn = PciFunction.from_fact(entry)
+        group = None
+        if fn.iommu_group is not None:
+            members = [PciFunction.from_fact(m) for m in entry.get("group_members") or [entry]]
+            group = IommuGroup(fn.iommu_group, entry.get("group_type"), members)
+        minor = entry.get("minor")
+        mine = [h for h in holders if minor is not None and f"/dev/nvidia{minor}" in h.files]
+        out.append(GpuInfo(fn.bdf, fn, group, minor, mine))
+    return out
+
+
+def inventory(target: Any) -> list[GpuInfo]:
+    """Return the target's NVIDIA GPUs, read in one round trip."""
+    facts = target.conn.facts("gpus", "gpu_holders")
+    return from_facts(facts.get("gpus"), facts.get("gpu_holders"))

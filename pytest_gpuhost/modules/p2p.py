@@ -1,0 +1,269 @@
+"""GPU peer-to-peer: capability and bandwidth matrices, what each pair should reach, thresholds.
+
+Measurement prefers the agent's cupy probe (peer copies timed with CUDA events, devices
+addressed by PCI bus id); without cupy it runs `nvbandwidth -t device_to_device_memcpy_read_ce`
+(JSON, else text), then `p2pBandwidthLatencyTest`. Capability comes from pynvml (through the
+probe) or `nvidia-smi topo -p2p r`. Every matrix is keyed by PCI address, never by an ordinal,
+because CUDA, nvidia-smi and /dev/nvidiaN may number the same GPU differently.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pytest_gpuhost.modules import parsers
+
+__all__ = [
+    "DEFAULT_FRACTION",
+    "NVBANDWIDTH_TEST",
+    "P2PMatrix",
+    "expected_gbps",
+    "measure",
+    "pcie_gbps",
+    "capability",
+]
+
+NVBANDWIDTH_TEST = "device_to_device_memcpy_read_ce"
+DEFAULT_FRACTION = 0.6
+# GT/s per lane -> payload efficiency of the line code (8b/10b up to Gen2, 128b/130b from Gen3)
+_PCIE_GEN = {2.5: 0.8, 5.0: 0.8, 8.0: 128 / 130, 16.0: 128 / 130, 32.0: 128 / 130, 64.0: 242 / 256}
+_NVLINK_PER_LINK = 25.0  # GB/s one direction per link, NVLink 3 and 4 (A100, H100)
+_NVLINK5_PER_LINK = 50.0  # NVLink 5 (B200, GB200)
+
+
+class _Conn(Protocol):
+    name: str
+
+    def run(self, command: Any, *, timeout: float | None = None, **kw: Any) -> Any: ...
+
+    def call(self, op: str, **params: Any) -> Any: ...
+
+
+def _speed(text: str | None) -> float | None:
+    m = re.match(r"^\s*([0-9.]+)\s*GT/s", text or "")
+    return float(m.group(1)) if m else None
+
+
+def pcie_gbps(speed: str | None, width: int | None) -> float | None:
+    """Return the theoretical one-direction GB/s of a PCIe link ("32.0 GT/s PCIe", 16 -> 63.0)."""
+    gts = _speed(speed)
+    if gts is None or not width:
+        return None
+    eff = _PCIE_GEN.get(gts, 128 / 130)
+    return round(gts * width * eff / 8, 1)
+
+
+def expected_gbps(
+    link_a: dict[str, Any], link_b: dict[str, Any], topo: str | None = None, model: str = ""
+) -> float | None:
+    """Return what a GPU pair should reach one way: NVLink from `topo` (NV#), else the slower PCIe link.
+
+    Uses the current link speed and width (a link trained down is a finding of its own, but the
+    pair cannot beat it), falling back to the maximum when the current one is not known.
+    """
+    if topo and (m := re.match(r"^NV(\d+)$", topo)):
+        per_link = (
+            _NVLINK5_PER_LINK
+            if re.search(r"B[12]00|GB[23]00|Blackwell", model) and "RTX" not in model
+            else _NVLINK_PER_LINK
+        )
+        return int(m.group(1)) * per_link
+    values = []
+    for link in (link_a, link_b):
+        v = pcie_gbps(link.get("speed") or link.get("max_speed"), link.get("width") or link.get("max_width"))
+        if v is not None:
+            values.append(v)
+    return min(values) if values else None
+
+
+@dataclass
+class P2PMatrix:
+    """Bandwidth (GB/s, one direction) between GPUs keyed by PCI address; None = not measured."""
+
+    bdfs: list[str]
+    values: dict[tuple[str, str], float | None]
+    source: str
+    capability: dict[tuple[str, str], str] = field(default_factory=dict)
+    note: str = ""
+
+    def rows(self) -> list[list[float | None]]:
+        """Return the matrix as rows (self cells None), in `bdfs` order."""
+        return [[None if a == b else self.values.get((a, b)) for b in self.bdfs] for a in self.bdfs]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-able form for evidence."""
+        return {
+            "bdfs": self.bdfs,
+            "source": self.source,
+            "values": self.rows(),
+            "capability": {f"{a}>{b}": v for (a, b), v in self.capability.items()},
+            "note": self.note,
+        }
+
+
+def _smi_index_map(conn: _Conn) -> dict[int, str]:
+    r = conn.run(["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"], timeout=30)
+    out: dict[int, str] = {}
+    if r.rc != 0:
+        return out
+    for line in r.stdout.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) == 2 and cells[0].isdigit():
+            out[int(cells[0])] = norm_bdf(cells[1])
+    return out
+
+
+def norm_bdf(bus_id: str) -> str:
+    """Turn nvidia-smi's 00000000:17:00.0 (or nvbandwidth's 00000000:17:00) into 0000:17:00.0."""
+    bus_id = bus_id.strip().lower()
+    m = re.match(r"^([0-9a-f]+):([0-9a-f]{2}):([0-9a-f]{2})(?:\.([0-7]))?$", bus_id)
+    if not m:
+        return bus_id
+    return f"{int(m.group(1), 16) & 0xFFFF:04x}:{m.group(2)}:{m.group(3)}.{m.group(4) or '0'}"
+
+
+def capability(
+    conn: _Conn, bdfs: list[str], probe: dict[str, Any] | None = None
+) -> tuple[dict[tuple[str, str], str], str]:
+    """Return P2P read capability per pair ("OK", "CNS", ...) and where it came from."""
+    if (
+        probe
+        and probe.get("available")
+        and isinstance(probe.get("capability"), dict)
+        and "error" not in probe["capability"]
+    ):
+        caps = {}
+        for key, status in probe["capability"].items():
+            a, b = key.split(">")
+            caps[(a, b)] = "OK" if status == 0 else f"NVML {status}"
+        return caps, "pynvml"
+    r = conn.run(["nvidia-smi", "topo", "-p2p", "r"], timeout=30)
+    if r.rc != 0:
+        return {}, f"nvidia-smi topo -p2p r failed: rc {r.rc}"
+    topo = parsers.parse_topo_p2p(r.stdout)
+    index = _smi_index_map(conn)
+    caps = {}
+    for (ra, rb), status in topo.links.items():
+        a, b = index.get(int(ra[3:])), index.get(int(rb[3:]))
+        if a in bdfs and b in bdfs and a != b:
+            caps[(a, b)] = status
+    return caps, "nvidia-smi topo -p2p r"
+
+
+def _nvbandwidth_devices(text: str) -> dict[int, str]:
+    found = {}
+    for m in re.finditer(
+        r"^Device (\d+): .*\(([0-9a-fA-F]+:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.\d)?)\)\s*$", text, re.M
+    ):
+        found[int(m.group(1))] = norm_bdf(m.group(2))
+    return found
+
+
+def measure(conn: _Conn, bdfs: list[str], *, timeout: float = 300.0, use_probe: bool = True) -> P2PMatrix:
+    """Measure one-way P2P bandwidth between every ordered pair of `bdfs` (GPUs on nvidia)."""
+    bdfs = sorted(bdfs)
+    probe: dict[str, Any] | None = None
+    if use_probe:
+        try:
+            probe = conn.call("p2p_probe", bdfs=bdfs, timeout=timeout)
+        except Exception as exc:  # an old agent without the op, or CUDA failing: fall back
+            probe = {"available": False, "reason": str(exc)}
+    if probe and probe.get("available"):
+        values: dict[tuple[str, str], float | None] = {}
+        for key, v in (probe.get("bandwidth") or {}).items():
+            a, b = key.split(">")
+            values[(a, b)] = v
+        caps, _ = capability(conn, bdfs, probe)
+        return P2PMatrix(bdfs, values, "cupy memcpyPeerAsync", caps)
+    caps, cap_source = capability(conn, bdfs, None)
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    note = f"capability from {cap_source}"
+    r = conn.run(["nvbandwidth", "-t", NVBANDWIDTH_TEST, "-j"], timeout=timeout, env=env)
+    matrices: dict[str, parsers.BandwidthMatrix] = {}
+    text = r.stdout
+    if r.rc == 0 and text.lstrip().startswith("{"):
+        matrices = parsers.parse_nvbandwidth_json(text)
+        source = "nvbandwidth -j"
+    if not matrices:
+        r = conn.run(["nvbandwidth", "-t", NVBANDWIDTH_TEST], timeout=timeout, env=env)
+        text = r.stdout
+        source = "nvbandwidth"
+        if r.rc == 0:
+            matrices = parsers.parse_nvbandwidth_text(text)
+    matrix = matrices.get(NVBANDWIDTH_TEST)
+    if matrix is None:
+        r2 = conn.run(["p2pBandwidthLatencyTest"], timeout=timeout, env=env)
+        if r2.rc == 0:
+            found = parsers.parse_p2p_bandwidth_latency(r2.stdout)
+            matrix = found.get("Unidirectional P2P=Enabled Bandwidth (P2P Writes) Matrix")
+            source, text = "p2pBandwidthLatencyTest", r2.stdout
+        if matrix is None:
+            why = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"rc {r.rc}"]
+            return P2PMatrix(bdfs, {}, "none", caps, f"no bandwidth tool worked: nvbandwidth: {why[0][:200]}")
+    index = _nvbandwidth_devices(text)
+    if not index:
+        smi = _smi_index_map(conn)
+        # with CUDA_DEVICE_ORDER=PCI_BUS_ID, CUDA ordinals follow PCI order like nvidia-smi's
+        index = {i: b for i, b in enumerate(sorted(smi.values()))} if smi else dict(enumerate(bdfs))
+    values = {}
+    for row in matrix.rows:
+        for col in matrix.columns:
+            a, b = index.get(int(row)), index.get(int(col))
+            if a in bdfs and b in bdfs and a != b:
+                values[(a, b)] = matrix.get(row, col)
+    return P2PMatrix(bdfs, values, source, caps, note)
+
+
+@dataclass
+class PairVerdict:
+    """One ordered GPU pair against its threshold."""
+
+    a: str
+    b: str
+    gbps: float | None
+    expected: float | None
+    threshold: float | None
+    capability: str | None
+
+    @property
+    def ok(self) -> bool:
+        """True when the pair was measured at or above its threshold."""
+        return self.gbps is not None and self.threshold is not None and self.gbps >= self.threshold
+
+    def describe(self) -> str:
+        """Return "0000:17:00.0 -> 0000:18:00.0: 12.1 GB/s < 37.8 (expected 63.0, OK)"."""
+        got = "not measured" if self.gbps is None else f"{self.gbps:g} GB/s"
+        rel = ">=" if self.ok else "<"
+        exp = f"expected {self.expected:g}" if self.expected else "expected unknown"
+        thr = "?" if self.threshold is None else f"{self.threshold:g}"
+        cap = f", capability {self.capability}" if self.capability else ""
+        return f"{self.a} -> {self.b}: {got} {rel} {thr} ({exp}{cap})"
+
+
+def judge(
+    matrix: P2PMatrix,
+    links: dict[str, dict[str, Any]],
+    *,
+    min_gbps: float | None = None,
+    fraction: float = DEFAULT_FRACTION,
+    topo: dict[tuple[str, str], str] | None = None,
+    model: str = "",
+) -> list[PairVerdict]:
+    """Judge every ordered pair: threshold = min_gbps, else fraction x expected for that pair."""
+    out = []
+    for a in matrix.bdfs:
+        for b in matrix.bdfs:
+            if a == b:
+                continue
+            expected = expected_gbps(links.get(a, {}), links.get(b, {}), (topo or {}).get((a, b)), model)
+            threshold = (
+                min_gbps if min_gbps is not None else (round(expected * fraction, 1) if expected else None)
+            )
+            out.append(
+                PairVerdict(
+                    a, b, matrix.values.get((a, b)), expected, threshold, matrix.capability.get((a, b))
+                )
+            )
+    return out
