@@ -352,18 +352,25 @@ class TransferResult:
         return not self.failed and self.error is None
 
 
-def sender_argv(stall_timeout: float = 120.0) -> list[str]:
+def sender_argv(stall_timeout: float = 120.0, python: str = "python3") -> list[str]:
     """Return the argv that runs the bulk sender on the node (python3 -c <probe source>)."""
     source = PROBE_SOURCE.read_text() + "\n_bk_send_main()\n"
-    return ["env", f"GPUHOST_SEND_STALL={int(stall_timeout)}", "python3", "-c", source]
+    return ["env", f"GPUHOST_SEND_STALL={int(stall_timeout)}", python, "-c", source]
 
 
 class _ChannelIO:
     """Adapt a raw channel (paramiko Channel, Popen, or file pair) to read/write/close."""
 
-    def __init__(self, chan: Any) -> None:
+    def __init__(self, chan: Any, stall_timeout: float = 60.0) -> None:
         self.chan = chan
-        if hasattr(chan, "recv") and hasattr(chan, "sendall"):
+        if hasattr(chan, "recv") and hasattr(chan, "close_stdin"):  # pytest_gpuhost.transport.RawChannel
+
+            def recv(n: int) -> bytes:
+                return bytes(chan.recv(stall_timeout))  # TimeoutError (an OSError) when stalled
+
+            self._read = recv
+            self._write = chan.send
+        elif hasattr(chan, "recv") and hasattr(chan, "sendall"):
             self._read = chan.recv
             self._write = chan.sendall
         elif hasattr(chan, "stdout") and hasattr(chan, "stdin") and chan.stdout is not None:
@@ -469,8 +476,10 @@ class Backup:
         progress: Callable[[Progress], None] | None = None,
         progress_interval: float = 1.0,
         stall_timeout: float = 60.0,
+        op_timeout: float = 300.0,
     ) -> None:
         self.conn = conn
+        self.op_timeout = op_timeout
         self.manifest = manifest
         self.dest = Path(dest)
         self.meta = self.dest / _META
@@ -486,7 +495,9 @@ class Backup:
     def walk(self) -> Listing:
         """List every category on the node in one round trip."""
         started = time.monotonic()
-        res = self.conn.call("backup_walk", categories=[c.wire() for c in self.manifest.categories])
+        res = self.conn.call(
+            "backup_walk", categories=[c.wire() for c in self.manifest.categories], timeout=self.op_timeout
+        )
         files: list[RemoteFile] = []
         skipped: list[dict[str, Any]] = []
         errors: list[dict[str, Any]] = []
@@ -644,7 +655,9 @@ class Backup:
 
     def _rehash(self, files: list[RemoteFile], result: TransferResult) -> list[RemoteFile]:
         """Hash files on the node; those whose hash still matches only get their mtime updated."""
-        hashes = self.conn.call("backup_hash", paths=[_wire_name(f.path) for f in files])
+        hashes = self.conn.call(
+            "backup_hash", paths=[_wire_name(f.path) for f in files], timeout=self.op_timeout
+        )
         changed = []
         for f, h in zip(files, hashes, strict=True):
             rec = self.state.items.get(f.key, {})
@@ -659,7 +672,9 @@ class Backup:
 
     def _transfer(self, files: list[RemoteFile], result: TransferResult) -> None:
         total_bytes = sum(f.size for f in files)
-        chan = _ChannelIO(self.conn.open_channel(sender_argv(max(self.stall_timeout * 2, 30))))
+        python = str(getattr(getattr(self.conn, "opts", None), "python", "python3"))
+        argv = sender_argv(max(self.stall_timeout * 2, 30), python)
+        chan = _ChannelIO(self.conn.open_channel(argv), self.stall_timeout)
         reader = _StreamReader(chan, self.stall_timeout)
         started = time.monotonic()
         last_report = started
