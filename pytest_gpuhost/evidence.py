@@ -17,7 +17,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +217,26 @@ def phase(item: pytest.Item, when: str) -> Iterator[Evidence]:
         yield ev
     finally:
         activate(previous)
+
+
+def _phase(item: pytest.Item, when: str) -> Generator[None, object, object]:
+    with phase(item, when):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _phase(item, "setup"))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _phase(item, "call"))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _phase(item, "teardown"))
 
 
 def of(item: pytest.Item, when: str) -> Evidence | None:

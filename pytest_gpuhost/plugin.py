@@ -20,7 +20,7 @@ from pytest_gpuhost import evidence, remediation
 from pytest_gpuhost import report as html_report
 from pytest_gpuhost.errors import GpuhostError
 
-pytest_plugins = ["pytest_gpuhost.scheduling", "pytest_gpuhost.fleet"]
+pytest_plugins = ["pytest_gpuhost.scheduling", "pytest_gpuhost.fleet", "pytest_gpuhost.evidence"]
 
 __all__ = ["Settings", "Target", "get_pool", "get_target", "pool_key", "settings_key", "targets_key"]
 
@@ -465,26 +465,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 # --- test phases: evidence, procedures, outcomes ---------------------------------------------
 
 
-def _phase(item: pytest.Item, when: str) -> Generator[None, object, object]:
-    with evidence.phase(item, when):
-        return (yield)
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
-    with evidence.phase(item, "setup"):
-        remediation.check_blocked(item)  # before fixtures: a blocked step does not touch its host
-        return (yield)
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
-    return (yield from _phase(item, "call"))
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object]:
-    return (yield from _phase(item, "teardown"))
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Before fixtures, like skip marks: a blocked procedure step does not touch its host.
+    remediation.check_blocked(item)
 
 
 @pytest.hookimpl(wrapper=True)
