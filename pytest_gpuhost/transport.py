@@ -454,6 +454,10 @@ class SSHTransport:
             try:
                 transport.start_client(timeout=left)
             except (paramiko.SSHException, EOFError, OSError) as exc:
+                if "banner" in str(exc):  # TCP accepted (a middlebox, a dying host) but no SSH server spoke
+                    raise ConnectError(
+                        f"cannot reach {self.host}:{self.port} within {timeout:g}s: no SSH server answered"
+                    ) from exc
                 raise ConnectError(
                     f"SSH handshake with {self.host}:{self.port} failed: {_one_line(exc)}"
                 ) from exc

@@ -1,0 +1,186 @@
+"""SSH targets against OpenSSH's sshd on loopback: host keys, auth, reachability, agent, fallback."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_gpuhost.errors import AgentError, ConnectError
+from pytest_gpuhost.targets import TargetOptions, TargetPool, open_connection, parse_host_url
+from tests.helpers.sshd import keygen, start_sshd
+
+
+def opts(sshd, **kw) -> TargetOptions:
+    base = {"identity": sshd.identity, "known_hosts": sshd.known_hosts, "connect_timeout": 5.0}
+    base.update(kw)
+    return TargetOptions(**base)
+
+
+@pytest.fixture(scope="module")
+def conn(sshd):
+    c = open_connection(parse_host_url(sshd.url), opts(sshd))
+    yield c
+    c.close()
+
+
+def test_agent_over_one_channel(conn, sshd):
+    assert conn.mode == "agent" and conn.name == "127.0.0.1"
+    r = conn.run(["echo", "$(id)", "a'b"])
+    assert r.stdout == "$(id) a'b\n"
+    t0 = time.monotonic()
+    for _ in range(50):
+        conn.run(["true"])
+    per_cmd = (time.monotonic() - t0) / 50
+    assert per_cmd < 0.05  # a channel per command costs ~150 ms; one agent a few ms
+    got = conn.read_files(["/proc/version", "/etc/hostname", "/nonexistent"])
+    assert "Linux" in str(got["/proc/version"]) and isinstance(got["/nonexistent"], OSError)
+
+
+def test_timeout_enforced_on_target(conn):
+    t0 = time.monotonic()
+    r = conn.run("echo partial; sleep 100", timeout=1)
+    assert r.timed_out and r.rc == -9 and r.stdout == "partial\n"
+    assert time.monotonic() - t0 < 3
+    assert conn.run(["echo", "next"]).stdout == "next\n"
+
+
+def test_blocked_write_over_ssh(conn, tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    wr = conn.write_file(str(fifo), "identity", timeout=0.5)
+    assert wr.timed_out
+    assert conn.run(["true"]).ok
+
+
+def test_raw_channel_beside_agent(conn):
+    with conn.open_channel(["sh", "-c", "head -c 100000 /dev/zero | cat"]) as ch:
+        assert ch.read_exact(100000, 10) == b"\0" * 100000
+        assert ch.exit_status(5) == 0
+    assert conn.run(["true"]).ok
+
+
+def test_unknown_host_key_refused_by_default(sshd, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    with pytest.raises(ConnectError, match=r"not in .*known_hosts.*refusing under the strict policy"):
+        open_connection(parse_host_url(sshd.url), opts(sshd, known_hosts=str(empty)))
+    assert empty.read_text() == ""
+
+
+def test_accept_new_records_key_then_strict_accepts(sshd, tmp_path):
+    kh = tmp_path / "sub" / "known_hosts"
+    c = open_connection(
+        parse_host_url(sshd.url), opts(sshd, known_hosts=str(kh), host_key_policy="accept-new")
+    )
+    c.close()
+    assert kh.read_text() == sshd.known_hosts_line()
+    c = open_connection(parse_host_url(sshd.url), opts(sshd, known_hosts=str(kh)))
+    assert c.run(["true"]).ok
+    c.close()
+
+
+def test_changed_host_key_refused_under_every_policy(sshd, tmp_path):
+    other = start_sshd(tmp_path / "other", identity=Path(sshd.identity), client_pubkey=_pub(sshd))
+    try:
+        kh = tmp_path / "known_hosts"
+        # line 3 claims the other daemon's address has the first daemon's key
+        kh.write_text(
+            "# fleet keys\n127.0.0.9 " + sshd.host_key_line + "\n" + sshd.known_hosts_line(other.port)
+        )
+        for policy in ("strict", "accept-new"):
+            with pytest.raises(ConnectError) as exc:
+                open_connection(
+                    parse_host_url(other.url), opts(sshd, known_hosts=str(kh), host_key_policy=policy)
+                )
+            msg = str(exc.value)
+            assert msg.startswith(
+                f"host key for [127.0.0.1]:{other.port} does not match {kh} line 3: refusing"
+            )
+            assert "\n" not in msg
+        assert kh.read_text().count("\n") == 3
+    finally:
+        other.stop()
+
+
+def _pub(sshd) -> str:
+    return Path(sshd.identity + ".pub").read_text().strip()
+
+
+def test_authentication_failure(sshd, tmp_path):
+    wrong = tmp_path / "wrong_key"
+    keygen(wrong)
+    with pytest.raises(
+        ConnectError, match=r"SSH authentication as root@127\.0\.0\.1:\d+ failed .*permission denied"
+    ):
+        open_connection(parse_host_url(sshd.url), opts(sshd, identity=str(wrong)))
+    with pytest.raises(ConnectError, match="identity file .* not found"):
+        open_connection(parse_host_url(sshd.url), opts(sshd, identity=str(tmp_path / "missing")))
+
+
+def test_unreachable_within_connect_timeout(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(ConnectError, match=r"cannot reach 198\.18\.255\.254:22"):
+        open_connection(
+            parse_host_url("ssh://root@198.18.255.254"),
+            TargetOptions(connect_timeout=1.0, known_hosts=str(tmp_path / "kh")),
+        )
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_refused_port(sshd, tmp_path):
+    from tests.helpers.sshd import free_port
+
+    with pytest.raises(ConnectError, match="cannot reach 127.0.0.1:[0-9]+: Connection refused"):
+        open_connection(parse_host_url(f"ssh://root@127.0.0.1:{free_port()}"), opts(sshd))
+
+
+def test_fallback_over_ssh_without_python(sshd):
+    c = open_connection(parse_host_url(sshd.nopython_url), opts(sshd))
+    try:
+        assert c.mode == "fallback"
+        r = c.run(["printf", "%s", "$(echo no)"])
+        assert r.stdout == "$(echo no)"
+        t0 = time.monotonic()
+        r = c.run("echo part; sleep 100", timeout=1)
+        assert r.timed_out and r.stdout == "part\n" and time.monotonic() - t0 < 3.5
+        assert "Linux" in str(c.read_files(["/proc/version"])["/proc/version"])
+    finally:
+        c.close()
+
+
+def test_agent_death_over_ssh_reconnects(sshd):
+    c = open_connection(parse_host_url(sshd.url), opts(sshd))
+    try:
+        first = c.hello["pid"]
+        with pytest.raises(AgentError, match="died"):
+            c.run("kill -9 $PPID")
+        assert c.run(["echo", "again"]).stdout == "again\n"
+        assert c.hello["pid"] != first
+    finally:
+        c.close()
+
+
+def test_container_by_own_ssh_and_pool(sshd):
+    pool = TargetPool(opts(sshd))
+    spec = parse_host_url(sshd.url)
+    try:
+        host = pool.get(spec)
+        assert pool.get(spec) is host
+        inner = pool.container(spec, _container(sshd))
+        assert inner is not None and inner is not host
+        assert inner.run(["echo", "in"]).stdout == "in\n"
+        assert pool.container(spec, _container(sshd)) is inner
+    finally:
+        pool.close_all()
+    with pytest.raises(AgentError, match="closed"):
+        host.run(["true"])
+
+
+def _container(sshd):
+    from pytest_gpuhost.targets import parse_container
+
+    return parse_container(sshd.url)
