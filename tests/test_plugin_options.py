@@ -1,0 +1,125 @@
+"""Every gpuhost option: help, ini twin, validation errors naming the value and its source, report paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+OPTIONS = (
+    "--host=URL",
+    "--container=SPEC",
+    "--inventory=FILE",
+    "--check-only",
+    "--command-timeout=S",
+    "--connect-timeout=S",
+    "--ssh-identity=FILE",
+    "--known-hosts=FILE",
+    "--host-key-policy=*",
+    "--sudo",
+    "--report-dir=DIR",
+    "--report-name=NAME",
+)
+
+
+def test_help_lists_the_gpuhost_group(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--help")
+    result.stdout.fnmatch_lines(["gpuhost: verify and repair GPU hosts:"])
+    for opt in OPTIONS:
+        result.stdout.fnmatch_lines([f"*{opt}*"])
+    for ini in ("gpuhost_hosts", "gpuhost_check_only", "gpuhost_command_timeout", "gpuhost_host_key_policy", "gpuhost_sudo"):
+        result.stdout.fnmatch_lines([f"*{ini} *"])
+
+
+def test_sudo_exists_without_testinfra(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_sudo(request):\n    assert request.config.option.sudo is True\n")
+    pytester.runpytest("-p", "no:testinfra", "--sudo", "--report-dir=none").assert_outcomes(passed=1)
+    pytester.runpytest("--sudo", "--report-dir=none").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--command-timeout=abc"], "*bad value 'abc' for --command-timeout (command line --command-timeout): expected a number*"),
+        (["--connect-timeout=0"], "*bad value '0' for --connect-timeout (command line*): expected a number of seconds greater than 0*"),
+        (["--host-key-policy=yolo"], "*bad value 'yolo' for --host-key-policy*expected one of strict, accept-new*"),
+        (["--ssh-identity=/nonexistent/id"], "*bad value '/nonexistent/id' for --ssh-identity*no such file*"),
+        (["--known-hosts=/nonexistent/kh"], "*bad value '/nonexistent/kh' for --known-hosts*no such file*accept-new*"),
+        (["--known-hosts=/nonexistent/kh", "--host-key-policy=accept-new"], "*--known-hosts*directory /nonexistent does not exist*"),
+        (["--inventory=/nonexistent/fleet.yaml"], "*bad value '/nonexistent/fleet.yaml' for --inventory*no such file*"),
+        (["--report-name=a/b"], "*bad value 'a/b' for --report-name*no directories*"),
+        (["--host=ftp://x"], "*bad value 'ftp://x' for --host: unknown target scheme 'ftp'*"),
+        (["--host=ssh://root@host:99999"], "*bad value 'ssh://root@host:99999' for --host*port*"),
+        (["--host=local://", "--container=pct:abc"], "*bad value 'pct:abc' for --container*"),
+        (["--host=local://", "--host=local://"], "*target 'local' is given twice*"),
+    ],
+)
+def test_bad_values_are_usage_errors(pytester: pytest.Pytester, args: list[str], message: str) -> None:
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_ini_twins_are_read_and_named_in_errors(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpuhost_check_only = maybe\n")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*bad value 'maybe' for --check-only (ini option gpuhost_check_only in *tox.ini): expected true or false*"])
+
+    pytester.makeini("[pytest]\ngpuhost_check_only = true\ngpuhost_command_timeout = 5\ngpuhost_report_dir = none\n")
+    pytester.makepyfile(
+        """
+        from pytest_gpuhost.plugin import settings_key
+        def test_values(check_only, pytestconfig):
+            s = pytestconfig.stash[settings_key]
+            assert check_only is True and s.command_timeout == 5.0 and s.report_dir is None
+        """
+    )
+    pytester.runpytest().assert_outcomes(passed=1)
+    # The command line wins over the ini file.
+    result = pytester.runpytest("--command-timeout=x")
+    result.stderr.fnmatch_lines(["*'x' for --command-timeout (command line --command-timeout)*"])
+
+
+def test_without_target_tests_skip_with_reason(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        def test_needs_host(host): pass
+        def test_needs_target(target): pass
+        def test_plain(check_only): assert check_only is False
+        """
+    )
+    result = pytester.runpytest("-rs", "--report-dir=none")
+    result.assert_outcomes(passed=1, skipped=2)
+    result.stdout.fnmatch_lines(["*no target: pass --host=URL*"])
+
+
+def test_targets_hook_filters_and_extends(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        """
+        from pytest_gpuhost.targets import parse_host_url
+        def pytest_gpuhost_targets(config, targets):
+            targets[:] = [t for t in targets if t.name != "drop"]
+            targets.append(parse_host_url("local://", name="added"))
+        """
+    )
+    pytester.makepyfile("def test_t(target): assert target.name in ('keep', 'added')\n")
+    result = pytester.runpytest("-v", "--report-dir=none", "--host=ssh://keep", "--host=ssh://drop")
+    result.stdout.fnmatch_lines(["*test_t?keep? PASSED*", "*test_t?added? PASSED*"])
+    result.assert_outcomes(passed=2)
+
+
+def test_reports_default_names_and_user_paths_win(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_mysuite="def test_a(): pass\n")
+    pytester.runpytest("test_mysuite.py").assert_outcomes(passed=1)
+    files = sorted(p.name for p in (pytester.path / "reports").iterdir())
+    assert len(files) == 3, files
+    stem = files[0].rsplit(".", 1)[0]
+    assert stem.startswith("mysuite-") and stem.endswith("Z")
+    assert {f.rsplit(".", 1)[1] for f in files} == {"html", "json", "xml"}
+    assert json.loads((pytester.path / "reports" / f"{stem}.json").read_text())["summary"] == {"passed": 1}
+
+    result = pytester.runpytest("--report-dir=out", "--report-name=nightly", "--html=mine.html")
+    assert (pytester.path / "mine.html").is_file()
+    assert sorted(p.name for p in (pytester.path / "out").iterdir()) == ["nightly.json", "nightly.xml"]
+    result.assert_outcomes(passed=1)
