@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     g = down.add_mutually_exclusive_group(required=True)
     g.add_argument("name", nargs="?")
     g.add_argument("--all", action="store_true", help="every lab host and every leftover of a crashed run")
+    down.add_argument(
+        "--match", default="", metavar="PREFIX", help="with --all: only names starting with PREFIX"
+    )
     sub.add_parser("list", help="list lab hosts")
     ssh = sub.add_parser(
         "ssh", help="run a command on a host over SSH, print its output, return its exit code"
@@ -87,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "down":
             if args.all:
                 lab.check()
-                removed = lab.down_all()
+                removed = lab.down_all(match=args.match)
                 print("removed: " + (", ".join(removed) if removed else "nothing"))
             else:
                 lab.check()

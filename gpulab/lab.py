@@ -147,6 +147,7 @@ def _init_cpuset(d: Path) -> None:
 
 def _join_cgroup(rel: str) -> None:
     """Move the calling process into ``rel`` in every hierarchy (used as a preexec_fn)."""
+    _make_cgroup(rel)
     for d in _cgroup_dirs(rel):
         with contextlib.suppress(OSError):
             (d / "cgroup.procs").write_text(str(os.getpid()))
@@ -845,7 +846,7 @@ class Lab:
             (d / "profile.json").write_text(prof.to_json())
             meta = {
                 "name": name, "index": index, "profile": prof.name, "delay_ms": delay_ms, "loss_pct": loss_pct,
-                "data_scale": data_scale, "created": time.time(),
+                "data_scale": data_scale, "created": time.time(), "owner_pid": os.getpid(),
             }  # fmt: skip
             (d / "meta.json").write_text(json.dumps(meta, indent=1))
         host = LabHost(name)
@@ -950,27 +951,34 @@ class Lab:
             raise LabError(f"no lab host named {name!r}")
         _teardown(d, name, index)
 
-    def down_all(self) -> list[str]:
-        """Tear down every lab host, and any leftovers of crashed runs; return what was removed."""
+    def down_all(self, match: str = "") -> list[str]:
+        """Tear down every lab host and any leftover of a crashed run; return what was removed.
+
+        With ``match``, only hosts (and leftovers) whose name starts with it: tests use this so
+        they never touch hosts that other runs on the same machine are using.
+        """
         removed = []
         if RUN.is_dir():
             for p in sorted(RUN.iterdir()):
-                if p.is_dir() and not p.name.startswith("."):
+                if p.is_dir() and not p.name.startswith(".") and p.name.startswith(match):
                     self.down(p.name)
                     removed.append(p.name)
         for ns in netns.lab_netns_names():
-            netns.delete_netns(ns)
-            removed.append(ns)
-        if _mounts_under(RUN):
-            _umount_under(RUN)
-            removed.append("mounts")
+            if ns.startswith(f"gl-{match}"):
+                netns.delete_netns(ns)
+                removed.append(ns)
+        for mp in _mounts_under(RUN):
+            rel = Path(mp).relative_to(RUN).parts
+            if rel and rel[0].startswith(match) and _mounts_under(RUN / rel[0]):
+                _umount_under(RUN / rel[0])
+                removed.append(f"mounts of {rel[0]}")
         for d in _cgroup_dirs("gpulab"):
             if d.is_dir():
                 for sub in d.iterdir():
-                    if sub.is_dir():
+                    if sub.is_dir() and sub.name.startswith(match):
                         _remove_cgroup(f"gpulab/{sub.name}")
-        _remove_cgroup("gpulab")
-        _run(["ip", "route", "flush", "198.19.0.0/16"], check=False)
+        if not match:
+            _remove_cgroup("gpulab")
         return removed
 
 

@@ -1,1 +1,97 @@
-"""pytest fixtures that bring lab hosts up once per test session (filled in by the lab work)."""
+"""pytest fixtures that bring lab hosts up once per test session and tear them down at its end.
+
+Loaded by ``tests/conftest.py`` (``pytest_plugins = [..., "gpulab.pytest_fixtures"]``). Use::
+
+    def test_unbind(lab):
+        h = lab.host("proxmox-rtx6000")     # booted on first use, shared by the whole session
+        h.reset()                           # pristine host (overlay and sysfs) between scenarios
+        assert h.ssh("cat /sys/kernel/iommu_groups/30/type").stdout == "DMA-FQ\\n"
+        result = pytester.runpytest(*h.pytest_args(), "suites/p2p")
+
+``lab.host(profile, name=None, **kw)`` takes what ``gpulab.Lab().up`` takes (``delay_ms``,
+``loss_pct``, ``data_scale``) and returns a ``gpulab.LabHost``; the same (profile, name, kw) gives
+the same host for the rest of the session. Without a name the host is called
+``PROFILE-<pid>`` so parallel sessions (xdist workers, other runs) never collide. Every host is
+torn down when the session ends, on Ctrl-C, and at interpreter exit as a safety net. Tests that
+use ``lab`` are skipped, with the reason, when the machine cannot run the lab (not root, no
+/dev/fuse, no systemd).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpulab.lab import Lab, LabError, LabHost
+from gpulab.profile import Profile
+
+__all__ = ["LabSession", "lab"]
+
+
+class LabSession:
+    """Hosts booted for one test session, keyed by (profile, name, options)."""
+
+    def __init__(self) -> None:
+        self.lab = Lab()
+        self._hosts: dict[tuple[str, str | None, tuple[tuple[str, Any], ...]], LabHost] = {}
+        self._closed = False
+
+    def host(self, profile: str | Path | Profile, name: str | None = None, **kw: Any) -> LabHost:
+        """Return the session's host for this profile (and name, options), booting it on first use."""
+        pname = profile.name if isinstance(profile, Profile) else Path(str(profile)).stem
+        key = (pname, name, tuple(sorted(kw.items())))
+        h = self._hosts.get(key)
+        if h is not None and h.is_running():
+            return h
+        if h is not None:  # its systemd died (a test killed it): bring it back the same way
+            h.reboot()
+            return h
+        hname = name or f"{pname[:24]}-{os.getpid()}"
+        if hname in self.lab.names():
+            self.lab.down(hname)  # a leftover of a crashed session with the same name
+        h = self.lab.up(profile, name=hname, **kw)
+        self._hosts[key] = h
+        return h
+
+    def hosts(self) -> list[LabHost]:
+        """Return the hosts this session booted."""
+        return list(self._hosts.values())
+
+    def close(self) -> None:
+        """Tear down every host this session booted (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hosts.values():
+            with contextlib.suppress(Exception):
+                h.down()
+        self._hosts.clear()
+
+
+def lab_unavailable() -> str | None:
+    """Return why this machine cannot run lab hosts, or None when it can."""
+    try:
+        Lab().check()
+    except LabError as e:
+        return str(e)
+    return None
+
+
+@pytest.fixture(scope="session")
+def lab() -> Iterator[LabSession]:
+    """Hand out lab hosts booted once per session; tear them all down at the end."""
+    why = lab_unavailable()
+    if why:
+        pytest.skip(f"lab unavailable: {why}")
+    session = LabSession()
+    atexit.register(session.close)
+    try:
+        yield session
+    finally:
+        session.close()
