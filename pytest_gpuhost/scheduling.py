@@ -1,1 +1,112 @@
-"""xdist scheduling that keeps one host's procedure on one worker, in order (filled in by the fleet work)."""
+"""xdist scheduling that keeps one host's procedure on one worker, in collection order.
+
+With `-n N` (xdist's default `--dist load`) this plugin hands xdist a `HostScheduling`: every
+test whose id names a target (the `[...]` part of the node id, as the `target`/`host` fixtures
+parametrize it) joins that target's work unit; a unit goes to one worker whole, in collection
+order, and units are spread over the workers as they free up. So one host gets one connection,
+its procedure runs in order, and a slow or unreachable host holds up one worker, not all.
+Tests that name no target are units of one and are balanced like `--dist load`.
+
+(xdist is a dependency of this package; `-p no:xdist` just leaves the hook unused.)
+xdist's own `--dist loadgroup` needs `xdist_group` marks added at collection, which is fragile
+on recent pytest; grouping by the node id needs nothing from the workers but the ids they send.
+The known target names come from `pytest_gpuhost_targets` (recorded by `pytest_gpuhost.fleet`
+in every process, the controller included); without them the whole `[...]` id is the host.
+`--gpuhost-scheduling=xdist` (ini `gpuhost_scheduling`) leaves xdist's choice alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+from xdist.remote import Producer
+from xdist.scheduler import LoadScopeScheduling
+
+__all__ = ["CHOICES", "TARGET_NAMES", "HostScheduling", "host_of_nodeid", "param_id"]
+
+#: The target names of this run, in order (set by pytest_gpuhost.fleet; may be absent).
+TARGET_NAMES = pytest.StashKey[list[str]]()
+CHOICES = ("host", "xdist")
+
+
+def param_id(nodeid: str) -> str | None:
+    """Return the parametrization id of a node id (`a.py::test_x[gpu-1]` -> `gpu-1`), or None."""
+    _, sep, rest = nodeid.partition("::")
+    if not sep:
+        return None
+    i = rest.find("[")
+    if i < 0 or not rest.endswith("]"):
+        return None
+    return rest[i + 1 : -1]
+
+
+def host_of_nodeid(nodeid: str, known: Iterable[str] | None = None) -> str | None:
+    """Return the target a test runs against, judged from its node id.
+
+    With `known` target names, the longest one that is the id or a `-`-separated part of it
+    wins (`test_x[gpu-1-extra]` -> `gpu-1`); an id naming no known target gives None. Without
+    them the whole id is taken as the target's name.
+    """
+    pid = param_id(nodeid)
+    if pid is None:
+        return None
+    names = list(known or ())
+    if not names:
+        return pid
+    best = None
+    for name in names:
+        if pid == name or pid.startswith(name + "-") or pid.endswith("-" + name) or f"-{name}-" in pid:
+            if best is None or len(name) > len(best):
+                best = name
+    return best
+
+
+class HostScheduling(LoadScopeScheduling):
+    """LoadScopeScheduling whose scope is the target a test runs against.
+
+    LoadScopeScheduling already sends a unit to one worker whole and in collection order, and
+    hands the next unit to whichever worker runs low; only the scope changes.
+    """
+
+    def __init__(self, config: pytest.Config, log: Producer | None = None) -> None:
+        super().__init__(config, log)
+        known: list[str] = config.stash.get(TARGET_NAMES, [])
+        self._known = list(known)
+
+    def _split_scope(self, nodeid: str) -> str:
+        host = host_of_nodeid(nodeid, self._known)
+        return f"gpuhost:{host}" if host is not None else nodeid
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpuhost")
+    group.addoption(
+        "--gpuhost-scheduling",
+        dest="gpuhost_scheduling",
+        default=None,
+        metavar="host|xdist",
+        help="with -n: 'host' (default) keeps each target's tests on one worker in order; "
+        "'xdist' leaves xdist's --dist choice alone",
+    )
+    parser.addini("gpuhost_scheduling", "default for --gpuhost-scheduling (host|xdist)", default="host")
+
+
+def _choice(config: pytest.Config) -> str:
+    value = config.getoption("gpuhost_scheduling") or config.getini("gpuhost_scheduling") or "host"
+    return str(value).strip()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    value = _choice(config)
+    if value not in CHOICES:
+        where = "--gpuhost-scheduling" if config.getoption("gpuhost_scheduling") else "ini gpuhost_scheduling"
+        raise pytest.UsageError(f"{where}={value!r}: choose one of {', '.join(CHOICES)}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> HostScheduling | None:
+    """Group by target under xdist's default `--dist load`; leave explicit other modes alone."""
+    if _choice(config) != "host" or config.getvalue("dist") != "load":
+        return None
+    return HostScheduling(config, log)
