@@ -399,23 +399,30 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 class Target:
     """One machine or container of the run: its spec, its connection (opened on first use), its vars."""
 
-    def __init__(self, spec: Any, pool: Any) -> None:
+    def __init__(self, spec: Any, pool: Any, config: pytest.Config | None = None) -> None:
         self.spec = spec
         self.name: str = spec.name
         self.vars: dict[str, Any] = dict(getattr(spec, "vars", {}) or {})
         self._pool = pool
+        self._config = config
+
+    def _hooked(self, conn: Any) -> Any:
+        # The connection calls pytest_gpuhost_command on this config for every command.
+        if conn is not None and getattr(conn, "config", None) is None:
+            conn.config = self._config
+        return conn
 
     @property
     def conn(self) -> Any:
         """The target's Connection (its agent is started on first use)."""
-        return self._pool.get(self.spec)
+        return self._hooked(self._pool.get(self.spec))
 
     @property
     def container_conn(self) -> Any:
         """The Connection into the target's container, or None when it has none."""
         if getattr(self.spec, "container", None) is None:
             return None
-        return self._pool.container(self.spec)
+        return self._hooked(self._pool.container(self.spec))
 
     def __repr__(self) -> str:
         return f"<Target {self.name}>"
@@ -447,7 +454,7 @@ def get_target(config: pytest.Config, name: str) -> Target:
     cache = config.stash.setdefault(_target_objects_key, {})
     if name not in cache:
         spec = next(s for s in config.stash[targets_key] if s.name == name)
-        cache[name] = Target(spec, get_pool(config))
+        cache[name] = Target(spec, get_pool(config), config)
     return cache[name]
 
 
