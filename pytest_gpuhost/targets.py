@@ -4,7 +4,8 @@
 testinfra container schemes that can carry our agent: `docker://[user@]NAME`,
 `podman://[user@]NAME`, `kubectl://POD?container=C&namespace=N`, `lxc://NAME` (LXD's `lxc exec`).
 Query options on any URL: `sudo=1`, `python=python3.11`, `identity=PATH`, `timeout=S`;
-`local://?path=/a:/b` replaces PATH (tests use it to hide python3).
+`?path=/a:/b` replaces PATH for programs started on this machine (local://, docker:// ...;
+tests use it to hide python3 or to put stand-in tools first).
 
 `--container` values: `pct:ID` (`pct exec ID --` through the host), `lxc:NAME`
 (`lxc-attach -n NAME --`), `docker:NAME` (`docker exec -i NAME`), `ssh://...` (its own SSH).
@@ -118,7 +119,10 @@ def parse_host_url(url: str, *, name: str | None = None) -> TargetSpec:
         raise TargetError(
             f"unknown target scheme {scheme!r} in {url!r}: use one of {', '.join(s + '://' for s in SCHEMES)}"
         )
-    parts = urllib.parse.urlsplit(text)
+    try:
+        parts = urllib.parse.urlsplit(text)
+    except ValueError as exc:  # e.g. "Invalid IPv6 URL" for an unclosed '['
+        raise _bad(url, f"{exc} (unclosed '[' or ']'?)") from None
     query = {k: v[-1] for k, v in urllib.parse.parse_qs(parts.query, keep_blank_values=True).items()}
     if scheme == "local":
         if parts.netloc not in ("", "localhost") or parts.path not in ("", "/"):
@@ -238,7 +242,7 @@ def _launcher(spec: TargetSpec, options: Any) -> Launcher:
             connect_timeout=float(_opt(options, "connect_timeout", 10.0)),
         )
         return SSHLauncher(transport)
-    local = LocalLauncher()
+    local = LocalLauncher({"PATH": q["path"]} if "path" in q else None)
     if spec.scheme in ("docker", "podman"):
         prefix = [spec.scheme, "exec", "-i"] + (["-u", spec.user] if spec.user else []) + [spec.hostname]
         return PrefixLauncher(local, prefix, f"{spec.scheme} {spec.hostname}")
