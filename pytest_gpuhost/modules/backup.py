@@ -102,6 +102,7 @@ class Manifest:
     stop: Selection
     path: str = ""
     description: str = ""
+    options: dict[str, Any] = field(default_factory=dict)  # gpu_idle_mib, gpu_idle_timeout
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
@@ -118,6 +119,7 @@ def parse_size(value: int | str | None) -> int | None:
     return int(float(m.group(1)) * 1024**power)
 
 
+_OPTION_KEYS = ("gpu_idle_mib", "gpu_idle_timeout")
 _CATEGORY_KEYS = {"roots", "include", "exclude", "max_size", "s3", "description"}
 
 
@@ -161,7 +163,11 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         selection = parse_selection(doc.get("stop") or {})
     except ValueError as exc:
         raise BackupError(f"manifest {p}: stop: {exc}") from exc
+    unknown = set(doc) - {"name", "description", "version", "stop", "categories", *_OPTION_KEYS}
+    if unknown:
+        raise BackupError(f"manifest {p}: unknown top-level keys {sorted(unknown)}")
     return Manifest(
+        options={k: doc[k] for k in _OPTION_KEYS if k in doc},
         name=str(doc.get("name", p.stem)),
         categories=tuple(cats),
         stop=selection,
@@ -494,10 +500,13 @@ class Backup:
 
     def walk(self) -> Listing:
         """List every category on the node in one round trip."""
-        started = time.monotonic()
         res = self.conn.call(
             "backup_walk", categories=[c.wire() for c in self.manifest.categories], timeout=self.op_timeout
         )
+        return self.listing_from(res)
+
+    def listing_from(self, res: dict[str, Any]) -> Listing:
+        """Turn a backup_walk result (e.g. from a batch) into a Listing."""
         files: list[RemoteFile] = []
         skipped: list[dict[str, Any]] = []
         errors: list[dict[str, Any]] = []
@@ -534,7 +543,7 @@ class Backup:
             if f.key not in seen:
                 seen.add(f.key)
                 unique.append(f)
-        return Listing(unique, skipped, errors, time.monotonic() - started)
+        return Listing(unique, skipped, errors, float(res.get("duration", 0.0)))
 
     # -- plan
 

@@ -1,0 +1,92 @@
+"""Fixtures of suites/decommission: the node being emptied and where its files go."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpuhost import evidence
+from pytest_gpuhost.modules.backup import Progress, load_manifest
+from pytest_gpuhost.modules.s3 import parse_s3_url
+from pytest_gpuhost.remediation import Remediation, WouldFix
+from suites.decommission import options
+from suites.decommission.node import Decommission
+
+
+def _progress_sink(config: pytest.Config) -> Any:
+    """Print progress lines on the terminal (capture suspended), or on stderr under xdist."""
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    worker = hasattr(config, "workerinput")
+
+    def sink(p: Progress) -> None:
+        line = p.line("decommission backup" if p.files_total else "decommission")
+        if tr is not None and capman is not None and not worker:
+            with capman.global_and_fixture_disabled():
+                tr.write_line(line)
+        elif sys.__stderr__ is not None:
+            sys.__stderr__.write(line + "\n")
+
+    return sink
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.@-]+", "_", name) or "host"
+
+
+@pytest.fixture(scope="module")
+def decom(target: Any, pytestconfig: pytest.Config) -> Iterator[Decommission]:
+    """The Decommission of the current target (module scope: shared by the seven steps)."""
+    manifest_path, _ = options.get(pytestconfig, "manifest")
+    if not manifest_path:
+        pytest.fail("no manifest: pass --manifest=PATH (see fixtures/manifests/README.md)", pytrace=False)
+    manifest = load_manifest(manifest_path)
+    name = _safe_name(target.name)
+    backup_dir, _ = options.get(pytestconfig, "backup_dir")
+    dest = Path((backup_dir or "backups/{host}").replace("{host}", name))
+    if not dest.is_absolute():
+        dest = Path(pytestconfig.invocation_params.dir) / dest
+    backup_to, _ = options.get(pytestconfig, "backup_to")
+    endpoint, _ = options.get(pytestconfig, "s3_endpoint")
+    d = Decommission(
+        conn=target.conn,
+        target=target.name,
+        manifest=manifest,
+        dest=dest,
+        s3=parse_s3_url(backup_to.replace("{host}", name)) if backup_to else None,
+        endpoint=endpoint,
+        progress=_progress_sink(pytestconfig),
+        record=lambda label, value: evidence.current().state(label, value, target=target.name),
+        measure=lambda n, v, unit=None: evidence.current().measure(n, v, unit, target=target.name),
+        gpu_idle_mib=int(manifest.options.get("gpu_idle_mib", 256)),
+        gpu_idle_timeout=float(manifest.options.get("gpu_idle_timeout", 30)),
+    )
+    yield d
+
+
+@pytest.fixture
+def step(decom: Decommission, remediate: Any) -> Any:
+    """Run one step through `remediate` and remember its outcome for "safe to terminate"."""
+
+    def run(rem: Remediation) -> Any:
+        name = rem.name
+        try:
+            out = remediate(rem)
+        except pytest.skip.Exception:
+            decom.outcomes[name] = "skipped"
+            raise
+        except WouldFix:
+            decom.outcomes[name] = "would fix"
+            raise
+        except BaseException:
+            decom.outcomes[name] = "failed"
+            raise
+        decom.outcomes[name] = out.outcome
+        return out
+
+    return run
