@@ -266,6 +266,7 @@ class FleetRecorder:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.cells: dict[str, dict[str, Cell]] = {}
+        self.round_trips: dict[str, dict[str, int]] = {}
         self.checks: list[str] = []
         self.started = time.time()
         self.outputs: list[str] = []
@@ -284,6 +285,12 @@ class FleetRecorder:
         if host is None:
             return
         row = self.cells.setdefault(host, {})
+        props: dict[str, Any] = dict(report.user_properties or [])
+        for key in ("gpuhost_round_trips", "gpuhost_conn_round_trips"):
+            if isinstance(props.get(key), int):
+                rt = self.round_trips.setdefault(host, {})
+                short = key.removeprefix("gpuhost_")
+                rt[short] = max(rt.get(short, 0), props[key])
         if check not in self.checks:
             self.checks.append(check)
         if report.when == "setup" and report.outcome != "passed":
@@ -310,6 +317,8 @@ class FleetRecorder:
         for host, row in self.cells.items():
             cells = {c: row[c].as_dict() for c in self.checks if c in row}
             hosts[host] = {"status": host_status(cells), "checks": cells}
+            if host in self.round_trips:
+                hosts[host].update(self.round_trips[host])
         return {
             "format": FORMAT,
             "run": {

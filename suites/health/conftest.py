@@ -1,0 +1,212 @@
+"""suites/health: one facts read per host, shared by every check of that host in this worker.
+
+The `health` fixture hands each test the `HostHealth` of its target: the host's thresholds
+(inventory host and group vars over the documented defaults), its `health` facts gathered in
+one agent request the first time any check of the host asks, and the verdicts computed from
+them. A host that cannot be reached fails at that first request; its later checks re-raise the
+same one-line error at once instead of waiting for another connect timeout.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from typing import Any
+
+import pytest
+
+from pytest_gpuhost import evidence
+from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.modules import health as hm
+from pytest_gpuhost.remediation import Action, Check
+from suites.health import options
+
+_HOSTS = pytest.StashKey[dict[str, "HostHealth"]]()
+
+
+class HostHealth:
+    """The health facts and verdicts of one target, gathered once per worker."""
+
+    def __init__(self, target: Any, fixes: list[str]) -> None:
+        self.target = target
+        self.name: str = target.name
+        self.fixes = fixes
+        self.thresholds = hm.Thresholds.from_vars(target.vars)
+        self.params = hm.probe_params(self.thresholds)
+        self.facts: dict[str, Any] | None = None
+        self.error: GpuhostError | None = None
+        self.verdicts: dict[str, hm.Verdict] = {}
+        self.samples: dict[str, list[dict[str, Any]]] = {}
+        self.round_trips = 0
+        self.committed = False
+
+    # ---- reading the host -----------------------------------------------------------------
+
+    def _facts(self, **extra: Any) -> dict[str, Any]:
+        conn = self.target.conn
+        before = conn.round_trips
+        params = dict(self.params, **extra)
+        n = int(extra.get("samples") or 1)
+        bound = (float(self.thresholds["probe_timeout"]) * 3 + 10) * n + float(extra.get("interval", 0)) * n
+        try:
+            result = conn.call("facts", names=["health"], params=params, _reply_timeout=bound)
+        finally:
+            self.round_trips += conn.round_trips - before
+        facts = result.get("health")
+        if not isinstance(facts, dict) or (
+            "error" in facts and "gpus" not in facts and "samples" not in facts
+        ):
+            raise hm.ThresholdError(f"{self.name}: health probe failed: {facts}")
+        return facts
+
+    def gather(self) -> dict[str, Any]:
+        """Return the host's facts, reading them on first use (one agent request)."""
+        if self.error is not None:
+            raise self.error
+        if self.facts is None:
+            try:
+                self.facts = self._facts()
+            except GpuhostError as exc:
+                self.error = exc
+                raise
+        return self.facts
+
+    def verdict(self, check: str) -> hm.Verdict:
+        """Judge a check; a measurement inside its noise band is re-read before the verdict."""
+        if check in self.verdicts:
+            return self.verdicts[check]
+        facts = self.gather()
+        v = hm.evaluate(check, facts, self.thresholds)
+        if v.reread:
+            t = self.thresholds
+            part = v.reread
+            if part not in self.samples:
+                got = self._facts(parts=[part], samples=t["reread_count"], interval=t["reread_interval"])
+                self.samples[part] = list(got.get("samples") or [])
+            v = hm.evaluate(check, facts, t, samples=self.samples[part])
+        self.verdicts[check] = v
+        return v
+
+    def commit_kernel_cursor(self) -> None:
+        """Record where this run's kernel-log reading ended, so the next run reads only newer lines.
+
+        Done once per host, after the Xid/SXid verdicts exist (a run that died before judging
+        them leaves the old cursor, and the next run reads those lines again). It is the
+        plugin's own bookkeeping in /var/lib/gpuhost, so --check-only writes it too.
+        """
+        if self.committed or self.facts is None:
+            return
+        part = self.facts.get("kernel_log") or {}
+        if not part.get("ok") or not part.get("cursor"):
+            return
+        conn = self.target.conn
+        before = conn.round_trips
+        try:
+            conn.call("health_commit", state=part["cursor"], state_path=part.get("state_path"), timeout=10)
+        finally:
+            self.round_trips += conn.round_trips - before
+        self.committed = True
+
+    # ---- the remediation a test hands to the engine ----------------------------------------
+
+    def judge(self, check: str, remediate: Any, item: pytest.Item) -> None:
+        """Hand one check to the engine: passed, skipped, failed, or fixed / would fix."""
+        v = self.verdict(check)
+        ev = evidence.current()
+        if check in ("xid", "sxid"):
+            self.commit_kernel_cursor()
+            ev.note(f"kernel log cursor committed: {self.committed}")
+        item.user_properties.append(("gpuhost_host", self.name))
+        item.user_properties.append(("gpuhost_check", check))
+        item.user_properties.append(("gpuhost_verdict", v.as_dict()))
+        # Requests this suite made to the host so far (facts, re-reads, cursor), and all of the
+        # connection's (agent start included): the benchmark's "round trips per host".
+        item.user_properties.append(("gpuhost_round_trips", self.round_trips))
+        item.user_properties.append(("gpuhost_conn_round_trips", self.target.conn.round_trips))
+        for reason in v.reasons:
+            ev.note(f"{check}: {reason}")
+        fix_name = v.fix if v.fix in self.fixes else None
+
+        def first_check() -> Check:
+            return Check(ok=v.ok, summary=v.summary, state=v.state, skip=v.skip)
+
+        def plan(before: Check) -> list[Action]:
+            if fix_name is None:
+                hint = f" (a safe fix exists: pass --fix={v.fix})" if v.fix else ""
+                lines = [f"failed: {check}: {v.summary}{hint}"] + [f"  - {r}" for r in v.reasons]
+                pytest.fail("\n".join(lines), pytrace=False)
+            return self._plan(fix_name, v)
+
+        def fix(actions: list[Action], before: Check) -> None:
+            for a in actions:
+                argv = shlex.split(a.command)  # built with shlex.join in _plan
+                res = self.target.conn.run(argv, timeout=60)
+                if not res.ok:
+                    raise RuntimeError(f"{a.command} exited {res.rc}: {res.stderr.strip()[-300:]}")
+
+        def verify() -> Check:
+            part = "gpus" if check == "persistence_mode" else "services"
+            deadline = time.monotonic() + 30
+            while True:
+                fresh = self._facts(parts=[part, "pci"] if part == "gpus" else [part])
+                after = hm.evaluate(check, fresh, self.thresholds)
+                if after.ok or time.monotonic() > deadline:
+                    return Check(ok=after.ok, summary=after.summary, state=after.state)
+                time.sleep(1)
+
+        remediate(name=check, check=first_check, plan=plan, fix=fix, verify=verify)
+
+    def _plan(self, fix_name: str, v: hm.Verdict) -> list[Action]:
+        if fix_name == "persistence":
+            show = self.target.conn.run(
+                ["systemctl", "show", "-p", "LoadState", "--value", "nvidia-persistenced.service"], timeout=15
+            )
+            if show.ok and show.stdout.strip() == "loaded":
+                return [
+                    Action(
+                        "start the NVIDIA persistence daemon (keeps every GPU initialised)",
+                        shlex.join(["systemctl", "start", "nvidia-persistenced.service"]),
+                        destructive=False,
+                    )
+                ]
+            return [
+                Action(
+                    "turn on legacy persistence mode",
+                    shlex.join(["nvidia-smi", "-pm", "1"]),
+                    destructive=False,
+                )
+            ]
+        units = [u for u, s in (v.state or {}).items() if s.get("ActiveState") in ("failed", "inactive")]
+        return [
+            Action(f"restart {u} ({v.state[u].get('ActiveState')})", shlex.join(["systemctl", "restart", u]))
+            for u in units
+        ]
+
+
+def _hosts(config: pytest.Config) -> dict[str, HostHealth]:
+    return config.stash.setdefault(_HOSTS, {})
+
+
+@pytest.fixture
+def health(target: Any, request: pytest.FixtureRequest) -> HostHealth:
+    """The HostHealth of this test's target; its facts are read once per host and worker."""
+    hosts = _hosts(request.config)
+    hh = hosts.get(target.name)
+    if hh is None:
+        try:
+            hh = HostHealth(target, options.fixes(request.config))
+        except hm.ThresholdError as exc:
+            pytest.fail(f"{target.name}: {exc}", pytrace=False)
+        hosts[target.name] = hh
+    hh.gather()
+    return hh
+
+
+@pytest.fixture
+def judge(health: HostHealth, remediate: Any, request: pytest.FixtureRequest) -> Any:
+    """Return `judge(check)`: run one health check of this target through the engine."""
+
+    def run(check: str) -> None:
+        health.judge(check, remediate, request.node)
+
+    return run
