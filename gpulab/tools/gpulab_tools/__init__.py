@@ -1,0 +1,293 @@
+"""What the lab's emulated NVIDIA tools see of a lab host (stdlib only; runs inside lab hosts).
+
+Everything is read from the host as a real driver would find it: driver bindings from
+``/sys/bus/pci/devices/BDF/driver``, IOMMU domain types from ``/sys/kernel/iommu_groups/N/type``,
+GPU users from ``/proc/*/fd`` (who holds ``/dev/nvidiaN``), legacy persistence and current minor
+numbers from ``/var/lib/gpulab/ctl``, and the rest (model, UUID, link model, health) from the
+profile in ``/var/lib/gpulab/profile.json`` (or ``/etc/gpulab/profile.json``).
+
+``GPULAB_ROOT`` (default ``/``) prefixes every path but ``/proc``, so tests can point the tools at
+a prepared tree around a standalone FUSE mount.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+ROOT = os.environ.get("GPULAB_ROOT", "/")
+PROC = "/proc"
+
+
+def path(*parts: str) -> str:
+    """Return a path under GPULAB_ROOT."""
+    return os.path.join(ROOT, *[p.lstrip("/") for p in parts])
+
+
+def read(p: str, default: str | None = None) -> str | None:
+    """Return a file's text stripped, or ``default`` when it cannot be read."""
+    try:
+        with open(p) as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+def load_profile() -> dict[str, Any]:
+    """Return the host profile (raises SystemExit with the driver's message when absent)."""
+    for p in (path("var/lib/gpulab/profile.json"), path("etc/gpulab/profile.json")):
+        try:
+            with open(p) as f:
+                data: dict[str, Any] = json.load(f)
+                return data
+        except (OSError, ValueError):
+            continue
+    raise SystemExit(
+        "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+        "Make sure that the latest NVIDIA driver is installed and running.\n"
+    )
+
+
+def record(line: dict[str, Any]) -> None:
+    """Append a line to the host's record (``/var/lib/gpulab/record.jsonl``); best effort."""
+    p = path("var/lib/gpulab/record.jsonl")
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        return
+    try:
+        os.write(fd, (json.dumps(line) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def driver_of(bdf: str, boot: str | None) -> str | None:
+    """Return the driver bound to a function, from sysfs (profile boot state if sysfs lacks it)."""
+    dev = path("sys/bus/pci/devices", bdf)
+    if not os.path.isdir(dev):
+        return boot
+    try:
+        return os.path.basename(os.readlink(os.path.join(dev, "driver")))
+    except OSError:
+        return None
+
+
+def group_type(group: int | None, default: str) -> str:
+    """Return the IOMMU group's domain type from sysfs (the profile default if unreadable)."""
+    if group is None:
+        return default
+    return read(path("sys/kernel/iommu_groups", str(group), "type"), default) or default
+
+
+def speed_gen(speed: str) -> int:
+    """Return the PCIe generation for a sysfs link speed (``32.0 GT/s PCIe`` -> 5)."""
+    m = re.match(r"([\d.]+)", speed or "")
+    gts = float(m.group(1)) if m else 0.0
+    for gen, v in ((6, 64.0), (5, 32.0), (4, 16.0), (3, 8.0), (2, 5.0), (1, 2.5)):
+        if gts >= v:
+            return gen
+    return 1
+
+
+@dataclass
+class Holder:
+    """A process with a GPU's device file open."""
+
+    pid: int
+    argv: list[str]
+    mem_mib: int = 0
+    kind: str = "C"  # C compute, or "" for daemons nvidia-smi does not list
+
+    @property
+    def name(self) -> str:
+        return self.argv[0] if self.argv else "?"
+
+
+@dataclass
+class GpuView:
+    """One GPU as the driver presents it now."""
+
+    index: int
+    bdf: str
+    minor: int
+    spec: dict[str, Any]
+    func: dict[str, Any]
+    group: int | None
+    gtype: str
+    persistence: bool
+    holders: list[Holder] = field(default_factory=list)
+
+    @property
+    def bus_id(self) -> str:
+        """Return the NVML bus id, ``00000000:17:00.0``."""
+        dom, rest = self.bdf.split(":", 1)
+        return f"{int(dom, 16):08X}:{rest.upper()}"
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["model"])
+
+    @property
+    def memory_total(self) -> int:
+        return int(self.spec["memory_mib"])
+
+    @property
+    def memory_used(self) -> int:
+        return min(self.memory_total, sum(h.mem_mib for h in self.holders))
+
+    @property
+    def health(self) -> dict[str, Any]:
+        h: dict[str, Any] = self.spec.get("health") or {}
+        return h
+
+    @property
+    def link(self) -> dict[str, Any]:
+        lk: dict[str, Any] = self.func.get("link") or {}
+        return lk
+
+
+class Host:
+    """The lab host as nvidia-smi and nvbandwidth find it."""
+
+    def __init__(self) -> None:
+        self.profile = load_profile()
+        self.funcs = {f["bdf"]: f for f in self.profile.get("pci", [])}
+        self.default_domain = str(self.profile.get("default_domain", "DMA-FQ"))
+        self.driver_version = str(self.profile.get("driver_version", "570.133.07"))
+        self.cuda_version = str(self.profile.get("cuda_version", "12.8"))
+        self.gpus = self._visible()
+
+    def _minor(self, bdf: str, boot: int) -> int:
+        v = read(path("var/lib/gpulab/ctl/minor", bdf))
+        if v is not None and v.isdigit():
+            return int(v)
+        return boot
+
+    def _visible(self) -> list[GpuView]:
+        out: list[GpuView] = []
+        for spec in sorted(self.profile.get("gpus", []), key=lambda g: g["bdf"]):
+            bdf = spec["bdf"]
+            func = self.funcs.get(bdf, {})
+            if driver_of(bdf, func.get("driver")) != "nvidia":
+                continue
+            minor = self._minor(bdf, int(spec["minor"]))
+            # Inside a container only the GPUs whose device files were passed in are visible.
+            if not os.path.exists(path("dev", f"nvidia{minor}")):
+                continue
+            group = func.get("iommu_group")
+            pers = read(path("var/lib/gpulab/ctl/persistence", bdf), "0") == "1"
+            out.append(
+                GpuView(
+                    index=len(out),
+                    bdf=bdf,
+                    minor=minor,
+                    spec=spec,
+                    func=func,
+                    group=group,
+                    gtype=group_type(group, self.default_domain),
+                    persistence=pers,
+                )
+            )
+        self._attach_holders(out)
+        return out
+
+    def _attach_holders(self, gpus: list[GpuView]) -> None:
+        keys: dict[tuple[int, int], GpuView] = {}
+        for g in gpus:
+            try:
+                st = os.stat(path("dev", f"nvidia{g.minor}"))
+            except OSError:
+                continue
+            keys[(st.st_dev, st.st_ino)] = g
+        if not keys:
+            return
+        me = os.getpid()
+        for d in os.listdir(PROC):
+            if not d.isdigit() or int(d) == me:
+                continue
+            fd_dir = f"{PROC}/{d}/fd"
+            try:
+                fds = os.listdir(fd_dir)
+            except OSError:
+                continue
+            seen: set[str] = set()
+            for fd in fds:
+                try:
+                    st = os.stat(f"{fd_dir}/{fd}")
+                except OSError:
+                    continue
+                g = keys.get((st.st_dev, st.st_ino))
+                if g is None or g.bdf in seen:
+                    continue
+                seen.add(g.bdf)
+                argv = _cmdline(int(d))
+                g.holders.append(_holder(int(d), argv, g.memory_total))
+        for g in gpus:
+            g.holders.sort(key=lambda h: h.pid)
+            if any(h.kind == "" for h in g.holders):
+                g.persistence = True
+
+    def p2p_ok(self, a: GpuView, b: GpuView) -> bool:
+        """Say whether peer access works: NVLink, or both groups in identity (passthrough)."""
+        lk = self.link(a.bdf, b.bdf)
+        if lk and lk.get("type") == "nvlink":
+            return True
+        return a.gtype == "identity" and b.gtype == "identity"
+
+    def link(self, a: str, b: str) -> dict[str, Any] | None:
+        """Return the profile's link model entry for a GPU pair (either order), or the default."""
+        for lk in self.profile.get("links", []) or []:
+            if {lk["a"], lk["b"]} == {a, b}:
+                return dict(lk)
+        d = self.profile.get("link_default")
+        return dict(d) if d else None
+
+    def bandwidth(self, a: GpuView, b: GpuView, rng: random.Random) -> float | None:
+        """Return one-direction GB/s between two GPUs with ~2% noise, or None (no P2P)."""
+        if not self.p2p_ok(a, b):
+            return None
+        lk = self.link(a.bdf, b.bdf)
+        if not lk:
+            return None
+        return float(lk["gbps"]) * (1.0 + rng.uniform(-0.02, 0.02))
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"{PROC}/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _holder(pid: int, argv: list[str], total_mib: int) -> Holder:
+    joined = " ".join(argv)
+    if "nvidia-persistenced" in joined:
+        return Holder(pid, argv, 0, "")
+    if "sglang.launch_server" in joined:
+        frac = 0.9
+        for i, a in enumerate(argv):
+            if a == "--mem-fraction-static" and i + 1 < len(argv):
+                try:
+                    frac = float(argv[i + 1])
+                except ValueError:
+                    pass
+            elif a.startswith("--mem-fraction-static="):
+                try:
+                    frac = float(a.split("=", 1)[1])
+                except ValueError:
+                    pass
+        return Holder(pid, argv, int(total_mib * frac), "C")
+    # Anything else that opens the device gets a CUDA context's worth of memory.
+    return Holder(pid, argv, 512, "C")
+
+
+def now_stamp() -> str:
+    """Return the timestamp nvidia-smi prints: ``Tue Jun 24 01:54:13 2025``."""
+    return time.strftime("%a %b %e %H:%M:%S %Y")
