@@ -1,0 +1,21 @@
+"""Fixtures of suites/p2p: one procedure object per target, finished at the end of the module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from suites.p2p import options
+from suites.p2p.procedure import P2PProcedure
+
+
+@pytest.fixture(scope="module")
+def p2p(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterator[P2PProcedure]:
+    """The P2P procedure for this target; its teardown never leaves a GPU without its driver."""
+    proc = P2PProcedure(
+        target, options.options(pytestconfig, getattr(target, "vars", None)), check_only=check_only
+    )
+    yield proc
+    proc.finish()

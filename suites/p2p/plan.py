@@ -1,0 +1,256 @@
+"""Decide what suites/p2p will do on a host, from one round trip of facts (pure: no I/O here).
+
+In scope: GPUs on nvidia, or those named with --gpus. Never in scope: a GPU on vfio-pci, or any
+GPU whose IOMMU group holds a vfio-pci function (the group belongs to a VM). A journal left by an
+interrupted run says what the host looked like before that run touched it; its record of drivers,
+minors and the service wins over what the host shows now (a GPU it unbound shows no driver).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_gpuhost.modules import iommu, pci
+from pytest_gpuhost.modules.gpu import GpuInfo
+
+__all__ = ["FunctionPlan", "GroupPlan", "P2PPlan", "make_plan", "parse_gpus_option"]
+
+
+@dataclass
+class FunctionPlan:
+    """One PCI function of an in-scope group: the driver it must end up on, as it is now."""
+
+    bdf: str
+    driver: str  # the original driver: what it is rebound to
+    current: str | None  # what it is bound to now
+    is_gpu: bool
+    minor: int | None = None  # original /dev/nvidiaN of a GPU
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-able dict (journal, evidence)."""
+        return {
+            "bdf": self.bdf,
+            "driver": self.driver,
+            "current": self.current,
+            "is_gpu": self.is_gpu,
+            "minor": self.minor,
+        }
+
+
+@dataclass
+class GroupPlan:
+    """One in-scope IOMMU group."""
+
+    number: int
+    type: str | None
+    original_type: str | None
+    functions: list[FunctionPlan] = field(default_factory=list)
+
+    @property
+    def identity(self) -> bool:
+        """True when the group is already in identity mode."""
+        return self.type == "identity"
+
+    @property
+    def unbind_order(self) -> list[FunctionPlan]:
+        """GPU first (if its unbind blocks, nothing else of the group was touched), then the rest."""
+        return sorted(self.functions, key=lambda f: (not f.is_gpu, f.bdf))
+
+    def to_group(self) -> iommu.IommuGroup:
+        """Return the IommuGroup (members with their current drivers) for error messages."""
+        return iommu.IommuGroup(
+            self.number, self.type, [pci.PciFunction(bdf=f.bdf, driver=f.current) for f in self.functions]
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-able dict (journal, evidence)."""
+        return {
+            "number": self.number,
+            "type": self.type,
+            "original_type": self.original_type,
+            "functions": [f.to_dict() for f in self.functions],
+        }
+
+
+@dataclass
+class P2PPlan:
+    """What the procedure will do on one host."""
+
+    gpus: list[str]  # in-scope GPU BDFs, in original minor order
+    groups: list[GroupPlan]
+    excluded: dict[str, str]  # BDF -> why it is not in scope
+    errors: list[str]  # reasons to refuse to act at all
+    kernel: str
+    resumed_from: str | None = None  # run id of the interrupted run this one completes
+    links: dict[str, dict[str, Any]] = field(default_factory=dict)
+    model: str = ""
+
+    @property
+    def groups_to_fix(self) -> list[GroupPlan]:
+        """Groups that are not identity yet, or have a function off its original driver."""
+        return [g for g in self.groups if not g.identity or any(f.current != f.driver for f in g.functions)]
+
+    @property
+    def needs_identity(self) -> list[int]:
+        """Numbers of in-scope groups that are not identity."""
+        return [g.number for g in self.groups if not g.identity]
+
+    @property
+    def unbound(self) -> list[FunctionPlan]:
+        """In-scope functions that are not on their original driver (an interrupted run's leftovers)."""
+        return [f for g in self.groups for f in g.functions if f.current != f.driver]
+
+    @property
+    def needs_repair(self) -> bool:
+        """True when the disruptive part (stop, unbind, retype, rebind) has to run."""
+        return bool(self.groups_to_fix) or self.resumed_from is not None
+
+    @property
+    def rebind_order(self) -> list[FunctionPlan]:
+        """GPUs in their original minor order (so /dev/nvidiaN comes back the same), then the rest."""
+        fns = [f for g in self.groups for f in g.functions]
+        gpus = sorted(
+            (f for f in fns if f.is_gpu), key=lambda f: (f.minor if f.minor is not None else 1 << 20, f.bdf)
+        )
+        return gpus + sorted((f for f in fns if not f.is_gpu), key=lambda f: f.bdf)
+
+    @property
+    def minors(self) -> dict[str, int]:
+        """Original minor of each in-scope GPU."""
+        return {f.bdf: f.minor for g in self.groups for f in g.functions if f.is_gpu and f.minor is not None}
+
+    def summary(self) -> str:
+        """Return one line: scope, groups to change, exclusions."""
+        scope = ", ".join(self.gpus) or "none"
+        todo = ", ".join(str(n) for n in self.needs_identity) or "none"
+        excl = f"; excluded: {len(self.excluded)}" if self.excluded else ""
+        resumed = f"; completes interrupted run {self.resumed_from}" if self.resumed_from else ""
+        return f"in scope: {scope}; groups to set identity: {todo}{excl}{resumed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-able dict (journal, evidence)."""
+        return {
+            "gpus": self.gpus,
+            "groups": [g.to_dict() for g in self.groups],
+            "excluded": self.excluded,
+            "errors": self.errors,
+            "kernel": self.kernel,
+            "resumed_from": self.resumed_from,
+        }
+
+
+def parse_gpus_option(text: str | None) -> list[str] | None:
+    """Parse --gpus: comma-separated PCI addresses (0000:17:00.0) or /dev/nvidiaN minors (0,1)."""
+    if text is None or not str(text).strip():
+        return None
+    items = [t.strip().lower() for t in str(text).split(",") if t.strip()]
+    for item in items:
+        if not (item.isdigit() or pci.BDF_RE.match(item)):
+            raise ValueError(
+                f"--gpus: {item!r} is neither a PCI address like 0000:17:00.0 nor a GPU minor like 0"
+            )
+    return items
+
+
+def _journal_functions(journal: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for g in (journal or {}).get("plan", {}).get("groups", []):
+        for f in g.get("functions", []):
+            out[f["bdf"]] = f
+    return out
+
+
+def _journal_types(journal: dict[str, Any] | None) -> dict[int, str | None]:
+    return {
+        int(g["number"]): g.get("original_type") for g in (journal or {}).get("plan", {}).get("groups", [])
+    }
+
+
+def make_plan(
+    gpus: list[GpuInfo],
+    *,
+    kernel: str,
+    selected: list[str] | None = None,
+    journal: dict[str, Any] | None = None,
+) -> P2PPlan:
+    """Return the plan for these GPUs (from the `gpus` fact), honouring --gpus and a left-over journal."""
+    recorded = _journal_functions(journal)
+    recorded_types = _journal_types(journal)
+    excluded: dict[str, str] = {}
+    errors: list[str] = []
+    chosen: list[GpuInfo] = []
+    by_minor = {g.minor: g for g in gpus if g.minor is not None}
+    wanted: set[str] = set()
+    for item in selected or []:
+        if item.isdigit():
+            g = by_minor.get(int(item)) or next(
+                (x for x in gpus if recorded.get(x.bdf, {}).get("minor") == int(item)), None
+            )
+            if g is None:
+                errors.append(f"--gpus names minor {item}, but no GPU on nvidia has /dev/nvidia{item}")
+                continue
+            wanted.add(g.bdf)
+        else:
+            if not any(g.bdf == item for g in gpus):
+                errors.append(f"--gpus names {item}, which is not an NVIDIA GPU on this host")
+                continue
+            wanted.add(item)
+    for g in gpus:
+        original = recorded.get(g.bdf, {}).get("driver") or g.driver
+        if g.on_vfio or original == "vfio-pci":
+            why = (
+                "on vfio-pci (belongs to a VM)"
+                if g.driver == "vfio-pci"
+                else "its IOMMU group has a vfio-pci function"
+            )
+            excluded[g.bdf] = f"{why}: never touched"
+            if g.bdf in wanted:
+                errors.append(f"--gpus names {g.bdf}, which is {why}: refusing to touch it")
+            continue
+        if selected is not None and g.bdf not in wanted:
+            excluded[g.bdf] = "not listed in --gpus"
+            continue
+        if original != "nvidia":
+            excluded[g.bdf] = f"on {original or 'no driver'}, not nvidia"
+            if g.bdf in wanted:
+                errors.append(f"--gpus names {g.bdf}, which is {excluded[g.bdf]}")
+            continue
+        if g.group is None or g.group_type is None:
+            excluded[g.bdf] = "no IOMMU group (IOMMU off, or kernel older than 5.11)"
+            continue
+        chosen.append(g)
+
+    groups: dict[int, GroupPlan] = {}
+    for g in chosen:
+        assert g.group is not None
+        number = g.group.number
+        if number in groups:
+            continue
+        gp = GroupPlan(number, g.group.type, recorded_types.get(number, g.group.type))
+        for m in g.group.members:
+            rec = recorded.get(m.bdf, {})
+            original = rec.get("driver") or m.driver
+            if original is None:
+                # a function without a driver that no journal accounts for: leave it as it is
+                original = ""
+            is_gpu = bool(rec.get("is_gpu", m.is_gpu))
+            minor = rec.get("minor") if rec else None
+            if minor is None and m.bdf == g.bdf:
+                minor = g.minor
+            gp.functions.append(FunctionPlan(m.bdf, original, m.driver, is_gpu, minor))
+        gp.functions = [f for f in gp.functions if f.driver]
+        groups[number] = gp
+
+    ordered = sorted(groups.values(), key=lambda gp: gp.number)
+    plan = P2PPlan(
+        gpus=[],
+        groups=ordered,
+        excluded=excluded,
+        errors=errors,
+        kernel=kernel,
+        resumed_from=(journal or {}).get("run_id") if journal else None,
+        links={g.bdf: dict(g.function.link) for g in chosen},
+    )
+    plan.gpus = [f.bdf for f in plan.rebind_order if f.is_gpu]
+    return plan

@@ -1,0 +1,57 @@
+"""Restore GPU peer-to-peer DMA on a host whose IOMMU blocks it, safely, in eight ordered steps.
+
+    pytest suites/p2p --host=ssh://root@gpu-host --container=pct:101 [--check-only]
+
+On a host that is already healthy every step passes and the service is never touched.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from suites.p2p.procedure import P2PProcedure
+
+pytestmark = pytest.mark.gpuhost_procedure
+
+
+def test_plan(p2p: P2PProcedure, remediate) -> None:
+    """Facts in one round trip; GPUs in scope (never vfio-pci); lock and journal when a repair is due."""
+    plan = p2p.gather()
+    if plan.errors:
+        pytest.fail("refusing to act: " + "; ".join(plan.errors), pytrace=False)
+    remediate(p2p.step_plan())
+
+
+def test_service_stopped(p2p: P2PProcedure, remediate) -> None:
+    """The service holding the GPUs is stopped within --stop-timeout (+ SIGTERM, SIGKILL), if a repair is due."""
+    remediate(p2p.step_service_stopped())
+
+
+def test_gpus_released(p2p: P2PProcedure, remediate) -> None:
+    """No process holds the GPUs; nvidia-persistenced stopped; legacy persistence off."""
+    remediate(p2p.step_gpus_released())
+
+
+def test_iommu_groups_identity(p2p: P2PProcedure, remediate) -> None:
+    """Every in-scope IOMMU group is identity: functions unbound (watched), type written and read back."""
+    remediate(p2p.step_groups_identity())
+
+
+def test_drivers_bound(p2p: P2PProcedure, remediate) -> None:
+    """Functions rebound in the original order; /dev/nvidiaN unchanged; nvidia-smi sees every GPU."""
+    remediate(p2p.step_drivers_bound())
+
+
+def test_p2p_bandwidth(p2p: P2PProcedure, remediate) -> None:
+    """Every in-scope pair reaches its P2P threshold (heatmaps before and after in the report)."""
+    remediate(p2p.step_p2p_bandwidth())
+
+
+def test_persisted(p2p: P2PProcedure, remediate) -> None:
+    """A boot-time unit puts exactly these groups in identity before the GPUs' users start."""
+    remediate(p2p.step_persisted())
+
+
+def test_service_restored(p2p: P2PProcedure, remediate) -> None:
+    """The service this run stopped runs again, /health answers, NCCL goes via P2P."""
+    remediate(p2p.step_service_restored())
