@@ -368,7 +368,7 @@ class LabHost:
 
     def heal_link(self) -> None:
         """Bring the host's link back up."""
-        netns.link_up(self.name, self.index, True)
+        netns.link_up(self.name, self.index, True, containers=bool(self.profile.containers))
 
     def set_netem(self, delay_ms: int = 0, loss_pct: float = 0) -> None:
         """Set netem delay/loss on the host's link (zeros clear it)."""

@@ -112,7 +112,7 @@ def set_netem(name: str, index: int, delay_ms: int = 0, loss_pct: float = 0) -> 
             _ip(*args, netns=ns)
 
 
-def link_up(name: str, index: int, up: bool) -> None:
+def link_up(name: str, index: int, up: bool, containers: bool = False) -> None:
     """Set both ends of the host's veth link up or down (the cut-link fault)."""
     state = "up" if up else "down"
     _ip("link", "set", root_veth(index), state)
@@ -121,6 +121,8 @@ def link_up(name: str, index: int, up: bool) -> None:
         # Taking the device down dropped the root side's connected route; restore it.
         _ip("route", "replace", f"198.18.{index}.0/24", "dev", root_veth(index), check=False)
         _ip("route", "replace", "default", "via", f"198.18.{index}.1", netns=host_netns(name), check=False)
+        if containers:
+            _ip("route", "replace", f"198.19.{index}.0/24", "via", host_address(index), check=False)
 
 
 def lab_netns_names() -> list[str]:

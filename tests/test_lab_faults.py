@@ -1,0 +1,139 @@
+"""Fault injection on lab hosts: link cut, sshd killed, frozen host, full disk, reboot, leftovers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gpulab.lab import CGROUP_ROOT, RUN, Lab
+from gpulab.netns import lab_netns_names
+
+PROFILE = "proxmox-rtx6000"
+
+MARKER_UNIT = """\
+[Unit]
+Description=lab test: prove enabled units run at boot
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/bin/sh -c 'cat /proc/sys/kernel/random/boot_id >/dev/null; date +%%s.%%N >> /root/boot-marker'
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+@pytest.fixture(scope="module")
+def host(lab):
+    h = lab.host(PROFILE)
+    h.reset()
+    yield h
+    # Leave the shared host usable for later modules whatever a failed test left behind.
+    for undo in (h.thaw, h.heal_link):
+        try:
+            undo()
+        except Exception:
+            pass
+
+
+def _ssh_fails(host, timeout: float = 4) -> bool:
+    try:
+        return host.ssh("true", timeout=timeout).returncode == 255
+    except subprocess.TimeoutExpired:
+        return True
+
+
+def test_cut_and_heal_link(host):
+    host.cut_link()
+    try:
+        assert _ssh_fails(host)
+        assert host.ssh("echo inside", via="nsenter").stdout == "inside\n"  # the host itself runs on
+    finally:
+        host.heal_link()
+    assert host.ssh("echo back").stdout == "back\n"
+
+
+def test_kill_sshd_refuses_new_connections(host):
+    host.kill_sshd()
+    try:
+        p = host.ssh("true")
+        assert p.returncode == 255 and "refused" in p.stderr
+        assert host.ssh("systemctl is-active ssh", via="nsenter").stdout.strip() in ("inactive", "failed")
+    finally:
+        host.start_sshd()
+    assert host.ssh("echo back").returncode == 0
+
+
+def test_freeze_and_thaw(host):
+    host.freeze()
+    try:
+        t0 = time.monotonic()
+        assert _ssh_fails(host, timeout=3)
+        assert time.monotonic() - t0 >= 2.5
+    finally:
+        host.thaw()
+    assert host.ssh("echo thawed").stdout == "thawed\n"
+
+
+def test_fill_disk(host):
+    host.fill_disk()
+    try:
+        p = host.ssh("echo data > /root/more; df --output=avail / | tail -1")
+        assert "No space left on device" in p.stderr
+    finally:
+        host.free_disk()
+    assert host.ssh("echo data > /root/more").returncode == 0
+
+
+def test_reboot_keeps_installed_units_and_resets_sysfs(host):
+    setup = (
+        "cat > /etc/systemd/system/lab-marker.service && systemctl enable --quiet lab-marker.service"
+        " && echo 0000:17:00.1 > /sys/bus/pci/drivers/snd_hda_intel/unbind"
+        " && test ! -e /sys/bus/pci/devices/0000:17:00.1/driver"
+    )
+    p = host.ssh(setup, input=MARKER_UNIT)
+    assert p.returncode == 0, p.stderr
+    before = host.ssh("cat /root/boot-marker 2>/dev/null | wc -l").stdout.strip()
+    secs = host.reboot()
+    assert secs < 15
+    p = host.ssh(
+        "systemctl is-active lab-marker; wc -l < /root/boot-marker; readlink /sys/bus/pci/devices/0000:17:00.1/driver"
+    )
+    state, runs, driver = p.stdout.split()
+    assert state == "active"
+    assert int(runs) == int(before) + 1  # it ran at this boot
+    assert driver.endswith("drivers/snd_hda_intel")  # sysfs is back to the profile's boot state
+    assert host.ssh("pct exec 101 -- systemctl is-system-running").stdout.strip() in ("running", "degraded")
+
+
+def test_reset_gives_a_pristine_host(host):
+    host.ssh("touch /root/leftover")
+    host.reset()
+    p = host.ssh("test -e /root/leftover; echo $?; systemctl is-enabled lab-marker 2>&1")
+    assert p.stdout.splitlines()[0] == "1"
+    assert "enabled" not in p.stdout.splitlines()[1]
+    assert host.record() == []
+
+
+def test_down_all_removes_leftovers_of_a_crashed_run(lab):
+    name = f"crash-{os.getpid()}"
+    h = Lab().up(PROFILE, name=name)
+    pids = {f.name: int(f.read_text()) for f in (h.dir / "pids").iterdir()}
+    # A crashed run: the host is up, the process that made it is gone, its meta is lost.
+    (h.dir / "meta.json").unlink()
+    assert name not in Lab().names()
+    removed = Lab().down_all(match=name)
+    assert removed
+    assert not [ns for ns in lab_netns_names() if ns.startswith(f"gl-{name}")]
+    assert name not in Path("/proc/mounts").read_text()
+    assert not (RUN / name).exists()
+    for what, pid in pids.items():
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], (
+            what
+        )
+    assert not list(CGROUP_ROOT.glob(f"*/gpulab/{name}"))
