@@ -756,7 +756,7 @@ def check_disk_free(facts: Facts, t: Thresholds, samples: Sequence[Facts] | None
 
     for path, entry in (part.get("paths") or {}).items():
         if "error" in entry:
-            reasons.append(f"{path}: {entry['error']}")
+            reasons.append(str(entry["error"]))
             continue
         pcts = [pct_of(entry)]
         for s in samples or []:

@@ -1,0 +1,150 @@
+"""The `health` agent fact against stand-in tools on PATH, through a real local:// agent.
+
+The stand-ins print what the real tools print (nvidia-smi's CSV, `nvlink -s`, `topo -p2p r`,
+`dmesg --time-format iso`); the agent runs them as it would on a GPU host. This covers the probe's
+parsing and its kernel-log cursor without the lab; tests/test_health_lab.py covers the lab.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from pytest_gpuhost.targets import open_connection, parse_host_url
+
+CSV = """\
+0, 00000000:17:00.0, NVIDIA RTX PRO 6000 Blackwell Server Edition, GPU-aaaa, 570.133.07, Enabled, 41, 0, 0, [N/A], 0, 0x0000000000000000, 5, 5, 16, 16
+1, 00000000:18:00.0, NVIDIA RTX PRO 6000 Blackwell Server Edition, GPU-bbbb, 570.133.07, Disabled, 44, 0, 3, [N/A], 0, 0x0000000000000001, 5, 5, 8, 16
+"""
+HEADER = "| NVIDIA-SMI 570.133.07             Driver Version: 570.133.07     CUDA Version: 12.8     |\n"
+NVLINK = "GPU 0: NVIDIA B200 (UUID: GPU-aaaa)\n\t Link 0: 50 GB/s\n\t Link 1: <inactive>\nGPU 1: NVIDIA B200 (UUID: GPU-bbbb)\n\t Link 0: 50 GB/s\n"
+TOPO = " \tGPU0\tGPU1\t\n GPU0\tX\tNS\t\n GPU1\tNS\tX\t\n\nLegend:\n\n  X    = Self\n  NS   = Not supported\n"
+
+NVIDIA_SMI = """#!/bin/sh
+# stand-in: the CSV only for the full field list of this test; an unknown field as the real tool says it
+case "$1" in
+  --query-gpu=*clocks_throttle_reasons.active*)
+    if [ -n "$NO_THROTTLE_FIELD" ]; then echo 'Field "clocks_throttle_reasons.active" is not a valid field to query.'; exit 2; fi
+    cat "$FAKE/csv" ;;
+  --query-gpu=*) sed 's/, 0x0000000000000001//; s/, 0x0000000000000000//' "$FAKE/csv" ;;
+  nvlink) cat "$FAKE/nvlink" ;;
+  topo) cat "$FAKE/topo" ;;
+  "") cat "$FAKE/header" ;;
+  *) echo "unknown $*" >&2; exit 2 ;;
+esac
+"""
+DMESG = """#!/bin/sh
+[ "$1" = "--time-format" ] || exit 1
+cat "$FAKE/kmsg"
+"""
+
+
+def _exe(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+@pytest.fixture
+def fake_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _exe(bin_dir / "nvidia-smi", NVIDIA_SMI)
+    _exe(bin_dir / "dmesg", DMESG)
+    (tmp_path / "csv").write_text(CSV)
+    (tmp_path / "header").write_text(HEADER)
+    (tmp_path / "nvlink").write_text(NVLINK)
+    (tmp_path / "topo").write_text(TOPO)
+    (tmp_path / "kmsg").write_text(
+        "2026-11-30T10:00:00,000000+00:00 NVRM: loading NVIDIA UNIX x86_64 Kernel Module  570.133.07\n"
+        "2026-11-30T10:00:05,500000+00:00 NVRM: Xid (PCI:0000:17:00): 79, pid=0, GPU has fallen off the bus.\n"
+    )
+    # The agent inherits this environment: it runs the stand-ins as it would run the real tools.
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE", str(tmp_path))
+    return tmp_path
+
+
+def _facts(conn, tmp: Path, **extra):
+    params = {
+        "state_path": str(tmp / "state" / "health-state.json"),
+        "data_paths": [str(tmp), str(tmp / "nope")],
+    }
+    params.update(extra)
+    return conn.call("facts", names=["health"], params=params)["health"]
+
+
+def test_probe_parses_the_tools_and_keeps_a_kernel_log_cursor(fake_host: Path) -> None:
+    conn = open_connection(parse_host_url("local://"))
+    try:
+        before = conn.round_trips
+        f = _facts(conn, fake_host)
+        assert conn.round_trips - before == 1
+        g0, g1 = f["gpus"]["gpus"]
+        assert (g0["bdf"], g0["persistence_mode"], g0["temperature.gpu"]) == ("0000:17:00.0", 1, 41)
+        assert (
+            g1["persistence_mode"],
+            g1["pcie.link.width.current"],
+            g1["clocks_throttle_reasons.active"],
+        ) == (0, 8, 1)
+        assert g1["retired_pages.pending"] is None and g1["ecc.errors.corrected.volatile.total"] == 3
+        assert f["smi"]["cuda_version"] == "12.8" and f["smi"]["driver_version"] == "570.133.07"
+        assert f["nvlink"]["gpus"]["0"]["links"]["1"] == {"up": False, "gbps": None, "text": "<inactive>"}
+        assert f["p2p"]["labels"] == ["GPU0", "GPU1"] and f["p2p"]["matrix"] == [["X", "NS"], ["NS", "X"]]
+        assert f["disk"]["paths"][str(fake_host)]["total"] > 0
+        assert f["disk"]["paths"][str(fake_host / "nope")]["errno"] == 2
+        assert any(c["argv"][:2] == ["dmesg", "--time-format"] for c in f["commands"])
+
+        kl = f["kernel_log"]
+        assert (
+            kl["first_run"] and [x["code"] for x in kl["xid"]] == [79] and kl["xid"][0]["bdf"] == "0000:17:00"
+        )
+        # Not committed: the next run sees the same Xid again.
+        assert [x["code"] for x in _facts(conn, fake_host)["kernel_log"]["xid"]] == [79]
+        conn.call("health_commit", state=kl["cursor"], state_path=kl["state_path"], timeout=10)
+        saved = json.loads(Path(kl["state_path"]).read_text())
+        assert saved["last_ts"] == kl["cursor"]["last_ts"]
+        again = _facts(conn, fake_host)["kernel_log"]
+        assert not again["first_run"] and again["xid"] == [] and again["lines_new"] == 0
+        with (fake_host / "kmsg").open("a") as f_:
+            f_.write(
+                "2026-11-30T11:00:00,000000+00:00 NVRM: Xid (PCI:0000:18:00): 48, An uncorrectable double bit error\n"
+            )
+            f_.write(
+                "2026-11-30T11:00:01,000000+00:00 nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32\n"
+            )
+        new = _facts(conn, fake_host)["kernel_log"]
+        assert [x["code"] for x in new["xid"]] == [48] and [x["code"] for x in new["sxid"]] == [12028]
+    finally:
+        conn.close()
+
+
+def test_probe_drops_a_field_the_driver_does_not_know_in_the_same_request(
+    fake_host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NO_THROTTLE_FIELD", "1")
+    conn = open_connection(parse_host_url("local://"))
+    try:
+        before = conn.round_trips
+        f = _facts(conn, fake_host, parts=["gpus"])
+        assert conn.round_trips - before == 1
+        assert f["gpus"]["dropped"] == ["clocks_throttle_reasons.active"]
+        assert f["gpus"]["gpus"][1]["pcie.link.width.current"] == 8
+        assert "clocks_throttle_reasons.active" not in f["gpus"]["gpus"][0]
+        assert set(f) >= {"gpus", "commands", "time"} and "kernel_log" not in f
+    finally:
+        conn.close()
+
+
+def test_probe_samples_a_part_several_times_in_one_request(fake_host: Path) -> None:
+    conn = open_connection(parse_host_url("local://"))
+    try:
+        before = conn.round_trips
+        f = _facts(conn, fake_host, parts=["gpus"], samples=3, interval=0.05)
+        assert conn.round_trips - before == 1
+        assert len(f["samples"]) == 3 and all(s["gpus"]["ok"] for s in f["samples"])
+    finally:
+        conn.close()

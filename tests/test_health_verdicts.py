@@ -1,0 +1,342 @@
+"""Verdict logic of the health checks (pytest_gpuhost.modules.health): facts in, verdicts out."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from pytest_gpuhost.modules import health as hm
+
+BDFS = ["0000:17:00.0", "0000:18:00.0", "0000:3a:00.0", "0000:3b:00.0"]
+
+
+def gpu(i: int, **kw: Any) -> dict[str, Any]:
+    row = {
+        "index": i,
+        "bdf": BDFS[i],
+        "name": "NVIDIA RTX PRO 6000 Blackwell Server Edition",
+        "uuid": f"GPU-{i}",
+        "driver_version": "570.133.07",
+        "persistence_mode": 1,
+        "temperature.gpu": 40,
+        "ecc.errors.uncorrected.volatile.total": 0,
+        "ecc.errors.corrected.volatile.total": 0,
+        "retired_pages.pending": None,
+        "remapped_rows.failure": 0,
+        "clocks_throttle_reasons.active": 0,
+        "pcie.link.gen.current": 5,
+        "pcie.link.gen.max": 5,
+        "pcie.link.width.current": 16,
+        "pcie.link.width.max": 16,
+        "raw": {"persistence_mode": "Enabled"},
+    }
+    row.update(kw)
+    return row
+
+
+def healthy() -> dict[str, Any]:
+    return {
+        "gpus": {"ok": True, "gpus": [gpu(i) for i in range(4)]},
+        "smi": {"ok": True, "cuda_version": "12.8", "driver_version": "570.133.07"},
+        "nvlink": {"ok": True, "gpus": {}},
+        "p2p": {
+            "ok": True,
+            "labels": ["GPU0", "GPU1", "GPU2", "GPU3"],
+            "matrix": [
+                ["X", "OK", "OK", "OK"],
+                ["OK", "X", "OK", "OK"],
+                ["OK", "OK", "X", "OK"],
+                ["OK", "OK", "OK", "X"],
+            ],
+        },
+        "kernel_log": {
+            "ok": True,
+            "first_run": False,
+            "since": 1.0,
+            "xid": [],
+            "sxid": [],
+            "cursor": {"last_ts": 2.0},
+        },
+        "pci": {
+            "ok": True,
+            "devices": {
+                b: {
+                    "driver": "nvidia",
+                    "iommu_group": str(30 + i),
+                    "iommu_type": "identity",
+                    "link": {},
+                    "bridges": [
+                        {
+                            "bdf": f"0000:1{i}:00.0",
+                            "acs": {"source": "config", "present": True, "ctl": {"SrcValid": True}},
+                        }
+                    ],
+                }
+                for i, b in enumerate(BDFS)
+            },
+        },
+        "disk": {"ok": True, "paths": {"/": {"total": 100 * 2**30, "free": 50 * 2**30, "avail": 50 * 2**30}}},
+        "services": {
+            "ok": True,
+            "services": {
+                "sglang-qwen.service": {
+                    "unit": "sglang-qwen.service",
+                    "show": {
+                        "LoadState": "loaded",
+                        "ActiveState": "active",
+                        "SubState": "running",
+                        "MainPID": "42",
+                        "Result": "success",
+                    },
+                    "health": {
+                        "url": "http://127.0.0.1:30000/health",
+                        "status": 200,
+                        "error": None,
+                        "duration": 0.01,
+                    },
+                }
+            },
+        },
+    }
+
+
+SERVICE_VARS = {"service": "sglang-qwen", "service_port": 30000, "gpu_count": 4}
+
+
+def judge(check: str, facts: dict[str, Any], samples: Any = None, **vars: Any) -> hm.Verdict:
+    return hm.evaluate(check, facts, hm.Thresholds.from_vars({**SERVICE_VARS, **vars}), samples=samples)
+
+
+def test_healthy_host_passes_every_check_or_skips_with_a_reason() -> None:
+    facts = healthy()
+    for check in hm.CHECKS:
+        v = judge(check, facts)
+        assert v.ok, (check, v.summary, v.reasons)
+        assert v.summary
+    assert judge("nvlink", facts).skip == "no NVLink on this host"
+    assert judge("retired_pages", facts).skip  # N/A on every GPU: row remapping instead
+
+
+def test_thresholds_from_vars_convert_and_reject() -> None:
+    t = hm.Thresholds.from_vars(
+        {"temperature_max": "80", "throttle_fail_mask": "0x8", "persistence_mode": "no", "unrelated": 1}
+    )
+    assert t["temperature_max"] == 80.0 and t["throttle_fail_mask"] == 8 and t["persistence_mode"] is False
+    with pytest.raises(hm.ThresholdError, match="gpu_count='four'"):
+        hm.Thresholds.from_vars({"gpu_count": "four"})
+    with pytest.raises(hm.ThresholdError, match="data_paths"):
+        hm.Thresholds.from_vars({"data_paths": "/data"})
+    assert hm.Thresholds.from_vars({"service": "a"}).services == ["a.service"]
+    assert (
+        hm.probe_params(hm.Thresholds.from_vars(SERVICE_VARS))["services"][0]["url"]
+        == "http://127.0.0.1:30000/health"
+    )
+
+
+def test_gpu_count_and_model() -> None:
+    facts = healthy()
+    del facts["gpus"]["gpus"][3]
+    v = judge("gpu_count", facts)
+    assert not v.ok and "sees 3 GPUs, the inventory expects 4" in v.summary
+    assert any("0000:3b:00.0 is bound to nvidia but nvidia-smi does not list it" in r for r in v.reasons)
+    assert not judge("gpu_count", healthy(), gpu_model="B200").ok
+    assert judge("gpu_count", healthy(), gpu_model="rtx pro 6000").ok
+
+
+def test_versions_against_inventory_and_between_gpus() -> None:
+    assert "570.133.07" in judge("driver_version", healthy()).summary
+    assert not judge("driver_version", healthy(), driver_version="575.51.03").ok
+    facts = healthy()
+    facts["gpus"]["gpus"][1]["driver_version"] = "550.54.15"
+    assert "differs between GPUs" in judge("driver_version", facts).summary
+    assert judge("cuda_version", healthy()).state["cuda_version"] == "12.8"
+    assert not judge("cuda_version", healthy(), cuda_version="12.4").ok
+
+
+def test_persistence_offers_its_fix() -> None:
+    facts = healthy()
+    facts["gpus"]["gpus"][2].update({"persistence_mode": 0, "raw": {"persistence_mode": "Disabled"}})
+    v = judge("persistence_mode", facts)
+    assert not v.ok and v.fix == "persistence" and "off on 1 of 4 GPUs" in v.summary
+    assert "GPU 2 (0000:3a:00.0): persistence mode Disabled" in v.reasons
+    assert judge("persistence_mode", facts, persistence_mode=False).skip
+
+
+def test_memory_errors() -> None:
+    facts = healthy()
+    facts["gpus"]["gpus"][0]["ecc.errors.uncorrected.volatile.total"] = 2
+    facts["gpus"]["gpus"][1]["remapped_rows.failure"] = 1
+    facts["gpus"]["gpus"][3]["retired_pages.pending"] = 1
+    assert "uncorrected ECC errors 2 > 0" in judge("ecc", facts).summary
+    assert judge("ecc", facts, ecc_uncorrected_max=5).ok
+    assert not judge("remapped_rows", facts).ok
+    assert "GPU 3" in judge("retired_pages", facts).summary
+    facts = healthy()
+    facts["gpus"]["gpus"][0]["ecc.errors.corrected.volatile.total"] = 500
+    assert judge("ecc", facts).ok and not judge("ecc", facts, ecc_corrected_max=100).ok
+
+
+def test_xid_counts_only_new_lines_and_ignores_application_faults() -> None:
+    facts = healthy()
+    facts["kernel_log"]["xid"] = [
+        {
+            "ts": 5.0,
+            "bdf": "0000:3a:00",
+            "code": 79,
+            "msg": "NVRM: Xid (PCI:0000:3a:00): 79, GPU has fallen off the bus.",
+        },
+        {
+            "ts": 6.0,
+            "bdf": "0000:17:00",
+            "code": 13,
+            "msg": "NVRM: Xid (PCI:0000:17:00): 13, Graphics Exception",
+        },
+    ]
+    v = judge("xid", facts)
+    assert not v.ok and "1 Xid error(s) since the last run: code 79; 1 ignored (13)" == v.summary
+    assert v.reasons == ["Xid 79 on 0000:3a:00: NVRM: Xid (PCI:0000:3a:00): 79, GPU has fallen off the bus."]
+    assert judge("xid", facts, xid_ignore=[13, 79]).ok
+    facts["kernel_log"].update(first_run=True, xid=[])
+    assert "since boot (first run; baseline recorded)" in judge("xid", facts).summary
+    facts["kernel_log"]["sxid"] = [{"ts": 1, "bdf": "0000:05:00.0", "code": 12028, "msg": "SXid ..."}]
+    assert not judge("sxid", facts).ok
+    facts["kernel_log"] = {"ok": False, "error": "dmesg exited 1: Operation not permitted"}
+    assert "dmesg exited 1" in judge("xid", facts).summary
+
+
+def test_degraded_pcie_link() -> None:
+    facts = healthy()
+    facts["gpus"]["gpus"][1]["pcie.link.width.current"] = 8
+    facts["gpus"]["gpus"][2]["pcie.link.gen.current"] = 4
+    v = judge("pcie_link", facts)
+    assert not v.ok
+    assert v.reasons == [
+        "GPU 1 (0000:18:00.0): PCIe x8, below x16 (max x16)",
+        "GPU 2 (0000:3a:00.0): PCIe Gen4, below Gen5 (max Gen5)",
+    ]
+    assert judge("pcie_link", facts, pcie_gen_min=4, pcie_width_min=8).ok
+    # nvidia-smi without the link fields: sysfs decides
+    facts = healthy()
+    for g in facts["gpus"]["gpus"]:
+        for k in (
+            "pcie.link.gen.current",
+            "pcie.link.gen.max",
+            "pcie.link.width.current",
+            "pcie.link.width.max",
+        ):
+            g[k] = None
+    facts["pci"]["devices"][BDFS[0]]["link"] = {
+        "speed": "16.0 GT/s PCIe",
+        "max_speed": "32.0 GT/s PCIe",
+        "width": "16",
+        "max_width": "16",
+    }
+    assert "Gen4, below Gen5" in judge("pcie_link", facts).summary
+
+
+def test_nvlink_down() -> None:
+    facts = healthy()
+    facts["nvlink"]["gpus"] = {
+        "0": {"links": {"0": {"up": True, "text": "26.562 GB/s"}, "1": {"up": False, "text": "<inactive>"}}},
+        "1": {"links": {"0": {"up": True, "text": "26.562 GB/s"}, "1": {"up": True, "text": "26.562 GB/s"}}},
+    }
+    v = judge("nvlink", facts)
+    assert not v.ok and v.reasons == ["GPU 0 link 1: <inactive>"] and "1 of 4 NVLinks down" in v.summary
+    assert not judge("nvlink", healthy(), nvlink_required=True).ok
+
+
+def test_iommu_acs_and_p2p() -> None:
+    facts = healthy()
+    facts["pci"]["devices"][BDFS[0]]["iommu_type"] = "DMA-FQ"
+    facts["pci"]["devices"][BDFS[1]]["driver"] = "vfio-pci"  # a VM's GPU: not judged
+    facts["pci"]["devices"][BDFS[1]]["iommu_type"] = "DMA-FQ"
+    v = judge("iommu_group_type", facts)
+    assert not v.ok and v.reasons == ["0000:17:00.0: IOMMU group 30 is DMA-FQ, expected identity"]
+    assert judge("iommu_group_type", facts, iommu_group_types=["identity", "DMA-FQ"]).ok
+    facts["pci"]["devices"][BDFS[2]]["bridges"][0]["acs"]["ctl"].update(ReqRedir=True, CmpltRedir=True)
+    v = judge("acs", facts)
+    assert not v.ok and "bridge 0000:12:00.0: ACS ReqRedir+ CmpltRedir+" in v.reasons[0]
+    unknown = healthy()
+    for d in unknown["pci"]["devices"].values():
+        d["bridges"][0]["acs"] = {"source": "unknown", "present": None, "ctl": {}}
+    assert judge("acs", unknown).skip.startswith("ACS state unknown")
+    facts["p2p"]["matrix"][0][2] = facts["p2p"]["matrix"][2][0] = "NS"
+    v = judge("p2p", facts)
+    assert not v.ok and v.reasons == ["GPU0 <-> GPU2: NS (not supported)"] and "1 of 6 GPU pairs" in v.summary
+
+
+def test_throttle_reasons() -> None:
+    facts = healthy()
+    facts["gpus"]["gpus"][0]["clocks_throttle_reasons.active"] = 0x1  # idle: fine
+    facts["gpus"]["gpus"][1]["clocks_throttle_reasons.active"] = 0x44  # sw power cap + hw thermal
+    v = judge("throttle", facts)
+    assert not v.ok and v.reasons == ["GPU 1 (0000:18:00.0): throttled by hw_thermal_slowdown (0x44)"]
+    assert hm.throttle_reason_names(0x88) == ["hw_slowdown", "hw_power_brake_slowdown"]
+
+
+def with_temps(temps: list[float]) -> dict[str, Any]:
+    facts = healthy()
+    for g, t in zip(facts["gpus"]["gpus"], temps, strict=False):
+        g["temperature.gpu"] = t
+    return facts
+
+
+def test_temperature_far_from_the_limit_needs_no_reread() -> None:
+    v = judge("temperature", with_temps([40, 41, 90, 42]))
+    assert not v.ok and v.reread is None and "90 C > 85 C (one reading)" in v.reasons[0]
+    assert judge("temperature", with_temps([40, 41, 60, 42])).reread is None
+
+
+def test_temperature_flapping_at_the_limit_is_decided_by_the_median() -> None:
+    first = with_temps([40, 41, 86, 42])  # 1 C over, inside the 2 C band: one reading is not trusted
+    v = judge("temperature", first)
+    assert v.reread == "gpus"
+    cool = judge("temperature", first, samples=[with_temps([40, 41, t, 42]) for t in (84, 85, 84)])
+    assert cool.ok and cool.reread is None  # readings 86, 84, 85, 84: median 84.5
+    assert "near the limit, readings [86.0, 84.0, 85.0, 84.0], median 84.5 C" in cool.reasons[0]
+    hot = judge("temperature", first, samples=[with_temps([40, 41, t, 42]) for t in (86, 87, 85)])
+    assert not hot.ok and "86 C > 85 C (median of 4 readings" in hot.reasons[0]
+
+
+def test_disk_free_with_noise_band() -> None:
+    facts = healthy()
+    facts["disk"]["paths"]["/data"] = {"total": 1000, "free": 50, "avail": 50}
+    v = judge("disk_free", facts, data_paths=["/", "/data"])
+    assert not v.ok and v.reasons == ["/data: 5.0% free < 10%"] and v.reread is None
+    facts["disk"]["paths"]["/data"] = {"total": 1000, "free": 98, "avail": 98}
+    v = judge("disk_free", facts, data_paths=["/", "/data"])
+    assert not v.ok and v.reread == "disk"
+    again = copy.deepcopy(facts)
+    again["disk"]["paths"]["/data"]["avail"] = 103
+    v = judge("disk_free", facts, samples=[again, again, again], data_paths=["/", "/data"])
+    assert v.ok and v.state["paths"]["/data"]["readings_pct"] == [9.8, 10.3, 10.3, 10.3]
+    facts["disk"]["paths"]["/gone"] = {"error": "/gone: No such file or directory", "errno": 2}
+    assert "/gone: No such file or directory" in judge("disk_free", facts).reasons
+
+
+def test_service_and_health_endpoint() -> None:
+    facts = healthy()
+    svc = facts["services"]["services"]["sglang-qwen.service"]
+    svc["show"].update(ActiveState="failed", SubState="failed", Result="exit-code", MainPID="0")
+    svc["health"] = {
+        "url": "http://127.0.0.1:30000/health",
+        "status": None,
+        "error": "URLError: [Errno 111] Connection refused",
+    }
+    v = judge("service", facts)
+    assert (
+        not v.ok
+        and v.fix == "service"
+        and v.summary == "sglang-qwen.service: failed (failed, result exit-code)"
+    )
+    h = judge("service_health", facts)
+    assert not h.ok and "Connection refused" in h.summary
+    assert judge("service", facts, service=None).skip
+    assert judge("service_health", healthy(), service_port=None).skip
+
+
+def test_unknown_check_is_an_error() -> None:
+    with pytest.raises(KeyError, match="unknown health check 'nope'"):
+        hm.evaluate("nope", healthy(), hm.Thresholds.from_vars({}))
