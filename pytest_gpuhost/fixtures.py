@@ -56,9 +56,9 @@ def container(_gpuhost_target: Any) -> Any:
 @pytest.fixture
 def gpus(_gpuhost_target: Any) -> Any:
     """The target's NVIDIA GPUs (BDF, driver, IOMMU group, holders), read when the test starts."""
-    from pytest_gpuhost.modules import gpu
+    from pytest_gpuhost.modules.gpu import inventory
 
-    return gpu.inventory(_gpuhost_target)
+    return inventory(_gpuhost_target)
 
 
 @pytest.fixture(scope="session")
@@ -83,12 +83,12 @@ def evidence() -> Any:
 
 
 def _host_for(target: Any, *, container: bool) -> Any:
-    from pytest_gpuhost import backend
+    from pytest_gpuhost.backend import make_host
 
     attr = "_gpuhost_container_host" if container else "_gpuhost_host"
     host = getattr(target, attr, None)
     if host is None:
-        host = backend.make_host(target.container_conn if container else target.conn)
+        host = make_host(target.container_conn if container else target.conn)
         try:
             host.target = target
         except AttributeError:

@@ -320,24 +320,26 @@ def default_report_name(config: pytest.Config) -> str:
 
 
 def _load_targets(config: pytest.Config, s: Settings) -> list[Any]:
-    from pytest_gpuhost import targets as targets_mod
+    # `from package.module import name` (not `from package import module`): pytester's inline
+    # runs drop modules from sys.modules between runs, and the package attribute would go stale.
+    from pytest_gpuhost.targets import parse_container, parse_host_url
 
     specs: list[Any] = []
     for url in s.hosts:
         try:
-            specs.append(targets_mod.parse_host_url(url))
+            specs.append(parse_host_url(url))
         except GpuhostError as exc:
             raise pytest.UsageError(f"gpuhost: bad value {url!r} for --host: {exc}") from None
     if s.inventory:
-        from pytest_gpuhost import inventory as inventory_mod
+        from pytest_gpuhost.inventory import load_inventory
 
         try:
-            specs.extend(inventory_mod.load_inventory(s.inventory))
+            specs.extend(load_inventory(s.inventory))
         except GpuhostError as exc:
             raise pytest.UsageError(f"gpuhost: bad inventory {s.inventory!r} (--inventory): {exc}") from None
     if s.container:
         try:
-            container = targets_mod.parse_container(s.container)
+            container = parse_container(s.container)
         except GpuhostError as exc:
             raise pytest.UsageError(f"gpuhost: bad value {s.container!r} for --container: {exc}") from None
         for spec in specs:

@@ -64,7 +64,13 @@ def test_outcomes_and_terminal_summary(engine: pytest.Pytester) -> None:
             "*test_not_here SKIPPED (no gpus: *",
         ]
     )
-    result.stdout.fnmatch_lines(["*failed: c.txt holds ok: fix did not verify", "*before: c.txt is ''", "*after:  c.txt is 'still wrong'"])
+    result.stdout.fnmatch_lines(
+        [
+            "*failed: c.txt holds ok: fix did not verify",
+            "*before: c.txt is ''",
+            "*after:  c.txt is 'still wrong'",
+        ]
+    )
     assert "1 failed, 1 passed, 1 skipped, 1 fixed" in _summary(result)
     assert result.ret == 1
     assert (engine.path / "b.txt").read_text() == "ok"
@@ -73,7 +79,9 @@ def test_outcomes_and_terminal_summary(engine: pytest.Pytester) -> None:
 def test_check_only_changes_nothing_and_shows_actions(engine: pytest.Pytester) -> None:
     result = engine.runpytest("-v", "--check-only", "--report-dir=none")
     result.stdout.fnmatch_lines(["*test_broken WOULD FIX*", "*test_unfixable WOULD FIX*"])
-    result.stdout.fnmatch_lines(["*= would fix (check-only) =*", "*test_broken*", "*write ok to b.txt: echo ok > b.txt"])
+    result.stdout.fnmatch_lines(
+        ["*= would fix (check-only) =*", "*test_broken*", "*write ok to b.txt: echo ok > b.txt"]
+    )
     assert "1 passed, 1 skipped, 2 would fix" in _summary(result)
     assert result.ret == 1, "would fix must fail the run (CI gating)"
     assert (engine.path / "b.txt").read_text() == "broken"
@@ -108,7 +116,11 @@ def test_fix_that_raises_fails_with_before_and_after(pytester: pytest.Pytester) 
     )
     result = pytester.runpytest("--report-dir=none")
     result.stdout.fnmatch_lines(
-        ["*failed: unbind 0000:01:00.0: fix raised OSError: [[]Errno 16[]] Device or resource busy", "*before: bound to nvidia", "*after:  bound to nvidia"]
+        [
+            "*failed: unbind 0000:01:00.0: fix raised OSError: [[]Errno 16[]] Device or resource busy",
+            "*before: bound to nvidia",
+            "*after:  bound to nvidia",
+        ]
     )
     result.assert_outcomes(failed=1)
 
@@ -211,5 +223,7 @@ def test_worst_outcome_of_several_and_report_attributes(pytester: pytest.Pyteste
     (test,) = data["tests"]
     assert test["gpuhost_outcome"] == "fixed" and test["outcome"] == "passed"
     assert [r["outcome"] for r in test["remediations"]] == ["passed", "fixed"]
-    assert test["evidence"]["call"]["measures"] == [{"name": "bandwidth", "value": 24.5, "unit": "GB/s", "target": ""}]
+    assert test["evidence"]["call"]["measures"] == [
+        {"name": "bandwidth", "value": 24.5, "unit": "GB/s", "target": ""}
+    ]
     assert data["summary"] == {"fixed": 1}

@@ -9,6 +9,11 @@ from typing import Any
 
 import pytest
 
+# Imported here, outside pytester's inline runs: those drop modules first imported inside a run
+# from sys.modules, and cryptography's compiled bindings break when imported a second time.
+import pytest_gpuhost.backend  # noqa: F401
+import pytest_gpuhost.targets  # noqa: F401
+
 # Files on the target (this machine, reached through the agent): check "content is good",
 # fix writes it with the agent's write_file. Every command goes through target.conn.
 SUITE = """
@@ -56,7 +61,9 @@ def _files(state: Path) -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(state.iterdir())}
 
 
-def _run_suite(pytester: pytest.Pytester, target_args: list[str], target: str, tmp_path: Path) -> dict[str, Any]:
+def _run_suite(
+    pytester: pytest.Pytester, target_args: list[str], target: str, tmp_path: Path
+) -> dict[str, Any]:
     state = tmp_path / "state"
     state.mkdir()
     os.environ["GPUHOST_E2E_DIR"] = str(state)
@@ -77,7 +84,9 @@ def _run_suite(pytester: pytest.Pytester, target_args: list[str], target: str, t
     assert "fixed" not in result.outlines[-1]
 
     reports = pytester.path / "reports"
-    assert {"check.html", "check.json", "fix.html", "fix.json", "fix.xml", "again.json"} <= {p.name for p in reports.iterdir()}
+    assert {"check.html", "check.json", "fix.html", "fix.json", "fix.xml", "again.json"} <= {
+        p.name for p in reports.iterdir()
+    }
     data: dict[str, Any] = json.loads((reports / "fix.json").read_text())
     return data
 
@@ -88,20 +97,28 @@ def _check_fix_report(data: dict[str, Any], target: str) -> None:
     b = by_name[f"{target}-b"]
     assert b["gpuhost_outcome"] == "fixed" and b["outcome"] == "passed"
     commands = b["evidence"]["call"]["commands"]
-    assert commands[0]["command"].startswith("cat ") and commands[0]["stdout"] == "bad" and commands[0]["rc"] == 0
+    assert (
+        commands[0]["command"].startswith("cat ")
+        and commands[0]["stdout"] == "bad"
+        and commands[0]["rc"] == 0
+    )
     assert any(c["command"].startswith("echo good > ") for c in commands), commands
     assert [s["label"] for s in b["evidence"]["call"]["states"]] == ["before", "after"]
     assert b["evidence"]["call"]["actions"][0]["status"] == "done"
     assert by_name[f"{target}-a"]["gpuhost_outcome"] == "passed"
 
 
-def test_suite_against_local(pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_suite_against_local(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("GPUHOST_E2E_DIR", "")
     data = _run_suite(pytester, ["--host=local://"], "local", tmp_path)
     _check_fix_report(data, "local")
 
 
-def test_suite_against_sshd(pytester: pytest.Pytester, tmp_path: Path, sshd: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_suite_against_sshd(
+    pytester: pytest.Pytester, tmp_path: Path, sshd: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("GPUHOST_E2E_DIR", "")
     args = [f"--host={sshd.url}", f"--ssh-identity={sshd.identity}", f"--known-hosts={sshd.known_hosts}"]
     data = _run_suite(pytester, args, "127.0.0.1", tmp_path)

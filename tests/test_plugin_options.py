@@ -27,7 +27,13 @@ def test_help_lists_the_gpuhost_group(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["gpuhost: verify and repair GPU hosts:"])
     for opt in OPTIONS:
         result.stdout.fnmatch_lines([f"*{opt}*"])
-    for ini in ("gpuhost_hosts", "gpuhost_check_only", "gpuhost_command_timeout", "gpuhost_host_key_policy", "gpuhost_sudo"):
+    for ini in (
+        "gpuhost_hosts",
+        "gpuhost_check_only",
+        "gpuhost_command_timeout",
+        "gpuhost_host_key_policy",
+        "gpuhost_sudo",
+    ):
         result.stdout.fnmatch_lines([f"*{ini} *"])
 
 
@@ -40,13 +46,31 @@ def test_sudo_exists_without_testinfra(pytester: pytest.Pytester) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--command-timeout=abc"], "*bad value 'abc' for --command-timeout (command line --command-timeout): expected a number*"),
-        (["--connect-timeout=0"], "*bad value '0' for --connect-timeout (command line*): expected a number of seconds greater than 0*"),
-        (["--host-key-policy=yolo"], "*bad value 'yolo' for --host-key-policy*expected one of strict, accept-new*"),
+        (
+            ["--command-timeout=abc"],
+            "*bad value 'abc' for --command-timeout (command line --command-timeout): expected a number*",
+        ),
+        (
+            ["--connect-timeout=0"],
+            "*bad value '0' for --connect-timeout (command line*): expected a number of seconds greater than 0*",
+        ),
+        (
+            ["--host-key-policy=yolo"],
+            "*bad value 'yolo' for --host-key-policy*expected one of strict, accept-new*",
+        ),
         (["--ssh-identity=/nonexistent/id"], "*bad value '/nonexistent/id' for --ssh-identity*no such file*"),
-        (["--known-hosts=/nonexistent/kh"], "*bad value '/nonexistent/kh' for --known-hosts*no such file*accept-new*"),
-        (["--known-hosts=/nonexistent/kh", "--host-key-policy=accept-new"], "*--known-hosts*directory /nonexistent does not exist*"),
-        (["--inventory=/nonexistent/fleet.yaml"], "*bad value '/nonexistent/fleet.yaml' for --inventory*no such file*"),
+        (
+            ["--known-hosts=/nonexistent/kh"],
+            "*bad value '/nonexistent/kh' for --known-hosts*no such file*accept-new*",
+        ),
+        (
+            ["--known-hosts=/nonexistent/kh", "--host-key-policy=accept-new"],
+            "*--known-hosts*directory /nonexistent does not exist*",
+        ),
+        (
+            ["--inventory=/nonexistent/fleet.yaml"],
+            "*bad value '/nonexistent/fleet.yaml' for --inventory*no such file*",
+        ),
         (["--report-name=a/b"], "*bad value 'a/b' for --report-name*no directories*"),
         (["--host=ftp://x"], "*bad value 'ftp://x' for --host: unknown target scheme 'ftp'*"),
         (["--host=ssh://root@host:99999"], "*bad value 'ssh://root@host:99999' for --host*port*"),
@@ -64,9 +88,15 @@ def test_ini_twins_are_read_and_named_in_errors(pytester: pytest.Pytester) -> No
     pytester.makeini("[pytest]\ngpuhost_check_only = maybe\n")
     result = pytester.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*bad value 'maybe' for --check-only (ini option gpuhost_check_only in *tox.ini): expected true or false*"])
+    result.stderr.fnmatch_lines(
+        [
+            "*bad value 'maybe' for --check-only (ini option gpuhost_check_only in *tox.ini): expected true or false*"
+        ]
+    )
 
-    pytester.makeini("[pytest]\ngpuhost_check_only = true\ngpuhost_command_timeout = 5\ngpuhost_report_dir = none\n")
+    pytester.makeini(
+        "[pytest]\ngpuhost_check_only = true\ngpuhost_command_timeout = 5\ngpuhost_report_dir = none\n"
+    )
     pytester.makepyfile(
         """
         from pytest_gpuhost.plugin import settings_key

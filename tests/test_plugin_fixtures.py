@@ -1,0 +1,167 @@
+"""The fixtures (target, host, container, gpus, remediate, evidence, check_only), plugin order, timeouts, host keys."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Imported here, outside pytester's inline runs: those drop modules first imported inside a run
+# from sys.modules, and cryptography's compiled bindings break when imported a second time.
+import pytest_gpuhost.backend  # noqa: F401
+import pytest_gpuhost.targets  # noqa: F401
+
+HOST_IS_OURS = """
+import os
+
+def test_host_is_ours(host, target, request):
+    names = [name for name, _ in request.config.pluginmanager.list_name_plugin()]
+    order = [n for n in names if n in ("testinfra", "gpuhost")]
+    assert order == os.environ["EXPECTED_ORDER"].split(","), names
+    assert type(host.backend).__module__ == "pytest_gpuhost.backend"
+    assert host.target is target and target.name == "local"
+    assert host.run("echo hi").stdout == "hi\\n"
+    assert host.file("/").is_directory
+"""
+
+
+@pytest.mark.parametrize(
+    ("plugins", "order"),
+    [
+        (["-p", "testinfra", "-p", "gpuhost"], "testinfra,gpuhost"),
+        (["-p", "gpuhost", "-p", "testinfra"], "gpuhost,testinfra"),
+    ],
+    ids=["testinfra-first", "gpuhost-first"],
+)
+def test_host_fixture_is_ours_in_both_load_orders(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, plugins: list[str], order: str
+) -> None:
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("EXPECTED_ORDER", order)
+    pytester.makepyfile(HOST_IS_OURS)
+    result = pytester.runpytest(*plugins, "--host=local://", "--report-dir=none")
+    result.assert_outcomes(passed=1)
+
+
+def test_fixtures_per_target(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+        from pytest_gpuhost.remediation import Action, Check
+
+        def test_target(target):
+            assert target.name == "local" and target.spec.scheme == "local"
+            assert target.container_conn is None and target.vars == {}
+            assert target.conn.run(["echo", "x"]).stdout == "x\\n"
+
+        def test_no_container(container):
+            pass
+
+        def test_gpus(gpus):
+            assert isinstance(gpus, list)
+            for gpu in gpus:
+                assert gpu.bdf
+
+        def test_check_only(check_only):
+            assert check_only is False
+
+        def test_remediate_names_the_target(target, remediate):
+            state = {"ok": False}
+            out = remediate(name="n", check=lambda: Check(state["ok"], "s"),
+                            plan=lambda b: [Action("a", "c")], fix=lambda a, b: state.update(ok=True))
+            assert out.outcome == "fixed" and out.target == "local" and out.actions[0].target == "local"
+
+        @pytest.fixture
+        def early(evidence):
+            evidence.note("from setup")
+            yield
+            evidence.note("from teardown")
+
+        def test_evidence_goes_to_the_running_phase(early, evidence, request):
+            evidence.note("from call")
+        """
+    )
+    result = pytester.runpytest("-v", "-rs", "--host=local://", "--report-name=fx")
+    result.stdout.fnmatch_lines(
+        ["*test_target?local? PASSED*", "*test_remediate_names_the_target?local? FIXED*"]
+    )
+    result.stdout.fnmatch_lines(["*local: no container: pass --container=*"])
+    result.assert_outcomes(passed=4, skipped=1)
+    assert "1 fixed" in result.outlines[-1]
+    import json
+
+    data = json.loads((pytester.path / "reports" / "fx.json").read_text())
+    ev = next(t for t in data["tests"] if "test_evidence_goes" in t["nodeid"])["evidence"]
+    assert ev["setup"]["notes"] == ["from setup"]
+    assert ev["call"]["notes"] == ["from call"]
+    assert ev["teardown"]["notes"] == ["from teardown"]
+
+
+def test_container_fixture_over_its_own_ssh(pytester: pytest.Pytester, sshd: Any) -> None:
+    pytester.makepyfile(
+        """
+        def test_container(container, host):
+            assert container.run("echo in-container").stdout == "in-container\\n"
+            assert container is not host
+        """
+    )
+    result = pytester.runpytest(
+        "--host=local://",
+        f"--container={sshd.url}",
+        f"--ssh-identity={sshd.identity}",
+        f"--known-hosts={sshd.known_hosts}",
+        "--report-dir=none",
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_hanging_command_is_killed_at_the_timeout(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import os, time
+
+        def test_hang(target):
+            t0 = time.monotonic()
+            r = target.conn.run(["sh", "-c", "echo $$; echo started; exec sleep 60"])
+            assert r.timed_out and r.rc != 0
+            assert "started" in r.stdout, "output printed before the timeout is kept"
+            assert time.monotonic() - t0 < 10
+            pid = int(r.stdout.split()[0])
+            time.sleep(0.2)
+            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+        def test_check_raises_one_line(target):
+            target.conn.run(["sleep", "60"], timeout=1, check=True)
+        """
+    )
+    result = pytester.runpytest("--host=local://", "--command-timeout=1", "--report-dir=none")
+    result.assert_outcomes(passed=1, failed=1)
+    failure = result.stdout.str().split("_ test_check_raises_one_line[local] _", 1)[1]
+    body = [ln for ln in failure.splitlines()[1:] if ln.strip() and not ln.startswith("=")]
+    assert body[0].startswith("CommandTimeout: "), body
+    assert "Traceback" not in failure and "def test_check" not in failure
+
+
+def test_unknown_host_key_refused_by_default_accepted_with_accept_new(
+    pytester: pytest.Pytester, sshd: Any, tmp_path: Path
+) -> None:
+    pytester.makepyfile("def test_connect(target):\n    assert target.conn.run(['true']).rc == 0\n")
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    args = [
+        f"--host={sshd.url}",
+        f"--ssh-identity={sshd.identity}",
+        f"--known-hosts={known}",
+        "--report-dir=none",
+    ]
+    result = pytester.runpytest(*args)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["ConnectError: *"])
+    assert known.read_text() == ""
+    result = pytester.runpytest(*args, "--host-key-policy=accept-new")
+    result.assert_outcomes(passed=1)
+    assert known.read_text().strip(), "accept-new did not record the key"
+    pytester.runpytest(*args).assert_outcomes(passed=1)
+    assert os.stat(known).st_size > 0
