@@ -329,14 +329,15 @@ class Progress:
     bytes_done: int
     bytes_total: int
     elapsed: float
+    what: str = "backup"
 
     @property
     def rate(self) -> float:
         return self.bytes_done / self.elapsed if self.elapsed > 0 else 0.0
 
-    def line(self, what: str = "backup") -> str:
+    def line(self) -> str:
         return (
-            f"{what}: {self.files_done}/{self.files_total} files, "
+            f"{self.what}: {self.files_done}/{self.files_total} files, "
             f"{self.bytes_done / 1e6:.1f}/{self.bytes_total / 1e6:.1f} MB, {self.rate / 1e6:.1f} MB/s"
         )
 

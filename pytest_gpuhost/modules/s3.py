@@ -236,7 +236,9 @@ class S3Upload:
                 now = time.monotonic()
                 if self.progress is not None and now - last[0] >= self.progress_interval:
                     last[0] = now
-                    self.progress(Progress(done[0], len(plan.upload), done[1], total, now - started))
+                    self.progress(
+                        Progress(done[0], len(plan.upload), done[1], total, now - started, "S3 upload")
+                    )
 
         # big files first, so that their multipart uploads overlap with the many small ones
         queue = sorted(plan.upload, key=lambda i: -i.size)
@@ -260,7 +262,7 @@ class S3Upload:
             result.open_uploads_after = [k for k, _ in self.open_uploads()]
             result.duration = time.monotonic() - started
         if self.progress is not None:
-            self.progress(Progress(done[0], len(plan.upload), done[1], total, result.duration))
+            self.progress(Progress(done[0], len(plan.upload), done[1], total, result.duration, "S3 upload"))
         return result
 
     def _upload_one(self, item: S3Item, tick: Callable[[int], None]) -> dict[str, Any]:

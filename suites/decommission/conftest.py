@@ -25,7 +25,8 @@ def _progress_sink(config: pytest.Config) -> Any:
     worker = hasattr(config, "workerinput")
 
     def sink(p: Progress) -> None:
-        line = p.line("decommission backup" if p.files_total else "decommission")
+        line = "decommission " + p.line()
+        evidence.current().note(line)
         if tr is not None and capman is not None and not worker:
             with capman.global_and_fixture_disabled():
                 tr.write_line(line)
