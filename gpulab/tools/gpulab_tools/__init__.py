@@ -221,12 +221,12 @@ class Host:
                     st = os.stat(f"{fd_dir}/{fd}")
                 except OSError:
                     continue
-                g = keys.get((st.st_dev, st.st_ino))
-                if g is None or g.bdf in seen:
+                hit = keys.get((st.st_dev, st.st_ino))
+                if hit is None or hit.bdf in seen:
                     continue
-                seen.add(g.bdf)
+                seen.add(hit.bdf)
                 argv = _cmdline(int(d))
-                g.holders.append(_holder(int(d), argv, g.memory_total))
+                hit.holders.append(_holder(int(d), argv, hit.memory_total))
         for g in gpus:
             g.holders.sort(key=lambda h: h.pid)
             if any(h.kind == "" for h in g.holders):
