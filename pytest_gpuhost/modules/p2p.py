@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 NVBANDWIDTH_TEST = "device_to_device_memcpy_read_ce"
-DEFAULT_FRACTION = 0.6
+DEFAULT_FRACTION = 0.5
 # GT/s per lane -> payload efficiency of the line code (8b/10b up to Gen2, 128b/130b from Gen3)
 _PCIE_GEN = {2.5: 0.8, 5.0: 0.8, 8.0: 128 / 130, 16.0: 128 / 130, 32.0: 128 / 130, 64.0: 242 / 256}
 _NVLINK_PER_LINK = 25.0  # GB/s one direction per link, NVLink 3 and 4 (A100, H100)

@@ -41,8 +41,8 @@ _OPTIONS: tuple[tuple[str, str, str, str, str | None], ...] = (
         "--p2p-min-fraction",
         "p2p_min_fraction",
         "FRACTION",
-        "suites/p2p: threshold as a fraction of the expected bandwidth (default 0.6)",
-        "0.6",
+        "suites/p2p: threshold as a fraction of the expected bandwidth (default 0.5)",
+        "0.5",
     ),
     (
         "--service",
@@ -135,7 +135,7 @@ def validate(config: pytest.Config) -> None:
         raise pytest.UsageError("--service: give a systemd unit name, e.g. sglang-qwen")
     stop_timeout = _number(config, "p2p_stop_timeout", "20", low=0, high=3600)
     min_gbps = _number(config, "p2p_min_gbps", None, low=0, high=100000)
-    fraction = _number(config, "p2p_min_fraction", "0.6", low=0.01, high=1.0)
+    fraction = _number(config, "p2p_min_fraction", "0.5", low=0.01, high=1.0)
     port = _number(config, "p2p_health_port", "30000", low=1, high=65535)
     health_timeout = _number(config, "p2p_health_timeout", "120", low=1, high=3600)
     lock_wait = _number(config, "p2p_lock_wait", "60", low=0, high=86400)
@@ -143,7 +143,7 @@ def validate(config: pytest.Config) -> None:
         gpus=gpus,
         stop_timeout=stop_timeout if stop_timeout is not None else 20.0,
         min_gbps=min_gbps,
-        fraction=fraction if fraction is not None else 0.6,
+        fraction=fraction if fraction is not None else 0.5,
         service=str(service).strip() if service else "",
         health_url=str(health_url) if health_url else None,
         health_port=int(port or 30000),
