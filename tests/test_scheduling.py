@@ -1,0 +1,78 @@
+"""The host-grouping xdist scheduler: each target's tests on one worker, in collection order."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from pytest_gpuhost.scheduling import host_of_nodeid, param_id
+
+INVENTORY = """\
+[rack1]
+h1 ansible_connection=local
+h2 ansible_connection=local
+h3 ansible_connection=local
+[rack2]
+h4 ansible_connection=local
+h5 ansible_connection=local
+h6 ansible_connection=local
+"""
+
+STEPS = """\
+import os, time
+import pytest
+
+def _log(target, step):
+    with open(os.environ["SCHED_LOG"], "a") as f:
+        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {target.name} {step} {time.monotonic()}\\n")
+
+def test_a(target): _log(target, "a")
+def test_b(target): _log(target, "b"); time.sleep(0.05)
+def test_c(target): _log(target, "c")
+def test_d(target): _log(target, "d")
+def test_plain(): pass
+"""
+
+
+def test_host_of_nodeid() -> None:
+    assert param_id("suites/health/test_health.py::test_xid[gpu-node-07]") == "gpu-node-07"
+    assert param_id("a.py::test_x") is None
+    assert host_of_nodeid("a.py::test_x[local://]") == "local://"
+    known = ["gpu-1", "gpu-10", "198.18.1.2"]
+    assert host_of_nodeid("a.py::test_x[gpu-10]", known) == "gpu-10"
+    assert host_of_nodeid("a.py::test_x[gpu-1-extra]", known) == "gpu-1"
+    assert host_of_nodeid("a.py::test_x[4-198.18.1.2]", known) == "198.18.1.2"
+    assert host_of_nodeid("a.py::test_x[other]", known) is None
+    assert host_of_nodeid("a.py::C::test_x[gpu-1]", known) == "gpu-1"
+
+
+def test_each_host_runs_on_one_worker_in_collection_order(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = pytester.path / "sched.log"
+    monkeypatch.setenv("SCHED_LOG", str(log))
+    pytester.makefile(".ini", fleet=INVENTORY)
+    pytester.makepyfile(test_steps=STEPS)
+    result = pytester.runpytest_subprocess(
+        "--inventory=fleet.ini", "-n", "2", "-p", "no:cacheprovider", "--report-dir=none"
+    )
+    result.assert_outcomes(passed=6 * 4 + 1)
+    rows = [line.split() for line in log.read_text().splitlines()]
+    workers: dict[str, set[str]] = defaultdict(set)
+    order: dict[str, list[str]] = defaultdict(list)
+    for worker, host, step, _t in sorted(rows, key=lambda r: float(r[3])):
+        workers[host].add(worker)
+        order[host].append(step)
+    assert set(workers) == {f"h{i}" for i in range(1, 7)}
+    assert all(len(w) == 1 for w in workers.values()), dict(workers)
+    assert all(steps == ["a", "b", "c", "d"] for steps in order.values()), dict(order)
+    used = {w for ws in workers.values() for w in ws}
+    assert used == {"gw0", "gw1"}, "hosts are spread over both workers"
+
+
+def test_xdist_choice_leaves_the_scheduling_to_xdist(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_x="def test_x(): pass")
+    result = pytester.runpytest("--gpuhost-scheduling=nope", "--report-dir=none")
+    result.stderr.fnmatch_lines(["*--gpuhost-scheduling='nope': choose one of host, xdist*"])
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
