@@ -1,0 +1,102 @@
+"""S3 side of the backup against moto's server on loopback (a real HTTP endpoint), through boto3."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from pytest_gpuhost.modules import s3 as s3mod
+from pytest_gpuhost.modules.backup import Backup, Category, Manifest
+from pytest_gpuhost.modules.process import Selection
+from pytest_gpuhost.modules.s3 import S3Upload, items_from_backup, key_for, parse_s3_url
+from pytest_gpuhost.targets import open_connection, parse_host_url
+
+
+@pytest.fixture
+def aws_env(s3_endpoint, monkeypatch):
+    for k, v in s3_endpoint.env.items():
+        monkeypatch.setenv(k, v)
+    return s3_endpoint
+
+
+@pytest.fixture
+def backed_up(tmp_path):
+    """A verified local backup of a small tree with a large file, hostile names and a link."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(40):
+        (src / "d" / f"f{i}.txt").write_bytes(os.urandom(100 + i))
+    (src / "big.bin").write_bytes(os.urandom(7 * 1024 * 1024 + 3))
+    with open(os.fsencode(src) + b"/new\nline \xff %41.txt", "wb") as f:
+        f.write(b"hostile")
+    os.symlink("/etc", src / "etc-link")
+    conn = open_connection(parse_host_url("local://"))
+    m = Manifest("t", (Category("data", (str(src),), s3=True),), Selection())
+    b = Backup(conn, m, tmp_path / "dest")
+    listing = b.walk()
+    assert b.run(b.plan(listing)).ok
+    yield b, listing
+    conn.close()
+
+
+def test_key_escaping_is_reversible_and_safe():
+    assert key_for("data/a b$(x)'q\".txt") == "data/a b$(x)'q\".txt"
+    assert key_for(os.fsdecode(b"data/new\nline \xff %41")) == "data/new%0Aline %FF %2541"
+
+
+def test_upload_verify_rerun_and_multipart_hygiene(aws_env, backed_up, monkeypatch):
+    monkeypatch.setattr(s3mod, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
+    monkeypatch.setattr(s3mod, "PART_SIZE", 5 * 1024 * 1024)
+    b, listing = backed_up
+    bucket = aws_env.make_bucket("bk")
+    loc = parse_s3_url(f"s3://{bucket}/node-a")
+    client = aws_env.client()
+    # an upload left open by an interrupted run
+    stale = client.create_multipart_upload(Bucket=bucket, Key="node-a/data/stale", ChecksumAlgorithm="SHA256")
+    up = S3Upload(b.dest, loc, endpoint=aws_env.url, workers=4)
+    items, unverified = items_from_backup(b, listing)
+    assert not unverified and len(items) == 43
+    res = up.run(up.plan(items))
+    assert res.ok, res.failed
+    assert res.uploaded == 43 and res.aborted_uploads == ["node-a/data/stale"]
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert up.verify(items, deep=True) == []
+    # what is in the bucket is what the node had
+    for f in listing.files:
+        key = loc.key(key_for(f.key))
+        obj = client.get_object(Bucket=bucket, Key=key)
+        body = obj["Body"].read()
+        if f.kind == "l":
+            assert body == b"/etc" and obj["Metadata"]["symlink"] == "1"
+        else:
+            assert hashlib.sha256(body).hexdigest() == b.state.items[f.key]["sha256"]
+            assert obj["Metadata"]["sha256"] == b.state.items[f.key]["sha256"]
+    up.finish()
+    del stale
+    # a rerun uploads nothing
+    up2 = S3Upload(b.dest, loc, endpoint=aws_env.url)
+    plan = up2.plan(items)
+    assert plan.upload == [] and len(plan.current) == 43
+    # an object replaced behind our back is found and uploaded again
+    big = next(i for i in items if i.rel.endswith("big.bin"))
+    client.put_object(Bucket=bucket, Key=loc.key(key_for(big.rel)), Body=b"not the file")
+    assert [p for p, _ in up2.verify(items)] == [big.rel]
+    plan = up2.plan(items)
+    assert [i.rel for i in plan.upload] == [big.rel]
+    assert up2.run(plan).ok and up2.verify(items) == []
+
+
+def test_local_copy_corrupted_after_verification_is_refused(aws_env, backed_up):
+    b, listing = backed_up
+    bucket = aws_env.make_bucket("bk")
+    items, _ = items_from_backup(b, listing)
+    victim = next(i for i in items if i.rel.endswith("f3.txt"))
+    with open(b.dest / victim.rel, "r+b") as f:
+        f.write(b"X")
+    up = S3Upload(b.dest, parse_s3_url(f"s3://{bucket}/p"), endpoint=aws_env.url)
+    res = up.run(up.plan(items))
+    assert [p for p, _ in res.failed] == [victim.rel]
+    assert "no longer matches" in res.failed[0][1]
+    assert [p for p, _ in up.verify(items)] == [victim.rel]
