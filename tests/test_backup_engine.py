@@ -174,4 +174,4 @@ def test_manifest_errors_name_the_key(tmp_path):
     with pytest.raises(BackupError, match="argv0"):
         load_manifest(bad)
     m = load_manifest(Path(__file__).parents[1] / "fixtures/manifests/b200-node-backup.yaml")
-    assert [c.name for c in m.categories if c.s3] == ["data"]
+    assert [c.name for c in m.categories if c.s3] == ["data", "other"]
