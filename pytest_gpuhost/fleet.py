@@ -10,7 +10,7 @@ On the controller (never in an xdist worker) every test report that names a targ
 as one cell of a hosts x checks table. At the end of the session that table becomes:
 
 * a fleet summary JSON (`--fleet-json PATH|s3://bucket/prefix/`, default
-  `reports/fleet-summary.json`), the unit `python -m pytest_gpuhost.merge` merges;
+  `fleet-summary.json` in `--report-dir`), the unit `python -m pytest_gpuhost.merge` merges;
 * a Prometheus textfile for node_exporter's textfile collector (`--prometheus-textfile`,
   registered by suites/health), written atomically;
 * a comparison with a previous summary (`--previous`), listing what newly failed and what
@@ -187,16 +187,25 @@ def _opt(config: pytest.Config, dest: str) -> tuple[str | None, str]:
     return (str(ini), f"ini {dest}") if ini else (None, "")
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def _limit_matcher(config: pytest.Config) -> Callable[[str, Sequence[str]], bool] | None:
+    """Return the compiled --limit (compiled once; the targets hook may run before our configure)."""
+    if _LIMIT in config.stash:
+        return config.stash[_LIMIT]
     limit, where = _opt(config, "gpuhost_limit")
-    if limit:
-        try:
-            config.stash[_LIMIT] = compile_limit(limit)
-        except LimitError as exc:
-            raise pytest.UsageError(
-                f"{where}={limit!r}: {exc}; write names or groups joined by and/or/not, "
-                "e.g. --limit 'rack1 and not gpu-node-07'"
-            ) from None
+    if not limit:
+        return None
+    try:
+        config.stash[_LIMIT] = compile_limit(limit)
+    except LimitError as exc:
+        raise pytest.UsageError(
+            f"{where}={limit!r}: {exc}; write names or groups joined by and/or/not, "
+            "e.g. --limit 'rack1 and not gpu-node-07'"
+        ) from None
+    return config.stash[_LIMIT]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _limit_matcher(config)
     if not hasattr(config, "workerinput"):
         recorder = FleetRecorder(config)
         config.stash[_RECORDER] = recorder
@@ -207,7 +216,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_gpuhost_targets(config: pytest.Config, targets: list[Any]) -> Any:
     """Apply --limit after every other implementation, and record the final target names."""
     result = yield
-    match = config.stash.get(_LIMIT, None)
+    match = _limit_matcher(config)
     if match is not None:
         before = len(targets)
         targets[:] = [t for t in targets if match(str(t.name), _spec_groups(t))]
@@ -291,11 +300,10 @@ class FleetRecorder:
                 rt = self.round_trips.setdefault(host, {})
                 short = key.removeprefix("gpuhost_")
                 rt[short] = max(rt.get(short, 0), props[key])
-        if check not in self.checks:
-            self.checks.append(check)
         if report.when == "setup" and report.outcome != "passed":
             outcome = "skipped" if report.skipped else "error"
             row[check] = Cell(outcome, _first_line(report), nodeid=report.nodeid, duration=report.duration)
+            self._note_check(check)
         elif report.when == "call":
             outcome = getattr(report, "gpuhost_outcome", None) or report.outcome
             summary = verdict.get("summary") or _first_line(report)
@@ -307,8 +315,13 @@ class FleetRecorder:
                 report.duration,
                 verdict.get("state"),
             )
+            self._note_check(check)
         elif report.when == "teardown" and report.failed and check in row and row[check].outcome in GOOD:
             row[check] = Cell("error", "teardown: " + _first_line(report), nodeid=report.nodeid)
+
+    def _note_check(self, check: str) -> None:
+        if check not in self.checks:
+            self.checks.append(check)
 
     def build(self) -> dict[str, Any]:
         """Return the fleet summary of what was recorded (see docs/fleet.md for the format)."""
@@ -348,11 +361,12 @@ class FleetRecorder:
                 summary["comparison"] = {"previous": prev_path, **compare(previous, summary)}
         self.summary = summary
         dest, _ = _opt(self.config, "gpuhost_fleet_json")
-        dest = dest or str(self.config.rootpath / "reports" / "fleet-summary.json")
-        try:
-            self.outputs.append("fleet summary: " + write_summary(summary, dest))
-        except Exception as exc:  # S3 or disk trouble must not hide the test results
-            self.outputs.append(f"fleet summary NOT written to {dest}: {exc}")
+        dest = dest or self._default_dest()
+        if dest:
+            try:
+                self.outputs.append("fleet summary: " + write_summary(summary, dest))
+            except Exception as exc:  # S3 or disk trouble must not hide the test results
+                self.outputs.append(f"fleet summary NOT written to {dest}: {exc}")
         prom, _ = _opt(self.config, "gpuhost_prometheus_textfile")
         if prom:
             try:
@@ -360,6 +374,19 @@ class FleetRecorder:
                 self.outputs.append("Prometheus textfile: " + prom)
             except OSError as exc:
                 self.outputs.append(f"Prometheus textfile NOT written to {prom}: {exc}")
+
+    def _default_dest(self) -> str | None:
+        """Return reports/fleet-summary.json in the run's report dir (None with --report-dir=none)."""
+        from pytest_gpuhost.plugin import settings_key
+
+        settings = self.config.stash.get(settings_key, None)
+        report_dir = getattr(settings, "report_dir", "reports")
+        if not report_dir:
+            return None
+        path = Path(report_dir)
+        if not path.is_absolute():
+            path = self.config.invocation_params.dir / path
+        return str(path / "fleet-summary.json")
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.summary is None:
