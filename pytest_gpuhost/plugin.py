@@ -7,6 +7,7 @@ Thin glue: targets live in `targets.py`, the engine in `remediation.py`, evidenc
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost import evidence, remediation
+from pytest_gpuhost import evidence, redact, remediation
 from pytest_gpuhost import report as html_report
 from pytest_gpuhost.errors import GpuhostError
 
@@ -365,6 +366,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "a failed step skips the later ones for that target",
     )
     evidence.reset_session()
+    redact.remember_env(os.environ)  # an operator's own AWS_SECRET_ACCESS_KEY never reaches a report
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(html_report.HtmlCustomisation(), "gpuhost-html")
     if s.report_dir is not None and not hasattr(config, "workerinput"):

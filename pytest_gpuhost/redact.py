@@ -8,10 +8,19 @@ It errs on the side of hiding: a value that merely looks like a credential is re
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["MASK", "redact", "redact_argv", "redact_env", "redact_obj", "secret_name"]
+__all__ = [
+    "MASK",
+    "redact",
+    "redact_argv",
+    "redact_env",
+    "redact_obj",
+    "remember",
+    "remember_env",
+    "secret_name",
+]
 
 MASK = "***"
 
@@ -42,31 +51,59 @@ _LOWER_SECRET = (
 )
 _UPPER_SECRET = r"[A-Z0-9_]*(?:KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PASSPHRASE)S?[A-Z0-9_]*"
 
-_PATTERNS: list[tuple[re.Pattern[str], str]] = [
+# Values seen under a secret name (env var, flag, name=value) are hidden wherever they appear
+# later, e.g. when a command echoes $MY_TOKEN without its name.
+_known: set[str] = set()
+_MIN_KNOWN = 6
+
+
+def remember(value: str) -> None:
+    """Hide this exact value in everything redacted from now on (this process)."""
+    value = value.strip().strip("\"'")
+    if len(value) < _MIN_KNOWN or MASK in value or value.isalpha() and (value.islower() or value.isupper()):
+        return  # a plain word ("enabled", "NONE") would garble every output it appears in
+    _known.add(value)
+
+
+def remember_env(env: Mapping[str, str]) -> None:
+    """Remember the values of secret-looking variables of an environment (paths excluded)."""
+    for name, value in env.items():
+        if secret_name(name) and len(value) >= 8 and not value.startswith("/"):
+            remember(value)
+
+
+def _keep_and_mask(match: re.Match[str]) -> str:
+    remember(match.group(2))
+    return match.group(1) + MASK
+
+
+_Repl = str | Callable[[re.Match[str]], str]
+
+_PATTERNS: list[tuple[re.Pattern[str], _Repl]] = [
     # AWS access key ids.
-    (re.compile(r"\b(?:AKIA|ASIA|AIDA|AROA|AGPA)[A-Z0-9]{16}\b"), MASK),
+    (re.compile(r"()\b((?:AKIA|ASIA|AIDA|AROA|AGPA)[A-Z0-9]{16})\b"), _keep_and_mask),
     # URLs with user:password@.
-    (re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)[^@\s/]+(@)"), r"\1" + MASK + r"\2"),
+    (re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)([^@\s/]+)(?=@)"), _keep_and_mask),
     # Authorization headers and bearer tokens.
     (
         re.compile(
-            r"(?i)(\b(?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?(?:bearer|basic|token|digest)?\s*)[^\s\"',;]+"
+            r"(?i)(\b(?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?(?:bearer|basic|token|digest)?\s*)([^\s\"',;]+)"
         ),
-        r"\1" + MASK,
+        _keep_and_mask,
     ),
-    (re.compile(r"(?i)(\bbearer\s+)[A-Za-z0-9._~+/=-]+"), r"\1" + MASK),
+    (re.compile(r"(?i)(\bbearer\s+)([A-Za-z0-9._~+/=-]+)"), _keep_and_mask),
     # name=value, name: value, "name": "value" for secret-looking names.
     (
         re.compile(
             r"((?<![\w-])(?:" + _UPPER_SECRET + r"|(?i:" + _LOWER_SECRET + r"))[\"']?\s*[:=]\s*)"
             r"(\"[^\"\n]*\"|'[^'\n]*'|[^\s&,;\"']+)"
         ),
-        r"\1" + MASK,
+        _keep_and_mask,
     ),
     # --password VALUE, --token VALUE (space separated command-line flags).
     (
         re.compile(r"(?i)((?<![\w-])--?" + _LOWER_SECRET + r"\s+)(?!-)([^\s\"']+|\"[^\"\n]*\"|'[^'\n]*')"),
-        r"\1" + MASK,
+        _keep_and_mask,
     ),
     # PEM private keys.
     (
@@ -91,11 +128,17 @@ def redact(text: str) -> str:
         return text
     for pattern, repl in _PATTERNS:
         text = pattern.sub(repl, text)
+    for value in sorted(_known, key=len, reverse=True):
+        if value in text:
+            text = text.replace(value, MASK)
     return text
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Return a copy of an environment with secret-looking names' values masked."""
+    """Return a copy of an environment with secret-looking names' values masked (and remembered)."""
+    for name, value in env.items():
+        if secret_name(name):
+            remember(str(value))
     return {k: (MASK if secret_name(k) else redact(str(v))) for k, v in env.items()}
 
 
@@ -108,6 +151,7 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
     hide_next = False
     for arg in argv:
         if hide_next and not arg.startswith("-"):
+            remember(arg)
             out.append(MASK)
             hide_next = False
             continue

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost import evidence
-from pytest_gpuhost.redact import redact
+from pytest_gpuhost.redact import redact, redact_obj
 
 __all__ = [
     "OUTCOMES",
@@ -168,15 +168,16 @@ class Outcome:
 
     def to_dict(self) -> dict[str, Any]:
         """Return the outcome as a JSON-able dict (redacted)."""
-        return {
+        data = {
             "name": self.name,
             "outcome": self.outcome,
             "target": self.target,
-            "reason": redact(self.reason),
+            "reason": self.reason,
             "before": evidence.jsonable(self.before),
             "after": evidence.jsonable(self.after),
             "actions": [a.to_dict() for a in self.actions],
         }
+        return dict(redact_obj(data))
 
     def describe(self) -> str:
         """Return the multi-line text shown for a failure or a would-fix."""
