@@ -720,13 +720,29 @@ class Backup:
                 f = files[index]
                 tmp_path = tmpdir / f"{index}.part"
                 digest = hashlib.sha256()
-                with open(tmp_path, "wb", buffering=1 << 20) as out:
+                fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                try:
+
+                    def write(piece: bytes, fd: int = fd) -> None:
+                        view = memoryview(piece)
+                        while view:
+                            view = view[os.write(fd, view) :]
+
                     while True:
                         n = reader.u32()
                         if n == 0:
                             break
-                        reader.pipe(n, (digest.update, out.write))
-                err, size, mtime_ns, mode, changed, node_sha = _TRAILER.unpack(reader.exact(_TRAILER.size))
+                        reader.pipe(n, (digest.update, write))
+                    err, size, mtime_ns, mode, changed, node_sha = _TRAILER.unpack(
+                        reader.exact(_TRAILER.size)
+                    )
+                    if not err and digest.digest() == node_sha:
+                        os.fchmod(fd, mode & 0o777 | 0o200)
+                        # the mtime seen when the node opened the file: if it was being written
+                        # meanwhile, the next run sees a different mtime and copies it again
+                        os.utime(fd, ns=(mtime_ns, mtime_ns))
+                finally:
+                    os.close(fd)
                 if err:
                     result.failed.append((f.display, os.strerror(err)))
                     os.unlink(tmp_path)
@@ -737,10 +753,6 @@ class Backup:
                     os.unlink(tmp_path)
                     tmp_path = None
                     continue
-                os.chmod(tmp_path, mode & 0o777 | 0o200)
-                # record the mtime seen when the node opened the file: if it was being written
-                # meanwhile, the next run sees a different mtime and copies it again
-                os.utime(tmp_path, ns=(mtime_ns, mtime_ns))
                 final = self._local(f)
                 self._parent(final)
                 os.replace(tmp_path, final)
