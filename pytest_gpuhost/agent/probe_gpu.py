@@ -186,10 +186,19 @@ def gpu_holders_fact(params):
     return _gpu_proc_holders(params.get("prefix", "/dev/nvidia"))
 
 
-def _gpu_running(comm):
+def _gpu_running(program):
+    """PIDs whose comm (cut to 15 characters by the kernel) or argv[0..1] basename is `program`."""
     pids = []
     for pid_dir in _gpu_glob.glob("/proc/[0-9]*"):
-        if _gpu_read(pid_dir + "/comm") == comm:
+        comm = _gpu_read(pid_dir + "/comm") or ""
+        argv = []
+        try:
+            with open(pid_dir + "/cmdline", "rb") as fh:
+                argv = [a.decode("utf-8", "replace") for a in fh.read().split(b"\0")[:2]]
+        except OSError:
+            pass
+        names = {_gpu_os.path.basename(a) for a in argv if a}
+        if comm == program[:15] or program in names:
             pids.append(int(_gpu_os.path.basename(pid_dir)))
     return sorted(pids)
 

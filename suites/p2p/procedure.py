@@ -333,7 +333,13 @@ class P2PProcedure:
             for cmd in self.persistenced.commands(self.opts.stop_timeout)[:1]
         ]
         for b in self._legacy_on() if self.facts.get("persistence") else []:
-            acts.append(Action(f"legacy persistence off on {b}", f"nvidia-smi -i {b} -pm 0", t))
+            acts.append(
+                Action(
+                    f"persistence mode off on {b} (if still on once nvidia-persistenced is stopped)",
+                    f"nvidia-smi -i {b} -pm 0",
+                    t,
+                )
+            )
         return acts
 
     def step_gpus_released(self) -> Remediation:
@@ -366,9 +372,8 @@ class P2PProcedure:
 
         def plan(before: Check) -> list[Action]:
             acts = self._release_actions()
-            others = [
-                h for h in (before.state or {}).get("holders", []) if h.get("comm") != "nvidia-persistenced"
-            ]
+            pers = set((before.state or {}).get("persistenced_pids") or [])
+            others = [h for h in (before.state or {}).get("holders", []) if h.get("pid") not in pers]
             for h in others:
                 acts.append(
                     Action(
@@ -382,19 +387,23 @@ class P2PProcedure:
 
         def fix(actions: list[Action], before: Check) -> None:
             pers = (before.state or {}).get("persistenced_pids") or []
-            if pers:
-                self.stopped_persistenced = True
+            pstate = self.persistenced.state()
+            if pers or pstate.running:
+                self.stopped_persistenced = pstate.running or self.stopped_persistenced
                 self.journal.step("stop-persistenced")
-                self.journal.write(persistenced_stopped=True)
-                self.persistenced.stop(self.opts.stop_timeout)
-            for b in (before.state or {}).get("legacy_on", []):
+                self.journal.write(persistenced_stopped=self.stopped_persistenced)
+                if pstate.exists:
+                    self.persistenced.stop(self.opts.stop_timeout)
+            # with the daemon gone, what nvidia-smi still reports as on is legacy persistence mode
+            self.facts.update(self.conn.facts("persistence"))
+            for b in self._legacy_on():
                 self.journal.step("persistence-off", bdf=b)
                 r = self.conn.run(["nvidia-smi", "-i", b, "-pm", "0"], timeout=30)
                 if r.rc != 0:
                     raise ProcedureError(
                         f"nvidia-smi -i {b} -pm 0 failed (rc {r.rc}): {(r.stderr or r.stdout).strip()[:200]}"
                     )
-            holders = [h for h in self._holders() if h.comm != "nvidia-persistenced"]
+            holders = self._holders()
             if holders:
                 raise ProcedureError(
                     "GPUs still held after stopping the service: "
@@ -529,9 +538,9 @@ class P2PProcedure:
                 if f.current != f.driver
             ]
             renumbered = [
-                f"{b}: /dev/nvidia{minors.get(b)} (was /dev/nvidia{m})"
+                f"{b}: {'no ' if minors.get(b) is None else ''}/dev/nvidia{'N' if minors.get(b) is None else minors[b]} (was /dev/nvidia{m})"
                 for b, m in plan.minors.items()
-                if minors.get(b) != m
+                if minors.get(b) != m and not (minors.get(b) is None and now.get(b) is None)
             ]
             smi = self.facts.get("nvidia_smi_gpus")
             unseen = [b for b in plan.gpus if smi is not None and b not in smi]
