@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import shlex
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ class _AgentSession:
                 line = self._line(timeout)
                 msg = json.loads(line)
                 if "chunk" in msg:
-                    if on_chunk is not None:
+                    if on_chunk is not None and msg.get("id") == req["id"]:
                         on_chunk(msg["chunk"])
                     continue
                 if msg.get("id") != req["id"]:
@@ -193,6 +194,8 @@ class Connection:
         self._ids = itertools.count(1)
         self._had_agent = False
         self._closed = False
+        # One request on the wire at a time: threads sharing a connection take turns.
+        self._lock = threading.RLock()
 
     def __repr__(self) -> str:
         return f"<Connection {self.name} via {self.launcher.description} mode={self.mode}>"
@@ -201,7 +204,8 @@ class Connection:
 
     def connect(self) -> Connection:
         """Start the agent now (otherwise the first request does); return self."""
-        self._ensure()
+        with self._lock:
+            self._ensure()
         return self
 
     def _start_agent(self) -> _AgentSession | None:
@@ -260,20 +264,28 @@ class Connection:
     def _request(
         self, op: str, params: dict[str, Any], timeout: float, on_chunk: Callable[[Any], None] | None = None
     ) -> dict[str, Any]:
-        session = self._ensure()
-        if session is None:
-            raise AgentError(f"{op}: {self.name} has no {self.opts.python}; only run/read/write work there")
-        req = {"id": next(self._ids), "op": op}
-        req.update(params)
-        self.round_trips += 1
-        return dict(session.request(req, timeout, on_chunk))
+        with self._lock:
+            session = self._ensure()
+            if session is None:
+                raise AgentError(
+                    f"{op}: {self.name} has no {self.opts.python}; only run/read/write work there"
+                )
+            req = {"id": next(self._ids), "op": op}
+            req.update(params)
+            self.round_trips += 1
+            return dict(session.request(req, timeout, on_chunk))
 
     # ------------------------------------------------------------ public API
 
     def call(self, op: str, **params: Any) -> Any:
         """Run a raw agent op and return its result; raise AgentError (with errno) on failure."""
         timeout = float(params.pop("_reply_timeout", 0) or self._op_timeout(params))
-        reply = self._request(op, params, timeout)
+        with self._lock:
+            fallback = self._ensure() is None
+        if fallback:
+            reply = self._fallback_call(op, params)
+        else:
+            reply = self._request(op, params, timeout)
         if not reply.get("ok"):
             err = AgentError(f"{op} on {self.name}: {reply.get('error')}")
             err.errno = reply.get("errno")  # type: ignore[attr-defined]
@@ -339,7 +351,8 @@ class Connection:
             params["env"] = dict(env)
         if cwd:
             params["cwd"] = cwd
-        session = self._ensure()
+        with self._lock:
+            session = self._ensure()
         if session is None:
             result = self._fallback_run(params, t)
         else:
@@ -384,7 +397,9 @@ class Connection:
     def read_files(self, paths: Sequence[str], *, max_bytes: int | None = None) -> dict[str, str | OSError]:
         """Read many files in one round trip; each value is its text or the OSError it gave."""
         paths = list(paths)
-        if self._ensure() is None:
+        with self._lock:
+            fallback = self._ensure() is None
+        if fallback:
             return self._fallback_read_files(paths)
         params: dict[str, Any] = {"paths": paths}
         if max_bytes:
@@ -412,7 +427,9 @@ class Connection:
         else:
             params["data"] = data
         start = time.time()
-        if self._ensure() is None:
+        with self._lock:
+            fallback = self._ensure() is None
+        if fallback:
             wr = self._fallback_write(path, data, t, mode)
         else:
             r = self.call("write_file", **params)
@@ -605,6 +622,102 @@ class Connection:
         res._stdout_bytes = out
         return res
 
+    def _fallback_call(self, op: str, params: dict[str, Any]) -> dict[str, Any]:
+        """Answer the core file ops with POSIX tools when the target has no Python."""
+        try:
+            if op == "batch":
+                replies = []
+                for req in params.get("requests") or []:
+                    sub = dict(req)
+                    replies.append(self._fallback_call(str(sub.pop("op", "")), sub))
+                return {"ok": True, "result": replies}
+            if op == "run":
+                res = self._fallback_run(params, float(params.get("timeout") or self.opts.command_timeout))
+                return {
+                    "ok": True,
+                    "result": {
+                        "rc": res.rc,
+                        "stdout": res.stdout,
+                        "stderr": res.stderr,
+                        "timed_out": res.timed_out,
+                        "start": res.start,
+                        "duration": res.duration,
+                    },
+                }
+            if op == "read_files":
+                files = self._fallback_read_files(list(params.get("paths") or []))
+                return {"ok": True, "result": {p: _entry(v) for p, v in files.items()}}
+            if op == "write_file":
+                data = params.get("data", "")
+                if params.get("b64") is not None:
+                    import base64
+
+                    data = base64.b64decode(params["b64"])
+                wr = self._fallback_write(
+                    params["path"], data, float(params["timeout"]), params.get("mode") or "w"
+                )
+                return {
+                    "ok": True,
+                    "result": {
+                        "ok": wr.ok,
+                        "errno": wr.errno,
+                        "error": wr.error,
+                        "timed_out": wr.timed_out,
+                        "duration": wr.duration,
+                    },
+                }
+            if op in _FB_SCRIPTS:
+                return {"ok": True, "result": self._fallback_paths(op, params)}
+            if op == "glob":
+                patterns = params.get("patterns") or [params.get("pattern")]
+                out = {}
+                for pattern in patterns:
+                    rc, data, err, _t, _s, _d = self._fallback_exec(
+                        ["sh", "-c", _FB_GLOB, "sh", str(pattern)], self.opts.command_timeout
+                    )
+                    out[pattern] = sorted(x for x in data.decode("utf-8", "replace").split("\0") if x)
+                return {"ok": True, "result": out if "patterns" in params else out[patterns[0]]}
+        except OSError as exc:
+            return {"ok": False, "error": f"{op}: {exc}", "errno": exc.errno}
+        return {
+            "ok": False,
+            "error": f"{op} needs {self.opts.python} on {self.name}, which it lacks",
+            "errno": None,
+        }
+
+    def _fallback_paths(self, op: str, params: dict[str, Any]) -> dict[str, Any]:
+        paths = params.get("paths") or ([params["path"]] if params.get("path") else [])
+        key = op
+        if op == "readlink" and params.get("resolve"):
+            key = "readlink_resolve"
+        if op == "stat" and params.get("follow", True):
+            key = "stat_follow"
+        rc, data, err, timed_out, _s, _d = self._fallback_exec(
+            ["sh", "-c", _FB_SCRIPTS[key], "sh", *paths], self.opts.command_timeout
+        )
+        if timed_out:
+            raise OSError(0, f"timed out after {self.opts.command_timeout:g}s")
+        fields = data.decode("utf-8", "replace").split("\0")
+        out: dict[str, Any] = {}
+        for i, path in enumerate(paths):
+            try:
+                code, text = int(fields[2 * i]), fields[2 * i + 1]
+            except (IndexError, ValueError):
+                out[path] = {"errno": None, "error": "no answer"}
+                continue
+            if code != 0:
+                exc = _oserror_from_text(text, path, False)
+                out[path] = {"errno": exc.errno or None, "error": exc.strerror}
+            elif op == "listdir":
+                out[path] = sorted(x for x in text.split("\n") if x)
+            elif key == "readlink_resolve":
+                out[path] = text
+            elif op == "readlink":
+                out[path] = {"target": text}
+            else:
+                out[path] = _parse_stat(text)
+        return out
+
     def _fallback_read_files(self, paths: list[str]) -> dict[str, str | OSError]:
         out: dict[str, str | OSError] = {}
         for path in paths:
@@ -627,6 +740,59 @@ class Connection:
             return WriteResult(path, True, duration=dur)
         exc = _oserror_from_text(err.decode("utf-8", "replace"), path, timed_out)
         return WriteResult(path, False, exc.errno, exc.strerror, timed_out, dur)
+
+
+# Each prints, per path argument, "<status>\\0<output>\\0" (output of a failure is its message).
+_FB_EACH = 'for p; do {}; printf "%s\\0%s\\0" "$?" "$out"; done'
+_FB_SCRIPTS = {
+    "readlink": _FB_EACH.format(
+        'out=$(readlink -- "$p" 2>&1 || { if [ -e "$p" ]; then echo Invalid argument; '
+        "else echo No such file or directory; fi; false; })"
+    ),
+    "readlink_resolve": _FB_EACH.format('out=$(readlink -f -- "$p" 2>&1)'),
+    "listdir": _FB_EACH.format(
+        'if [ ! -e "$p" ]; then out="No such file or directory"; false; '
+        'elif [ ! -d "$p" ]; then out="Not a directory"; false; else out=$(ls -1A -- "$p" 2>&1); fi'
+    ),
+    "stat": _FB_EACH.format('out=$(stat -c "%f %s %u %g %Y %i %d %h" -- "$p" 2>&1)'),
+    "stat_follow": _FB_EACH.format('out=$(stat -L -c "%f %s %u %g %Y %i %d %h" -- "$p" 2>&1)'),
+}
+# IFS empty: the pattern is expanded as a glob but never split on spaces.
+_FB_GLOB = 'IFS=; for f in $1; do if [ -e "$f" ] || [ -L "$f" ]; then printf "%s\\0" "$f"; fi; done'
+
+
+def _parse_stat(text: str) -> dict[str, Any]:
+    import stat as st
+
+    raw, size, uid, gid, mtime, ino, dev, nlink = text.split()[:8]
+    mode = int(raw, 16)
+    kinds = [
+        (st.S_ISLNK, "link"),
+        (st.S_ISDIR, "dir"),
+        (st.S_ISREG, "file"),
+        (st.S_ISFIFO, "fifo"),
+        (st.S_ISSOCK, "socket"),
+        (st.S_ISCHR, "char"),
+        (st.S_ISBLK, "block"),
+    ]
+    kind = next((name for test, name in kinds if test(mode)), "other")
+    return {
+        "type": kind,
+        "mode": st.S_IMODE(mode),
+        "size": int(size),
+        "uid": int(uid),
+        "gid": int(gid),
+        "mtime": float(mtime),
+        "ino": int(ino),
+        "dev": int(dev),
+        "nlink": int(nlink),
+    }
+
+
+def _entry(value: str | OSError) -> dict[str, Any]:
+    if isinstance(value, OSError):
+        return {"errno": value.errno or None, "error": value.strerror}
+    return {"data": value}
 
 
 _ERRNO_TEXT = {

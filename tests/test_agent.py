@@ -270,7 +270,7 @@ def test_fallback_without_python(tmp_path):
         assert isinstance(got[str(tmp_path / "nope")], OSError) and got[str(tmp_path / "nope")].errno == 2
         assert c.write_file(str(tmp_path / "w"), "v\n", timeout=5).ok
         assert (tmp_path / "w").read_text() == "v\n"
-        with pytest.raises(AgentError, match="no python3"):
+        with pytest.raises(AgentError, match="needs python3"):
             c.facts("kernel")
     finally:
         c.close()
@@ -288,3 +288,48 @@ def test_closed_connection_refuses(tmp_path):
 def test_connection_repr_and_mode(conn):
     assert isinstance(conn, Connection) and conn.mode == "agent" and "local" in repr(conn)
     assert stat.S_ISDIR(os.stat(Path("/proc")).st_mode)
+
+
+def test_fallback_file_ops_without_python(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("sh", "cat", "printf", "timeout", "env", "ls", "stat", "readlink"):
+        os.symlink(shutil.which(tool) or tool, bindir / tool)
+    (tmp_path / "a b").write_text("x")
+    os.symlink("bin", tmp_path / "lnk")
+    c = open_connection(parse_host_url(f"local://?path={bindir}"))
+    try:
+        assert c.mode == "fallback"
+        d = str(tmp_path)
+        assert c.call("listdir", paths=[d])[d] == ["a b", "bin", "lnk"]
+        assert c.call("listdir", paths=[d + "/nope"])[d + "/nope"]["errno"] == 2
+        links = c.call("readlink", paths=[d + "/lnk", d + "/a b", d + "/nope"])
+        assert links == {
+            d + "/lnk": {"target": "bin"},
+            d + "/a b": {"errno": 22, "error": "Invalid argument"},
+            d + "/nope": {"errno": 2, "error": "No such file or directory"},
+        }
+        st = c.call("stat", paths=[d + "/a b"])[d + "/a b"]
+        assert (st["type"], st["size"]) == ("file", 1)
+        assert c.call("glob", pattern=d + "/a *") == [d + "/a b"]
+        out = c.batch([{"op": "read_files", "paths": [d + "/a b"]}, {"op": "facts"}])
+        assert out[0] == {d + "/a b": {"data": "x"}} and isinstance(out[1], AgentError)
+    finally:
+        c.close()
+
+
+def test_threads_share_one_connection(conn):
+    import threading
+
+    results: dict[int, str] = {}
+
+    def worker(i: int) -> None:
+        for _ in range(10):
+            results[i] = conn.run(["echo", str(i)]).stdout
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == {i: f"{i}\n" for i in range(4)}
