@@ -21,7 +21,7 @@ from pytest_gpuhost import evidence, redact, remediation
 from pytest_gpuhost import report as html_report
 from pytest_gpuhost.errors import GpuhostError
 
-pytest_plugins = ["pytest_gpuhost.scheduling", "pytest_gpuhost.fleet", "pytest_gpuhost.evidence"]
+pytest_plugins = ["pytest_gpuhost.scheduling", "pytest_gpuhost.fleet"]
 
 __all__ = ["Settings", "Target", "get_pool", "get_target", "pool_key", "settings_key", "targets_key"]
 
@@ -381,6 +381,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # fixture is the one tests get, whichever order pytest loaded the plugins in.
     if not config.pluginmanager.has_plugin("gpuhost-fixtures"):
         config.pluginmanager.register(importlib.import_module("pytest_gpuhost.fixtures"), "gpuhost-fixtures")
+    # evidence.py holds the per-phase wrappers; registered here rather than in pytest_plugins,
+    # which would ask for an assertion rewrite of a module this one already imported.
+    if not config.pluginmanager.has_plugin("gpuhost-evidence"):
+        config.pluginmanager.register(evidence, "gpuhost-evidence")
 
 
 def _close_pool(config: pytest.Config) -> None:

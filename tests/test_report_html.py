@@ -1,0 +1,183 @@
+"""The HTML report: outcome and target columns, targets x checks matrix, evidence per row, heatmaps, Chromium."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Imported here, outside pytester's inline runs (see test_plugin_fixtures.py).
+import pytest_gpuhost.targets  # noqa: F401
+from pytest_gpuhost.report import check_name, heatmap
+
+SUITE = """
+import pytest
+from pytest_gpuhost.remediation import Action, Check
+
+state = {"fixed": False}
+
+@pytest.fixture
+def prepared(target, evidence):
+    target.conn.run(["echo", "setup-marker"])
+    yield
+    evidence.note("teardown-marker")
+
+def test_fixme(target, prepared, remediate, evidence):
+    evidence.matrix("p2p before", ["GPU0", "GPU1"], [[None, 3.1], [2.9, None]], threshold=20)
+    def fix(actions, before):
+        target.conn.run(["echo", "fixing-now"])
+        state["fixed"] = True
+    remediate(name="p2p identity", check=lambda: Check(state["fixed"], "fixed" if state["fixed"] else "DMA-FQ",
+                                                       state={"type": "identity" if state["fixed"] else "DMA-FQ"}),
+              plan=lambda b: [Action("set identity", "echo identity > /sys/kernel/iommu_groups/12/type")], fix=fix)
+    evidence.matrix("p2p after", ["GPU0", "GPU1"], [[None, 24.8], [25.1, None]], threshold=20)
+
+def test_fine(target):
+    assert target.conn.run(["true"]).rc == 0
+
+def test_broken(target):
+    assert target.conn.run(["sh", "-c", "echo '<b>not bold</b>'; exit 3"]).rc == 0
+"""
+
+
+def _report_data(path: Path) -> dict[str, Any]:
+    blob = re.search(r'data-jsonblob="([^"]*)"', path.read_text())
+    assert blob, "no data blob in the report"
+    data: dict[str, Any] = json.loads(html.unescape(blob.group(1)))
+    return data
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run the suite once (with -n 2) and return the HTML report's path."""
+    work = tmp_path_factory.mktemp("report")
+    (work / "test_rep.py").write_text(SUITE)
+    proc = subprocess.run(
+        [
+            "python",
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            "--host=local://",
+            "--report-name=rep",
+            "test_rep.py",
+        ],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "1 failed, 1 passed, 1 fixed" in proc.stdout.splitlines()[-1]
+    return work / "reports" / "rep.html"
+
+
+def test_row_shows_outcome_target_and_evidence(report: Path) -> None:
+    data = _report_data(report)
+    rows = {nodeid.split("::")[1]: entries[0] for nodeid, entries in data["tests"].items()}
+    fixme = rows["test_fixme[local]"]
+    cells = "".join(fixme["resultsTableRow"])
+    assert (
+        'class="gh-outcome gh-fixed">fixed<' in cells and '<td class="col-gpuhostTarget">local</td>' in cells
+    )
+    extras = "".join(e["content"] for e in fixme["extras"] if e["format_type"] == "html")
+    for text in (
+        "gpuhost evidence (setup)",
+        "echo setup-marker",
+        "gpuhost evidence (call)",
+        "echo fixing-now",
+        "set identity",
+        "echo identity &gt; /sys/kernel/iommu_groups/12/type",
+        "teardown-marker",
+        '"type": "DMA-FQ"',
+        '"type": "identity"',
+    ):
+        assert html.escape(text) in extras or text in extras, text
+    # before/after heatmaps side by side, on one scale, cells coloured and marked under the threshold
+    assert extras.count('<table class="gh-heat">') == 2 and 'class="gh-heat-pair"' in extras
+    assert 'class="gh-below"' in extras and "24.80" in extras
+
+    broken = rows["test_broken[local]"]
+    assert 'gh-failed">failed<' in "".join(broken["resultsTableRow"])
+    extras = "".join(e["content"] for e in broken["extras"])
+    assert "&lt;b&gt;not bold&lt;/b&gt;" in extras and "<b>not bold</b>" not in extras, (
+        "stdout must be escaped"
+    )
+    assert 'class="gh-rc-bad">3<' in extras
+
+
+def test_summary_matrix_of_targets_and_checks(report: Path) -> None:
+    text = report.read_text()
+    matrix = text[text.index('id="gpuhost-matrix"') :]
+    matrix = matrix[: matrix.index("</table>")]
+    assert "<th>test_fixme</th><th>test_fine</th><th>test_broken</th>" in matrix.replace("\n", "")
+    assert "<th>local</th>" in matrix and "gh-fixed" in matrix and "gh-failed" in matrix
+    assert '<th class="sortable" data-column-type="gpuhostOutcome">Outcome</th>' in text
+
+
+def test_check_names_drop_the_target() -> None:
+    assert check_name("suites/p2p/test_a.py::test_x[gpu-1]", "gpu-1") == "test_x"
+    assert check_name("t.py::test_x[gpu-1-a.txt]", "gpu-1") == "test_x[a.txt]"
+    assert check_name("t.py::test_x[a-gpu-1]", "gpu-1") == "test_x[a]"
+    assert check_name("t.py::TestC::test_y", "") == "TestC::test_y"
+
+
+def test_heatmap_colours_follow_values() -> None:
+    table = heatmap(
+        {"name": "bw", "labels": ["0", "1"], "values": [[None, 10.0], [50.0, None]], "unit": "GB/s"}
+    )
+    colours = re.findall(r"background:hsl\((\d+),", table)
+    assert colours == ["0", "120"], "lowest red, highest green"
+    assert table.count("N/A") == 2
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="chromium is not installed (/usr/bin/chromium)")
+def test_report_renders_in_headless_chromium(report: Path) -> None:
+    profile = tempfile.mkdtemp(prefix="gpuhost-chromium-")
+    try:
+        proc = subprocess.run(
+            [
+                str(CHROMIUM),
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                f"--user-data-dir={profile}",
+                "--dump-dom",
+                report.as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    dom = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # The rows exist only once the report's JavaScript has run: this is the rendered DOM.
+    # One chunk per result row (evidence tables have their own implicit <tbody>s).
+    rows = [r for r in dom.split('<tbody class="results-table-row')[1:] if 'class="col-gpuhostOutcome"' in r]
+    assert len(rows) == 3, len(rows)
+    fixme = next(r for r in rows if "test_fixme" in r)
+    assert re.search(
+        r'<td class="col-gpuhostOutcome"><span class="gh-outcome gh-fixed">fixed</span></td>', fixme
+    )
+    assert '<td class="col-gpuhostTarget">local</td>' in fixme
+    assert 'class="extraHTML"' in fixme and "echo fixing-now" in fixme and "gh-heat" in fixme
+    assert 'id="gpuhost-matrix"' in dom
