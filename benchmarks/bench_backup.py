@@ -1,0 +1,196 @@
+"""Benchmark the decommission backup against `rsync -a` over ssh and `aws s3 sync`, in one run.
+
+    python benchmarks/bench_backup.py            # b200-nvl8 lab host, --data-scale bench (~850 MB)
+    python benchmarks/bench_backup.py --smoke    # CI: small scale (~35 MB), seconds
+    python benchmarks/bench_backup.py --host NAME  # reuse a running lab host (`python -m gpulab up ...`)
+
+Measured, each from a cold destination: our local backup (walk, bulk stream, SHA-256 on both
+ends, verify, SHA256SUMS) vs `rsync -a -e ssh`; the no-op rerun of each; our backup plus S3
+upload vs rsync followed by `aws s3 sync`, both to the same moto server on loopback.  Goals
+(issue 5): local <= 1.2 x rsync; with S3 < rsync + aws s3 sync; no-op rerun <= 2 x rsync's.
+Needs root (the lab), rsync, awscli and moto.  Prints a table and writes reports/bench_backup.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gpulab.lab import CLIENT_KEY, Lab, LabHost  # noqa: E402
+from pytest_gpuhost.modules.backup import Backup, load_manifest  # noqa: E402
+from pytest_gpuhost.modules.s3 import S3Upload, items_from_backup, parse_s3_url  # noqa: E402
+from pytest_gpuhost.targets import open_connection, parse_host_url  # noqa: E402
+from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto  # noqa: E402
+
+MANIFEST = ROOT / "fixtures" / "manifests" / "b200-node-backup.yaml"
+
+
+def timed(fn: Any) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One full run of our backup, connection included: walk, plan, stream, verify, checksums (+ S3)."""
+    opts = SimpleNamespace(
+        identity=str(CLIENT_KEY),
+        known_hosts=str(h.known_hosts),
+        host_key_policy="strict",
+        command_timeout=600,
+        connect_timeout=10,
+    )
+    manifest = load_manifest(MANIFEST)
+    # every category to S3, so that aws s3 sync of the whole tree is a like-for-like comparison
+    manifest = replace(manifest, categories=tuple(replace(c, s3=True) for c in manifest.categories))
+    conn = open_connection(parse_host_url(f"ssh://root@{h.address}"), opts)
+    try:
+        b = Backup(conn, manifest, dest, stall_timeout=120)
+        listing = b.walk()
+        res = b.run(b.plan(listing))
+        missing = b.verify(listing)
+        b.write_checksums(listing)
+        b.finish()
+        out = {
+            "copied_files": res.copied_files,
+            "copied_bytes": res.copied_bytes,
+            "missing": len(missing),
+            "error": res.error,
+            "failed": len(res.failed),
+            "round_trips": conn.round_trips,
+        }
+        if s3 is not None:
+            up = S3Upload(dest, parse_s3_url(s3["url"]), endpoint=s3["endpoint"], workers=8)
+            items, unverified = items_from_backup(b, listing)
+            r = up.run(up.plan(items))
+            up.finish()
+            out.update(
+                uploaded=r.uploaded,
+                upload_failed=len(r.failed),
+                unverified=len(unverified),
+                open_uploads=len(r.open_uploads_after),
+            )
+        return out
+    finally:
+        conn.close()
+
+
+def rsync(h: LabHost, dest: Path) -> subprocess.CompletedProcess[bytes]:
+    ssh = f"ssh -i {CLIENT_KEY} -o UserKnownHostsFile={h.known_hosts} -o StrictHostKeyChecking=yes -o BatchMode=yes"
+    return subprocess.run(
+        ["rsync", "-a", "-e", ssh, f"root@{h.address}:/data/", f"{dest}/"], capture_output=True, timeout=1800
+    )
+
+
+def aws_sync(src: Path, url: str, endpoint: str) -> subprocess.CompletedProcess[bytes]:
+    env = {**os.environ, **FAKE_ENV}
+    return subprocess.run(
+        [
+            "aws",
+            "s3",
+            "sync",
+            str(src),
+            url,
+            "--endpoint-url",
+            endpoint,
+            "--no-follow-symlinks",
+            "--only-show-errors",
+        ],
+        capture_output=True,
+        env=env,
+        timeout=3600,
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="small data scale, for CI")
+    ap.add_argument("--host", help="use this running lab host instead of booting one")
+    ap.add_argument("--no-s3", action="store_true", help="skip the S3 comparison")
+    args = ap.parse_args()
+    scale = "small" if args.smoke else "bench"
+    lab = Lab()
+    booted = None
+    if args.host:
+        h = lab.get(args.host)
+    else:
+        booted = h = lab.up("b200-nvl8", name=f"bench-bk-{os.getpid()}", data_scale=scale)
+    work = Path(tempfile.mkdtemp(prefix="bench-backup-"))
+    moto = None
+    times: dict[str, float] = {}
+    info: dict[str, Any] = {"scale": scale, "host": h.name}
+    try:
+        # warm the node's page cache equally for both tools
+        h.ssh("find /data -type f -exec cat {} + >/dev/null")
+        times["rsync"], r = timed(lambda: rsync(h, work / "rsync"))
+        if r.returncode != 0:
+            print("rsync failed:", r.stderr.decode(errors="replace")[-2000:], file=sys.stderr)
+        times["ours"], info["ours"] = timed(lambda: our_backup(h, work / "ours"))
+        times["rsync noop"], _ = timed(lambda: rsync(h, work / "rsync"))
+        times["ours noop"], info["ours noop"] = timed(lambda: our_backup(h, work / "ours"))
+        if not args.no_s3:
+            moto, endpoint = start_moto(work / "moto.log")
+            import boto3
+
+            boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                **{k.lower(): v for k, v in FAKE_ENV.items() if k.startswith("AWS_") and "KEY" in k},
+                region_name="us-east-1",
+            ).create_bucket(Bucket="bench")
+            times["aws s3 sync"], a = timed(lambda: aws_sync(work / "rsync", "s3://bench/rsync", endpoint))
+            info["aws rc"] = a.returncode
+            info["aws errors"] = a.stderr.decode(errors="replace").strip().splitlines()[-3:]
+            os.environ.update(FAKE_ENV)
+            times["ours + S3"], info["ours + S3"] = timed(
+                lambda: our_backup(h, work / "ours-s3", {"url": "s3://bench/ours", "endpoint": endpoint})
+            )
+        du = subprocess.run(
+            ["du", "-sb", str(work / "rsync")], capture_output=True, text=True
+        ).stdout.split()[0]
+        info["bytes"] = int(du)
+    finally:
+        if moto is not None:
+            stop_moto(moto)
+        shutil.rmtree(work, ignore_errors=True)
+        if booted is not None:
+            booted.down()
+    ratios = {
+        "local / rsync (goal <= 1.2)": times["ours"] / times["rsync"],
+        "noop / rsync noop (goal <= 2)": times["ours noop"] / times["rsync noop"],
+    }
+    if "ours + S3" in times:
+        ratios["ours+S3 / (rsync + aws s3 sync) (goal < 1)"] = times["ours + S3"] / (
+            times["rsync"] + times["aws s3 sync"]
+        )
+    print(f"\nbackup benchmark, b200-nvl8 /data at scale {scale} ({info.get('bytes', 0) / 1e6:.0f} MB)")
+    for k, v in times.items():
+        print(f"  {k:<14} {v:8.2f} s")
+    for k, v in ratios.items():
+        print(f"  {k:<45} {v:6.2f}")
+    print(f"  ours: {info['ours']}")
+    print(f"  ours noop: {info['ours noop']}")
+    if "ours + S3" in info:
+        print(f"  ours + S3: {info['ours + S3']}; aws rc {info['aws rc']} {info['aws errors']}")
+    out = ROOT / "reports" / ("bench_backup_smoke.json" if args.smoke else "bench_backup.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"times": times, "ratios": ratios, "info": info}, indent=2, default=str))
+    bad = info["ours"]["missing"] or info["ours"]["error"] or info["ours noop"]["copied_files"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
