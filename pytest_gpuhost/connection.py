@@ -213,8 +213,12 @@ class Connection:
         argv = [self.opts.python, "-u", "-c", BOOTSTRAP]
         try:
             chan = self.launcher.open(argv)
-        except FileNotFoundError:
-            return None
+        except FileNotFoundError as exc:
+            if exc.filename in (None, self.opts.python):
+                return None  # no interpreter here: the fallback applies
+            raise ConnectError(
+                f"cannot start the agent on {self.name}: {exc.filename}: command not found"
+            ) from exc
         session = _AgentSession(chan, self.name)
         chan.send(agent_payload())
         try:
@@ -562,7 +566,10 @@ class Connection:
         t0 = time.monotonic()
         secs = max(1, int(timeout + 0.999))
         self.round_trips += 1
-        chan = self.launcher.open(["timeout", "-s", "KILL", str(secs), *argv])
+        try:
+            chan = self.launcher.open(["timeout", "-s", "KILL", str(secs), *argv])
+        except FileNotFoundError as exc:
+            raise AgentError(f"{self.name} has neither {self.opts.python} nor {exc.filename}") from exc
         try:
             if stdin:
                 chan.send(stdin)

@@ -333,3 +333,10 @@ def test_threads_share_one_connection(conn):
     for t in threads:
         t.join(30)
     assert results == {i: f"{i}\n" for i in range(4)}
+
+
+def test_missing_launcher_tool_is_one_line_error(tmp_path):
+    from pytest_gpuhost.errors import ConnectError
+
+    with pytest.raises(ConnectError, match=r"cannot start the agent on local: sudo: command not found"):
+        open_connection(parse_host_url(f"local://?path={tmp_path}&sudo=1"))

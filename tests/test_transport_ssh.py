@@ -83,6 +83,17 @@ def test_accept_new_records_key_then_strict_accepts(sshd, tmp_path):
     c.close()
 
 
+def test_hashed_known_hosts_entry_accepted(sshd, tmp_path):
+    import paramiko
+
+    name = f"[{sshd.host}]:{sshd.port}"
+    kh = tmp_path / "known_hosts"
+    kh.write_text(paramiko.HostKeys.hash_host(name) + " " + sshd.host_key_line + "\n")
+    c = open_connection(parse_host_url(sshd.url), opts(sshd, known_hosts=str(kh)))
+    assert c.run(["true"]).ok
+    c.close()
+
+
 def test_changed_host_key_refused_under_every_policy(sshd, tmp_path):
     other = start_sshd(tmp_path / "other", identity=Path(sshd.identity), client_pubkey=_pub(sshd))
     try:
