@@ -8,14 +8,14 @@ YAML::
         proxmox:
           vars: {container: "pct:101"}
           hosts:
-            gpu-01: {ansible_host: 198.18.1.2, expected_gpus: 8}
+            gpu-01: {ansible_host: 198.18.1.2, gpu_count: 8}
             node[02:04]: {}                      # ranges expand to node02, node03, node04
 
 INI::
 
     gpu-00 ansible_host=198.18.9.2            # before any section: group "ungrouped"
     [proxmox]
-    gpu-01 ansible_host=198.18.1.2 ansible_port=2222 expected_gpus=8
+    gpu-01 ansible_host=198.18.1.2 ansible_port=2222 gpu_count=8
     [proxmox:vars]
     container=pct:101
     [fleet:children]
@@ -24,7 +24,8 @@ INI::
 Variables merge as in Ansible: `all` < parent group < child group < host.  A host's URL is
 `gpuhost_url` when set, `local://` for `ansible_connection=local`, else
 `ssh://[ansible_user@]ansible_host[:ansible_port]`; `container` (or `gpuhost_container`) names
-its container.  Every spec's `vars["groups"]` lists its groups, sorted.  `select_targets`
+its container.  The expected GPU count is `gpu_count` (`expected_gpus` is accepted as an alias;
+the health suite reads `gpu_count`).  Every spec's `vars["groups"]` lists its groups, sorted.  `select_targets`
 filters by name or group the way `ansible --limit` does.
 """
 
@@ -105,6 +106,8 @@ class _Inv:
             for g in sorted(groups, key=lambda x: (level(x), x)):
                 merged.update(self.group_vars.get(g, {}))
             merged.update(self.host_vars[name])
+            if "gpu_count" not in merged and "expected_gpus" in merged:
+                merged["gpu_count"] = merged["expected_gpus"]
             merged["groups"] = sorted(groups)
             specs.append(self._spec(name, merged))
         return specs

@@ -295,15 +295,21 @@ class TargetPool:
         self._conns: dict[str, Connection] = {}
         self._containers: dict[tuple[str, str], Connection] = {}
         self._lock = threading.Lock()
+        self._opening: dict[object, threading.Lock] = {}  # one lock per target: hosts connect in parallel
+
+    def _key_lock(self, key: object) -> threading.Lock:
+        with self._lock:
+            return self._opening.setdefault(key, threading.Lock())
 
     def get(self, spec: TargetSpec) -> Connection:
         """Return the open connection for `spec.name`, opening it on first use."""
         key = spec.name or spec.url
-        with self._lock:
+        with self._key_lock(key):
             conn = self._conns.get(key)
             if conn is None:
                 conn = open_connection(spec, self.options)
-                self._conns[key] = conn
+                with self._lock:
+                    self._conns[key] = conn
             return conn
 
     def container(self, spec: TargetSpec, container: ContainerSpec | None = None) -> Connection | None:
@@ -313,11 +319,12 @@ class TargetPool:
             return None
         key = (spec.name or spec.url, cs.text)
         host = self.get(spec)
-        with self._lock:
+        with self._key_lock(key):
             conn = self._containers.get(key)
             if conn is None:
                 conn = host.container(cs)
-                self._containers[key] = conn
+                with self._lock:
+                    self._containers[key] = conn
             return conn
 
     def connections(self) -> list[Connection]:

@@ -71,6 +71,7 @@ def test_yaml_inventory(tmp_path):
     g1 = specs["gpu-01"]
     assert (g1.scheme, g1.user, g1.hostname, g1.port) == ("ssh", "root", "198.18.1.2", 2222)
     assert g1.vars["expected_gpus"] == 8 and g1.vars["p2p_min_gbps"] == 40
+    assert g1.vars["gpu_count"] == 8  # the name the health suite reads
     assert g1.vars["groups"] == ["proxmox", "workstations"]
     assert g1.container is not None and (g1.container.kind, g1.container.name) == ("pct", "101")
     g2 = specs["gpu-02"]
