@@ -290,6 +290,8 @@ class StateFile:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if not self.journal.exists() and self.path.exists():
+            return  # nothing recorded since the last compaction
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"version": 1, "items": self.items}))
         os.replace(tmp, self.path)
@@ -496,6 +498,9 @@ class Backup:
         self.meta.mkdir(parents=True, exist_ok=True)
         self.state = StateFile(self.meta, "state")
         self._dirs_ok: set[str] = set()
+        # files plan() found verified and unchanged, with the state record it saw: verify() can
+        # trust its own stat from moments ago instead of stat-ing them all again
+        self._seen_current: dict[str, tuple[dict[str, Any], int, int]] = {}
 
     # -- listing
 
@@ -578,6 +583,7 @@ class Backup:
                 plan.copy.append(f)
             elif rec["m"] == f.mtime_ns and lst is not None and lst.st_mtime_ns == f.mtime_ns:
                 plan.current.append(f)
+                self._seen_current[f.key] = (rec, f.size, f.mtime_ns)
             else:
                 plan.rehash.append(f)  # same size, mtime moved: the node's hash decides
         return plan
@@ -798,6 +804,9 @@ class Backup:
             local = self._local(f)
             if rec is None:
                 missing.append((f.display, "never copied"))
+                continue
+            seen = self._seen_current.get(f.key)
+            if not rehash_local and seen is not None and seen == (rec, f.size, f.mtime_ns):
                 continue
             try:
                 lst = os.lstat(local)
