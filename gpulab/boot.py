@@ -46,6 +46,14 @@ MASKED_UNITS = (
     "systemd-pcrphase.service",
     "systemd-pcrphase-sysinit.service",
     "systemd-journald-audit.socket",
+    "modprobe@.service",
+    "modprobe@drm.service",
+    "modprobe@fuse.service",
+    "modprobe@configfs.service",
+    "modprobe@efi_pstore.service",
+    "modprobe@loop.service",
+    "modprobe@dm_mod.service",
+    "systemd-logind.service",
     "sys-kernel-debug.mount",
     "sys-kernel-tracing.mount",
     "sys-kernel-config.mount",
@@ -226,6 +234,8 @@ def _inner(ns: argparse.Namespace) -> None:
     _mount("--rbind", ns.dev, str(r / "dev"))
     _mount("-t", "devpts", "-o", "newinstance,ptmxmode=0666,mode=620,gid=5", "devpts", str(r / "dev/pts"))
     _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev,size=256m", "shm", str(r / "dev/shm"))
+    # A fresh /tmp per boot (as with tmp.mount); this machine's own /tmp is not the host's business.
+    _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev,size=512m", "tmpfs", str(r / "tmp"))
     if ns.state:
         _mount("--bind", ns.state, str(r / "var/lib/gpulab"))
         if ns.sysfs:
