@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-from pytest_gpuhost.modules import s3 as s3mod
 from pytest_gpuhost.modules.backup import Backup, Category, Manifest
 from pytest_gpuhost.modules.process import Selection
 from pytest_gpuhost.modules.s3 import S3Upload, items_from_backup, key_for, parse_s3_url
@@ -46,16 +45,14 @@ def test_key_escaping_is_reversible_and_safe():
     assert key_for(os.fsdecode(b"data/new\nline \xff %41")) == "data/new%0Aline %FF %2541"
 
 
-def test_upload_verify_rerun_and_multipart_hygiene(aws_env, backed_up, monkeypatch):
-    monkeypatch.setattr(s3mod, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
-    monkeypatch.setattr(s3mod, "PART_SIZE", 5 * 1024 * 1024)
+def test_upload_verify_rerun_and_multipart_hygiene(aws_env, backed_up):
     b, listing = backed_up
     bucket = aws_env.make_bucket("bk")
     loc = parse_s3_url(f"s3://{bucket}/node-a")
     client = aws_env.client()
     # an upload left open by an interrupted run
     stale = client.create_multipart_upload(Bucket=bucket, Key="node-a/data/stale", ChecksumAlgorithm="SHA256")
-    up = S3Upload(b.dest, loc, endpoint=aws_env.url, workers=4)
+    up = S3Upload(b.dest, loc, endpoint=aws_env.url, workers=4, part_size=5 * 1024 * 1024)
     items, unverified = items_from_backup(b, listing)
     assert not unverified and len(items) == 43
     res = up.run(up.plan(items))

@@ -152,8 +152,11 @@ class S3Upload:
         workers: int = 8,
         progress: Callable[[Progress], None] | None = None,
         progress_interval: float = 1.0,
+        part_size: int | None = None,
     ) -> None:
         self.dest = Path(dest)
+        self.part_size = part_size or PART_SIZE
+        self.multipart_threshold = 2 * part_size if part_size else MULTIPART_THRESHOLD
         self.loc = location
         self.client = client or make_client(endpoint, max_pool=workers * 2)
         self.workers = workers
@@ -274,7 +277,7 @@ class S3Upload:
             if hashlib.sha256(body).hexdigest() != item.sha256:
                 raise S3Error("link target differs from the verified one")
             etag = self._put(key, body, meta)
-        elif item.size >= MULTIPART_THRESHOLD:
+        elif item.size >= self.multipart_threshold:
             etag = self._multipart(key, self.dest / item.rel, item, meta, tick)
         else:
             with open(self.dest / item.rel, "rb") as f:
@@ -316,7 +319,7 @@ class S3Upload:
             with open(path, "rb") as f:
                 number = 0
                 while True:
-                    chunk = f.read(PART_SIZE)
+                    chunk = f.read(self.part_size)
                     if not chunk:
                         break
                     number += 1

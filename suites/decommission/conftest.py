@@ -66,6 +66,8 @@ def decom(target: Any, pytestconfig: pytest.Config) -> Iterator[Decommission]:
         measure=lambda n, v, unit=None: evidence.current().measure(n, v, unit, target=target.name),
         gpu_idle_mib=int(manifest.options.get("gpu_idle_mib", 256)),
         gpu_idle_timeout=float(manifest.options.get("gpu_idle_timeout", 30)),
+        stall_timeout=options.tuning(pytestconfig, "decommission_stall_timeout"),
+        part_size=int(options.tuning(pytestconfig, "decommission_s3_part_mib") * 1024 * 1024),
     )
     yield d
 

@@ -53,6 +53,8 @@ class Decommission:
     endpoint: str | None = None
     gpu_idle_mib: int = 256
     gpu_idle_timeout: float = 30.0
+    stall_timeout: float = 60.0
+    part_size: int | None = None
     progress: Callable[[Progress], None] | None = None
     record: Callable[[str, Any], None] | None = None  # evidence.state
     measure: Callable[..., None] | None = None  # evidence.measure
@@ -67,7 +69,12 @@ class Decommission:
     def backup(self) -> Backup:
         if self._backup is None:
             self._backup = Backup(
-                self.conn, self.manifest, self.dest, progress=self.progress, progress_interval=2.0
+                self.conn,
+                self.manifest,
+                self.dest,
+                progress=self.progress,
+                progress_interval=2.0,
+                stall_timeout=self.stall_timeout,
             )
         return self._backup
 
@@ -76,7 +83,12 @@ class Decommission:
         assert self.s3 is not None
         if self._s3 is None:
             self._s3 = S3Upload(
-                self.dest, self.s3, endpoint=self.endpoint, progress=self.progress, progress_interval=2.0
+                self.dest,
+                self.s3,
+                endpoint=self.endpoint,
+                progress=self.progress,
+                progress_interval=2.0,
+                part_size=self.part_size,
             )
         return self._s3
 

@@ -32,12 +32,34 @@ OPTIONS = (
 )
 
 
+#: ini-only tuning values: (name, help, default)
+TUNING = (
+    (
+        "decommission_stall_timeout",
+        "seconds without a byte before a transfer counts as cut (default 60)",
+        "60",
+    ),
+    (
+        "decommission_s3_part_mib",
+        "S3 multipart part size in MiB; files of twice this go multipart (default 32)",
+        "32",
+    ),
+)
+
+
 def addoption(parser: pytest.Parser) -> None:
     """Register this suite's options in the gpuhost group."""
     group = parser.getgroup("gpuhost")
     for flag, ini, text in OPTIONS:
         group.addoption(flag, dest=f"decommission_{ini}", default=None, help=text)
         parser.addini(f"decommission_{ini}", text, default=None)
+    for name, text, default in TUNING:
+        parser.addini(name, text, default=default)
+
+
+def tuning(config: pytest.Config, name: str) -> float:
+    """Return an ini-only tuning value as a number (validated in validate())."""
+    return float(config.getini(name))
 
 
 def get(config: pytest.Config, ini: str) -> tuple[str | None, str]:
@@ -79,6 +101,16 @@ def validate(config: pytest.Config) -> None:
             raise pytest.UsageError(f"{where}={endpoint}: expected http(s)://HOST[:PORT]")
         if not backup_to:
             raise pytest.UsageError(f"{where} without --backup-to: say where to upload (s3://BUCKET/PREFIX)")
+    for name, _text, _default in TUNING:
+        raw = config.getini(name)
+        try:
+            ok = float(raw) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise pytest.UsageError(f"ini {name}={raw!r}: expected a positive number")
+    if tuning(config, "decommission_s3_part_mib") < 5:
+        raise pytest.UsageError("ini decommission_s3_part_mib: S3 parts are at least 5 MiB")
     backup_dir, where = get(config, "backup_dir")
     if backup_dir and Path(backup_dir.replace("{host}", "x")).is_file():
         raise pytest.UsageError(f"{where}={backup_dir}: is a file; pass a directory")
