@@ -53,6 +53,7 @@ _OPS = {}
 _STREAM_OPS = set()
 _FACTS = {}
 _ORPHANS = []  # pids of write children left to the kernel; reaped when they finish
+_PROTO_FDS = []  # the protocol's descriptors; a forked writer closes them at once
 
 DEFAULT_MAX_OUTPUT = 64 * 1024 * 1024
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
@@ -203,7 +204,7 @@ def run_process(
         return {
             "rc": 127 if exc.errno == _errno.ENOENT else 126,
             "stdout": "",
-            "stderr": "%s: %s\n" % (args[0], exc.strerror),
+            "stderr": "%s: %s\n" % (exc.filename or args[0], exc.strerror),
             "timed_out": False,
             "start": start,
             "duration": time.monotonic() - t0,
@@ -425,6 +426,16 @@ def write_file(path, data, timeout, mode="w"):
     if pid == 0:  # child
         try:
             os.close(rfd)
+            # A writer stuck in the kernel must not hold the agent's pipes: the SSH channel (and
+            # the session on the target) could never close.
+            for fd in _PROTO_FDS:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             _write_child(path, data, mode, wfd)
         finally:
@@ -673,6 +684,7 @@ def main():
     # so a child that inherits them (or a probe that prints) cannot corrupt the stream.
     proto_in = os.fdopen(os.dup(0), "rb", 65536)
     proto_out = os.fdopen(os.dup(1), "wb", 0)
+    _PROTO_FDS[:] = [proto_in.fileno(), proto_out.fileno()]
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
