@@ -79,7 +79,7 @@ def _run_suite(
     assert "2 passed, 2 fixed" in result.outlines[-1], result.outlines[-3:]
     assert set(_files(state).values()) == {"good"} and len(_files(state)) == 4
 
-    result = pytester.runpytest(*target_args, "-n", "2", "--report-name=again")
+    result = pytester.runpytest(*target_args, "--report-name=again")
     assert "4 passed" in result.outlines[-1]
     assert "fixed" not in result.outlines[-1]
 

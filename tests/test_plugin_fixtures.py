@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest_gpuhost.backend  # noqa: F401
 import pytest_gpuhost.targets  # noqa: F401
 
 HOST_IS_OURS = """
+import json
 import os
 
 def test_host_is_ours(host, target, request):
@@ -165,3 +167,35 @@ def test_unknown_host_key_refused_by_default_accepted_with_accept_new(
     assert known.read_text().strip(), "accept-new did not record the key"
     pytester.runpytest(*args).assert_outcomes(passed=1)
     assert os.stat(known).st_size > 0
+
+
+def test_command_hook_and_connections_closed_at_session_end(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        """
+        import json, pathlib
+        SEEN = []
+
+        def pytest_gpuhost_command(target, result):
+            SEEN.append([target, result.command, result.rc])
+
+        def pytest_unconfigure(config):
+            pathlib.Path("seen.json").write_text(json.dumps(SEEN))
+        """
+    )
+    pytester.makepyfile(
+        """
+        import pathlib
+
+        def test_agent(target):
+            assert target.conn.run(["echo", "hooked"]).rc == 0
+            pathlib.Path("agent.pid").write_text(str(target.conn.hello["pid"]))
+        """
+    )
+    result = pytester.runpytest("--host=local://", "--report-name=hooks")
+    result.assert_outcomes(passed=1)
+    seen = json.loads((pytester.path / "seen.json").read_text())
+    assert ["local", "echo hooked", 0] in seen
+    pid = int((pytester.path / "agent.pid").read_text())
+    assert not Path(f"/proc/{pid}").exists(), "the agent outlived the session"
+    xml = (pytester.path / "reports" / "hooks.xml").read_text()
+    assert '<property name="gpuhost_outcome" value="passed"' in xml
