@@ -320,6 +320,8 @@ class JsonWriter:
             "finished": time.time(),
             "args": [redact(a) for a in self.config.invocation_params.args],
             "exitstatus": int(session.exitstatus),
+            "check_only": bool(self.config.getoption("gpuhost_check_only", default=False)),
+            "targets": sorted({t["target"] for t in self.tests.values() if t["target"]}),
             "summary": counts,
             "tests": list(self.tests.values()),
             "session": session_evidence().to_dict(),

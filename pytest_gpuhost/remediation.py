@@ -194,9 +194,14 @@ class Outcome:
 class WouldFix(pytest.fail.Exception):  # type: ignore[name-defined,misc]
     """Raised by `remediate` under --check-only when a fix would run."""
 
+    # As pytest does for its own outcomes: summaries then read "WouldFix: ..." without a module path.
+    __module__ = "builtins"
+
 
 class RemediationFailed(pytest.fail.Exception):  # type: ignore[name-defined,misc]
     """Raised by `remediate` when a fix was vetoed, raised, or did not verify."""
+
+    __module__ = "builtins"
 
 
 _outcomes_key = pytest.StashKey[list[Outcome]]()

@@ -27,7 +27,8 @@ OUTCOME_CSS = """
 .gh-ev td,.gh-ev th{border:1px solid #ccc;padding:2px 6px;vertical-align:top;text-align:left}
 .gh-ev pre{margin:0;white-space:pre-wrap;max-height:24em;overflow:auto;font-size:12px}
 .gh-rc-bad{color:#c62828;font-weight:bold}
-.gh-heat td{text-align:right;font-family:monospace;min-width:4.5em}
+.gh-heat td{text-align:right;font-family:monospace;min-width:4.5em;color:#000}
+.gh-ev td,.gh-matrix td{color:#222}
 .gh-heat .gh-below{outline:2px solid #c62828;outline-offset:-2px}
 .gh-heat-pair{display:flex;gap:24px;flex-wrap:wrap}
 .gh-matrix td,.gh-matrix th{border:1px solid #ccc;padding:2px 6px}
