@@ -198,7 +198,13 @@ def health(target: Any, request: pytest.FixtureRequest) -> HostHealth:
         except hm.ThresholdError as exc:
             pytest.fail(f"{target.name}: {exc}", pytrace=False)
         hosts[target.name] = hh
-    hh.gather()
+    try:
+        hh.gather()
+    except GpuhostError as exc:
+        # One line, and no traceback to render: for an unreachable host this runs once per
+        # check, and formatting the connection code's frames each time costs more than the
+        # connect timeout itself.
+        pytest.fail(f"{target.name}: {type(exc).__name__}: {exc}", pytrace=False)
     return hh
 
 
