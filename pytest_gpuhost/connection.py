@@ -103,19 +103,28 @@ class _AgentSession:
         self.hello: dict[str, Any] = {}
 
     def _line(self, timeout: float) -> bytes:
+        # Only new data is searched and joined once: a reply of many megabytes stays linear.
+        nl = self.buf.find(b"\n")
+        if nl >= 0:
+            line, self.buf = self.buf[:nl], self.buf[nl + 1 :]
+            return line
+        parts = [self.buf]
         deadline = time.monotonic() + timeout
         while True:
-            nl = self.buf.find(b"\n")
-            if nl >= 0:
-                line, self.buf = self.buf[:nl], self.buf[nl + 1 :]
-                return line
             left = deadline - time.monotonic()
             if left <= 0:
+                self.buf = b"".join(parts)
                 raise TimeoutError
             data = self.chan.recv(left)
             if not data:
+                self.buf = b"".join(parts)
                 raise EOFError
-            self.buf += data
+            nl = data.find(b"\n")
+            if nl >= 0:
+                parts.append(data[:nl])
+                self.buf = data[nl + 1 :]
+                return b"".join(parts)
+            parts.append(data)
 
     def request(self, req: dict[str, Any], timeout: float, on_chunk: Callable[[Any], None] | None) -> Any:
         """Send one request and return the reply dict; raise AgentError when the agent is gone."""
@@ -151,6 +160,16 @@ class _AgentSession:
             self.chan.close()
         except Exception:  # noqa: BLE001 - closing a broken channel must not mask the error
             pass
+
+
+#: Observers get at most this much of each output (reports keep far less); bounds redaction cost.
+OBSERVED_OUTPUT = 1 << 20
+
+
+def _clip(text: str) -> str:
+    if len(text) <= OBSERVED_OUTPUT:
+        return text
+    return text[:OBSERVED_OUTPUT] + f"\n... [{len(text) - OBSERVED_OUTPUT} more characters not recorded]"
 
 
 def _last_line(text: str) -> str:
@@ -537,8 +556,8 @@ class Connection:
             result.target,
             redact(shown),
             result.rc,
-            redact(result.stdout),
-            redact(result.stderr),
+            redact(_clip(result.stdout)),
+            redact(_clip(result.stderr)),
             result.start,
             result.duration,
             result.timed_out,

@@ -340,3 +340,10 @@ def test_missing_launcher_tool_is_one_line_error(tmp_path):
 
     with pytest.raises(ConnectError, match=r"cannot start the agent on local: sudo: command not found"):
         open_connection(parse_host_url(f"local://?path={tmp_path}&sudo=1"))
+
+
+def test_large_output_is_linear(conn):
+    t0 = time.monotonic()
+    r = conn.run("head -c 20000000 /dev/zero | tr '\\0' a")
+    assert len(r.stdout) == 20_000_000 and r.stdout[:3] == "aaa"
+    assert time.monotonic() - t0 < 6  # a quadratic reader takes tens of seconds here
