@@ -372,6 +372,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if s.report_dir is not None and not hasattr(config, "workerinput"):
         s.report_name = s.report_name or default_report_name(config)
         html_report.configure_outputs(config, Path(s.report_dir), s.report_name)
+    _publish(config, s)
     if s.hosts or s.inventory:
         config.stash[targets_key] = _load_targets(config, s)
     else:
@@ -385,6 +386,37 @@ def pytest_configure(config: pytest.Config) -> None:
     # which would ask for an assertion rewrite of a module this one already imported.
     if not config.pluginmanager.has_plugin("gpuhost-evidence"):
         config.pluginmanager.register(evidence, "gpuhost-evidence")
+
+
+_FIELDS = {
+    "--host": "hosts",
+    "--container": "container",
+    "--inventory": "inventory",
+    "--check-only": "check_only",
+    "--command-timeout": "command_timeout",
+    "--connect-timeout": "connect_timeout",
+    "--ssh-identity": "ssh_identity",
+    "--known-hosts": "known_hosts",
+    "--host-key-policy": "host_key_policy",
+    "--sudo": "sudo",
+    "--report-name": "report_name",
+}
+
+
+def _publish(config: pytest.Config, s: Settings) -> None:
+    """Write the resolved values back, so `config.getoption("gpuhost_check_only")` sees ini values too.
+
+    xdist hands the controller's option values to its workers, so they also get the same
+    report name and the same resolved settings.
+    """
+    for opt in _OPTS:
+        field_name = _FIELDS.get(opt.flag)
+        if field_name is None:
+            continue
+        value = getattr(s, field_name)
+        if opt.kind == "str" and not value:
+            value = None  # "not given", so ini and default lookups still work
+        setattr(config.option, opt.dest, value)
 
 
 def _close_pool(config: pytest.Config) -> None:

@@ -103,6 +103,9 @@ def test_ini_twins_are_read_and_named_in_errors(pytester: pytest.Pytester) -> No
         def test_values(check_only, pytestconfig):
             s = pytestconfig.stash[settings_key]
             assert check_only is True and s.command_timeout == 5.0 and s.report_dir is None
+            # Resolved values are published on config.option (and so reach xdist workers).
+            assert pytestconfig.getoption("gpuhost_check_only") is True
+            assert pytestconfig.getoption("gpuhost_command_timeout") == 5.0
         """
     )
     pytester.runpytest().assert_outcomes(passed=1)
