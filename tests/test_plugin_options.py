@@ -156,3 +156,24 @@ def test_reports_default_names_and_user_paths_win(pytester: pytest.Pytester) -> 
     assert (pytester.path / "mine.html").is_file()
     assert sorted(p.name for p in (pytester.path / "out").iterdir()) == ["nightly.json", "nightly.xml"]
     result.assert_outcomes(passed=1)
+
+
+def test_inventory_targets_and_bad_inventory(pytester: pytest.Pytester) -> None:
+    pytester.makefile(
+        ".yaml",
+        fleet="""
+        all:
+          children:
+            lab:
+              vars: {gpuhost_url: "local://", gpu_count: 8}
+              hosts:
+                node[01:02]: {}
+        """,
+    )
+    pytester.makepyfile("def test_t(target):\n    assert target.vars['gpu_count'] == 8\n")
+    result = pytester.runpytest("-v", "--inventory=fleet.yaml", "--report-dir=none")
+    result.stdout.fnmatch_lines(["*test_t?node01? PASSED*", "*test_t?node02? PASSED*"])
+    pytester.makefile(".yaml", broken="all: [unclosed\n")
+    result = pytester.runpytest("--inventory=broken.yaml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*bad inventory 'broken.yaml' (--inventory): *"])
