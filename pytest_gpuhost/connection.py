@@ -12,6 +12,7 @@ agent (reconnecting SSH if needed) once, and raises `AgentError` if that fails t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import shlex
@@ -19,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from pytest_gpuhost.agent import BOOTSTRAP, agent_payload
 from pytest_gpuhost.errors import AgentError, CommandTimeout, ConnectError, GpuhostError
@@ -126,33 +127,47 @@ class _AgentSession:
                 return b"".join(parts)
             parts.append(data)
 
-    def request(self, req: dict[str, Any], timeout: float, on_chunk: Callable[[Any], None] | None) -> Any:
-        """Send one request and return the reply dict; raise AgentError when the agent is gone."""
+    def send(self, req: dict[str, Any]) -> None:
         try:
             self.chan.send(json.dumps(req, separators=(",", ":")).encode("utf-8") + b"\n")
+        except OSError as exc:
+            self._died(req, exc)
+
+    def next_message(self, req: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Return the next chunk or the reply for `req`; each waits at most `timeout` seconds."""
+        try:
             while True:
-                line = self._line(timeout)
-                msg = json.loads(line)
-                if "chunk" in msg:
-                    if on_chunk is not None and msg.get("id") == req["id"]:
-                        on_chunk(msg["chunk"])
-                    continue
+                msg = json.loads(self._line(timeout))
                 if msg.get("id") != req["id"]:
-                    continue  # a late reply to a request we gave up on
-                return msg
+                    continue  # a late line of a request we gave up on
+                return dict(msg)
         except TimeoutError as exc:
             self.kill()
             raise AgentError(
                 f"agent on {self.name} gave no reply to {req.get('op')} within {timeout:g}s; stopped it"
             ) from exc
         except (EOFError, OSError, ValueError) as exc:
-            self.dead = True
-            rc = self.chan.exit_status(2.0)
-            tail = _last_line(self.chan.stderr_text())
-            what = f"exit status {rc}" if rc is not None else type(exc).__name__
-            raise AgentError(
-                f"agent on {self.name} died during {req.get('op')} ({what})" + (f": {tail}" if tail else "")
-            ) from exc
+            self._died(req, exc)
+
+    def _died(self, req: dict[str, Any], exc: BaseException) -> NoReturn:
+        self.dead = True
+        rc = self.chan.exit_status(2.0)
+        tail = _last_line(self.chan.stderr_text())
+        what = f"exit status {rc}" if rc is not None else type(exc).__name__
+        raise AgentError(
+            f"agent on {self.name} died during {req.get('op')} ({what})" + (f": {tail}" if tail else "")
+        ) from exc
+
+    def request(self, req: dict[str, Any], timeout: float, on_chunk: Callable[[Any], None] | None) -> Any:
+        """Send one request and return the reply dict; raise AgentError when the agent is gone."""
+        self.send(req)
+        while True:
+            msg = self.next_message(req, timeout)
+            if "chunk" in msg:
+                if on_chunk is not None:
+                    on_chunk(msg["chunk"])
+                continue
+            return msg
 
     def kill(self) -> None:
         self.dead = True
@@ -213,17 +228,36 @@ class Connection:
         self._ids = itertools.count(1)
         self._had_agent = False
         self._closed = False
-        # One request on the wire at a time: threads sharing a connection take turns.
-        self._lock = threading.RLock()
+        # One request on the wire at a time: threads sharing a connection take turns.  A plain
+        # Lock (not RLock) because a stream's generator may be finished from another thread.
+        self._wire = threading.Lock()
+        self._stream_owner: int | None = None
 
     def __repr__(self) -> str:
         return f"<Connection {self.name} via {self.launcher.description} mode={self.mode}>"
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self._acquire()
+        try:
+            yield
+        finally:
+            self._wire.release()
+
+    def _acquire(self) -> None:
+        if self._stream_owner == threading.get_ident():
+            raise AgentError(f"connection to {self.name} is busy with a stream: finish or close it first")
+        bound = self.opts.command_timeout + REPLY_MARGIN
+        if not self._wire.acquire(timeout=bound):
+            raise AgentError(
+                f"connection to {self.name} stayed busy for {bound:g}s (another thread's request)"
+            )
 
     # ------------------------------------------------------------ agent lifecycle
 
     def connect(self) -> Connection:
         """Start the agent now (otherwise the first request does); return self."""
-        with self._lock:
+        with self._locked():
             self._ensure()
         return self
 
@@ -287,7 +321,7 @@ class Connection:
     def _request(
         self, op: str, params: dict[str, Any], timeout: float, on_chunk: Callable[[Any], None] | None = None
     ) -> dict[str, Any]:
-        with self._lock:
+        with self._locked():
             session = self._ensure()
             if session is None:
                 raise AgentError(
@@ -303,7 +337,7 @@ class Connection:
     def call(self, op: str, **params: Any) -> Any:
         """Run a raw agent op and return its result; raise AgentError (with errno) on failure."""
         timeout = float(params.pop("_reply_timeout", 0) or self._op_timeout(params))
-        with self._lock:
+        with self._locked():
             fallback = self._ensure() is None
         if fallback:
             reply = self._fallback_call(op, params)
@@ -374,7 +408,7 @@ class Connection:
             params["env"] = dict(env)
         if cwd:
             params["cwd"] = cwd
-        with self._lock:
+        with self._locked():
             session = self._ensure()
         if session is None:
             result = self._fallback_run(params, t)
@@ -420,7 +454,7 @@ class Connection:
     def read_files(self, paths: Sequence[str], *, max_bytes: int | None = None) -> dict[str, str | OSError]:
         """Read many files in one round trip; each value is its text or the OSError it gave."""
         paths = list(paths)
-        with self._lock:
+        with self._locked():
             fallback = self._ensure() is None
         if fallback:
             return self._fallback_read_files(paths)
@@ -450,7 +484,7 @@ class Connection:
         else:
             params["data"] = data
         start = time.time()
-        with self._lock:
+        with self._locked():
             fallback = self._ensure() is None
         if fallback:
             wr = self._fallback_write(path, data, t, mode)
@@ -475,18 +509,44 @@ class Connection:
         return wr
 
     def stream(self, op: str, **params: Any) -> Iterator[dict[str, Any]]:
-        """Yield the chunks of a streaming op, then a final `{"done": True, "result": ...}`.
+        """Yield the chunks of a streaming op as they arrive, then `{"done": True, "result": ...}`.
 
-        Chunks are collected while the reply is read, then yielded; an op that produces more
-        than memory allows belongs on `open_channel` instead.
+        The connection is held for the stream: other threads wait, and a request from the
+        consuming thread itself raises AgentError.  Leaving the loop early reads and drops the
+        rest of the stream (bounded by the op's timeout) so the connection stays usable.
         """
-        chunks: list[Any] = []
         timeout = self._op_timeout(params)
-        reply = self._request(op, params, timeout, chunks.append)
-        yield from chunks
-        if not reply.get("ok"):
-            raise AgentError(f"{op} on {self.name}: {reply.get('error')}")
-        yield {"done": True, "result": reply.get("result")}
+        self._acquire()
+        done = False
+        session: _AgentSession | None = None
+        try:
+            session = self._ensure()
+            if session is None:
+                raise AgentError(f"{op}: {self.name} has no {self.opts.python}; streaming needs the agent")
+            req = {"id": next(self._ids), "op": op}
+            req.update(params)
+            self.round_trips += 1
+            self._stream_owner = threading.get_ident()
+            session.send(req)
+            while True:
+                msg = session.next_message(req, timeout)
+                if "chunk" in msg:
+                    yield msg["chunk"]
+                    continue
+                done = True
+                if not msg.get("ok"):
+                    raise AgentError(f"{op} on {self.name}: {msg.get('error')}")
+                yield {"done": True, "result": msg.get("result")}
+                return
+        finally:
+            if not done and session is not None and not session.dead:
+                try:
+                    while "chunk" in session.next_message(req, timeout):
+                        pass
+                except AgentError:
+                    pass  # next_message stopped the agent; the next request starts a new one
+            self._stream_owner = None
+            self._wire.release()
 
     def open_channel(self, argv: Sequence[str]) -> RawChannel:
         """Start `argv` on the target on a channel of its own, for bulk bytes (tar, hashing)."""

@@ -347,3 +347,26 @@ def test_large_output_is_linear(conn):
     r = conn.run("head -c 20000000 /dev/zero | tr '\\0' a")
     assert len(r.stdout) == 20_000_000 and r.stdout[:3] == "aaa"
     assert time.monotonic() - t0 < 6  # a quadratic reader takes tens of seconds here
+
+
+def test_stream_yields_as_output_arrives(conn):
+    t0 = time.monotonic()
+    gen = conn.stream("run", shell="echo first; sleep 1; echo second", timeout=10, stream=True)
+    first = next(gen)
+    assert first == {"stream": "stdout", "data": "first\n"}
+    assert time.monotonic() - t0 < 0.9  # before the command finished
+    with pytest.raises(AgentError, match="busy with a stream"):
+        conn.run(["true"])
+    rest = list(gen)
+    assert rest[-1]["done"] and rest[-1]["result"]["stdout"] == "first\nsecond\n"
+    assert conn.run(["echo", "free"]).stdout == "free\n"
+
+
+def test_stream_left_early_keeps_connection_usable(conn):
+    gen = conn.stream("run", shell="for i in 1 2 3; do echo $i; sleep 0.1; done", timeout=10, stream=True)
+    assert next(gen)["data"] == "1\n"
+    gen.close()
+    assert conn.run(["echo", "ok"]).stdout == "ok\n"
+    with pytest.raises(AgentError, match="unknown op"):
+        list(conn.stream("no_such_stream"))
+    assert conn.run(["true"]).ok
