@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import stat
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuhost.agent import BOOTSTRAP, agent_source
+import pytest_gpuhost.agent
+from pytest_gpuhost.agent import BOOTSTRAP, agent_source, probe_files
 from pytest_gpuhost.connection import CommandResult, Connection
 from pytest_gpuhost.errors import AgentError, CommandTimeout, GpuhostError
 from pytest_gpuhost.targets import open_connection, parse_host_url
@@ -29,7 +31,28 @@ def test_program_is_core_probes_then_main():
     assert src.rstrip().endswith("main()")
     assert "\nfrom __future__ import" not in src
     compile(src, "<agent>", "exec")
+    ast.parse(src, feature_version=(3, 6))  # old targets: no walrus, no 3.8+ grammar
     assert len(BOOTSTRAP) < 400
+
+
+def _top_level_names(path: Path) -> set[str]:
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return out
+
+
+def test_probes_do_not_shadow_each_other_or_the_core():
+    """Probes share one namespace with the core: a clash would silently replace a function."""
+    core_path = Path(pytest_gpuhost.agent.__file__).parent / "agent.py"
+    owner = dict.fromkeys(_top_level_names(core_path), "agent.py")
+    for probe in probe_files():
+        for name in _top_level_names(probe):
+            assert name not in owner, f"{probe.name} redefines {name} from {owner[name]}"
+            owner[name] = probe.name
 
 
 def test_hello_lists_ops_and_facts(conn):
