@@ -145,6 +145,8 @@ def remediation_from(
             raise TypeError("pass a Remediation or callables, not both")
         if name:
             rem.name = name
+        elif not rem.name:
+            rem.name = type(rem).__name__
         return rem
     if check is None:
         raise TypeError("remediate() needs a Remediation or check=")
