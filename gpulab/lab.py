@@ -79,6 +79,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _is_ours(pid: int, name: str) -> bool:
+    """Say whether live ``pid`` is a lab process of host ``name`` (guards against reused PIDs)."""
+    if not _alive(pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        cgroups = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
+    return (
+        f"{RUN}/{name}/" in cmdline
+        or f":/gpulab/{name}/" in cgroups
+        or cgroups.rstrip().endswith(f"/gpulab/{name}")
+    )
+
+
 def _wait_gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -259,7 +275,7 @@ class LabHost:
             pid = int(self._pidfile(what).read_text().strip())
         except (OSError, ValueError):
             return None
-        return pid if _alive(pid) else None
+        return pid if _is_ours(pid, self.name) else None
 
     def _set_pid(self, what: str, pid: int) -> None:
         self._pidfile(what).parent.mkdir(parents=True, exist_ok=True)
@@ -648,6 +664,7 @@ class LabHost:
 
     def _halt(self) -> None:
         """SIGKILL the host's PID 1 (which ends its containers too) and wait for the launchers."""
+        _thaw(self.cgroup)  # a frozen task does not die of SIGKILL until it is thawed
         for what in ["init"] + [f"ct{m.cid}-init" for m in self.machines()[1:]]:
             pid = self._pid(what)
             if pid is not None:
@@ -665,6 +682,13 @@ class LabHost:
                     for pid_s in (sub / "cgroup.procs").read_text().split():
                         os.kill(int(pid_s), signal.SIGKILL)
         _remove_cgroup(self.cgroup)
+
+
+def _thaw(cg: str) -> None:
+    f = CGROUP_ROOT / "freezer" / cg / "freezer.state"
+    with contextlib.suppress(OSError):
+        if f.read_text().strip() != "THAWED":
+            f.write_text("THAWED")
 
 
 def _stop_pid(pid: int | None, timeout: float = 5) -> None:
@@ -743,16 +767,21 @@ def _teardown(d: Path, name: str, index: int | None) -> None:
     if pids.is_dir():
         for f in pids.iterdir():
             with contextlib.suppress(ValueError, OSError):
-                recorded[f.name] = int(f.read_text().strip())
-    for what in sorted(recorded, key=lambda w: (not w.endswith("init"), w)):
-        if what.endswith("init") and _alive(recorded[what]):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(recorded[what], signal.SIGKILL)
+                pid = int(f.read_text().strip())
+                if _is_ours(pid, name):
+                    recorded[f.name] = pid
+    cg = f"gpulab/{name}"
+    _thaw(cg)  # a frozen task does not die of SIGKILL until it is thawed
+    inits = [pid for what, pid in recorded.items() if what.endswith("init")]
+    for pid in inits:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in inits:
+        _wait_gone(pid, 5)
     for what, pid in recorded.items():
-        if what.endswith("launcher") and _alive(pid) and not _wait_gone(pid, 5):
+        if what.endswith("launcher") and not _wait_gone(pid, 5):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    cg = f"gpulab/{name}"
     for cgd in _cgroup_dirs(cg):
         if cgd.is_dir():
             for sub in [cgd, *[p for p in cgd.rglob("*") if p.is_dir()]]:
@@ -760,7 +789,7 @@ def _teardown(d: Path, name: str, index: int | None) -> None:
                     for pid_s in (sub / "cgroup.procs").read_text().split():
                         os.kill(int(pid_s), signal.SIGKILL)
     if "sysfs" in recorded:
-        _stop_pid(recorded["sysfs"] if _alive(recorded["sysfs"]) else None)
+        _stop_pid(recorded["sysfs"])
     _umount_under(d)
     for ns in netns.lab_netns_names():
         if ns == f"gl-{name}" or ns.startswith(f"gl-{name}-"):

@@ -5,6 +5,7 @@ Loaded by ``tests/conftest.py`` (``pytest_plugins = [..., "gpulab.pytest_fixture
     def test_unbind(lab):
         h = lab.host("proxmox-rtx6000")     # booted on first use, shared by the whole session
         h.reset()                           # pristine host (overlay and sysfs) between scenarios
+        h = lab.host("proxmox-rtx6000", pristine=True)   # the same, without a reset after a fresh boot
         assert h.ssh("cat /sys/kernel/iommu_groups/30/type").stdout == "DMA-FQ\\n"
         result = pytester.runpytest(*h.pytest_args(), "suites/p2p")
 
@@ -42,15 +43,21 @@ class LabSession:
         self._hosts: dict[tuple[str, str | None, tuple[tuple[str, Any], ...]], LabHost] = {}
         self._closed = False
 
-    def host(self, profile: str | Path | Profile, name: str | None = None, **kw: Any) -> LabHost:
-        """Return the session's host for this profile (and name, options), booting it on first use."""
+    def host(
+        self, profile: str | Path | Profile, name: str | None = None, pristine: bool = False, **kw: Any
+    ) -> LabHost:
+        """Return the session's host for this profile (and name, options), booting it on first use.
+
+        ``pristine=True`` resets a host that earlier tests used (a host booted just now already is).
+        """
         pname = profile.name if isinstance(profile, Profile) else Path(str(profile)).stem
         key = (pname, name, tuple(sorted(kw.items())))
         h = self._hosts.get(key)
-        if h is not None and h.is_running():
-            return h
-        if h is not None:  # its systemd died (a test killed it): bring it back the same way
-            h.reboot()
+        if h is not None:
+            if pristine:
+                h.reset()
+            elif not h.is_running():  # its systemd died (a test killed it): bring it back
+                h.reboot()
             return h
         hname = name or f"{pname[:24]}-{os.getpid()}"
         if hname in self.lab.names():

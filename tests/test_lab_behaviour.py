@@ -19,8 +19,7 @@ GROUP0, GROUP1 = 30, 31
 
 @pytest.fixture
 def host(lab):
-    h = lab.host(PROFILE)
-    h.reset()
+    h = lab.host(PROFILE, pristine=True)
     return h
 
 

@@ -11,8 +11,7 @@ PROFILE = "proxmox-rtx6000"
 
 @pytest.fixture(scope="module")
 def host(lab):
-    h = lab.host(PROFILE)
-    h.reset()
+    h = lab.host(PROFILE, pristine=True)
     return h
 
 

@@ -30,8 +30,7 @@ WantedBy=multi-user.target
 
 @pytest.fixture(scope="module")
 def host(lab):
-    h = lab.host(PROFILE)
-    h.reset()
+    h = lab.host(PROFILE, pristine=True)
     yield h
     # Leave the shared host usable for later modules whatever a failed test left behind.
     for undo in (h.thaw, h.heal_link):
@@ -124,7 +123,8 @@ def test_down_all_removes_leftovers_of_a_crashed_run(lab):
     name = f"crash-{os.getpid()}"
     h = Lab().up(PROFILE, name=name)
     pids = {f.name: int(f.read_text()) for f in (h.dir / "pids").iterdir()}
-    # A crashed run: the host is up, the process that made it is gone, its meta is lost.
+    # A crashed run: the host is up (and frozen), the process that made it is gone, its meta is lost.
+    h.freeze()
     (h.dir / "meta.json").unlink()
     assert name not in Lab().names()
     removed = Lab().down_all(match=name)
