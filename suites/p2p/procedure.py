@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_gpuhost import evidence
+from pytest_gpuhost.errors import AgentError, CommandTimeout, ConnectError
 from pytest_gpuhost.modules import gpu, iommu, p2p, pci
 from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError, check_health, nccl_transport
@@ -50,22 +51,48 @@ class P2POptions:
     log_paths: tuple[str, ...] = ()
 
 
+def unreachable(exc: BaseException) -> bool:
+    """True when `exc` says the target cannot be reached (not that an operation on it failed)."""
+    if isinstance(exc, ConnectError | CommandTimeout):
+        return True
+    text = str(exc)
+    return isinstance(exc, AgentError) and (text.startswith("agent on ") or text.startswith("connection to "))
+
+
 class _Step(Remediation):
-    def __init__(self, name: str, check: Any, plan: Any, fix: Any, verify: Any = None) -> None:
+    """A step whose check, fix and verify stop at once when the target has become unreachable.
+
+    Without this, every later call of the run would wait out its own timeout on a dead link.
+    """
+
+    def __init__(
+        self, proc: P2PProcedure, name: str, check: Any, plan: Any, fix: Any, verify: Any = None
+    ) -> None:
+        self.proc = proc
         self.name = name
         self._c, self._p, self._f, self._v = check, plan, fix, verify
 
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        if self.proc.lost is not None:
+            raise ProcedureError(f"target unreachable since: {self.proc.lost}")
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if unreachable(exc):
+                self.proc.lost = str(exc)
+            raise
+
     def check(self) -> Check:
-        return self._c()
+        return self._guard(self._c)
 
     def plan(self, before: Check) -> list[Action]:
-        return self._p(before) if self._p else []
+        return self._guard(self._p, before) if self._p else []
 
     def fix(self, actions: list[Action], before: Check) -> None:
-        self._f(actions, before)
+        self._guard(self._f, actions, before)
 
     def verify(self) -> Check:
-        return self._v() if self._v else self._c()
+        return self._guard(self._v or self._c)
 
 
 class P2PProcedure:
@@ -90,6 +117,7 @@ class P2PProcedure:
         self.stopped_service = False  # this run (or the interrupted one it completes) stopped it
         self.stopped_persistenced = False
         self.service_state: Any = None
+        self.lost: str | None = None  # why the target became unreachable during this run
 
     @staticmethod
     def _where(conn: Any) -> str:
@@ -261,7 +289,7 @@ class P2PProcedure:
             }
             self.journal.write(phase="planned")
 
-        return _Step("plan", check, lambda before: self._planned_actions(), fix)
+        return _Step(self, "plan", check, lambda before: self._planned_actions(), fix)
 
     # ------------------------------------------------------------------ step 2: service stopped
 
@@ -298,7 +326,7 @@ class P2PProcedure:
             for s in report.steps:
                 ev.note(f"{self.service.unit}: {s['step']} at {s['t']} s: {s['state']}")
 
-        return _Step("service stopped", check, lambda before: self._stop_actions(), fix)
+        return _Step(self, "service stopped", check, lambda before: self._stop_actions(), fix)
 
     # ------------------------------------------------------------------ step 3: GPUs released
 
@@ -411,7 +439,7 @@ class P2PProcedure:
                     + ". Stop these processes (they are not part of the service's unit), then run again"
                 )
 
-        return _Step("gpus released", check, plan, fix)
+        return _Step(self, "gpus released", check, plan, fix)
 
     # ------------------------------------------------------------------ step 4: groups identity
 
@@ -476,7 +504,7 @@ class P2PProcedure:
                 self.rollback()
                 raise
 
-        return _Step("iommu groups identity", check, lambda before: self._group_actions(), fix)
+        return _Step(self, "iommu groups identity", check, lambda before: self._group_actions(), fix)
 
     def _driver_now(self, bdf: str) -> str | None:
         link = f"{pci.DEVICES}/{bdf}/driver"
@@ -562,7 +590,11 @@ class P2PProcedure:
             self.journal.write(phase="rebound")
 
         return _Step(
-            "drivers bound", check, lambda before: self._bind_actions(all_functions=self.check_only), fix
+            self,
+            "drivers bound",
+            check,
+            lambda before: self._bind_actions(all_functions=self.check_only),
+            fix,
         )
 
     # ------------------------------------------------------------------ step 6: P2P bandwidth
@@ -621,7 +653,7 @@ class P2PProcedure:
                 "on the path (lspci -vvv | grep ACSCtl), a link trained down, or BIOS settings"
             )
 
-        return _Step("p2p bandwidth", check, plan, fix)
+        return _Step(self, "p2p bandwidth", check, plan, fix)
 
     # ------------------------------------------------------------------ step 7: persisted
 
@@ -688,7 +720,7 @@ class P2PProcedure:
                         f"{' '.join(argv)} failed (rc {r.rc}): {(r.stderr or r.stdout).strip()[:200]}"
                     )
 
-        return _Step("persisted", check, lambda before: self._persist_actions(), fix)
+        return _Step(self, "persisted", check, lambda before: self._persist_actions(), fix)
 
     # ------------------------------------------------------------------ step 8: service restored
 
@@ -768,7 +800,7 @@ class P2PProcedure:
                 )
             ]
 
-        return _Step("service restored", check, plan, fix)
+        return _Step(self, "service restored", check, plan, fix)
 
     # ------------------------------------------------------------------ end of run
 
@@ -780,6 +812,11 @@ class P2PProcedure:
         """
         if self.check_only or not self.journal.held:
             return []
+        if self.lost is not None:
+            evidence.current().note(
+                f"finish: target unreachable ({self.lost}); the journal on it tells the next run"
+            )
+            return [f"target unreachable: {self.lost}"]
         problems = self.rollback()
         if problems and "unreachable" in problems[-1]:
             evidence.current().note(f"finish: {problems[-1]}; the journal on the target tells the next run")
