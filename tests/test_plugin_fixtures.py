@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,9 @@ import pytest_gpuhost.targets  # noqa: F401
 HOST_IS_OURS = """
 import json
 import os
+import socket
+import threading
+import time
 
 def test_host_is_ours(host, target, request):
     names = [name for name, _ in request.config.pluginmanager.list_name_plugin()]
@@ -199,3 +205,40 @@ def test_command_hook_and_connections_closed_at_session_end(pytester: pytest.Pyt
     assert not Path(f"/proc/{pid}").exists(), "the agent outlived the session"
     xml = (pytester.path / "reports" / "hooks.xml").read_text()
     assert '<property name="gpuhost_outcome" value="passed"' in xml
+
+
+def test_connect_timeout_bounds_a_silent_host(pytester: pytest.Pytester) -> None:
+    # A TCP server that accepts and never says a word: no SSH banner ever comes.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    port = server.getsockname()[1]
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        pytester.makepyfile("def test_c(target):\n    target.conn.run(['true'])\n")
+        t0 = time.monotonic()
+        result = pytester.runpytest(
+            f"--host=ssh://root@127.0.0.1:{port}", "--connect-timeout=1", "--report-dir=none"
+        )
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in accepted:
+            conn.close()
+        server.close()
+    result.assert_outcomes(failed=1)
+    assert accepted, "the client never connected"
+    assert elapsed < 6, f"--connect-timeout=1 took {elapsed:.1f}s"
