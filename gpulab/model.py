@@ -238,6 +238,12 @@ class HostModel:
                 raise SysfsError(errno.EBUSY)
             self._attach(driver, bdf)
 
+    def check_unbind(self, driver: str, bdf: str) -> None:
+        """Raise ENODEV unless the function is bound to ``driver`` (what unbind checks first)."""
+        with self.lock:
+            if bdf not in self.functions or self.driver[bdf] != driver:
+                raise SysfsError(errno.ENODEV)
+
     def unbind(self, driver: str, bdf: str, on_wait: Callable[[], None] | None = None) -> float:
         """``echo BDF > drivers/DRIVER/unbind``; returns seconds it blocked.
 

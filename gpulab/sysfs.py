@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import itertools
 import json
 import os
 import stat
@@ -31,7 +32,7 @@ import mfusepy
 from gpulab.model import HostModel, SysfsError
 from gpulab.profile import ProfileError, load_profile
 
-__all__ = ["SysfsOps", "main"]
+__all__ = ["StandaloneMount", "SysfsOps", "main"]
 
 HOST_PREFIX = {
     "pci": "/sys/bus/pci",
@@ -95,6 +96,9 @@ class SysfsOps(mfusepy.Operations):
         self._fuse_ptr: int | None = None
         self._watch: threading.Thread | None = None
         self._tls = threading.local()
+        self._fh = itertools.count(1)
+        self._pending: dict[int, tuple[str, str, int | None]] = {}
+        self._pending_lock = threading.Lock()
 
     # ------------------------------------------------------------ tree
 
@@ -268,16 +272,35 @@ class SysfsOps(mfusepy.Operations):
         return nodes.get(name)
 
     def _unbind(self, drv: str, bdf: str) -> None:
-        path = f"/sys/bus/pci/drivers/{drv}/unbind"
-        pid = self._pid()
-        blocked = []
+        if drv == "nvidia" and bdf in self.model.gpu_bdfs:
+            # Validate now (ENODEV comes from write), wait in flush: the kernel holds the FUSE
+            # file's inode lock for the whole write, which would also stall every other writer
+            # of this attribute; kernfs has no such lock. The writer still blocks, in close().
+            self.model.check_unbind(drv, bdf)
+            self._tls.defer = bdf
+            return
+        self.model.unbind(drv, bdf)
+
+    def _finish_unbind(self, fh: int) -> None:
+        with self._pending_lock:
+            job = self._pending.pop(fh, None)
+        if job is None:
+            return
+        bdf, host_path, pid = job
+        blocked: list[bool] = []
 
         def on_wait() -> None:
             blocked.append(True)
-            self.model.record(path, bdf, 0, pid, result="blocked")
+            self.model.record(host_path, bdf, 0, pid, result="blocked")
 
-        waited = self.model.unbind(drv, bdf, on_wait=on_wait)
-        self._tls.waited = waited if blocked else 0.0
+        try:
+            waited = self.model.unbind("nvidia", bdf, on_wait=on_wait)
+        except SysfsError as e:
+            assert e.errno is not None
+            self.model.record(host_path, bdf, e.errno, pid)
+            raise mfusepy.FuseOSError(e.errno) from None
+        extra = {"blocked_s": round(waited, 3)} if blocked else {}
+        self.model.record(host_path, bdf, 0, pid, **extra)
 
     def _groups(self, p: list[str]) -> Node | None:
         m = self.model
@@ -399,6 +422,17 @@ class SysfsOps(mfusepy.Operations):
             raise mfusepy.FuseOSError(errno.EACCES)
         if acc in (os.O_RDONLY, os.O_RDWR) and node.read is None:
             raise mfusepy.FuseOSError(errno.EACCES)
+        return next(self._fh)
+
+    def flush(self, path: str, fh: Any) -> int:
+        self._finish_unbind(int(fh))
+        return 0
+
+    def release(self, path: str, fh: Any) -> int:
+        try:
+            self._finish_unbind(int(fh))
+        except mfusepy.FuseOSError:
+            pass
         return 0
 
     def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
@@ -422,16 +456,18 @@ class SysfsOps(mfusepy.Operations):
         parts = [p for p in path.split("/") if p]
         host_path = HOST_PREFIX.get(parts[0], "") + "/" + "/".join(parts[1:])
         pid = self._pid()
-        self._tls.waited = 0.0
+        self._tls.defer = None
         try:
             node.write(value)
         except SysfsError as e:
             assert e.errno is not None
             self.model.record(host_path, value, e.errno, pid)
             raise mfusepy.FuseOSError(e.errno) from None
-        waited = float(self._tls.waited)
-        extra = {"blocked_s": round(waited, 3)} if waited > 0.001 else {}
-        self.model.record(host_path, value, 0, pid, **extra)
+        if self._tls.defer is not None:
+            with self._pending_lock:
+                self._pending[int(fh)] = (self._tls.defer, host_path, pid)
+            return len(data)
+        self.model.record(host_path, value, 0, pid)
         return len(data)
 
     def chmod(self, path: str, mode: int) -> int:
@@ -443,6 +479,77 @@ class SysfsOps(mfusepy.Operations):
     def utimens(self, path: str, times: Any = None) -> int:
         self.lookup(path)
         return 0
+
+
+class StandaloneMount:
+    """Run the daemon on a temporary mount point (tests, tools): a context manager.
+
+    ``StandaloneMount(profile, workdir, kernel=None)`` creates ``workdir/{mnt,state,dev}`` (``dev``
+    with ``nvidiaN`` for every GPU minor of the profile, ``nvidiactl``, ``nvidia-uvm``), starts
+    ``python -m gpulab.sysfs`` and waits (bounded) until the mount answers. On exit it stops the
+    daemon (SIGTERM, then SIGKILL after 5 s) and lazily unmounts whatever is left.
+    """
+
+    def __init__(self, profile: str, workdir: str | os.PathLike[str], kernel: str | None = None) -> None:
+        self.profile = profile
+        self.work = os.fspath(workdir)
+        self.kernel = kernel
+        self.mnt = os.path.join(self.work, "mnt")
+        self.state = os.path.join(self.work, "state")
+        self.dev = os.path.join(self.work, "dev")
+        self.proc: Any = None
+
+    def __enter__(self) -> StandaloneMount:
+        import subprocess
+
+        prof = load_profile(self.profile, {"kernel": self.kernel} if self.kernel else None)
+        for d in (self.mnt, self.state, self.dev):
+            os.makedirs(d, exist_ok=True)
+        for name in [f"nvidia{g.minor}" for g in prof.gpus] + ["nvidiactl", "nvidia-uvm"]:
+            open(os.path.join(self.dev, name), "a").close()
+        argv = [sys.executable, "-m", "gpulab.sysfs", "--profile", self.profile, "--state", self.state]
+        argv += ["--mount", self.mnt, "--devdir", self.dev]
+        if self.kernel:
+            argv += ["--kernel", self.kernel]
+        log = open(os.path.join(self.work, "sysfs.log"), "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"gpulab.sysfs exited with {self.proc.returncode}; see {self.work}/sysfs.log"
+                )
+            if os.path.ismount(self.mnt) and os.path.isdir(os.path.join(self.mnt, "pci", "devices")):
+                return self
+            time.sleep(0.05)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"gpulab.sysfs did not mount {self.mnt} within 15 s")
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """Send SIGTERM and wait; return the exit code (None if it had to be killed)."""
+        import signal as _signal
+        import subprocess
+
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(_signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+                return None
+        rc: int = self.proc.returncode
+        return rc
+
+    def __exit__(self, *exc: object) -> None:
+        import subprocess
+
+        self.stop()
+        if os.path.ismount(self.mnt):
+            subprocess.run(["fusermount3", "-u", "-z", self.mnt], check=False, timeout=10)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -472,6 +579,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             foreground=True,
             allow_other=True,
             direct_io=True,
+            # no kernel caching of names or attributes: symlinks must vanish the moment a driver
+            # lets go, and appear the moment it binds
+            entry_timeout=0,
+            attr_timeout=0,
+            negative_timeout=0,
             fsname="gpulab-sysfs",
             debug=args.debug,
         )
