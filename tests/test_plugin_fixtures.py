@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ import pytest_gpuhost.targets  # noqa: F401
 HOST_IS_OURS = """
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -242,3 +244,16 @@ def test_connect_timeout_bounds_a_silent_host(pytester: pytest.Pytester) -> None
     result.assert_outcomes(failed=1)
     assert accepted, "the client never connected"
     assert elapsed < 6, f"--connect-timeout=1 took {elapsed:.1f}s"
+
+
+def test_sudo_runs_the_agent_through_sudo(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        "def test_s(target):\n    assert target.conn.run(['id', '-u']).stdout.strip() == '0'\n"
+    )
+    result = pytester.runpytest("--host=local://", "--sudo", "--report-dir=none")
+    if shutil.which("sudo") is None:
+        # No sudo here: the agent cannot start, and says so in one line.
+        result.assert_outcomes(failed=1)
+        result.stdout.fnmatch_lines(["ConnectError: cannot start the agent on local: *sudo*"])
+    else:
+        result.assert_outcomes(passed=1)
