@@ -120,7 +120,8 @@ def main() -> int:
             theirs = {p: ti.file(p).content for p in paths}
             ti_files = time.perf_counter() - t0
             for p in ("/proc/version", "/proc/cmdline"):  # both sides read the same bytes
-                assert theirs[p] == got[p].encode(), p
+                if p in theirs:
+                    assert theirs[p] == str(got[p]).encode(), p
             client.close()
             conn.close()
         finally:
