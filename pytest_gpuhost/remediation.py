@@ -43,6 +43,7 @@ OUTCOMES = (PASSED, FIXED, FAILED, WOULD_FIX, SKIPPED)
 _RANK = {PASSED: 0, SKIPPED: 0, FIXED: 1, WOULD_FIX: 2, FAILED: 3}
 
 PROCEDURE_MARK = "gpuhost_procedure"
+SUMMARY_LIMIT = 40  # tests listed per terminal section; a fleet run has thousands
 TARGET_PARAM = "_gpuhost_target"
 
 
@@ -391,7 +392,7 @@ def terminal_summary(terminalreporter: Any) -> None:
         if not reports:
             continue
         terminalreporter.write_sep("=", title, yellow=category == WOULD_FIX, green=category == FIXED)
-        for rep in reports:
+        for rep in reports[:SUMMARY_LIMIT]:
             terminalreporter.write_line(f"{rep.nodeid}")
             for rem in getattr(rep, "gpuhost_remediations", []):
                 if rem["outcome"] != category:
@@ -400,3 +401,7 @@ def terminal_summary(terminalreporter: Any) -> None:
                 for action in rem["actions"]:
                     where = f"[{action['target']}] " if action.get("target") else ""
                     terminalreporter.write_line(f"    - {where}{action['description']}: {action['command']}")
+        if len(reports) > SUMMARY_LIMIT:
+            terminalreporter.write_line(
+                f"... and {len(reports) - SUMMARY_LIMIT} more: see the HTML and JSON reports"
+            )

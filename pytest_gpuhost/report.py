@@ -253,6 +253,10 @@ class HtmlCustomisation:
             self.cells[key] = "error" if report.failed and report.when != "call" else outcome
 
     @pytest.hookimpl(optionalhook=True)
+    def pytest_html_report_title(self, report: Any) -> None:
+        report.title = f"gpuhost: {Path(report.title).stem}"
+
+    @pytest.hookimpl(optionalhook=True)
     def pytest_html_results_table_header(self, cells: list[str]) -> None:
         cells.insert(1, '<th class="sortable" data-column-type="gpuhostOutcome">Outcome</th>')
         cells.insert(3, '<th class="sortable" data-column-type="gpuhostTarget">Target</th>')

@@ -94,6 +94,12 @@ def test_ini_twins_are_read_and_named_in_errors(pytester: pytest.Pytester) -> No
         ]
     )
 
+    pytester.makeini("[pytest]\ngpuhost_sudo = perhaps\n")
+    result = pytester.runpytest()
+    result.stderr.fnmatch_lines(
+        ["*bad value 'perhaps' for --sudo (ini option gpuhost_sudo in *): expected true or false*"]
+    )
+
     pytester.makeini(
         "[pytest]\ngpuhost_check_only = true\ngpuhost_command_timeout = 5\ngpuhost_report_dir = none\n"
     )
