@@ -154,6 +154,8 @@ def prepare_root(
     _write(root / "etc/hostname", hostname + "\n")
     _write(root / "etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n::1\tlocalhost ip6-localhost\n")
     _write(root / "etc/machine-id", "")
+    # INTERNALS.md names /run/gpulab/ctl too; the FUSE ctl/ subtree is bound at /var/lib/gpulab/ctl.
+    _write(root / "etc/tmpfiles.d/gpulab.conf", "L /run/gpulab/ctl - - - - /var/lib/gpulab/ctl\n")
     ssh = root / "etc/ssh"
     for old in ssh.glob("ssh_host_*"):
         _unlink(old)
@@ -226,6 +228,14 @@ def _inner(ns: argparse.Namespace) -> None:
     _mount("-o", "remount,bind,ro", str(r / "proc/sys"))
     if (r / "proc/sysrq-trigger").exists():
         _mount("--bind", "/dev/null", str(r / "proc/sysrq-trigger"))
+    # The lab shares this machine's kernel; what files can say, they say as the profile's kernel
+    # (uname(2) cannot be changed: os.uname() still reports this machine's release).
+    if ns.procfiles:
+        for rel in ("cmdline", "version", "sys/kernel/osrelease"):
+            src = os.path.join(ns.procfiles, rel.replace("/", "_"))
+            if os.path.exists(src) and (r / "proc" / rel).exists():
+                _mount("--bind", src, str(r / "proc" / rel))
+                _mount("-o", "remount,bind,ro", str(r / "proc" / rel))
     _mount("-t", "sysfs", "-o", "ro,nosuid,nodev,noexec", "sysfs", str(r / "sys"))
     _mount("--rbind", "/sys/fs/cgroup", str(r / "sys/fs/cgroup"))
     if ns.sysfs:
@@ -261,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dev", required=True)
     ap.add_argument("--sysfs", default="")
     ap.add_argument("--state", default="")
+    ap.add_argument("--procfiles", default="", help="dir with cmdline, version, sys_kernel_osrelease")
     ns = ap.parse_args(argv)
     if os.getpid() != 1:
         raise SystemExit("gpulab.boot: must run as PID 1 of a new PID namespace")

@@ -550,7 +550,7 @@ class LabHost:
         root = m.dir / "root"
         boot_argv = [
             sys.executable, "-m", "gpulab.boot", "--root", str(root), "--dev", str(m.dir / "dev"),
-            "--sysfs", str(self.dir / "sysfs"), "--state", str(self.state_dir),
+            "--sysfs", str(self.dir / "sysfs"), "--state", str(self.state_dir), "--procfiles", str(self.dir / "proc"),
         ]  # fmt: skip
         unshare = ["unshare", "--pid", "--fork", "--mount", "--uts", "--ipc", "--propagation", "private"]
         if m.cid is None:
@@ -912,6 +912,7 @@ class Lab:
             ]
         )
         host._write_state()
+        _write_procfiles(d / "proc", prof)
         nvidia_minors = [g.minor for g in prof.gpus if prof.function(g.bdf).driver == "nvidia"]
         known = []
         for k, m in enumerate(host.machines()):
@@ -1011,6 +1012,17 @@ class Lab:
         return removed
 
 
+def _write_procfiles(d: Path, prof: Profile) -> None:
+    """Write the /proc files that carry the profile's kernel: cmdline, version, osrelease."""
+    d.mkdir(exist_ok=True)
+    (d / "cmdline").write_text(prof.cmdline + "\n")
+    (d / "sys_kernel_osrelease").write_text(prof.kernel + "\n")
+    (d / "version").write_text(
+        f"Linux version {prof.kernel} (build@gpulab) (gcc (Debian 12.2.0-14) 12.2.0, GNU ld 2.40)"
+        " #1 SMP PREEMPT_DYNAMIC\n"
+    )
+
+
 def _service_env(svc: Service) -> str:
     env = [f"GPULAB_SERVICE={svc.name}", f"GPULAB_IGNORE_SIGTERM={svc.ignore_sigterm}"]
     if svc.gpus:
@@ -1050,6 +1062,10 @@ def _install_tools(root: Path, container: bool) -> None:
     lib = root / "usr/local/lib/gpulab"
     lib.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(PKG / "hosttools" / "ptyhold.py", lib / "ptyhold.py")
+    real_uname = shutil.which("uname") or "/usr/bin/uname"
+    shutil.copy2(real_uname, lib / "uname.real")
+    shutil.copyfile(PKG / "hosttools" / "uname", root / "usr/bin/uname")
+    (root / "usr/bin/uname").chmod(0o755)
     if not container:
         for name, rel in (("pct", "usr/sbin/pct"), ("lxc-attach", "usr/bin/lxc-attach")):
             dst = root / rel
