@@ -81,3 +81,13 @@ def test_pytest_args_point_at_host_and_container(host):
     assert f"--host=ssh://root@{host.address}" in args
     assert "--container=pct:101" in args
     assert any(a.startswith("--known-hosts=") for a in args)
+
+
+def test_kernel_release_and_cmdline_come_from_the_profile(host):
+    p = host.ssh(
+        "uname -r; cat /proc/sys/kernel/osrelease /proc/cmdline; echo x > /proc/sys/kernel/osrelease"
+    )
+    release, osrelease, cmdline = p.stdout.splitlines()
+    assert release == osrelease == host.profile.kernel == "6.8.12-4-pve"
+    assert cmdline == host.profile.cmdline and "intel_iommu=on" in cmdline
+    assert "Read-only file system" in p.stderr  # /proc/sys is read-only, as in a real container
