@@ -17,13 +17,24 @@ in every process, the controller included); without them the whole `[...]` id is
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import pytest
 from xdist.remote import Producer
 from xdist.scheduler import LoadScopeScheduling
 
-__all__ = ["CHOICES", "TARGET_NAMES", "HostScheduling", "host_of_nodeid", "param_id"]
+__all__ = [
+    "CHOICES",
+    "TARGET_NAMES",
+    "HostScheduling",
+    "assign_units",
+    "host_of_nodeid",
+    "hosts_for_worker",
+    "param_id",
+    "scope_of",
+    "static_assignment",
+]
 
 #: The target names of this run, in order (set by pytest_gpuhost.fleet; may be absent).
 TARGET_NAMES = pytest.StashKey[list[str]]()
@@ -62,11 +73,52 @@ def host_of_nodeid(nodeid: str, known: Iterable[str] | None = None) -> str | Non
     return best
 
 
-class HostScheduling(LoadScopeScheduling):
-    """LoadScopeScheduling whose scope is the target a test runs against.
+def scope_of(nodeid: str, known: Iterable[str] | None = None) -> str:
+    """Return the work unit of a test: its target's, or the test alone when it names none."""
+    host = host_of_nodeid(nodeid, known)
+    return f"gpuhost:{host}" if host is not None else nodeid
 
-    LoadScopeScheduling already sends a unit to one worker whole and in collection order, and
-    hands the next unit to whichever worker runs low; only the scope changes.
+
+def assign_units(nodeids: Sequence[str], known: Iterable[str] | None, workers: int) -> dict[str, int]:
+    """Give each work unit a worker index: round robin in collection order.
+
+    The controller's scheduler and every worker compute the same answer from the same
+    collection, so a worker knows its hosts before their tests arrive (and can open their
+    connections and read their facts concurrently: see `hosts_for_worker`).
+    """
+    names = list(known or ())
+    order: dict[str, int] = {}
+    for nodeid in nodeids:
+        scope = scope_of(nodeid, names)
+        if scope not in order:
+            order[scope] = len(order) % max(1, workers)
+    return order
+
+
+def hosts_for_worker(
+    nodeids: Sequence[str], known: Iterable[str] | None, index: int, workers: int
+) -> list[str]:
+    """Return the targets the host scheduler gives worker `index` of `workers`, in order."""
+    prefix = "gpuhost:"
+    return [
+        s[len(prefix) :]
+        for s, w in assign_units(nodeids, known, workers).items()
+        if w == index and s.startswith(prefix)
+    ]
+
+
+def static_assignment(config: pytest.Config) -> bool:
+    """Say whether this run's xdist scheduling is HostScheduling (so `assign_units` holds)."""
+    return _choice(config) == "host" and config.getvalue("dist") == "load"
+
+
+class HostScheduling(LoadScopeScheduling):
+    """LoadScopeScheduling whose scope is the target a test runs against, assigned round robin.
+
+    Every unit (one target's tests, in collection order) goes to one worker, whole, at the start:
+    unit k to worker k mod N, as `assign_units` says, so each worker can prepare its hosts
+    concurrently instead of one after another. A worker that dies has its unfinished units
+    handed to the others as LoadScopeScheduling does.
     """
 
     def __init__(self, config: pytest.Config, log: Producer | None = None) -> None:
@@ -75,8 +127,39 @@ class HostScheduling(LoadScopeScheduling):
         self._known = list(known)
 
     def _split_scope(self, nodeid: str) -> str:
-        host = host_of_nodeid(nodeid, self._known)
-        return f"gpuhost:{host}" if host is not None else nodeid
+        return scope_of(nodeid, self._known)
+
+    def schedule(self) -> None:
+        assert self.collection_is_completed
+        if self.collection is not None:  # type: ignore[has-type]  # a node joined later: as LoadScope
+            for node in self.nodes:
+                self._reschedule(node)
+            return
+        if not self._check_nodes_have_same_collection():
+            self.log("**Different tests collected, aborting run**")
+            return
+        self.collection = list(next(iter(self.registered_collections.values())))
+        if not self.collection:
+            return
+        nodes = sorted(self.nodes, key=_worker_index)
+        assignment = assign_units(self.collection, self._known, len(nodes))
+        for nodeid in self.collection:
+            self.workqueue.setdefault(self._split_scope(nodeid), {})[nodeid] = False
+        for scope in list(self.workqueue):
+            self.assigned_work[nodes[assignment[scope]]][scope] = self.workqueue.pop(scope)
+        for node in nodes:
+            work = self.assigned_work[node]
+            if work:
+                collection = self.registered_collections[node]
+                index = {nodeid: i for i, nodeid in enumerate(collection)}
+                node.send_runtest_some([index[n] for unit in work.values() for n in unit])
+            node.shutdown()  # everything is sent: each worker leaves after its queue
+
+
+def _worker_index(node: Any) -> tuple[int, str]:
+    wid = str(getattr(node, "workerinput", {}).get("workerid") or getattr(node.gateway, "id", ""))
+    digits = wid.removeprefix("gw")
+    return (int(digits) if digits.isdigit() else 1 << 30, wid)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

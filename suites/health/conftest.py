@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import shlex
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from pytest_gpuhost import evidence
+from pytest_gpuhost import evidence, scheduling
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.modules import health as hm
 from pytest_gpuhost.remediation import Action, Check
 from suites.health import options
 
 _HOSTS = pytest.StashKey[dict[str, "HostHealth"]]()
+_PREFETCHED = pytest.StashKey[bool]()
+PREFETCH_THREADS = 32
 
 
 class HostHealth:
@@ -187,9 +190,70 @@ def _hosts(config: pytest.Config) -> dict[str, HostHealth]:
     return config.stash.setdefault(_HOSTS, {})
 
 
+def _my_hosts(session: pytest.Session) -> list[str]:
+    """Return the targets whose health checks this process will run, in order."""
+    config = session.config
+    items = [i for i in session.items if "health" in getattr(i, "fixturenames", ())]
+    known: list[str] = config.stash.get(scheduling.TARGET_NAMES, [])
+    nodeids = [i.nodeid for i in session.items]
+    wanted = {scheduling.host_of_nodeid(i.nodeid, known) for i in items}
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        mine = [h for h in dict.fromkeys(scheduling.host_of_nodeid(n, known) for n in nodeids) if h]
+    elif scheduling.static_assignment(config):
+        index = int(str(workerinput.get("workerid", "gw-1")).removeprefix("gw") or -1)
+        count = int(workerinput.get("workercount", 0))
+        if not 0 <= index < count:
+            return []  # a restarted worker: its hosts are not known in advance
+        mine = scheduling.hosts_for_worker(nodeids, known, index, count)
+    else:
+        return []  # xdist's own scheduling: this worker cannot know its hosts in advance
+    return [h for h in mine if h in wanted]
+
+
+def _prefetch(request: pytest.FixtureRequest) -> None:
+    """Read the facts of every host this process will check, concurrently, once.
+
+    A worker checks its hosts one after another, but reading a host's facts is mostly waiting
+    (the SSH handshake, the agent's start, the tools): doing all of them at once makes N hosts
+    cost about what one does. Errors stay with their host (raised by its own checks).
+    """
+    config = request.config
+    if config.stash.get(_PREFETCHED, False):
+        return
+    config.stash[_PREFETCHED] = True
+    from pytest_gpuhost.plugin import get_target
+
+    hosts = _hosts(config)
+    todo: list[HostHealth] = []
+    for name in _my_hosts(request.session):
+        if name in hosts:
+            continue
+        try:
+            hh = HostHealth(get_target(config, name), options.fixes(config))
+        except (hm.ThresholdError, StopIteration):
+            continue  # reported by the host's own checks
+        hosts[name] = hh
+        todo.append(hh)
+    if len(todo) < 2:
+        return
+
+    def read(hh: HostHealth) -> None:
+        try:
+            hh.gather()
+        except GpuhostError:
+            pass  # kept in hh.error
+
+    with ThreadPoolExecutor(
+        max_workers=min(PREFETCH_THREADS, len(todo)), thread_name_prefix="health-facts"
+    ) as pool:
+        list(pool.map(read, todo))
+
+
 @pytest.fixture
 def health(target: Any, request: pytest.FixtureRequest) -> HostHealth:
     """The HostHealth of this test's target; its facts are read once per host and worker."""
+    _prefetch(request)
     hosts = _hosts(request.config)
     hh = hosts.get(target.name)
     if hh is None:

@@ -1,0 +1,288 @@
+"""Fleet health check speed: suites/health vs a straightforward testinfra suite, on lab hosts.
+
+Boots up to 16 lab hosts (profile health-ok: 4 GPUs, SGLang, no container) with 25 ms netem
+delay on each link, then for 1, 4 and 16 hosts runs, one run each, the same -n:
+
+* ours:      pytest suites/health --inventory=... --check-only -n N   (one agent per host,
+             every fact in one request, plus the kernel-log cursor commit)
+* testinfra: pytest benchmarks/testinfra_health -p no:gpuhost --hosts=paramiko://... -n N
+             (the same 19 checks, one host.run each: a new SSH channel per command)
+
+and prints wall time, SSH round trips per host for our facts (and for the connection as a whole,
+agent start included) and commands per host for testinfra. Goals (issue 6): <= 2 round trips
+per host for the facts; 16 hosts >= 5x faster than testinfra; 16 hosts <= 3x the time of 1.
+
+    sudo python benchmarks/bench_health.py             # 1, 4, 16 hosts, -n 4
+    sudo python benchmarks/bench_health.py --smoke     # CI: 1 and 2 hosts, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gpulab.lab import CLIENT_KEY, Lab, LabError, LabHost  # noqa: E402
+
+CHECKS = 19
+
+
+def netem_available() -> bool:
+    """Say whether this kernel has the netem qdisc (some sandboxes ship without sch_netem)."""
+    probe = subprocess.run(
+        ["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], capture_output=True, check=False
+    )
+    if probe.returncode == 0:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, check=False)
+        return True
+    return False
+
+
+class DelayProxy:
+    """A TCP proxy that delays every chunk by `delay` seconds each way: netem's effect, in user space.
+
+    Used when the kernel has no netem. Each direction keeps its order; a connection's first
+    bytes also wait one round trip, as a TCP handshake over the delayed link would.
+    """
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay = delay_s
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.servers: list[asyncio.base_events.Server] = []
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def pump() -> None:
+            while True:
+                data = await reader.read(65536)
+                queue.put_nowait((self.loop.time() + self.delay, data))
+                if not data:
+                    return
+
+        async def deliver() -> None:
+            while True:
+                due, data = await queue.get()
+                wait = due - self.loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if not data:
+                    if writer.can_write_eof():
+                        writer.write_eof()
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        try:
+            await asyncio.gather(pump(), deliver())
+        except (ConnectionError, OSError):
+            pass
+
+    async def _handle(
+        self, target: tuple[str, int], cr: asyncio.StreamReader, cw: asyncio.StreamWriter
+    ) -> None:
+        await asyncio.sleep(2 * self.delay)  # the handshake's round trip
+        try:
+            sr, sw = await asyncio.wait_for(asyncio.open_connection(*target), 10)
+        except (OSError, asyncio.TimeoutError):
+            cw.close()
+            return
+        await asyncio.gather(self._pipe(cr, sw), self._pipe(sr, cw))
+        for w in (sw, cw):
+            w.close()
+
+    def add(self, host: str, port: int) -> int:
+        """Listen on 127.0.0.1:<free port> for host:port; return the port."""
+
+        async def start() -> int:
+            srv = await asyncio.start_server(lambda r, w: self._handle((host, port), r, w), "127.0.0.1", 0)
+            self.servers.append(srv)
+            return int(srv.sockets[0].getsockname()[1])
+
+        return asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
+
+    def close(self) -> None:
+        for srv in self.servers:
+            self.loop.call_soon_threadsafe(srv.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@dataclass
+class Endpoint:
+    """Where the suites reach one lab host: its own address, or the delay proxy in front of it."""
+
+    host: LabHost
+    address: str
+    port: int
+
+    @property
+    def known_hosts(self) -> str:
+        text = Path(self.host.known_hosts).read_text()
+        if self.port == 22:
+            return text
+        # OpenSSH and paramiko look up a non-22 port as "[addr]:port".
+        return "".join(
+            f"[{self.address}]:{self.port} {line.split(None, 1)[1]}\n"
+            for line in text.splitlines()
+            if line.strip()
+        )
+
+
+def write_inventory(path: Path, hosts: list[Endpoint]) -> None:
+    lines = [
+        "all:",
+        "  vars: {ansible_user: root, service: sglang-qwen, service_port: 30000, gpu_count: 4}",
+        "  hosts:",
+    ]
+    lines += [f"    {e.host.name}: {{ansible_host: {e.address}, ansible_port: {e.port}}}" for e in hosts]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 900) -> tuple[float, str, int]:
+    t0 = time.monotonic()
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    return time.monotonic() - t0, p.stdout + p.stderr, p.returncode
+
+
+def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int) -> dict[str, Any]:
+    inv = tmp / f"fleet-{len(hosts)}.yaml"
+    write_inventory(inv, hosts)
+    summary = tmp / f"ours-{len(hosts)}.json"
+    took, out, rc = run(
+        [
+            sys.executable, "-m", "pytest", "suites/health", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+            f"--inventory={inv}", f"--ssh-identity={CLIENT_KEY}", f"--known-hosts={known}", "--check-only",
+            "-n", str(workers), f"--report-dir={tmp}", f"--fleet-json={summary}",
+        ]
+    )  # fmt: skip
+    data = json.loads(summary.read_text())
+    bad = {h: v["status"] for h, v in data["hosts"].items() if v["status"] != "ok"}
+    if rc != 0 or bad:
+        print(out[-3000:], file=sys.stderr)
+        raise SystemExit(f"suites/health did not pass on healthy lab hosts: rc={rc} {bad}")
+    facts = [v["round_trips"] for v in data["hosts"].values()]
+    conn = [v["conn_round_trips"] for v in data["hosts"].values()]
+    return {"wall": took, "facts_rt": max(facts), "conn_rt": max(conn)}
+
+
+def baseline(tmp: Path, hosts: list[Endpoint], workers: int) -> dict[str, Any]:
+    log = tmp / f"testinfra-{len(hosts)}.log"
+    env = dict(os.environ, TESTINFRA_CMD_LOG=str(log))
+    urls = ",".join(f"paramiko://root@{e.address}:{e.port}" for e in hosts)
+    took, out, rc = run(
+        [
+            sys.executable, "-m", "pytest", "benchmarks/testinfra_health", "-q", "-p", "no:cacheprovider",
+            "-p", "no:gpuhost", "-o", "addopts=", "-W", "ignore", f"--hosts={urls}",
+            f"--ssh-identity-file={CLIENT_KEY}", "-n", str(workers),
+        ],
+        env=env,
+    )  # fmt: skip
+    if rc != 0:
+        print(out[-3000:], file=sys.stderr)
+        raise SystemExit(f"the testinfra suite did not pass on healthy lab hosts: rc={rc}")
+    per_host = Counter(json.loads(line)["host"] for line in log.read_text().splitlines())
+    return {"wall": took, "cmds": max(per_host.values())}
+
+
+def main() -> int:
+    """Boot the hosts, run both suites per size, print the table and the goals."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CI size: 1 and 2 hosts")
+    ap.add_argument("--sizes", default="1,4,16", help="host counts to measure (default 1,4,16)")
+    ap.add_argument("-n", "--workers", type=int, default=4, help="xdist workers for both suites (default 4)")
+    ap.add_argument("--delay-ms", type=int, default=25, help="delay each way on each lab link (default 25)")
+    ap.add_argument("--profile", default="health-ok")
+    args = ap.parse_args()
+    sizes = [1, 2] if args.smoke else sorted({int(s) for s in args.sizes.split(",")})
+    workers = 2 if args.smoke else args.workers
+    lab = Lab()
+    try:
+        lab.check()
+    except LabError as exc:
+        print(f"bench_health: skipped: lab unavailable: {exc}")
+        return 0
+    tag = f"bh{os.getpid() % 100000}"
+    hosts: list[LabHost] = []
+    proxy: DelayProxy | None = None
+    try:
+        t0 = time.monotonic()
+        for i in range(max(sizes)):
+            hosts.append(lab.up(args.profile, name=f"{tag}-{i:02d}"))
+        how = "no delay"
+        if args.delay_ms and netem_available():
+            for h in hosts:
+                h.set_netem(delay_ms=args.delay_ms)
+            how = f"{args.delay_ms} ms netem delay on both ends of each link"
+        elif args.delay_ms:
+            proxy = DelayProxy(args.delay_ms / 1000)
+            how = f"{args.delay_ms} ms delay each way by a user-space TCP proxy (this kernel has no netem)"
+        eps = [
+            Endpoint(h, "127.0.0.1", proxy.add(h.address, 22)) if proxy else Endpoint(h, h.address, 22)
+            for h in hosts
+        ]
+        print(
+            f"{len(hosts)} lab hosts ({args.profile}) up in {time.monotonic() - t0:.1f} s; {how}; -n {workers}"
+        )
+        with tempfile.TemporaryDirectory(prefix="bench-health-") as d:
+            tmp = Path(d)
+            known = tmp / "known_hosts"
+            known.write_text("".join(e.known_hosts for e in eps))
+            rows = []
+            for n in sizes:
+                o = ours(tmp, eps[:n], known, workers)
+                b = baseline(tmp, eps[:n], workers)
+                rows.append((n, o, b))
+                print(
+                    f"hosts={n:<3} ours {o['wall']:6.2f} s ({o['facts_rt']} round trips/host for the facts, "
+                    f"{o['conn_rt']} with the agent start) | testinfra {b['wall']:6.2f} s "
+                    f"({b['cmds']} commands/host, a channel each) | {b['wall'] / o['wall']:.1f}x",
+                    flush=True,
+                )
+        print()
+        print(
+            f"{'hosts':>5} {'ours s':>8} {'rt/host':>8} {'testinfra s':>12} {'cmds/host':>10} {'speedup':>8}"
+        )
+        for n, o, b in rows:
+            print(
+                f"{n:>5} {o['wall']:>8.2f} {o['facts_rt']:>8} {b['wall']:>12.2f} {b['cmds']:>10} {b['wall'] / o['wall']:>7.1f}x"
+            )
+        first, last = rows[0], rows[-1]
+        goals = [
+            ("<= 2 round trips per host for the facts", max(o["facts_rt"] for _, o, _ in rows) <= 2),
+            (f">= 5x faster than testinfra at {last[0]} hosts", last[2]["wall"] / last[1]["wall"] >= 5),
+            (
+                f"{last[0]} hosts <= 3x the time of {first[0]} ({last[1]['wall'] / first[1]['wall']:.2f}x)",
+                last[1]["wall"] <= 3 * first[1]["wall"],
+            ),
+        ]
+        for text, ok in goals:
+            print(f"  [{'met' if ok else 'MISSED'}] {text}")
+        return 0
+    finally:
+        if proxy is not None:
+            proxy.close()
+        for h in hosts:
+            try:
+                h.down()
+            except Exception as exc:  # keep tearing down the rest
+                print(f"teardown {h.name}: {exc}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
