@@ -154,6 +154,13 @@ def prepare_root(
     _write(root / "etc/hostname", hostname + "\n")
     _write(root / "etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n::1\tlocalhost ip6-localhost\n")
     _write(root / "etc/machine-id", "")
+    # No resource accounting: systemd would move services out of this machine's memory/cpu
+    # cgroups (its limits) into per-unit v1 cgroups of its own.
+    _write(
+        root / "etc/systemd/system.conf.d/gpulab.conf",
+        "[Manager]\nDefaultCPUAccounting=no\nDefaultMemoryAccounting=no\nDefaultTasksAccounting=no\n"
+        "DefaultIOAccounting=no\nDefaultBlockIOAccounting=no\nDefaultIPAccounting=no\n",
+    )
     # INTERNALS.md names /run/gpulab/ctl too; the FUSE ctl/ subtree is bound at /var/lib/gpulab/ctl.
     _write(root / "etc/tmpfiles.d/gpulab.conf", "L /run/gpulab/ctl - - - - /var/lib/gpulab/ctl\n")
     ssh = root / "etc/ssh"

@@ -161,10 +161,18 @@ def _init_cpuset(d: Path) -> None:
                     (c / f).write_text((c.parent / f).read_text())
 
 
+# Hierarchies a lab process is moved in: systemd's own (name=systemd, unified) and the freezer.
+# Resource controllers (memory, cpu, pids) keep the lab inside this machine's own limits.
+JOIN_HIERARCHIES = ("systemd", "unified", "freezer")
+
+
 def _join_cgroup(rel: str) -> None:
-    """Move the calling process into ``rel`` in every hierarchy (used as a preexec_fn)."""
+    """Move the calling process into ``rel`` (systemd and freezer hierarchies; a preexec_fn)."""
     _make_cgroup(rel)
     for d in _cgroup_dirs(rel):
+        pure_v2 = (CGROUP_ROOT / "cgroup.procs").exists()
+        if not pure_v2 and d.relative_to(CGROUP_ROOT).parts[0] not in JOIN_HIERARCHIES:
+            continue
         with contextlib.suppress(OSError):
             (d / "cgroup.procs").write_text(str(os.getpid()))
 
