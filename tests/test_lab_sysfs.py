@@ -99,8 +99,13 @@ def test_layout_attributes_and_relative_links(m: StandaloneMount) -> None:
     assert os.readlink(d / "iommu_group") == "../../../../kernel/iommu_groups/30"
     # resolved from where the lab binds the subtrees inside the host
     host_dev = f"/sys/bus/pci/devices/{GPU0}"
-    assert os.path.normpath(os.path.join(host_dev, os.readlink(d / "driver"))) == "/sys/bus/pci/drivers/nvidia"
-    assert os.path.normpath(os.path.join(host_dev, os.readlink(d / "iommu_group"))) == "/sys/kernel/iommu_groups/30"
+    assert (
+        os.path.normpath(os.path.join(host_dev, os.readlink(d / "driver"))) == "/sys/bus/pci/drivers/nvidia"
+    )
+    assert (
+        os.path.normpath(os.path.join(host_dev, os.readlink(d / "iommu_group")))
+        == "/sys/kernel/iommu_groups/30"
+    )
     grp_link = P(m, f"iommu_groups/30/devices/{AUD0}")
     assert os.path.normpath(os.path.join("/sys/kernel/iommu_groups/30/devices", os.readlink(grp_link))) == (
         f"/sys/bus/pci/devices/{AUD0}"
