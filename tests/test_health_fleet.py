@@ -259,3 +259,30 @@ def test_nodes_write_to_s3_and_merge_reads_the_prefix(
     out = tmp_path / "fleet.html"
     assert merge.main([prefix, "-o", str(out), "--endpoint-url", s3_endpoint.url]) == 0
     assert json.loads(out.with_suffix(".json").read_text())["hosts"].keys() == {"node1", "node2"}
+
+
+def test_example_inventories_agree_and_their_thresholds_load() -> None:
+    from pytest_gpuhost.inventory import load_inventory
+    from pytest_gpuhost.modules.health import Thresholds
+
+    yaml_hosts = load_inventory(str(REPO / "fixtures/inventories/fleet.yaml"))
+    ini_hosts = load_inventory(str(REPO / "fixtures/inventories/fleet.ini"))
+    assert (
+        [h.name for h in yaml_hosts] == [h.name for h in ini_hosts] == [f"gpu-node-0{i}" for i in range(1, 5)]
+    )
+    for y, i in zip(yaml_hosts, ini_hosts, strict=True):
+        assert (y.url, y.vars["groups"]) == (i.url, i.vars["groups"])
+        assert Thresholds.from_vars(y.vars).values == Thresholds.from_vars(i.vars).values
+    t = Thresholds.from_vars(yaml_hosts[3].vars).values
+    assert (t["pcie_width_min"], t["temperature_max"], t["gpu_model"]) == (8, 85, "RTX PRO 6000")
+    assert Thresholds.from_vars(yaml_hosts[0].vars)["temperature_max"] == 83
+
+
+def test_docs_list_every_threshold_with_its_default() -> None:
+    from pytest_gpuhost.modules.health import CHECKS, THRESHOLDS
+
+    doc = (REPO / "docs/fleet.md").read_text()
+    for t in THRESHOLDS:
+        assert f"| `{t.name}` |" in doc, t.name
+    for c in CHECKS:
+        assert f"`{c}`" in doc, c

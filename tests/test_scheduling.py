@@ -76,3 +76,21 @@ def test_xdist_choice_leaves_the_scheduling_to_xdist(pytester: pytest.Pytester) 
     result = pytester.runpytest("--gpuhost-scheduling=nope", "--report-dir=none")
     result.stderr.fnmatch_lines(["*--gpuhost-scheduling='nope': choose one of host, xdist*"])
     assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_units_go_round_robin_and_each_worker_can_compute_its_hosts() -> None:
+    from pytest_gpuhost.scheduling import assign_units, hosts_for_worker
+
+    ids = [f"t.py::test_{c}[h{h}]" for c in "ab" for h in range(1, 6)] + ["t.py::test_plain"]
+    known = [f"h{h}" for h in range(1, 6)]
+    units = assign_units(ids, known, 2)
+    assert units == {
+        "gpuhost:h1": 0,
+        "gpuhost:h2": 1,
+        "gpuhost:h3": 0,
+        "gpuhost:h4": 1,
+        "gpuhost:h5": 0,
+        "t.py::test_plain": 1,
+    }
+    assert hosts_for_worker(ids, known, 0, 2) == ["h1", "h3", "h5"]
+    assert hosts_for_worker(ids, known, 1, 2) == ["h2", "h4"]
