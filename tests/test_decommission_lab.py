@@ -196,10 +196,22 @@ def test_decommission_survives_five_cuts(b200, s3_endpoint, tmp_path):
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        delay = rng.uniform(1.0, 5.0)
+        # cut at a random time (runs 0, 2, 4), or at a random moment after the local copy
+        # (run 1) or the S3 upload (run 3) has verifiably begun
+        meta = dest / ".gpuhost"
+        started = time.monotonic()
+        if i in (1, 3):
+            pattern = "state.journal.jsonl" if i == 1 else "s3-*.journal.jsonl"
+            while time.monotonic() - started < 60 and p.poll() is None:
+                if meta.is_dir() and any(meta.glob(pattern)):
+                    break
+                time.sleep(0.05)
+            delay = rng.uniform(0.0, 1.0)
+        else:
+            delay = rng.uniform(1.0, 5.0)
         try:
             p.wait(timeout=delay)
-            cuts.append((i, delay, "finished first"))
+            cuts.append((i, round(time.monotonic() - started, 2), "finished first"))
         except subprocess.TimeoutExpired:
             if i == 2:
                 h.cut_link()  # one of the cuts is the link itself going down under the transfer
@@ -207,7 +219,7 @@ def test_decommission_survives_five_cuts(b200, s3_endpoint, tmp_path):
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
             h.heal_link()
-            cuts.append((i, delay, "killed"))
+            cuts.append((i, round(time.monotonic() - started, 2), "killed"))
         # whatever was under a final name is complete and correct (temp names, then rename);
         # read the node now: the servers append to their logs when they stop
         missing = check_local(dest, node_hashes(h), complete=False)

@@ -156,7 +156,7 @@ class S3Upload:
     ) -> None:
         self.dest = Path(dest)
         self.part_size = part_size or PART_SIZE
-        self.multipart_threshold = 2 * part_size if part_size else MULTIPART_THRESHOLD
+        self.multipart_threshold = part_size if part_size else MULTIPART_THRESHOLD
         self.loc = location
         self.client = client or make_client(endpoint, max_pool=workers * 2)
         self.workers = workers

@@ -41,7 +41,7 @@ TUNING = (
     ),
     (
         "decommission_s3_part_mib",
-        "S3 multipart part size in MiB; files of twice this go multipart (default 32)",
+        "S3 multipart part size in MiB; larger files go multipart (default 32)",
         "32",
     ),
 )
