@@ -292,8 +292,8 @@ class TargetPool:
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else TargetOptions()
-        self._conns: dict[str, Connection] = {}
-        self._containers: dict[tuple[str, str], Connection] = {}
+        self._conns: dict[tuple[str, str], Connection] = {}
+        self._containers: dict[tuple[str, str, str], Connection] = {}
         self._lock = threading.Lock()
         self._opening: dict[object, threading.Lock] = {}  # one lock per target: hosts connect in parallel
 
@@ -302,8 +302,12 @@ class TargetPool:
             return self._opening.setdefault(key, threading.Lock())
 
     def get(self, spec: TargetSpec) -> Connection:
-        """Return the open connection for `spec.name`, opening it on first use."""
-        key = spec.name or spec.url
+        """Return the open connection for `spec`, opening it on first use.
+
+        Keyed by name and URL: `ssh://h:2222` and `ssh://h:2223` are both named `h` yet are two
+        targets.
+        """
+        key = (spec.name, spec.url)
         with self._key_lock(key):
             conn = self._conns.get(key)
             if conn is None:
@@ -317,7 +321,7 @@ class TargetPool:
         cs = container or spec.container
         if cs is None:
             return None
-        key = (spec.name or spec.url, cs.text)
+        key = (spec.name, spec.url, cs.text)
         host = self.get(spec)
         with self._key_lock(key):
             conn = self._containers.get(key)

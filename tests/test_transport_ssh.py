@@ -191,6 +191,18 @@ def test_container_by_own_ssh_and_pool(sshd):
         host.run(["true"])
 
 
+def test_pool_tells_apart_two_daemons_on_one_address(sshd, tmp_path):
+    other = start_sshd(tmp_path / "other", identity=Path(sshd.identity), client_pubkey=_pub(sshd))
+    pool = TargetPool(opts(sshd, host_key_policy="accept-new", known_hosts=str(tmp_path / "kh")))
+    try:
+        a = pool.get(parse_host_url(sshd.url))
+        b = pool.get(parse_host_url(other.url))
+        assert a is not b and a.name == b.name == "127.0.0.1"
+    finally:
+        pool.close_all()
+        other.stop()
+
+
 def _container(sshd):
     from pytest_gpuhost.targets import parse_container
 
