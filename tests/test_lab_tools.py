@@ -112,6 +112,7 @@ def test_nvidia_smi_sees_only_gpus_on_nvidia(lab: Lab) -> None:
         lab.w("pci/drivers/nvidia/unbind", b)
     assert lab.run("nvidia-smi", "-L", rc=6) == "No devices were found\n"
     assert lab.run("nvidia-smi", rc=6) == "No devices were found\n"
+    assert lab.run("nvbandwidth", rc=1).startswith("nvbandwidth Version: v0.8\n")
 
 
 def test_query_gpu_csv_formats_and_errors(lab: Lab) -> None:
