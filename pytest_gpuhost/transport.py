@@ -327,8 +327,10 @@ class SSHTransport:
         self.host = host
         self.port = int(port)
         self.user = user or getpass.getuser()
-        self.identity = str(identity) if identity else None
-        self.known_hosts = Path(known_hosts) if known_hosts else Path.home() / ".ssh" / "known_hosts"
+        self.identity = os.path.expanduser(str(identity)) if identity else None
+        self.known_hosts = (
+            Path(known_hosts).expanduser() if known_hosts else Path.home() / ".ssh" / "known_hosts"
+        )
         self.policy = host_key_policy
         self.connect_timeout = float(connect_timeout)
         self.password = password
