@@ -75,7 +75,11 @@ def test_profile_validation_errors_are_one_line() -> None:
     prof = load_profile("proxmox-rtx6000")
     assert prof.type_era == "eperm" and len(prof.gpus) == 8 and prof.groups()[30] == [GPU0, AUD0]
     assert load_profile("proxmox-rtx6000", {"kernel": "6.1.0"}).type_era == "ebusy"
-    assert load_profile("b200-nvl8").link(prof.gpus[0].bdf, "x") is None or True
+    b200 = load_profile("b200-nvl8")
+    lk = b200.link(b200.gpus[0].bdf, b200.gpus[7].bdf)
+    assert lk is not None and lk.type == "nvlink" and lk.gbps == 750.0
+    assert prof.link(GPU0, GPU1) == prof.link(GPU1, GPU0) and prof.link(GPU0, GPU1).type == "pcie-switch"  # type: ignore[union-attr]
+    assert [s.name for s in b200.services if s.kind == "sglang"] == [f"sglang-dp{i}" for i in range(7)]
     raw = dict(prof.raw)
     raw["pci"] = [dict(raw["pci"][0], bdf="17:00.0")] + list(raw["pci"][1:])
     with pytest.raises(ProfileError) as ei:
