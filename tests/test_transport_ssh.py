@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -132,11 +134,36 @@ def test_authentication_failure(sshd, tmp_path):
         open_connection(parse_host_url(sshd.url), opts(sshd, identity=str(tmp_path / "missing")))
 
 
-def test_unreachable_within_connect_timeout(tmp_path):
+@pytest.fixture
+def black_hole():
+    """Yield a lab-range address that answers nothing: a veth whose far end sits down in our own netns.
+
+    Traffic to it never leaves this machine (the route points into the veth, whose peer is down).
+    """
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a network namespace")
+    ns, veth = f"gh-bh{os.getpid() % 10000}", f"ghbh{os.getpid() % 10000}"
+    sh = ["ip", "netns", "add", ns], ["ip", "link", "add", veth, "type", "veth", "peer", "name", veth + "p"]
+    for argv in sh:
+        subprocess.run(argv, check=True, capture_output=True)
+    try:
+        for argv in (
+            ["ip", "link", "set", veth + "p", "netns", ns],
+            ["ip", "addr", "add", "198.18.254.1/30", "dev", veth],
+            ["ip", "link", "set", veth, "up"],
+        ):
+            subprocess.run(argv, check=True, capture_output=True)
+        yield "198.18.254.2"
+    finally:
+        subprocess.run(["ip", "link", "del", veth], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_unreachable_within_connect_timeout(tmp_path, black_hole):
     t0 = time.monotonic()
-    with pytest.raises(ConnectError, match=r"cannot reach 198\.18\.255\.254:22"):
+    with pytest.raises(ConnectError, match=r"cannot reach 198\.18\.254\.2:22"):
         open_connection(
-            parse_host_url("ssh://root@198.18.255.254"),
+            parse_host_url(f"ssh://root@{black_hole}"),
             TargetOptions(connect_timeout=1.0, known_hosts=str(tmp_path / "kh")),
         )
     assert time.monotonic() - t0 < 2.5
