@@ -360,6 +360,12 @@ class SysfsOps(mfusepy.Operations):
 
     # ------------------------------------------------------------ fuse ops
 
+    def _uid(self) -> int:
+        try:
+            return int(mfusepy.fuse_get_context()[0])
+        except Exception:
+            return 0
+
     def _pid(self) -> int | None:
         try:
             return int(mfusepy.fuse_get_context()[2])
@@ -419,6 +425,9 @@ class SysfsOps(mfusepy.Operations):
             raise mfusepy.FuseOSError(errno.EISDIR)
         acc = flags & os.O_ACCMODE
         if acc in (os.O_WRONLY, os.O_RDWR) and node.write is None:
+            raise mfusepy.FuseOSError(errno.EACCES)
+        if acc in (os.O_WRONLY, os.O_RDWR) and self._uid() != 0:
+            # sysfs attributes are root's 0644/0200 files (and type wants CAP_SYS_ADMIN)
             raise mfusepy.FuseOSError(errno.EACCES)
         if acc in (os.O_RDONLY, os.O_RDWR) and node.read is None:
             raise mfusepy.FuseOSError(errno.EACCES)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -255,8 +258,24 @@ def test_every_write_is_recorded(m: StandaloneMount) -> None:
     assert all(isinstance(r["t"], float) for r in recs)
 
 
-def test_kernel_6_1_era(tmp_path: Path) -> None:
-    with StandaloneMount("proxmox-rtx6000", tmp_path, kernel="6.1.0") as m:
+def test_kernel_6_1_era_and_unprivileged_writers() -> None:
+    work = tempfile.mkdtemp(prefix="gl-h4-")  # 0755 path so an unprivileged user can reach it
+    os.chmod(work, 0o755)
+    try:
+        _kernel_6_1_era(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _kernel_6_1_era(work: str) -> None:
+    with StandaloneMount("proxmox-rtx6000", work, kernel="6.1.0") as m:
+        nobody = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c",
+             'cat "$1/devices/0000:17:00.0/vendor" && echo 0000:17:00.0 > "$1/drivers/nvidia/unbind"', "sh",
+             P(m, "pci")],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+        assert nobody.stdout == "0x10de\n" and "Permission denied" in nobody.stderr and nobody.returncode != 0
         t = P(m, "iommu_groups/30/type")
         assert errno_of(t, "identity") == errno.EINVAL  # GPU + audio: more than one device
         sysw(P(m, "pci/drivers/nvidia/unbind"), GPU0)
