@@ -51,7 +51,7 @@ REPO = PKG.parent
 HOST_PY_SITE = "usr/local/lib/python3.11/dist-packages"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
-BOOT_TIMEOUT = 60.0
+BOOT_TIMEOUT = 90.0
 FS_SIZE = {"small": "2g", "bench": "4g"}
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -544,13 +544,13 @@ class LabHost:
         )
         log.close()
         self._set_pid("sysfs", p.pid)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 40
         while not (mnt / "pci").is_dir() or not os.path.ismount(mnt):
             if p.poll() is not None:
                 tail = (self.dir / "sysfs.log").read_text(errors="replace").strip().splitlines()[-1:]
                 raise LabError(f"{self.name}: sysfs daemon exited ({p.returncode}): {tail}")
             if time.monotonic() > deadline:
-                raise LabError(f"{self.name}: sysfs daemon did not mount {mnt} within 20 s")
+                raise LabError(f"{self.name}: sysfs daemon did not mount {mnt} within 40 s")
             time.sleep(0.02)
 
     def _launch(self, m: _Machine) -> None:

@@ -100,8 +100,9 @@ def test_not_root_is_refused():
 
 def test_down_removes_the_host():
     name = f"{NAME}-d"
-    assert gl("up", "proxmox-rtx6000", "--name", name).returncode == 0
+    p = gl("up", "proxmox-rtx6000", "--name", name)
+    assert p.returncode == 0, p.stderr
     p = gl("down", name)
-    assert p.returncode == 0
+    assert p.returncode == 0, p.stderr
     assert name not in gl("list").stdout
     assert f"gl-{name}" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
