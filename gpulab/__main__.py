@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "list":
             for name in lab.names():
                 h = lab.get(name)
-                state = h.system_state() if h.is_running() else "down"
+                state = h.system_state(timeout=3) if h.is_running() else "down"
                 print(f"{h.name:<24} {h.address:<14} {h.profile.name:<20} {state}")
             return 0
         h = lab.get(args.name)

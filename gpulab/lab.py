@@ -376,12 +376,17 @@ class LabHost:
         """Say whether the host's systemd is alive."""
         return self._pid("init") is not None
 
-    def system_state(self, cid: int | None = None) -> str:
-        """Return ``systemctl is-system-running`` of the host (or container), or ``down``."""
+    def system_state(self, cid: int | None = None, timeout: float = 10) -> str:
+        """Return ``systemctl is-system-running`` of the host (or container).
+
+        ``down`` when its systemd is not running, ``no-answer`` when systemctl did not answer in time.
+        """
         try:
-            p = self.exec(["systemctl", "is-system-running"], timeout=5, cid=cid)
-        except (LabError, subprocess.TimeoutExpired):
+            p = self.exec(["systemctl", "is-system-running"], timeout=timeout, cid=cid)
+        except LabError:
             return "down"
+        except subprocess.TimeoutExpired:
+            return "no-answer"
         return p.stdout.strip() or "unknown"
 
     # ---- faults ---------------------------------------------------------------------------
@@ -665,7 +670,7 @@ class LabHost:
                 env=env, preexec_fn=lambda: _join_cgroup(self._cg(cid, "by-hand")), cwd="/",
             )  # fmt: skip
         try:
-            p.wait(timeout=10)
+            p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
             raise LabError(f"{self.name}: starting {svc.name} by hand hung") from None
