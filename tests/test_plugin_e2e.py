@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +17,12 @@ import pytest_gpuhost.targets  # noqa: F401
 # fix writes it with the agent's write_file. Every command goes through target.conn.
 SUITE = """
 import os
+import pathlib
 import shlex
 import pytest
 from pytest_gpuhost.remediation import Action, Check, Remediation
 
-STATE_DIR = os.environ["GPUHOST_E2E_DIR"]
+STATE_DIR = pathlib.Path(__file__).with_name("state_dir.txt").read_text()
 
 class FileHolds(Remediation):
     def __init__(self, target, name, want):
@@ -66,21 +66,21 @@ def _run_suite(
 ) -> dict[str, Any]:
     state = tmp_path / "state"
     state.mkdir()
-    os.environ["GPUHOST_E2E_DIR"] = str(state)
+    (pytester.path / "state_dir.txt").write_text(str(state))
     _seed(state, target)
     pytester.makepyfile(test_suite=SUITE)
     before = _files(state)
 
     result = pytester.runpytest(*target_args, "-n", "2", "--check-only", "--report-name=check")
-    assert "2 passed, 2 would fix" in result.outlines[-1]
+    assert "2 passed, 2 would fix" in result.outlines[-1], "\n".join(result.outlines[-40:])
     assert _files(state) == before, "--check-only changed the target"
 
     result = pytester.runpytest(*target_args, "-n", "2", "--report-name=fix")
-    assert "2 passed, 2 fixed" in result.outlines[-1], result.outlines[-3:]
+    assert "2 passed, 2 fixed" in result.outlines[-1], "\n".join(result.outlines[-40:])
     assert set(_files(state).values()) == {"good"} and len(_files(state)) == 4
 
     result = pytester.runpytest(*target_args, "--report-name=again")
-    assert "4 passed" in result.outlines[-1]
+    assert "4 passed" in result.outlines[-1], "\n".join(result.outlines[-40:])
     assert "fixed" not in result.outlines[-1]
 
     reports = pytester.path / "reports"
@@ -108,18 +108,12 @@ def _check_fix_report(data: dict[str, Any], target: str) -> None:
     assert by_name[f"{target}-a"]["gpuhost_outcome"] == "passed"
 
 
-def test_suite_against_local(
-    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("GPUHOST_E2E_DIR", "")
+def test_suite_against_local(pytester: pytest.Pytester, tmp_path: Path) -> None:
     data = _run_suite(pytester, ["--host=local://"], "local", tmp_path)
     _check_fix_report(data, "local")
 
 
-def test_suite_against_sshd(
-    pytester: pytest.Pytester, tmp_path: Path, sshd: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("GPUHOST_E2E_DIR", "")
+def test_suite_against_sshd(pytester: pytest.Pytester, tmp_path: Path, sshd: Any) -> None:
     args = [f"--host={sshd.url}", f"--ssh-identity={sshd.identity}", f"--known-hosts={sshd.known_hosts}"]
     data = _run_suite(pytester, args, "127.0.0.1", tmp_path)
     _check_fix_report(data, "127.0.0.1")
