@@ -1,7 +1,8 @@
-"""pytest plugin entry point: options, fixtures and hook wiring.
+"""pytest plugin entry point: hook wiring, the run's targets and their pool.
 
-Thin glue: targets live in `targets.py`, the engine in `remediation.py`, evidence in
-`evidence.py`, the HTML customisation in `report.py`.
+Thin glue: options live in `settings.py`, fixtures in `fixtures.py`, target URLs and
+connections in `targets.py`, the engine in `remediation.py`, evidence in `evidence.py`, the
+HTML customisation in `report.py`, hook specs in `hookspec.py`.
 """
 
 from __future__ import annotations
