@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 __all__ = [
+    "ACS_BITS",
     "PROFILE_DIR",
     "Container",
     "FileTree",
@@ -78,6 +79,7 @@ class PciFunction:
     link: LinkState | None
     subsystem_vendor: str
     subsystem_device: str
+    acs: tuple[str, ...] = ()
 
     @property
     def is_gpu(self) -> bool:
@@ -316,6 +318,19 @@ class _V:
         return v
 
 
+ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
+
+
+def _acs(v: _V, f: Mapping[str, Any], w: str) -> tuple[str, ...]:
+    bits = v.get(f, "acs", w, list, [])
+    for b in bits:
+        if b not in ACS_BITS:
+            raise v.fail(f"{w}acs", f"{b!r} is not one of {', '.join(ACS_BITS)}")
+    if bits and not str(f.get("class", "")).lower().startswith("0x0604"):
+        raise v.fail(f"{w}acs", "only bridges (class 0x0604xx) have ACS control")
+    return tuple(bits)
+
+
 def _seq(v: _V, data: Mapping[str, Any], key: str) -> list[Any]:
     seq = v.get(data, key, "", list, [])
     for i, item in enumerate(seq):
@@ -381,6 +396,7 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
                 link=link,
                 subsystem_vendor=v.get(f, "subsystem_vendor", w, str, vendor).lower(),
                 subsystem_device=v.get(f, "subsystem_device", w, str, "0x0000").lower(),
+                acs=_acs(v, f, w),
             )
         )
     for i, f in enumerate(pci):

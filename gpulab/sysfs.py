@@ -54,6 +54,8 @@ class Node:
     write: Callable[[str], None] | None = None
     target: str = ""
     children: Callable[[], list[str]] = field(default=lambda: [])
+    read_bin: Callable[[], bytes] | None = None
+    write_bin: Callable[[bytes, int], None] | None = None
 
 
 def _ro(fn: Callable[[], str]) -> Node:
@@ -190,7 +192,17 @@ class SysfsOps(mfusepy.Operations):
             "reset": _wo(_noop),
             "remove": _wo(_refuse),
             "subsystem": _link(f"{SYS}/bus/pci"),
+            "config": Node(
+                "file",
+                0o644,
+                read_bin=lambda: bytes(m.config[bdf]),
+                write_bin=lambda data, off: m.config_write(bdf, off, data),
+            ),
         }
+        if f.klass.startswith("0x0604"):
+            sec, sub = m.bus_range(bdf)
+            attrs["secondary_bus_number"] = _ro(lambda: f"{sec}\n")
+            attrs["subordinate_bus_number"] = _ro(lambda: f"{sub}\n")
         if f.link is not None:
             lk = f.link
             attrs.update(
@@ -228,8 +240,11 @@ class SysfsOps(mfusepy.Operations):
             "reset",
             "remove",
             "subsystem",
+            "config",
         ]
         f = self.model.functions[bdf]
+        if f.klass.startswith("0x0604"):
+            node_names += ["secondary_bus_number", "subordinate_bus_number"]
         if f.link is not None:
             node_names += ["current_link_speed", "current_link_width", "max_link_speed", "max_link_width"]
         if f.iommu_group is not None:
@@ -424,12 +439,12 @@ class SysfsOps(mfusepy.Operations):
         if node.kind == "dir":
             raise mfusepy.FuseOSError(errno.EISDIR)
         acc = flags & os.O_ACCMODE
-        if acc in (os.O_WRONLY, os.O_RDWR) and node.write is None:
+        if acc in (os.O_WRONLY, os.O_RDWR) and node.write is None and node.write_bin is None:
             raise mfusepy.FuseOSError(errno.EACCES)
         if acc in (os.O_WRONLY, os.O_RDWR) and self._uid() != 0:
             # sysfs attributes are root's 0644/0200 files (and type wants CAP_SYS_ADMIN)
             raise mfusepy.FuseOSError(errno.EACCES)
-        if acc in (os.O_RDONLY, os.O_RDWR) and node.read is None:
+        if acc in (os.O_RDONLY, os.O_RDWR) and node.read is None and node.read_bin is None:
             raise mfusepy.FuseOSError(errno.EACCES)
         return next(self._fh)
 
@@ -446,6 +461,11 @@ class SysfsOps(mfusepy.Operations):
 
     def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
         node = self.lookup(path)
+        if node.read_bin is not None:
+            data = node.read_bin()
+            if self._uid() != 0:
+                data = data[:64]  # like the kernel: only the standard header without CAP_SYS_ADMIN
+            return data[offset : offset + size]
         if node.read is None:
             raise mfusepy.FuseOSError(errno.EACCES)
         data = node.read().encode()
@@ -457,13 +477,17 @@ class SysfsOps(mfusepy.Operations):
 
     def write(self, path: str, data: bytes, offset: int, fh: Any) -> int:
         node = self.lookup(path)
+        parts = [p for p in path.split("/") if p]
+        host_path = HOST_PREFIX.get(parts[0], "") + "/" + "/".join(parts[1:])
+        if node.write_bin is not None:
+            node.write_bin(bytes(data), offset)
+            self.model.record(host_path, f"@{offset:#x}:{bytes(data).hex()}", 0, self._pid())
+            return len(data)
         if node.write is None:
             raise mfusepy.FuseOSError(errno.EACCES)
         raw = data.decode("utf-8", "replace")
         # sysfs_streq / the kernel's stores ignore one trailing newline
         value = raw[:-1] if raw.endswith("\n") else raw
-        parts = [p for p in path.split("/") if p]
-        host_path = HOST_PREFIX.get(parts[0], "") + "/" + "/".join(parts[1:])
         pid = self._pid()
         self._tls.defer = None
         try:

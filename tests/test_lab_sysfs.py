@@ -184,6 +184,39 @@ def test_bind_unbind_errnos_and_links(m: StandaloneMount) -> None:
         rd(nv / "bind")
 
 
+def test_config_space_bus_numbers_and_acs(m: StandaloneMount) -> None:
+    gpu = P(m, f"pci/devices/{GPU0}/config").read_bytes()
+    assert (
+        len(gpu) == 4096
+        and gpu[0:4] == bytes.fromhex("de10b52b")
+        and gpu[0x09:0x0C] == bytes.fromhex("000203")
+    )
+    assert gpu[0x0E] == 0 and gpu[0x34] == 0x40 and gpu[0x40] == 0x10
+    assert int.from_bytes(gpu[0x52:0x54], "little") == 5 | 16 << 4  # Gen5 x16 link status
+    dsp, rp = "0000:16:00.0", ROOT_PORT
+    assert (
+        rd(P(m, f"pci/devices/{dsp}/secondary_bus_number")),
+        rd(P(m, f"pci/devices/{dsp}/subordinate_bus_number")),
+    ) == ("23", "23")
+    assert (
+        rd(P(m, f"pci/devices/{rp}/secondary_bus_number")),
+        rd(P(m, f"pci/devices/{rp}/subordinate_bus_number")),
+    ) == ("21", "24")
+    cfg = P(m, f"pci/devices/{dsp}/config")
+    c = cfg.read_bytes()
+    assert c[0x0E] == 1 and c[0x19] == 0x17 and c[0x100:0x104] == bytes.fromhex("0d000100")
+    assert int.from_bytes(c[0x106:0x108], "little") == 0
+    fd = os.open(cfg, os.O_WRONLY)
+    try:
+        os.pwrite(fd, (0b1101).to_bytes(2, "little"), 0x106)  # setpci ECAP_ACS+6.w=000d
+        os.pwrite(fd, b"\xff\xff", 0x00)  # read-only: ignored
+    finally:
+        os.close(fd)
+    c = cfg.read_bytes()
+    assert int.from_bytes(c[0x106:0x108], "little") == 0b1101 and c[0:2] == bytes.fromhex("0010")
+    assert records(m)[-2]["value"] == "@0x106:0d00"
+
+
 def test_minor_numbers_follow_bind_order(m: StandaloneMount) -> None:
     nv = P(m, "pci/drivers/nvidia")
     assert rd(P(m, f"ctl/minor/{GPU0}")) == "0" and rd(P(m, f"ctl/minor/{GPU1}")) == "1"
@@ -271,11 +304,16 @@ def _kernel_6_1_era(work: str) -> None:
     with StandaloneMount("proxmox-rtx6000", work, kernel="6.1.0") as m:
         nobody = subprocess.run(
             ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c",
-             'cat "$1/devices/0000:17:00.0/vendor" && echo 0000:17:00.0 > "$1/drivers/nvidia/unbind"', "sh",
+             'cat "$1/devices/0000:17:00.0/vendor" && wc -c < "$1/devices/0000:17:00.0/config" && '
+             'echo 0000:17:00.0 > "$1/drivers/nvidia/unbind"', "sh",
              P(m, "pci")],
             capture_output=True, text=True, timeout=10,
         )  # fmt: skip
-        assert nobody.stdout == "0x10de\n" and "Permission denied" in nobody.stderr and nobody.returncode != 0
+        assert (
+            nobody.stdout == "0x10de\n64\n"
+            and "Permission denied" in nobody.stderr
+            and nobody.returncode != 0
+        )
         t = P(m, "iommu_groups/30/type")
         assert errno_of(t, "identity") == errno.EINVAL  # GPU + audio: more than one device
         sysw(P(m, "pci/drivers/nvidia/unbind"), GPU0)

@@ -198,6 +198,13 @@ def test_topo_matrix_and_p2p_follow_iommu_type(lab: Lab) -> None:
     lab.make_identity(GPUS[:2])
     p2p = lab.run("nvidia-smi", "topo", "-p2p", "r").splitlines()
     assert p2p[1:3] == [" GPU0\tX\tOK\tNS\tNS\t", " GPU1\tOK\tX\tNS\tNS\t"]
+    # ACS request redirect on GPU 0's switch port sends peer traffic to the root complex
+    fd = os.open(lab.mnt / "pci/devices/0000:16:00.0/config", os.O_WRONLY)
+    try:
+        os.pwrite(fd, (0b0101).to_bytes(2, "little"), 0x106)
+    finally:
+        os.close(fd)
+    assert lab.run("nvidia-smi", "topo", "-p2p", "r").splitlines()[1] == " GPU0\tX\tNS\tNS\tNS\t"
 
 
 # ------------------------------------------------------------------ nvbandwidth

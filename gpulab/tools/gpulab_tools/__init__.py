@@ -160,6 +160,7 @@ class Host:
         self.default_domain = str(self.profile.get("default_domain", "DMA-FQ"))
         self.driver_version = str(self.profile.get("driver_version", "570.133.07"))
         self.cuda_version = str(self.profile.get("cuda_version", "12.8"))
+        self._acs: dict[str, bool] = {}
         self.gpus = self._visible()
 
     def _minor(self, bdf: str, boot: int) -> int:
@@ -233,11 +234,40 @@ class Host:
                 g.persistence = True
 
     def p2p_ok(self, a: GpuView, b: GpuView) -> bool:
-        """Say whether peer access works: NVLink, or both groups in identity (passthrough)."""
+        """Say whether peer access works: NVLink; or PCIe with both groups in identity
+        (passthrough) and no ACS request/completion redirect on the bridges between them."""
         lk = self.link(a.bdf, b.bdf)
         if lk and lk.get("type") == "nvlink":
             return True
-        return a.gtype == "identity" and b.gtype == "identity"
+        if a.gtype != "identity" or b.gtype != "identity":
+            return False
+        up_a, up_b = self._ancestors(a.bdf), self._ancestors(b.bdf)
+        between = [x for x in up_a if x not in up_b] + [x for x in up_b if x not in up_a]
+        return not any(self.acs_redirect(x) for x in between)
+
+    def _ancestors(self, bdf: str) -> list[str]:
+        out: list[str] = []
+        cur = self.funcs.get(bdf, {}).get("parent")
+        while cur and cur not in out:
+            out.append(cur)
+            cur = self.funcs.get(cur, {}).get("parent")
+        return out
+
+    def acs_redirect(self, bdf: str) -> bool:
+        """Say whether a bridge redirects peer requests or completions (ACS ReqRedir/CmpltRedir)."""
+        if bdf not in self._acs:
+            try:
+                with open(path("sys/bus/pci/devices", bdf, "config"), "rb") as f:
+                    c = f.read(0x108)
+            except OSError:
+                c = b""
+            on = False
+            if len(c) >= 0x108 and c[0x100:0x102] == b"\x0d\x00":
+                on = bool(int.from_bytes(c[0x106:0x108], "little") & 0b1100)
+            elif not c:
+                on = any(x in ("ReqRedir", "CmpltRedir") for x in self.funcs.get(bdf, {}).get("acs", []))
+            self._acs[bdf] = on
+        return self._acs[bdf]
 
     def link(self, a: str, b: str) -> dict[str, Any] | None:
         """Return the profile's link model entry for a GPU pair (either order), or the default."""
