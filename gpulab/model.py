@@ -128,8 +128,12 @@ class HostModel:
     # ----------------------------------------------------------------- state
 
     def reset(self) -> None:
-        """Put every function, group and GPU back to the profile's boot state."""
+        """Put every function, group and GPU back to the profile's boot state.
+
+        A pending nvidia unbind gives up with EINTR (the host "rebooted" under it).
+        """
         with self.lock:
+            self.generation = getattr(self, "generation", 0) + 1
             self.driver: dict[str, str | None] = dict(self.boot.driver)
             self.override: dict[str, str | None] = dict(self.boot.override)
             self.gtype: dict[int, str] = dict(self.boot.gtype)
@@ -343,6 +347,7 @@ class HostModel:
                     raise SysfsError(errno.ENODEV)
             if driver == "nvidia" and bdf in self.gpu_bdfs:
                 told = False
+                gen = self.generation
                 while True:
                     # Scan /proc outside the lock: it takes milliseconds and reads must not wait.
                     held = bool(self.holders(bdf))
@@ -353,7 +358,7 @@ class HostModel:
                     if not told and on_wait is not None:
                         on_wait()
                         told = True
-                    if self.stopping.wait(POLL_S):
+                    if self.stopping.wait(POLL_S) or self.generation != gen:
                         raise SysfsError(errno.EINTR)
             else:
                 with self.lock:

@@ -280,6 +280,20 @@ def test_legacy_persistence_blocks_unbind_until_off(m: StandaloneMount) -> None:
     assert errno_of(pers, "2") == errno.EINVAL
 
 
+def test_reset_releases_a_pending_unbind(m: StandaloneMount) -> None:
+    held = open(Path(m.dev) / "nvidia3", "rb")  # noqa: SIM115
+    try:
+        th, out = _unbind_in_thread(P(m, "pci/drivers/nvidia/unbind"), "0000:3b:00.0")
+        time.sleep(0.3)
+        assert th.is_alive()
+        sysw(P(m, "ctl/reset"), "1")
+        th.join(3)
+        assert out["rc"] == errno.EINTR
+        assert os.path.islink(P(m, "pci/devices/0000:3b:00.0/driver"))
+    finally:
+        held.close()
+
+
 def test_every_write_is_recorded(m: StandaloneMount) -> None:
     start = len(records(m))
     errno_of(P(m, "iommu_groups/31/type"), "identity")
