@@ -32,6 +32,7 @@ __all__ = [
     "Profile",
     "ProfileError",
     "Service",
+    "default_domain_for",
     "load_profile",
     "profile_names",
 ]
@@ -247,6 +248,32 @@ class Profile:
     def to_json(self) -> str:
         """Return the profile as JSON (what lab hosts read from ``profile.json``)."""
         return json.dumps(self.raw, indent=2, sort_keys=False)
+
+
+def default_domain_for(cmdline: str, fallback: str) -> str:
+    """Return the IOMMU default domain type a kernel command line selects (``iommu=pt`` -> identity).
+
+    Mirrors drivers/iommu/iommu.c: ``iommu=pt``/``iommu.passthrough=1`` give identity,
+    ``iommu=nopt``/``iommu.passthrough=0`` translation, ``iommu.strict=1`` DMA and
+    ``iommu.strict=0`` DMA-FQ; the last occurrence wins. Without any of these: ``fallback``.
+    """
+    passthrough: bool | None = None
+    strict: bool | None = None
+    for tok in cmdline.split():
+        key, _, val = tok.partition("=")
+        if key == "iommu" and val in ("pt", "nopt"):
+            passthrough = val == "pt"
+        elif key == "iommu.passthrough" and val in ("0", "1", "y", "n", "on", "off"):
+            passthrough = val in ("1", "y", "on")
+        elif key == "iommu.strict" and val in ("0", "1", "y", "n", "on", "off"):
+            strict = val in ("1", "y", "on")
+    if passthrough:
+        return "identity"
+    if strict is True:
+        return "DMA"
+    if strict is False or passthrough is False:
+        return "DMA-FQ"
+    return fallback
 
 
 def profile_names() -> list[str]:

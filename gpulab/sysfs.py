@@ -30,7 +30,7 @@ from typing import Any
 import mfusepy
 
 from gpulab.model import HostModel, SysfsError
-from gpulab.profile import ProfileError, load_profile
+from gpulab.profile import ProfileError, default_domain_for, load_profile
 
 __all__ = ["StandaloneMount", "SysfsOps", "main"]
 
@@ -595,10 +595,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--devdir", required=True, help="dir with nvidiaN files (holders are found by st_dev/st_ino)"
     )
     ap.add_argument("--kernel", help="override the profile's kernel release (picks the errno era)")
+    ap.add_argument(
+        "--cmdline",
+        help="kernel command line the host booted with (e.g. read from its /etc/kernel/cmdline at a lab "
+        "reboot): iommu=pt, iommu.passthrough= and iommu.strict= pick the groups' boot type",
+    )
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
+    overrides: dict[str, str] = {"kernel": args.kernel} if args.kernel else {}
     try:
-        profile = load_profile(args.profile, {"kernel": args.kernel} if args.kernel else None)
+        profile = load_profile(args.profile, overrides or None)
+        if args.cmdline is not None:
+            overrides["cmdline"] = args.cmdline
+            overrides["default_domain"] = default_domain_for(args.cmdline, profile.default_domain)
+            profile = load_profile(args.profile, overrides)
     except ProfileError as e:
         print(f"gpulab.sysfs: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.profile import ProfileError, load_profile, parse_profile
+from gpulab.profile import ProfileError, default_domain_for, load_profile, parse_profile
 from gpulab.sysfs import StandaloneMount
 
 pytestmark = pytest.mark.skipif(
@@ -92,6 +92,16 @@ def test_profile_validation_errors_are_one_line() -> None:
         load_profile("nope")
     with pytest.raises(ProfileError, match=r"kernel: 'x' is not a kernel release"):
         load_profile("b200-nvl8", {"kernel": "x"})
+
+
+def test_default_domain_from_the_kernel_command_line() -> None:
+    base = "BOOT_IMAGE=/boot/vmlinuz-6.8.12-4-pve root=/dev/mapper/pve-root ro quiet intel_iommu=on"
+    assert default_domain_for(base, "DMA-FQ") == "DMA-FQ"
+    assert default_domain_for(base + " iommu=pt", "DMA-FQ") == "identity"
+    assert default_domain_for(base + " iommu.passthrough=1", "DMA") == "identity"
+    assert default_domain_for(base + " iommu=pt iommu=nopt", "identity") == "DMA-FQ"
+    assert default_domain_for(base + " iommu.strict=1", "DMA-FQ") == "DMA"
+    assert default_domain_for("ro quiet", "identity") == "identity"
 
 
 def test_layout_attributes_and_relative_links(m: StandaloneMount) -> None:
