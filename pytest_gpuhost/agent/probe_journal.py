@@ -137,6 +137,12 @@ def gpuhost_journal(params):
     action = params.get("action", "read")
     if action == "write":
         _jr_write_atomic(path, _jr_json.dumps(params["data"], indent=1, sort_keys=True))
+        lock = params.get("lock")
+        if lock:  # the journal's writer is alive: refresh its lock's heartbeat in the same request
+            return {
+                "ok": True,
+                "lock": gpuhost_lock({"path": lock["path"], "run_id": lock["run_id"], "action": "refresh"}),
+            }
         return {"ok": True}
     if action == "retire":
         if _jr_os.path.exists(path):

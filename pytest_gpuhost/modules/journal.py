@@ -18,6 +18,7 @@ from pytest_gpuhost.errors import GpuhostError
 __all__ = ["BASE", "Journal", "LockBusy"]
 
 BASE = "/var/lib/gpuhost"
+QUICK = 10.0  # seconds to wait for the reply to a lock or journal op (small local file operations)
 
 
 class _Conn(Protocol):
@@ -46,11 +47,11 @@ class Journal:
 
     def read_request(self) -> dict[str, Any]:
         """Return the agent request that reads the journal (to put in a facts batch)."""
-        return {"op": "gpuhost_journal", "action": "read", "path": self.path}
+        return {"op": "gpuhost_journal", "action": "read", "path": self.path, "timeout": 5}
 
     def read(self) -> dict[str, Any] | None:
         """Return the journal on the target, or None when there is none."""
-        return self.parse(self.conn.call(**self.read_request()))
+        return self.parse(self.conn.call(**self.read_request(), _reply_timeout=QUICK))
 
     @staticmethod
     def parse(result: Any) -> dict[str, Any] | None:
@@ -96,25 +97,31 @@ class Journal:
     def release(self) -> None:
         """Release the lock if this run holds it."""
         if self.held:
-            self.conn.call("gpuhost_lock", path=self.lock_path, action="release", run_id=self.run_id)
+            self.conn.call(
+                "gpuhost_lock",
+                path=self.lock_path,
+                action="release",
+                run_id=self.run_id,
+                _reply_timeout=QUICK,
+            )
             self.held = False
 
     def write(self, **changes: Any) -> None:
         """Update the journal with `changes` and write it (fsynced) before the step it announces.
 
-        Refreshes the lock's heartbeat in the same round trip.
+        Refreshes the lock's heartbeat in the same request.
         """
         self.data.update(changes)
         self.data["run_id"] = self.run_id
         self.data["updated"] = time.time()
-        replies = self.conn.batch(
-            [
-                {"op": "gpuhost_journal", "action": "write", "path": self.path, "data": self.data},
-                {"op": "gpuhost_lock", "path": self.lock_path, "action": "refresh", "run_id": self.run_id},
-            ]
+        self.conn.call(
+            "gpuhost_journal",
+            action="write",
+            path=self.path,
+            data=self.data,
+            lock={"path": self.lock_path, "run_id": self.run_id},
+            _reply_timeout=QUICK,
         )
-        if isinstance(replies[0], Exception):
-            raise replies[0]
 
     def step(self, what: str, **detail: Any) -> None:
         """Append one step ("unbind 0000:17:00.0 nvidia") to the journal and write it."""
@@ -124,5 +131,5 @@ class Journal:
 
     def retire(self) -> None:
         """Move the journal aside (NAME.json.done): the procedure finished, nothing is pending."""
-        self.conn.call("gpuhost_journal", action="retire", path=self.path)
+        self.conn.call("gpuhost_journal", action="retire", path=self.path, _reply_timeout=QUICK)
         self.data = {}

@@ -105,7 +105,7 @@ class Service:
 
     def state(self) -> ServiceState:
         """Read the unit's state with `systemctl show` (one command)."""
-        r = self.conn.run(["systemctl", "show", "-p", ",".join(_SHOW), self.unit], timeout=15)
+        r = self.conn.run(["systemctl", "show", "-p", ",".join(_SHOW), self.unit], timeout=8)
         if r.rc != 0:
             raise ServiceError(
                 f"{self.where}: systemctl show {self.unit} failed (rc {r.rc}): {(r.stderr or r.stdout).strip()[:200]}"

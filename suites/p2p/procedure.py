@@ -27,6 +27,7 @@ from suites.p2p.plan import P2PPlan, make_plan
 __all__ = ["P2POptions", "P2PProcedure", "ProcedureError"]
 
 HOST_FACTS = ("gpus", "gpu_holders", "persistence", "host_info", "nvidia_smi_gpus")
+QUICK = 10.0  # seconds to wait for a reply to a small metadata op (readlink, journal, lock)
 
 
 class ProcedureError(RuntimeError):
@@ -125,14 +126,17 @@ class P2PProcedure:
 
     # ------------------------------------------------------------------ facts
 
-    def read_facts(self) -> dict[str, Any]:
-        """Read every host fact the procedure needs, and the journal, in one round trip."""
+    def read_facts(self, names: tuple[str, ...] = HOST_FACTS, **params: Any) -> dict[str, Any]:
+        """Read host facts (all the procedure needs by default) and the journal in one round trip."""
         replies = self.conn.batch(
-            [{"op": "facts", "names": list(HOST_FACTS), "params": {}}, self.journal.read_request()]
+            [
+                {"op": "facts", "names": list(names), "params": params, "timeout": 60},
+                self.journal.read_request(),
+            ]
         )
         if isinstance(replies[0], Exception):
             raise replies[0]
-        self.facts = dict(replies[0])
+        self.facts.update(replies[0])
         self.old_journal = Journal.parse(replies[1])
         return self.facts
 
@@ -266,7 +270,7 @@ class P2PProcedure:
             if got.get("took_over"):
                 evidence.current().note(f"took over a stale lock: {got['took_over'].get('why')}")
             # another run may have repaired the host while this one waited: read again
-            self.read_facts()
+            self.read_facts(("gpus", "nvidia_smi_gpus", "host_info"))
             plan = self.make_plan()
             if self.old_journal and plan.resumed_from:
                 self.stopped_service = self.stopped_service or bool(self.old_journal.get("service_stopped"))
@@ -473,7 +477,7 @@ class P2PProcedure:
 
         def check() -> Check:
             assert self.plan is not None
-            self.read_facts()
+            self.read_facts(("gpus",), minors=False)
             current = self._current_groups()
             groups = {g.number: current.get(g.number) for g in self.plan.groups}
             bad = {n: t for n, t in groups.items() if t != "identity"}
@@ -508,7 +512,7 @@ class P2PProcedure:
 
     def _driver_now(self, bdf: str) -> str | None:
         link = f"{pci.DEVICES}/{bdf}/driver"
-        r = self.conn.call("readlink", paths=[link])
+        r = self.conn.call("readlink", paths=[link], _reply_timeout=QUICK)
         entry = r.get(link) or {}
         target = entry.get("target") if isinstance(entry, dict) else None
         return target.rsplit("/", 1)[-1] if target else None
@@ -554,7 +558,7 @@ class P2PProcedure:
                     False,
                     f"step 4 would unbind {sum(len(g.functions) for g in plan.groups_to_fix)} functions; they are rebound here",
                 )
-            self.read_facts()
+            self.read_facts(("gpus", "nvidia_smi_gpus"))
             now = {m.bdf: m.driver for g in self.gpus() if g.group for m in g.group.members}
             minors = {g.bdf: g.minor for g in self.gpus()}
             for f in (f for g in plan.groups for f in g.functions):
