@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gpulab import boot, netns, units
+from gpulab.errors import LabError
 from gpulab.profile import Profile, ProfileError, Service, load_profile
 
 __all__ = ["CLIENT_KEY", "RUN", "Lab", "LabError", "LabHost"]
@@ -54,10 +55,9 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 BOOT_TIMEOUT = 90.0
 FS_SIZE = {"small": "2g", "bench": "4g"}
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-class LabError(RuntimeError):
-    """A lab operation failed; the message is one line that says what and why."""
+NETEM_MISSING = (
+    "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so link delay and loss cannot be emulated"
+)
 
 
 def _run(
@@ -392,15 +392,17 @@ class LabHost:
     # ---- faults ---------------------------------------------------------------------------
 
     def cut_link(self) -> None:
-        """Take the host's link down (both ends): connections hang, new ones time out."""
+        """Cut the host's link (every packet dropped, both ends): connections hang, new ones time out."""
         netns.link_up(self.name, self.index, False)
 
     def heal_link(self) -> None:
         """Bring the host's link back up."""
-        netns.link_up(self.name, self.index, True, containers=bool(self.profile.containers))
+        netns.link_up(self.name, self.index, True)
 
     def set_netem(self, delay_ms: int = 0, loss_pct: float = 0) -> None:
         """Set netem delay/loss on the host's link (zeros clear it)."""
+        if (delay_ms or loss_pct) and not netns.netem_available():
+            raise LabError(NETEM_MISSING)
         netns.set_netem(self.name, self.index, delay_ms=delay_ms, loss_pct=loss_pct)
 
     def _freezer(self) -> Path:
@@ -867,10 +869,13 @@ class Lab:
         name = name or prof.name
         if not NAME_RE.match(name):
             raise LabError(f"bad host name {name!r}: use lower-case letters, digits and '-', at most 40")
+        if (delay_ms or loss_pct) and not netns.netem_available():
+            raise LabError(NETEM_MISSING)
         if data_scale not in FS_SIZE:
             raise LabError(f"bad data scale {data_scale!r}: use one of {', '.join(FS_SIZE)}")
         t0 = time.monotonic()
         ensure_client_key()
+        netns.ensure_blackhole()
         with _locked():
             d = RUN / name
             if (d / "meta.json").exists():
@@ -1022,6 +1027,8 @@ class Lab:
                         _remove_cgroup(f"gpulab/{sub.name}")
         if not match:
             _remove_cgroup("gpulab")
+            if not self.names():
+                netns.remove_blackhole()
         return removed
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from gpulab.errors import LabError
+
 __all__ = [
     "add_container_link",
     "add_host_link",
@@ -23,6 +25,7 @@ __all__ = [
 ]
 
 NETNS_DIR = Path("/run/netns")
+LAB_RANGE = "198.18.0.0/15"
 
 
 def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -37,7 +40,7 @@ def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.
 def _checked(argv: list[str]) -> subprocess.CompletedProcess[str]:
     p = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
     if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)}: {p.stderr.strip() or p.stdout.strip()}")
+        raise LabError(f"{' '.join(argv)}: {p.stderr.strip() or p.stdout.strip()}")
     return p
 
 
@@ -99,30 +102,62 @@ def add_container_link(name: str, index: int, cid: int, k: int) -> str:
     return cns
 
 
+def _tc(*args: str, netns: str | None = None, check: bool = True) -> None:
+    argv = ["tc"] + (["-n", netns] if netns else []) + list(args)
+    if check:
+        _checked(argv)
+    else:
+        subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+
+
 def set_netem(name: str, index: int, delay_ms: int = 0, loss_pct: float = 0) -> None:
     """Set (or clear, with zeros) netem delay and loss on both ends of the host's link."""
     for dev, ns in ((root_veth(index), None), ("eth0", host_netns(name))):
-        _ip("qdisc", "del", "dev", dev, "root", netns=ns, check=False)
+        _tc("qdisc", "del", "dev", dev, "root", netns=ns, check=False)
         if delay_ms or loss_pct:
             args = ["qdisc", "add", "dev", dev, "root", "netem"]
             if delay_ms:
                 args += ["delay", f"{int(delay_ms)}ms"]
             if loss_pct:
                 args += ["loss", f"{float(loss_pct):g}%"]
-            _ip(*args, netns=ns)
+            _tc(*args, netns=ns)
 
 
-def link_up(name: str, index: int, up: bool, containers: bool = False) -> None:
-    """Set both ends of the host's veth link up or down (the cut-link fault)."""
-    state = "up" if up else "down"
-    _ip("link", "set", root_veth(index), state)
-    _ip("link", "set", "eth0", state, netns=host_netns(name))
+def link_up(name: str, index: int, up: bool) -> None:
+    """Cut the host's link (its end goes down) or heal it.
+
+    Only the host's end goes down: the root side stays up with its route, so packets to the host
+    are dropped by the veth (connections hang, as with a pulled cable) and lab traffic never
+    follows the default route off this machine.
+    """
+    ns = host_netns(name)
+    _ip("link", "set", "eth0", "up" if up else "down", netns=ns)
     if up:
-        # Taking the device down dropped the root side's connected route; restore it.
-        _ip("route", "replace", f"198.18.{index}.0/24", "dev", root_veth(index), check=False)
-        _ip("route", "replace", "default", "via", f"198.18.{index}.1", netns=host_netns(name), check=False)
-        if containers:
-            _ip("route", "replace", f"198.19.{index}.0/24", "via", host_address(index), check=False)
+        _ip("route", "replace", "default", "via", f"198.18.{index}.1", netns=ns, check=False)
+
+
+def netem_available() -> bool:
+    """Say whether this kernel has the netem qdisc (delay and loss emulation)."""
+    probe = subprocess.run(
+        ["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"],
+        capture_output=True, text=True, timeout=10, check=False,
+    )  # fmt: skip
+    if probe.returncode == 0:
+        subprocess.run(
+            ["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, timeout=10, check=False
+        )
+        return True
+    return False
+
+
+def ensure_blackhole() -> None:
+    """Route the whole lab range nowhere unless a lab link is more specific (no leaks when a host is down)."""
+    _ip("route", "replace", "blackhole", LAB_RANGE, "metric", "4000", check=False)
+
+
+def remove_blackhole() -> None:
+    """Remove the lab range's blackhole route (when no lab host is left)."""
+    _ip("route", "del", "blackhole", LAB_RANGE, "metric", "4000", check=False)
 
 
 def lab_netns_names() -> list[str]:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.lab import CGROUP_ROOT, RUN, Lab
-from gpulab.netns import lab_netns_names
+from gpulab.lab import CGROUP_ROOT, RUN, Lab, LabError
+from gpulab.netns import lab_netns_names, netem_available
 
 PROFILE = "proxmox-rtx6000"
 
@@ -51,10 +51,19 @@ def test_cut_and_heal_link(host):
     host.cut_link()
     try:
         assert _ssh_fails(host)
+        # The cut drops packets at the veth; nothing to the lab range may follow the default route.
+        route = subprocess.run(["ip", "route", "get", host.address], capture_output=True, text=True).stdout
+        assert f"dev gl{host.index}-r" in route
         assert host.ssh("echo inside", via="nsenter").stdout == "inside\n"  # the host itself runs on
     finally:
         host.heal_link()
     assert host.ssh("echo back").stdout == "back\n"
+
+
+@pytest.mark.skipif(netem_available(), reason="this kernel has netem")
+def test_delay_without_netem_is_a_clear_error(host):
+    with pytest.raises(LabError, match="no netem qdisc"):
+        host.set_netem(delay_ms=25)
 
 
 def test_kill_sshd_refuses_new_connections(host):
