@@ -13,7 +13,8 @@ Loaded by ``tests/conftest.py`` (``pytest_plugins = [..., "gpulab.pytest_fixture
 ``loss_pct``, ``data_scale``) and returns a ``gpulab.LabHost``; the same (profile, name, kw) gives
 the same host for the rest of the session. Without a name the host is called
 ``PROFILE-<pid>`` so parallel sessions (xdist workers, other runs) never collide. Every host is
-torn down when the session ends, on Ctrl-C, and at interpreter exit as a safety net. Tests that
+torn down when the session ends, on Ctrl-C, and at interpreter exit as a safety net; hosts of a
+session that was killed outright are swept by the next session that uses ``lab``. Tests that
 use ``lab`` are skipped, with the reason, when the machine cannot run the lab (not root, no
 /dev/fuse, no systemd).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from gpulab.lab import Lab, LabError, LabHost
+from gpulab.lab import RUN, Lab, LabError, LabHost
 from gpulab.profile import Profile
 
 __all__ = ["LabSession", "lab"]
@@ -63,8 +65,25 @@ class LabSession:
         if hname in self.lab.names():
             self.lab.down(hname)  # a leftover of a crashed session with the same name
         h = self.lab.up(profile, name=hname, **kw)
+        h.meta["session_pid"] = os.getpid()  # lets a later session sweep it if this one is killed
+        (h.dir / "meta.json").write_text(json.dumps(h.meta, indent=1))
         self._hosts[key] = h
         return h
+
+    def sweep(self) -> list[str]:
+        """Tear down hosts left by test sessions that died without teardown (SIGKILL); return names."""
+        swept = []
+        for name in self.lab.names():
+            try:
+                meta = json.loads((RUN / name / "meta.json").read_text())
+            except (OSError, ValueError):
+                continue
+            pid = meta.get("session_pid")
+            if isinstance(pid, int) and pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+                with contextlib.suppress(LabError):
+                    self.lab.down(name)
+                    swept.append(name)
+        return swept
 
     def hosts(self) -> list[LabHost]:
         """Return the hosts this session booted."""
@@ -97,6 +116,7 @@ def lab() -> Iterator[LabSession]:
     if why:
         pytest.skip(f"lab unavailable: {why}")
     session = LabSession()
+    session.sweep()
     atexit.register(session.close)
     try:
         yield session
