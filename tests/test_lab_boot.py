@@ -91,3 +91,17 @@ def test_kernel_release_and_cmdline_come_from_the_profile(host):
     assert release == osrelease == host.profile.kernel == "6.8.12-4-pve"
     assert cmdline == host.profile.cmdline and "intel_iommu=on" in cmdline
     assert "Read-only file system" in p.stderr  # /proc/sys is read-only, as in a real container
+
+
+def test_b200_servers_started_by_hand_not_by_systemd(lab):
+    h = lab.host("b200-nvl8", pristine=True)
+    p = h.ssh(
+        "pgrep -f '^python3 -m sglang.launch_server' | while read p; do echo $p $(ps -o ppid= -p $p) $(cut -d: -f3 /proc/$p/cgroup | grep -c system.slice); done"
+    )
+    rows = [line.split() for line in p.stdout.splitlines()]
+    assert len(rows) == 7
+    assert all(ppid == "1" and in_unit == "0" for _, ppid, in_unit in rows)  # no unit owns them
+    p = h.ssh(
+        "test -f /data/PROGRESS.md && ps -eo args | grep -cx 'vim /data/sglang_notes.md'; systemctl list-units --all 'sglang*' --no-legend | wc -l"
+    )
+    assert p.stdout.split() == ["1", "0"]
