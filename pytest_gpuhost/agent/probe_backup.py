@@ -225,14 +225,20 @@ def _bk_read_exact(stream, n):
 
 
 def _bk_reader(paths, queue_put):
-    """Read and hash each file; hand chunks and trailers to the writer (runs in a thread)."""
+    """Read and hash each file; hand ready-framed bytes to the writer (runs in a thread).
+
+    Small files are batched into blocks of about 1 MiB so that the writer makes few large
+    writes; big reads travel as their own items without being copied again.
+    """
     zero = b"\0" * 32
+    u32 = struct.Struct(">I").pack
+    buf = bytearray()
     for index, path in enumerate(paths):
-        queue_put(("F", index))
+        buf += u32(index)
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         except OSError as exc:
-            queue_put(("T", _BK_TRAILER.pack(exc.errno or 5, 0, 0, 0, 0, zero)))
+            buf += u32(0) + _BK_TRAILER.pack(exc.errno or 5, 0, 0, 0, 0, zero)
             continue
         try:
             st = os.fstat(fd)
@@ -252,25 +258,33 @@ def _bk_reader(paths, queue_put):
                         break
                     digest.update(block)
                     size += len(block)
-                    queue_put(("D", block))
+                    if len(block) >= 65536:
+                        buf += u32(len(block))
+                        queue_put(bytes(buf))
+                        buf = bytearray()
+                        queue_put(block)
+                    else:
+                        buf += u32(len(block))
+                        buf += block
             after = os.fstat(fd)
             changed = int(after.st_mtime_ns != st.st_mtime_ns or after.st_size != size)
-            queue_put(
-                (
-                    "T",
-                    _BK_TRAILER.pack(
-                        err,
-                        size,
-                        st.st_mtime_ns,
-                        stat.S_IMODE(st.st_mode),
-                        changed,
-                        digest.digest() if not err else zero,
-                    ),
-                )
+            buf += u32(0)
+            buf += _BK_TRAILER.pack(
+                err,
+                size,
+                st.st_mtime_ns,
+                stat.S_IMODE(st.st_mode),
+                changed,
+                digest.digest() if not err else zero,
             )
         finally:
             os.close(fd)
-    queue_put(("E", len(paths)))
+        if len(buf) >= _BK_CHUNK:
+            queue_put(bytes(buf))
+            buf = bytearray()
+    buf += u32(_BK_END) + u32(len(paths))
+    queue_put(bytes(buf))
+    queue_put(None)
 
 
 def _bk_send_main():
@@ -301,41 +315,11 @@ def _bk_send_main():
     threading.Thread(target=watchdog, daemon=True).start()
     reader = threading.Thread(target=_bk_reader, args=(paths, q.put), daemon=True)
     reader.start()
-    pending = [b"GHB1"]
-    pending_len = 4
-    pack_u32 = struct.Struct(">I").pack
-
-    def flush():
-        out.write(b"".join(pending))
-        last_write[0] = time.time()
-        del pending[:]
-
+    out.write(b"GHB1")
     while True:
-        kind, value = q.get()
-        if kind == "D":
-            if pending_len + len(value) > _BK_CHUNK:
-                flush()
-                pending_len = 0
-            if len(value) >= _BK_CHUNK // 2:
-                pending.append(pack_u32(len(value)))
-                flush()
-                out.write(value)
-                last_write[0] = time.time()
-                pending_len = 0
-            else:
-                pending.append(pack_u32(len(value)))
-                pending.append(value)
-                pending_len += 4 + len(value)
-        elif kind == "F":
-            pending.append(pack_u32(value))
-            pending_len += 4
-        elif kind == "T":
-            pending.append(pack_u32(0))
-            pending.append(value)
-            pending_len += 4 + len(value)
-        else:
-            pending.append(pack_u32(_BK_END))
-            pending.append(pack_u32(value))
-            flush()
+        item = q.get()
+        if item is None:
             out.flush()
             return
+        out.write(item)
+        last_write[0] = time.time()

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -54,6 +55,7 @@ PROBE_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "probe_backup.
 _TRAILER = struct.Struct(">iQqIB32s")
 _U32 = struct.Struct(">I")
 _END = 0xFFFFFFFF
+_SMALL = 4 << 20  # files up to this size are assembled in memory and written by a thread pool
 _META = ".gpuhost"
 
 
@@ -498,6 +500,7 @@ class Backup:
         self.meta.mkdir(parents=True, exist_ok=True)
         self.state = StateFile(self.meta, "state")
         self._dirs_ok: set[str] = set()
+        self._mkdir_lock = threading.Lock()
         # files plan() found verified and unchanged, with the state record it saw: verify() can
         # trust its own stat from moments ago instead of stat-ing them all again
         self._seen_current: dict[str, tuple[dict[str, Any], int, int]] = {}
@@ -644,12 +647,18 @@ class Backup:
             try:
                 st = os.lstat(cur)
             except FileNotFoundError:
-                os.mkdir(cur)
+                try:
+                    os.mkdir(cur)
+                except FileExistsError:  # another writer thread made it meanwhile
+                    pass
                 continue
             if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
                 # a node path that was a link (or file) last time and is a directory now
-                os.unlink(cur)
-                os.mkdir(cur)
+                with self._mkdir_lock:
+                    st = os.lstat(cur)
+                    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+                        os.unlink(cur)
+                        os.mkdir(cur)
         self._dirs_ok.add(key)
 
     def _make_link(self, f: RemoteFile, result: TransferResult) -> None:
@@ -686,7 +695,50 @@ class Backup:
                 changed.append(f)
         return changed
 
+    def _store(
+        self, f: RemoteFile, tmp: Path, trailer: tuple[Any, ...], digest: bytes, fd: int
+    ) -> str | None:
+        """Check the digests, set mode and mtime, rename into place; return why not, or None."""
+        err, size, mtime_ns, mode, changed, node_sha = trailer
+        try:
+            if err:
+                return os.strerror(err)
+            if digest != node_sha:
+                return "SHA-256 on arrival differs from the node's"
+            os.fchmod(fd, mode & 0o777 | 0o200)
+            # the mtime seen when the node opened the file: if it was being written meanwhile,
+            # the next run sees a different mtime and copies it again
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
+        finally:
+            os.close(fd)
+        final = self._local(f)
+        self._parent(final)
+        os.replace(tmp, final)
+        rec = {"t": "f", "s": size, "m": mtime_ns if not changed else -1, "o": mode, "sha256": node_sha.hex()}
+        with self._mkdir_lock:
+            self.state.record(f.key, rec)
+        return None
+
+    def _write_small(
+        self, f: RemoteFile, tmp: Path, pieces: list[bytes], trailer: tuple[Any, ...]
+    ) -> str | None:
+        """Hash, write and place one small file (runs in a writer thread, off the stream)."""
+        data = b"".join(pieces)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        placed = False
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            why = self._store(f, tmp, trailer, hashlib.sha256(data).digest(), fd)
+            placed = why is None
+            return why
+        finally:
+            if not placed:
+                tmp.unlink(missing_ok=True)
+
     def _transfer(self, files: list[RemoteFile], result: TransferResult) -> None:
+        """Stream the files' contents over one channel; small files are written by a thread pool."""
         total_bytes = sum(f.size for f in files)
         python = str(getattr(getattr(self.conn, "opts", None), "python", "python3"))
         argv = sender_argv(max(self.stall_timeout * 2, 30), python)
@@ -694,15 +746,36 @@ class Backup:
         reader = _StreamReader(chan, self.stall_timeout)
         started = time.monotonic()
         last_report = started
-        done_files = 0
-        done_bytes = 0
+        done = [0, 0]  # files, bytes placed
+        lock = threading.Lock()
         tmpdir = self.meta / "tmp"
         tmp_path: Path | None = None
+        pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="backup-write")
+        inflight = threading.BoundedSemaphore(64)  # at most 64 small files (<= 256 MiB) in memory
 
-        def report(final: bool = False) -> None:
+        def placed(f: RemoteFile, why: str | None) -> None:
+            with lock:
+                if why is None:
+                    done[0] += 1
+                    done[1] += f.size
+                else:
+                    result.failed.append((f.display, why))
+
+        def small_job(f: RemoteFile, tmp: Path, pieces: list[bytes], trailer: tuple[Any, ...]) -> None:
+            try:
+                why = self._write_small(f, tmp, pieces, trailer)
+            except OSError as exc:
+                why = f"writing the copy: {exc.strerror}"
+            finally:
+                inflight.release()
+            placed(f, why)
+
+        def report() -> None:
             if self.progress is not None:
+                with lock:
+                    files_done, bytes_done = done
                 self.progress(
-                    Progress(done_files, len(files), done_bytes, total_bytes, time.monotonic() - started)
+                    Progress(files_done, len(files), bytes_done, total_bytes, time.monotonic() - started)
                 )
 
         try:
@@ -725,74 +798,59 @@ class Backup:
                     raise BackupError(f"bulk stream out of step (file index {index})")
                 f = files[index]
                 tmp_path = tmpdir / f"{index}.part"
-                digest = hashlib.sha256()
-                fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-                try:
-
-                    def write(piece: bytes, fd: int = fd) -> None:
-                        view = memoryview(piece)
-                        while view:
-                            view = view[os.write(fd, view) :]
-
-                    while True:
-                        n = reader.u32()
-                        if n == 0:
-                            break
-                        reader.pipe(n, (digest.update, write))
-                    err, size, mtime_ns, mode, changed, node_sha = _TRAILER.unpack(
-                        reader.exact(_TRAILER.size)
-                    )
-                    if not err and digest.digest() == node_sha:
-                        os.fchmod(fd, mode & 0o777 | 0o200)
-                        # the mtime seen when the node opened the file: if it was being written
-                        # meanwhile, the next run sees a different mtime and copies it again
-                        os.utime(fd, ns=(mtime_ns, mtime_ns))
-                finally:
-                    os.close(fd)
-                if err:
-                    result.failed.append((f.display, os.strerror(err)))
-                    os.unlink(tmp_path)
+                if f.size <= _SMALL:
+                    pieces: list[bytes] = []
+                    while n := reader.u32():
+                        reader.pipe(n, (pieces.append,))
+                    trailer = _TRAILER.unpack(reader.exact(_TRAILER.size))
+                    if not inflight.acquire(timeout=self.stall_timeout):
+                        raise BackupError(f"local writes stalled for {self.stall_timeout:.0f} s")
+                    pool.submit(small_job, f, tmp_path, pieces, trailer)
                     tmp_path = None
-                    continue
-                if digest.digest() != node_sha:
-                    result.failed.append((f.display, "SHA-256 on arrival differs from the node's"))
-                    os.unlink(tmp_path)
+                else:
+                    digest = hashlib.sha256()
+                    fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                    try:
+
+                        def write(piece: bytes, fd: int = fd) -> None:
+                            view = memoryview(piece)
+                            while view:
+                                view = view[os.write(fd, view) :]
+
+                        while n := reader.u32():
+                            reader.pipe(n, (digest.update, write))
+                        trailer = _TRAILER.unpack(reader.exact(_TRAILER.size))
+                    except BaseException:
+                        os.close(fd)
+                        raise
+                    why = self._store(f, tmp_path, trailer, digest.digest(), fd)
+                    if why is not None:
+                        tmp_path.unlink(missing_ok=True)
                     tmp_path = None
-                    continue
-                final = self._local(f)
-                self._parent(final)
-                os.replace(tmp_path, final)
-                tmp_path = None
-                rec = {
-                    "t": "f",
-                    "s": size,
-                    "m": mtime_ns if not changed else -1,
-                    "o": mode,
-                    "sha256": node_sha.hex(),
-                }
-                self.state.record(f.key, rec)
-                done_files += 1
-                done_bytes += size
-                result.copied_files += 1
-                result.copied_bytes += size
+                    placed(f, why)
                 now = time.monotonic()
                 if now - last_report >= self.progress_interval:
                     last_report = now
                     report()
-            report(final=True)
         except (EOFError, OSError, struct.error) as exc:
             why = (
                 f"no data for {self.stall_timeout:.0f} s"
                 if reader.stalled
                 else str(exc) or type(exc).__name__
             )
-            result.error = f"transfer interrupted after {done_files}/{len(files)} files: {why}"
+            result.error = f"transfer interrupted after {done[0]}/{len(files)} files: {why}"
         finally:
             reader.done.set()
             chan.close()
+            # files that arrived whole are still written and verified; then nothing is in flight
+            pool.shutdown(wait=True)
             if tmp_path is not None:
                 tmp_path.unlink(missing_ok=True)
             self.state.flush()
+            result.copied_files += done[0]
+            result.copied_bytes += done[1]
+            if result.error is None:
+                report()
 
     # -- verification and outputs
 
