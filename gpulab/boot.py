@@ -11,6 +11,7 @@ dir at /var/lib/gpulab, pivots into R and execs systemd.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import socket
@@ -91,6 +92,18 @@ MaxSessions 200
 AcceptEnv LANG LC_*
 Subsystem sftp /usr/lib/openssh/sftp-server
 """
+
+# Capabilities a lab machine's processes never get (as LXC drops them): loading kernel modules,
+# setting this machine's clock, reading its real kernel log, MAC policy. CAP_SYS_RAWIO and
+# CAP_SYS_ADMIN stay: sysfs writes need them, as on a real host.
+DROPPED_CAPS = {
+    "CAP_SYS_MODULE": 16,
+    "CAP_SYS_TIME": 25,
+    "CAP_MAC_OVERRIDE": 32,
+    "CAP_MAC_ADMIN": 33,
+    "CAP_SYSLOG": 34,
+}
+PR_CAPBSET_DROP = 24
 
 DEV_NODES = {
     "null": (1, 3),
@@ -267,6 +280,9 @@ def _inner(ns: argparse.Namespace) -> None:
     os.rmdir("/.oldroot")
     hostname = Path("/etc/hostname").read_text().strip() or "localhost"
     socket.sethostname(hostname)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in DROPPED_CAPS.values():
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
     env = {"container": "gpulab", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
     os.execve("/lib/systemd/systemd", ["/lib/systemd/systemd", "--system"], env)
 
