@@ -64,6 +64,7 @@ class DelayProxy:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.servers: list[asyncio.base_events.Server] = []
+        self.writers: set[asyncio.StreamWriter] = set()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
@@ -96,15 +97,18 @@ class DelayProxy:
     async def _handle(
         self, target: tuple[str, int], cr: asyncio.StreamReader, cw: asyncio.StreamWriter
     ) -> None:
+        self.writers.add(cw)
         await asyncio.sleep(2 * self.delay)  # the handshake's round trip
         try:
             sr, sw = await asyncio.wait_for(asyncio.open_connection(*target), 10)
         except (OSError, asyncio.TimeoutError):
             cw.close()
             return
+        self.writers.add(sw)
         await asyncio.gather(self._pipe(cr, sw), self._pipe(sr, cw))
         for w in (sw, cw):
             w.close()
+            self.writers.discard(w)
 
     def add(self, host: str, port: int) -> int:
         """Listen on 127.0.0.1:<free port> for host:port; return the port."""
@@ -122,10 +126,11 @@ class DelayProxy:
         async def shutdown() -> None:
             for srv in self.servers:
                 srv.close()
+            for w in list(self.writers):
+                w.close()  # the other side reads EOF: every pipe ends on its own
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if tasks:
+                await asyncio.wait(tasks, timeout=3)
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
@@ -233,7 +238,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CI size: 1 and 2 hosts")
     ap.add_argument("--sizes", default="1,4,16", help="host counts to measure (default 1,4,16)")
-    ap.add_argument("-n", "--workers", type=int, default=2, help="xdist workers for both suites (default 2, one per core here)")
+    ap.add_argument(
+        "-n",
+        "--workers",
+        type=int,
+        default=2,
+        help="xdist workers for both suites (default 2, one per core here)",
+    )
     ap.add_argument("--delay-ms", type=int, default=25, help="delay each way on each lab link (default 25)")
     ap.add_argument("--profile", default="health-ok")
     args = ap.parse_args()

@@ -1,8 +1,9 @@
 """suites/health against lab hosts over real SSH, with -n 2: verdicts, reasons, fleet outputs.
 
 Six lab hosts: two healthy, one with degraded PCIe links, one that gets a new Xid between the
-two runs, one with persistence mode off (fixed with --fix=persistence), and one whose link is
-cut (unreachable). Run 1 is a --check-only baseline; run 2 compares with it.
+two runs, one with persistence mode off (fixed with --fix=persistence) whose service is killed
+between the runs (restarted with --fix=service), and one whose link is cut (unreachable). Run 1
+is a --check-only baseline; run 2 compares with it.
 """
 
 from __future__ import annotations
@@ -117,8 +118,16 @@ def test_fleet_verdicts_across_two_runs(fleet: dict[str, Any]) -> None:
     r = h["xid"].ssh(["sh", "-c", "cat >> /var/lib/gpulab/kmsg"], input=line + "\n")
     assert r.returncode == 0, r.stderr
 
+    # ... and the inference service dies on another.
+    r = h["pers"].ssh("systemctl kill -s KILL sglang-qwen.service")
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 20
+    while h["pers"].ssh("systemctl is-failed sglang-qwen.service").stdout.strip() != "failed":
+        assert time.monotonic() < deadline, "the killed service did not turn failed"
+        time.sleep(0.2)
+
     proc, night2, _ = run_suite(
-        fleet, "night2", "--fix=persistence", f"--previous={fleet['tmp'] / 'night1.json'}"
+        fleet, "night2", "--fix=persistence", "--fix=service", f"--previous={fleet['tmp'] / 'night1.json'}"
     )
     out = proc.stdout + proc.stderr
     xid = cells(night2, h["xid"])["xid"]
@@ -128,7 +137,10 @@ def test_fleet_verdicts_across_two_runs(fleet: dict[str, Any]) -> None:
     ]
     for role in ("ok1", "ok2", "pcie"):
         assert cells(night2, h[role])["xid"]["summary"] == "no Xid errors since the last run"
-    assert cells(night2, h["pers"])["persistence_mode"]["outcome"] == "fixed"
+    pers = cells(night2, h["pers"])
+    assert pers["persistence_mode"]["outcome"] == "fixed"
+    assert pers["service"]["outcome"] == "fixed", pers["service"]
+    assert pers["service_health"]["outcome"] == "passed", pers["service_health"]  # judged after the fix
     comp = night2["comparison"]
     assert {(c["host"], c["check"]) for c in comp["newly_failed"]} == {(h["xid"].name, "xid")}
     assert {(c["host"], c["check"]) for c in comp["recovered"]} == {(h["pers"].name, "persistence_mode")}
