@@ -257,7 +257,12 @@ def _inner(ns: argparse.Namespace) -> None:
                 _mount("--bind", src, str(r / "proc" / rel))
                 _mount("-o", "remount,bind,ro", str(r / "proc" / rel))
     _mount("-t", "sysfs", "-o", "ro,nosuid,nodev,noexec", "sysfs", str(r / "sys"))
-    _mount("--rbind", "/sys/fs/cgroup", str(r / "sys/fs/cgroup"))
+    if ns.cgroupns:
+        # In its own cgroup namespace the machine sees its cgroup as the root; systemd mounts the
+        # hierarchies itself on an empty tmpfs, so every path it sees is relative to that root.
+        _mount("-t", "tmpfs", "-o", "mode=755,nosuid,nodev,noexec", "cgroup", str(r / "sys/fs/cgroup"))
+    else:
+        _mount("--rbind", "/sys/fs/cgroup", str(r / "sys/fs/cgroup"))
     if ns.sysfs:
         _mount("--bind", os.path.join(ns.sysfs, "pci"), str(r / "sys/bus/pci"))
         _mount("--bind", os.path.join(ns.sysfs, "iommu_groups"), str(r / "sys/kernel/iommu_groups"))
@@ -294,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dev", required=True)
     ap.add_argument("--sysfs", default="")
     ap.add_argument("--state", default="")
+    ap.add_argument("--cgroupns", action="store_true", help="the launcher unshared the cgroup namespace")
     ap.add_argument("--procfiles", default="", help="dir with cmdline, version, sys_kernel_osrelease")
     ns = ap.parse_args(argv)
     if os.getpid() != 1:

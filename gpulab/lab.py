@@ -161,9 +161,10 @@ def _init_cpuset(d: Path) -> None:
                     (c / f).write_text((c.parent / f).read_text())
 
 
-# Hierarchies a lab process is moved in: systemd's own (name=systemd, unified) and the freezer.
-# Resource controllers (memory, cpu, pids) keep the lab inside this machine's own limits.
-JOIN_HIERARCHIES = ("systemd", "unified", "freezer")
+# Hierarchies a lab process is moved in: systemd's own (name=systemd, unified), the freezer, and
+# the two controllers systemd uses anyway (pids for TasksMax, devices): each machine's cgroup
+# namespace then roots them in its own subtree. memory and cpu keep this machine's limits.
+JOIN_HIERARCHIES = ("systemd", "unified", "freezer", "pids", "devices")
 
 
 def _join_cgroup(rel: str) -> None:
@@ -567,7 +568,18 @@ class LabHost:
             sys.executable, "-m", "gpulab.boot", "--root", str(root), "--dev", str(m.dir / "dev"),
             "--sysfs", str(self.dir / "sysfs"), "--state", str(self.state_dir), "--procfiles", str(self.dir / "proc"),
         ]  # fmt: skip
-        unshare = ["unshare", "--pid", "--fork", "--mount", "--uts", "--ipc", "--propagation", "private"]
+        unshare = [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount",
+            "--uts",
+            "--ipc",
+            "--cgroup",
+            "--propagation",
+            "private",
+        ]
+        boot_argv.append("--cgroupns")
         if m.cid is None:
             argv = ["nsenter", f"--net=/run/netns/{self.netns}", *unshare, *boot_argv]
             cg = self.cgroup

@@ -105,3 +105,14 @@ def test_b200_servers_started_by_hand_not_by_systemd(lab):
         "test -f /data/PROGRESS.md && ps -eo args | grep -cx 'vim /data/sglang_notes.md'; systemctl list-units --all 'sglang*' --no-legend | wc -l"
     )
     assert p.stdout.split() == ["1", "0"]
+
+
+def test_cgroup_paths_look_like_a_proxmox_host(host):
+    # Each machine has its own cgroup namespace: the host sees the container's units under
+    # /lxc/101/ as on real Proxmox, and nothing of the lab's own layout.
+    p = host.ssh(
+        "grep '^0::' /proc/self/cgroup; grep '^0::' /proc/$(pgrep -f '^python3 -m sglang.launch_server')/cgroup"
+    )
+    own, sglang = p.stdout.split()
+    assert own == "0::/system.slice/ssh.service"
+    assert sglang == "0::/lxc/101/system.slice/sglang-qwen.service"
