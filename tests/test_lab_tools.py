@@ -264,6 +264,12 @@ def test_nvbandwidth_na_until_identity_then_link_model(lab: Lab) -> None:
     assert case["name"] == "device_to_device_memcpy_read_ce" and case["status"] == "Passed"
     assert case["bandwidth_matrix"][0][0] == "N/A" and 50.9 <= float(case["bandwidth_matrix"][0][1]) <= 53.1
     assert isinstance(case["sum"], float) and doc["version"] == "v0.8" and len(doc["GPU Device list"]) == 4
+    h2d = lab.run("nvbandwidth", "-t", "host_to_device_memcpy_ce").splitlines()
+    i = h2d.index("memcpy CE CPU(row) -> GPU(column) bandwidth (GB/s)")
+    assert h2d[i + 1] == "  " + "".join(f"{c:>10}" for c in range(4))
+    cells = h2d[i + 2].split()
+    assert cells[0] == "0" and all(54.0 <= float(v) <= 56.5 for v in cells[1:]), h2d[i + 2]  # Gen5 x16
+    assert h2d[i + 4] == f"SUM host_to_device_memcpy_ce {sum(float(v) for v in cells[1:]):.2f}"
     listing = lab.run("nvbandwidth", "-l")
     assert "4, device_to_device_memcpy_read_ce:\n\tMeasures bandwidth of cuMemcpyAsync" in listing
 
@@ -383,6 +389,13 @@ def test_sglang_standin_health_holders_nccl_and_stuck_sigterm(lab: Lab, tmp_path
         used = lab.run("nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits").split()
         assert used == [str(int(97887 * 0.9))] * 4  # --mem-fraction-static default of the stand-in
         assert "0[0] -> 1[1] via SHM/direct/direct" in log.read_text()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            data=json.dumps({"model": "q", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert json.loads(r.read())["choices"][0]["message"]["role"] == "assistant"
         p.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert p.poll() is None and _health(port) == 200

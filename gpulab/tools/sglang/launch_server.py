@@ -151,6 +151,43 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, {"detail": "Not Found"})
 
+    def do_POST(self) -> None:  # noqa: N802
+        """Answer /generate and /v1/chat/completions with a canned reply once loaded."""
+        try:
+            n = int(self.headers.get("content-length") or 0)
+            req = json.loads(self.rfile.read(min(n, 1 << 20)) or b"{}")
+        except ValueError:
+            self._send(400, {"detail": "invalid JSON"})
+            return
+        if not state["ready"]:
+            self._send(503, {"detail": "Server is not ready"})
+            return
+        text = "OK (gpulab stand-in)"
+        if self.path == "/generate":
+            self._send(
+                200, {"text": text, "meta_info": {"id": "gpulab", "prompt_tokens": 1, "completion_tokens": 4}}
+            )
+        elif self.path == "/v1/chat/completions":
+            self._send(
+                200,
+                {
+                    "id": "chatcmpl-gpulab",
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": req.get("model") or state.get("model", ""),
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": text},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5},
+                },
+            )
+        else:
+            self._send(404, {"detail": "Not Found"})
+
 
 def main(argv: list[str] | None = None) -> int:
     global LOG
