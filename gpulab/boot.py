@@ -260,7 +260,10 @@ def _inner(ns: argparse.Namespace) -> None:
     if ns.cgroupns:
         # In its own cgroup namespace the machine sees its cgroup as the root; systemd mounts the
         # hierarchies itself on an empty tmpfs, so every path it sees is relative to that root.
-        _mount("-t", "tmpfs", "-o", "mode=755,nosuid,nodev,noexec", "cgroup", str(r / "sys/fs/cgroup"))
+        if os.path.exists("/sys/fs/cgroup/cgroup.procs"):  # a pure cgroup2 machine
+            _mount("-t", "cgroup2", "-o", "nosuid,nodev,noexec", "cgroup2", str(r / "sys/fs/cgroup"))
+        else:
+            _mount("-t", "tmpfs", "-o", "mode=755,nosuid,nodev,noexec", "cgroup", str(r / "sys/fs/cgroup"))
     else:
         _mount("--rbind", "/sys/fs/cgroup", str(r / "sys/fs/cgroup"))
     if ns.sysfs:

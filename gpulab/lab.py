@@ -406,27 +406,13 @@ class LabHost:
             raise LabError(NETEM_MISSING)
         netns.set_netem(self.name, self.index, delay_ms=delay_ms, loss_pct=loss_pct)
 
-    def _freezer(self) -> Path:
-        return CGROUP_ROOT / "freezer" / self.cgroup / "freezer.state"
-
     def freeze(self) -> None:
         """Freeze every process of the host and its containers (cgroup freezer)."""
-        self._set_freezer("FROZEN")
+        _set_frozen(self.cgroup, True)
 
     def thaw(self) -> None:
         """Thaw a frozen host."""
-        self._set_freezer("THAWED")
-
-    def _set_freezer(self, state: str) -> None:
-        f = self._freezer()
-        if not f.exists():
-            raise LabError(f"{self.name}: no freezer cgroup at {f.parent}")
-        f.write_text(state)
-        deadline = time.monotonic() + 10
-        while f.read_text().strip() != state:
-            if time.monotonic() > deadline:
-                raise LabError(f"{self.name}: freezer stuck in {f.read_text().strip()} (wanted {state})")
-            time.sleep(0.02)
+        _set_frozen(self.cgroup, False)
 
     def kill_sshd(self, cid: int | None = None) -> None:
         """Stop the host's sshd (as if it died and stayed dead): new SSH connections are refused."""
@@ -711,11 +697,35 @@ class LabHost:
         _remove_cgroup(self.cgroup)
 
 
+def _set_frozen(cg: str, frozen: bool, timeout: float = 10) -> None:
+    """Freeze or thaw cgroup ``cg``: v1 freezer.state, or cgroup.freeze on a pure cgroup2 machine."""
+    v1 = CGROUP_ROOT / "freezer" / cg / "freezer.state"
+    v2 = CGROUP_ROOT / cg / "cgroup.freeze"
+    if v1.exists():
+        want = "FROZEN" if frozen else "THAWED"
+        v1.write_text(want)
+
+        def done() -> bool:
+            return v1.read_text().strip() == want
+    elif v2.exists():
+        v2.write_text("1" if frozen else "0")
+        events = CGROUP_ROOT / cg / "cgroup.events"
+
+        def done() -> bool:
+            return f"frozen {int(frozen)}" in events.read_text()
+    else:
+        raise LabError(f"no freezer for cgroup {cg} on this machine")
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise LabError(f"cgroup {cg} did not {'freeze' if frozen else 'thaw'} within {timeout:g} s")
+        time.sleep(0.02)
+
+
 def _thaw(cg: str) -> None:
-    f = CGROUP_ROOT / "freezer" / cg / "freezer.state"
-    with contextlib.suppress(OSError):
-        if f.read_text().strip() != "THAWED":
-            f.write_text("THAWED")
+    """Thaw ``cg`` if frozen (a frozen task does not die of SIGKILL); never raises."""
+    with contextlib.suppress(OSError, LabError):
+        _set_frozen(cg, False, timeout=5)
 
 
 def _stop_pid(pid: int | None, timeout: float = 5) -> None:
