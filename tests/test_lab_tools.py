@@ -258,7 +258,8 @@ def test_nvbandwidth_na_until_identity_then_link_model(lab: Lab) -> None:
     same_switch, cross_switch = rows[0][1], rows[0][2]
     assert same_switch is not None and cross_switch is not None and rows[1][1] is None
     assert 50.9 <= same_switch <= 53.1 and 39.1 <= cross_switch <= 40.9
-    assert abs(sum(v or 0 for r in rows for v in r) - total) < 0.05
+    shown = [v for r in rows for v in r if v is not None]
+    assert abs(sum(shown) - total) <= 0.005 * len(shown) + 0.01  # SUM is of the unrounded values
     doc = json.loads(lab.run("nvbandwidth", "-j", "-t", "4"))["nvbandwidth"]
     case = doc["testcases"][0]
     assert case["name"] == "device_to_device_memcpy_read_ce" and case["status"] == "Passed"
