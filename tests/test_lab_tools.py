@@ -353,9 +353,9 @@ def test_persistenced_holds_every_gpu_and_blocks_unbind(lab: Lab) -> None:
     assert unbinds[-1]["result"] == "ok" and unbinds[-1]["value"] == GPUS[0]
 
 
-def _sglang(lab: Lab, port: int, ignore: str, *extra: str) -> subprocess.Popen[str]:
+def _sglang(lab: Lab, port: int, ignore: str, *extra: str, load_s: float = 0.3) -> subprocess.Popen[str]:
     env = {**lab.env, "GPULAB_SERVICE": "sglang-qwen", "GPULAB_IGNORE_SIGTERM": ignore, "GPULAB_GPUS": ",".join(GPUS),
-           "GPULAB_LOAD_SECONDS": "0.5"}  # fmt: skip
+           "GPULAB_LOAD_SECONDS": str(load_s)}  # fmt: skip
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/Qwen3-32B", "--tp", "4",
             "--port", str(port), "--host", "127.0.0.1", *extra]  # fmt: skip
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
@@ -382,7 +382,7 @@ def _wait_health(port: int, want: int, within: float) -> float:
 
 def test_sglang_standin_health_holders_nccl_and_stuck_sigterm(lab: Lab, tmp_path: Path) -> None:
     port, log = free_port(), tmp_path / "qwen.log"
-    p = _sglang(lab, port, "forever", "--log-file", str(log))
+    p = _sglang(lab, port, "forever", "--log-file", str(log), load_s=2.0)  # a wide 503 window
     try:
         _wait_health(port, 503, 5)
         _wait_health(port, 200, 5)
