@@ -109,12 +109,11 @@ def test_fleet_verdicts_across_two_runs(fleet: dict[str, Any]) -> None:
         assert night1["hosts"][h[role].name]["round_trips"] <= 2, night1["hosts"][h[role].name]
 
     # Between the runs: a new Xid on one host.
-    line = json.dumps(
-        {
-            "epoch": time.time(),
-            "msg": "NVRM: Xid (PCI:0000:13:00): 79, pid=2231, name=python3, GPU has fallen off the bus.",
-        }
-    )
+    # Stamped one second after the profile's last boot line: the lab's dmesg dates boot lines
+    # from when the host came up, so right after boot they can lie a few seconds in the future.
+    after_boot = max(k.t for k in h["xid"].profile.kernel_log) + 1.0
+    msg = "NVRM: Xid (PCI:0000:13:00): 79, pid=2231, name=python3, GPU has fallen off the bus."
+    line = json.dumps({"t": after_boot, "msg": msg})
     r = h["xid"].ssh(["sh", "-c", "cat >> /var/lib/gpulab/kmsg"], input=line + "\n")
     assert r.returncode == 0, r.stderr
 
