@@ -301,7 +301,20 @@ class LabHost:
 
     def nsenter_argv(self, cid: int | None = None) -> list[str]:
         """Return the argv prefix that runs a command inside the host (or container) as root."""
-        return ["nsenter", "-t", str(self.init_pid(cid)), "-m", "-u", "-i", "-n", "-p", "-r", "-w", "--"]
+        return [
+            "nsenter",
+            "-t",
+            str(self.init_pid(cid)),
+            "-m",
+            "-u",
+            "-i",
+            "-n",
+            "-p",
+            "-C",
+            "-r",
+            "-w",
+            "--",
+        ]
 
     def exec(
         self, argv: Sequence[str], timeout: float = 30, cid: int | None = None, input: str | None = None
@@ -585,7 +598,7 @@ class LabHost:
         log.close()
         key = "launcher" if m.cid is None else f"ct{m.cid}-launcher"
         self._set_pid(key, p.pid)
-        init = _find_init(p.pid, nested=m.cid is not None, timeout=10)
+        init = _find_init(p.pid, timeout=10)
         if init is None:
             raise LabError(f"{m.name}: PID 1 did not start; see {m.dir / 'boot.log'}")
         self._set_pid("init" if m.cid is None else f"ct{m.cid}-init", init)
@@ -758,7 +771,7 @@ def _nspid(pid: int, level: int) -> int:
     raise LabError(f"no NSpid for {pid}")
 
 
-def _find_init(launcher: int, nested: bool, timeout: float) -> int | None:
+def _find_init(launcher: int, timeout: float) -> int | None:
     """Find the PID 1 the launcher (nsenter/unshare) forked: the process whose NSpid ends in 1."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
