@@ -1,9 +1,9 @@
 """suites/health against lab hosts over real SSH, with -n 2: verdicts, reasons, fleet outputs.
 
-Six lab hosts: two healthy, one with degraded PCIe links, one that gets a new Xid between the
-two runs, one with persistence mode off (fixed with --fix=persistence) whose service is killed
-between the runs (restarted with --fix=service), and one whose link is cut (unreachable). Run 1
-is a --check-only baseline; run 2 compares with it.
+Seven lab hosts: two healthy, one with degraded PCIe links, one with ACS redirect above two
+GPUs, one that gets a new Xid between the two runs, one with persistence mode off (fixed with
+--fix=persistence) whose service is killed between the runs (restarted with --fix=service), and
+one whose link is cut (unreachable). Run 1 is a --check-only baseline; run 2 compares with it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ ROLES = {
     "ok1": "health-ok",
     "ok2": "health-ok",
     "pcie": "health-pcie-degraded",
+    "acs": "health-acs-redirect",
     "xid": "health-ok",
     "pers": "health-no-persistence",
     "down": "health-ok",
@@ -95,6 +96,14 @@ def test_fleet_verdicts_across_two_runs(fleet: dict[str, Any]) -> None:
         "GPU 2 (0000:23:00.0): PCIe x8, below x16 (max x16)",
         "GPU 3 (0000:24:00.0): PCIe Gen4, below Gen5 (max Gen5)",
     ]
+    # ACS redirect on two bridges: the acs check names them, and P2P across them is gone.
+    acs = cells(night1, h["acs"])
+    assert acs["acs"]["outcome"] == "failed" and acs["acs"]["reasons"] == [
+        f"bridge 0000:22:0{i}.0: ACS ReqRedir+ CmpltRedir+ redirects peer traffic through the root complex"
+        for i in (0, 1)
+    ]
+    assert acs["p2p"]["outcome"] == "failed" and "GPU2 <-> GPU3: NS (not supported)" in acs["p2p"]["reasons"]
+    assert acs["pcie_link"]["outcome"] == "passed"
     # Persistence off under --check-only --fix=persistence: would fix, with the exact command.
     assert cells(night1, h["pers"])["persistence_mode"]["outcome"] == "would fix"
     assert "nvidia-smi -pm 1" in out
@@ -105,7 +114,7 @@ def test_fleet_verdicts_across_two_runs(fleet: dict[str, Any]) -> None:
     assert all("\n" not in c["summary"] and h["down"].address in c["summary"] for c in down.values()), down
     assert took1 < 60, f"the unreachable host held the run up: {took1:.1f} s"
     # The facts of each reachable host took at most 2 requests (gather, cursor commit).
-    for role in ("ok1", "ok2", "pcie", "xid", "pers"):
+    for role in ("ok1", "ok2", "pcie", "acs", "xid", "pers"):
         assert night1["hosts"][h[role].name]["round_trips"] <= 2, night1["hosts"][h[role].name]
 
     # Between the runs: a new Xid on one host.
@@ -134,7 +143,7 @@ def test_fleet_verdicts_across_two_runs(fleet: dict[str, Any]) -> None:
     assert xid["reasons"] == [
         "Xid 79 on 0000:13:00: NVRM: Xid (PCI:0000:13:00): 79, pid=2231, name=python3, GPU has fallen off the bus."
     ]
-    for role in ("ok1", "ok2", "pcie"):
+    for role in ("ok1", "ok2", "pcie", "acs"):
         assert cells(night2, h[role])["xid"]["summary"] == "no Xid errors since the last run"
     pers = cells(night2, h["pers"])
     assert pers["persistence_mode"]["outcome"] == "fixed"
