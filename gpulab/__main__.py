@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, helptext in (
         ("pytest-args", "print the plugin options that target the host (and its container)"),
         ("record", "print the host's record as JSON lines"),
-        ("reboot", "kill the host's PID 1, reset sysfs to the boot state, boot again"),
+        ("reboot", "kill the host's PID 1, reset sysfs to the boot state, boot again (enabled units start)"),
         ("reset", "reboot into a pristine host (installed files are gone)"),
     ):
         sub.add_parser(name, help=helptext).add_argument("name")

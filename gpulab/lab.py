@@ -470,16 +470,17 @@ class LabHost:
             ]
         )
 
-    def reboot(self, timeout: float = BOOT_TIMEOUT) -> float:
+    def reboot(self, timeout: float = BOOT_TIMEOUT, start_by_hand: bool = False) -> float:
         """Kill the host's PID 1, put sysfs back to the profile's boot state, boot again.
 
         The overlay's upper dir stays, so units installed and enabled before the reboot start
-        at boot. Returns the seconds until the host answered SSH again.
+        at boot. Services the profile starts by hand (``manager: none``) stay down, as after a
+        real reboot, unless ``start_by_hand``. Returns the seconds until SSH answered again.
         """
         t0 = time.monotonic()
         self._halt()
         self._start_sysfs(reset_record=False)
-        self._boot_all(timeout)
+        self._boot_all(timeout, start_by_hand=start_by_hand)
         return time.monotonic() - t0
 
     def reset(self, timeout: float = BOOT_TIMEOUT) -> float:
@@ -636,7 +637,7 @@ class LabHost:
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, self.state_dir / "containers.json")
 
-    def _boot_all(self, timeout: float) -> dict[str, float]:
+    def _boot_all(self, timeout: float, start_by_hand: bool = True) -> dict[str, float]:
         """Boot the host and its containers, then start the hand-started services; return timings."""
         t0 = time.monotonic()
         deadline = t0 + timeout
@@ -655,7 +656,7 @@ class LabHost:
                 ).stdout
                 (m.dir / "failed-units").write_text(failed)
         for svc in self.profile.services:
-            if svc.manager == "none":
+            if svc.manager == "none" and start_by_hand:
                 self._start_by_hand(svc)
         timings["total"] = round(time.monotonic() - t0, 3)
         self.meta["boot_timings"] = timings

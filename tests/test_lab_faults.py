@@ -117,6 +117,12 @@ def test_reboot_keeps_installed_units_and_resets_sysfs(host):
     assert int(runs) == int(before) + 1  # it ran at this boot
     assert driver.endswith("drivers/snd_hda_intel")  # sysfs is back to the profile's boot state
     assert host.ssh("pct exec 101 -- systemctl is-system-running").stdout.strip() in ("running", "degraded")
+    # The container's enabled unit is back; the editor someone had left open (started by hand) is not.
+    assert host.ssh("pct exec 101 -- systemctl is-active sglang-qwen").stdout.strip() in (
+        "active",
+        "activating",
+    )
+    assert host.ssh("pct exec 101 -- pgrep -x vim").returncode == 1
 
 
 def test_reset_gives_a_pristine_host(host):
