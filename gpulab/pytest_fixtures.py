@@ -59,7 +59,7 @@ class LabSession:
             if pristine:
                 h.reset()
             elif not h.is_running():  # its systemd died (a test killed it): bring it back
-                h.reboot()
+                h.reboot(start_by_hand=True)
             return h
         hname = name or f"{pname[:24]}-{os.getpid()}"
         if hname in self.lab.names():
