@@ -77,6 +77,22 @@ def test_group_with_a_vfio_function_is_never_in_scope() -> None:
     assert 31 not in [g.number for g in plan.groups]
 
 
+@pytest.mark.parametrize(
+    ("kernel", "needle"),
+    [
+        ("6.1.0-18-amd64", "before 6.4) cannot change the type of a group with more than one device"),
+        ("5.10.0-28", "no /sys/kernel/iommu_groups/N/type"),
+    ],
+)
+def test_old_kernels_are_refused_before_anything_is_touched(kernel: str, needle: str) -> None:
+    plan = make_plan(gpus_from(FACTS), kernel=kernel)
+    assert plan.errors and needle in plan.errors[0] and "iommu=pt" in plan.errors[0]
+    facts = copy.deepcopy(FACTS)
+    for g in facts["gpus"]:
+        g["group_members"] = g["group_members"][:1]  # single-device groups: 5.11-6.3 can change those
+    assert make_plan(gpus_from(facts), kernel="6.1.0-18-amd64").errors == []
+
+
 def test_healthy_host_needs_nothing() -> None:
     facts = copy.deepcopy(FACTS)
     for g in facts["gpus"]:

@@ -269,6 +269,64 @@ def test_concurrent_run_stops_with_a_clear_message(host: Any, tmp_path: Path) ->
     assert_repaired(host)
 
 
+HOLD_PLUGIN = '''
+"""Right before step 4 unbinds, start a process on the host that holds /dev/nvidia1 (a GPU user
+that is not part of the service): the nvidia unbind of that GPU then blocks in the kernel."""
+import os
+import subprocess
+import sys
+
+
+def pytest_gpuhost_before_fix(item, target, remediation, actions, check_only):
+    if remediation.name != "iommu groups identity" or check_only:
+        return None
+    line = "setsid sleep 600 </dev/nvidia1 >/dev/null 2>&1 & echo $!"
+    r = subprocess.run([sys.executable, "-m", "gpulab", "ssh", os.environ["P2P_HOST"], "--", line],
+                       capture_output=True, text=True, timeout=30, check=True)
+    with open(os.environ["P2P_HOLDER_FILE"], "w") as fh:
+        fh.write(r.stdout.strip().splitlines()[-1])
+    return None
+'''
+
+
+def test_blocked_unbind_is_reported_rolled_back_and_completed_next_run(host: Any, tmp_path: Path) -> None:
+    """A GPU user appears after the holders check: its nvidia unbind blocks; the run reports it within the
+    watchdog, rebinds what it unbound, restarts the service; once the user is gone the next run converges."""
+    host.reset()
+    holder_file = tmp_path / "holder.pid"
+    env = {"P2P_HOST": host.name, "P2P_HOLDER_FILE": str(holder_file)}
+    run = run_suite(host, tmp_path, "--p2p-unbind-timeout=3", plugin=HOLD_PLUGIN, env=env)
+    assert run.rc != 0
+    assert run.outcomes["test_iommu_groups_identity"] == "failed", run.outcomes
+    assert "unbind 0000:18:00.0 nvidia: the write did not return within 3 s" in run.output, run.output[
+        run.output.find("FAILURES") :
+    ][:3000]
+    assert run.seconds < 60
+    st = host_state(host)
+    assert all(st["drivers"][b] == "nvidia" for b in NVIDIA), st["drivers"]  # nobody left without a driver
+    assert all(st["drivers"][b[:-1] + "1"] == "snd_hda_intel" for b in NVIDIA), st["drivers"]
+    assert st["service"] == "active"
+    assert_vfio_untouched(run)
+    assert "p2p.json" in sh(host, "ls /var/lib/gpuhost/journal")  # kept for the next run
+    host.ssh(f"kill {int(holder_file.read_text())}")
+    again = run_suite(host, tmp_path)
+    assert again.rc == 0, again.output[-4000:]
+    assert_repaired(host)
+
+
+def test_old_kernel_is_refused_before_anything_is_touched(lab: Any, tmp_path: Path) -> None:
+    """Kernel 6.1: groups of GPU + audio cannot change type; the run says so and changes nothing."""
+    from gpulab.profile import load_profile
+
+    old = lab.host(load_profile("proxmox-rtx6000", {"kernel": "6.1.0-18-amd64"}), name=f"p2p61-{os.getpid()}")
+    run = run_suite(old, tmp_path)
+    assert run.rc != 0 and run.outcomes["test_plan"] == "failed"
+    assert "before 6.4) cannot change the type of a group with more than one device" in run.output
+    assert "iommu=pt" in run.output
+    assert run.record == [], run.record
+    old.down()
+
+
 CUTS = {
     "service-stop": "systemctl stop --no-block sglang-qwen.service",
     "unbind": "/unbind",

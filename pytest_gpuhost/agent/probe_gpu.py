@@ -245,7 +245,8 @@ def nvidia_smi_gpus_fact(params):
 def host_info_fact(params):
     """Kernel release, boot id and kernel command line: what picks the sysfs era and detects reboots."""
     return {
-        "kernel": _gpu_os.uname()[2],
+        # /proc/sys/kernel/osrelease is what uname reports (and what a container or lab can carry)
+        "kernel": _gpu_read("/proc/sys/kernel/osrelease") or _gpu_os.uname()[2],
         "boot_id": _gpu_read("/proc/sys/kernel/random/boot_id"),
         "cmdline": _gpu_read("/proc/cmdline"),
         "time": _gpu_time.time(),

@@ -42,6 +42,9 @@ class _Conn(Protocol):
 class IommuError(OSError):
     """Changing a group's type failed; str() says why and what to do."""
 
+    def __str__(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
 
 def kernel_version(release: str) -> tuple[int, int]:
     """Return (major, minor) of a kernel release string such as "6.8.12-4-pve"."""

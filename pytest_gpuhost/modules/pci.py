@@ -46,6 +46,9 @@ class _Writer(Protocol):
 class PciError(OSError):
     """A bind or unbind write failed; str() is one line for the operator."""
 
+    def __str__(self) -> str:
+        return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
 
 def check_bdf(bdf: str) -> str:
     """Return `bdf` if it is a full PCI address (0000:17:00.0); raise ValueError otherwise."""

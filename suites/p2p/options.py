@@ -73,6 +73,13 @@ _OPTIONS: tuple[tuple[str, str, str, str, str | None], ...] = (
         "120",
     ),
     (
+        "--p2p-unbind-timeout",
+        "p2p_unbind_timeout",
+        "SECONDS",
+        "suites/p2p: watchdog on each driver unbind/bind write; a write still blocked then is reported (default 15)",
+        "15",
+    ),
+    (
         "--p2p-lock-wait",
         "p2p_lock_wait",
         "SECONDS",
@@ -139,6 +146,7 @@ def validate(config: pytest.Config) -> None:
     port = _number(config, "p2p_health_port", "30000", low=1, high=65535)
     health_timeout = _number(config, "p2p_health_timeout", "120", low=1, high=3600)
     lock_wait = _number(config, "p2p_lock_wait", "60", low=0, high=86400)
+    unbind_timeout = _number(config, "p2p_unbind_timeout", "15", low=0.5, high=600)
     config.stash[_stash_key] = P2POptions(
         gpus=gpus,
         stop_timeout=stop_timeout if stop_timeout is not None else 20.0,
@@ -149,6 +157,7 @@ def validate(config: pytest.Config) -> None:
         health_port=int(port or 30000),
         health_timeout=health_timeout or 120.0,
         lock_wait=lock_wait if lock_wait is not None else 60.0,
+        unbind_timeout=unbind_timeout or 15.0,
     )
 
 

@@ -253,4 +253,27 @@ def make_plan(
         links={g.bdf: dict(g.function.link) for g in chosen},
     )
     plan.gpus = [f.bdf for f in plan.rebind_order if f.is_gpu]
+    plan.errors.extend(_era_errors(plan))
     return plan
+
+
+def _era_errors(plan: P2PPlan) -> list[str]:
+    """Refuse up front what the kernel will refuse anyway, before anything is stopped or unbound."""
+    if not plan.groups_to_fix or not plan.kernel:
+        return []
+    try:
+        era = iommu.kernel_version(plan.kernel)
+    except ValueError:
+        return []
+    if era < (5, 11):
+        return [
+            f"kernel {plan.kernel} has no /sys/kernel/iommu_groups/N/type (5.11+): boot with iommu=pt instead"
+        ]
+    multi = [g.number for g in plan.groups_to_fix if len(g.functions) > 1 and not g.identity]
+    if era < (6, 4) and multi:
+        groups = ", ".join(str(n) for n in multi)
+        return [
+            f"kernel {plan.kernel} (before 6.4) cannot change the type of a group with more than one device "
+            f"(groups {groups}: GPU and audio function): boot with iommu=pt, or run kernel 6.4 or later"
+        ]
+    return []

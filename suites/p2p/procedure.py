@@ -10,6 +10,7 @@ this run stopped runs again, whatever happened in between.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import socket
 import time
 from dataclasses import dataclass
@@ -119,6 +120,7 @@ class P2PProcedure:
         self.stopped_persistenced = False
         self.service_state: Any = None
         self.lost: str | None = None  # why the target became unreachable during this run
+        self.blocked: list[str] = []  # writes left blocked in the kernel (an nvidia unbind while held)
 
     @staticmethod
     def _where(conn: Any) -> str:
@@ -496,7 +498,13 @@ class P2PProcedure:
                         if not current:
                             continue
                         self.journal.step("unbind", bdf=f.bdf, driver=current, group=g.number)
-                        pci.unbind(self.conn, f.bdf, current, timeout=self.opts.unbind_timeout)
+                        try:
+                            pci.unbind(self.conn, f.bdf, current, timeout=self.opts.unbind_timeout)
+                        except pci.PciError as exc:
+                            if exc.errno == errno.ETIMEDOUT:
+                                self.blocked.append(f"unbind {f.bdf} from {current}")
+                                self.journal.write(blocked=self.blocked)
+                            raise
                         f.current = None
                     self.journal.step("set-type", group=g.number, value="identity")
                     iommu.set_type(self.conn, g.to_group(), "identity", kernel=self.plan.kernel)
@@ -839,7 +847,14 @@ class P2PProcedure:
                 self.journal.write(service_stopped=False)
             except Exception as exc:
                 problems.append(f"starting {self.service.unit}: {exc}")
-        if not problems:
+        if self.blocked:
+            # the kernel still holds the write: the GPU loses its driver once its users let go;
+            # the journal stays so that the next run rebinds it
+            problems.append(
+                f"{', '.join(self.blocked)} is still blocked in the kernel; the journal stays for the next run to complete"
+            )
+            self.journal.release()
+        elif not problems:
             self.journal.retire()
             self.journal.release()
         for p in problems:
