@@ -31,7 +31,12 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="boot a lab host from a profile")
     up.add_argument("profile", help="profile name (fixtures/profiles/NAME.yaml) or file")
     up.add_argument("--name", help="host name (default: the profile's name)")
-    up.add_argument("--delay-ms", type=int, default=0, help="netem delay on the host's link")
+    up.add_argument(
+        "--delay-ms",
+        type=int,
+        default=0,
+        help="delay each way on the host's link (netem, else a user-space delay of its SSH port)",
+    )
     up.add_argument("--loss-pct", type=float, default=0, help="netem loss on the host's link")
     up.add_argument(
         "--data-scale", choices=("small", "bench"), default="small", help="size of the profile's file trees"

@@ -76,7 +76,6 @@ MASKED_UNITS = (
 SSHD_CONFIG = """\
 # gpulab: this lab machine's sshd
 Port 22
-ListenAddress 0.0.0.0
 HostKey /etc/ssh/ssh_host_ed25519_key
 PermitRootLogin prohibit-password
 PubkeyAuthentication yes
@@ -142,12 +141,14 @@ def prepare_root(
     host_key: Path,
     client_pubkey: Path,
     enabled_units: Iterable[str] = (),
+    listen: str = "0.0.0.0",
 ) -> None:
     """Strip this machine's enabled units from the merged overlay ``root`` and make it a lab machine.
 
     Every ``*.wants`` link under /etc/systemd/system goes (PostgreSQL and friends would start), the
     default target becomes multi-user, MASKED_UNITS are masked, ssh.service plus ``enabled_units``
-    are wanted by multi-user.target, and sshd gets its own config, host key and the lab client key.
+    are wanted by multi-user.target, and sshd gets its own config, host key and the lab client key;
+    it listens on ``listen`` (loopback when a delay proxy sits in front of it).
     """
     etc_sd = root / "etc/systemd/system"
     for wants in etc_sd.glob("*.wants"):
@@ -182,7 +183,7 @@ def prepare_root(
     shutil.copyfile(host_key, ssh / "ssh_host_ed25519_key")
     (ssh / "ssh_host_ed25519_key").chmod(0o600)
     shutil.copyfile(str(host_key) + ".pub", ssh / "ssh_host_ed25519_key.pub")
-    _write(ssh / "sshd_config", SSHD_CONFIG)
+    _write(ssh / "sshd_config", SSHD_CONFIG + f"ListenAddress {listen}\n")
     for d in (ssh / "sshd_config.d",):
         if d.is_dir():
             for f in d.iterdir():

@@ -839,8 +839,9 @@ def _teardown(d: Path, name: str, index: int | None) -> None:
                 with contextlib.suppress(OSError):
                     for pid_s in (sub / "cgroup.procs").read_text().split():
                         os.kill(int(pid_s), signal.SIGKILL)
-    if "sysfs" in recorded:
-        _stop_pid(recorded["sysfs"])
+    for what, pid in recorded.items():
+        if not what.endswith(("init", "launcher")):  # the FUSE daemon, a delay proxy
+            _stop_pid(pid)
     _umount_under(d)
     for ns in netns.lab_netns_names():
         if ns == f"gl-{name}" or ns.startswith(f"gl-{name}-"):
@@ -905,7 +906,8 @@ class Lab:
         name = name or prof.name
         if not NAME_RE.match(name):
             raise LabError(f"bad host name {name!r}: use lower-case letters, digits and '-', at most 40")
-        if (delay_ms or loss_pct) and not netns.netem_available():
+        netem = netns.netem_available() if (delay_ms or loss_pct) else True
+        if loss_pct and not netem:
             raise LabError(NETEM_MISSING)
         if data_scale not in FS_SIZE:
             raise LabError(f"bad data scale {data_scale!r}: use one of {', '.join(FS_SIZE)}")
@@ -930,6 +932,7 @@ class Lab:
             meta = {
                 "name": name, "index": index, "profile": prof.name, "delay_ms": delay_ms, "loss_pct": loss_pct,
                 "data_scale": data_scale, "created": time.time(), "owner_pid": os.getpid(),
+                "delay_mode": "netem" if netem else "proxy",
             }  # fmt: skip
             (d / "meta.json").write_text(json.dumps(meta, indent=1))
         host = LabHost(name)
@@ -951,7 +954,12 @@ class Lab:
         """Create the host's network, filesystems, keys and lab layer (everything but the boot)."""
         d = host.dir
         prof = host.profile
-        netns.add_host_link(host.name, host.index, delay_ms=delay_ms, loss_pct=loss_pct)
+        proxy = bool(delay_ms) and host.meta.get("delay_mode") == "proxy"
+        if proxy:
+            netns.add_host_link(host.name, host.index)
+            self._start_delay_proxy(host, delay_ms)
+        else:
+            netns.add_host_link(host.name, host.index, delay_ms=delay_ms, loss_pct=loss_pct)
         fs = d / "fs"
         fs.mkdir()
         _run(
@@ -991,6 +999,22 @@ class Lab:
         (d / "known_hosts").write_text("\n".join(known) + "\n")
         host._start_sysfs(reset_record=True)
 
+    def _start_delay_proxy(self, host: LabHost, delay_ms: int) -> None:
+        """Put a user-space delay in front of the host's sshd (this kernel has no netem)."""
+        pidfile = host.dir / "pids" / "delayproxy"
+        pidfile.parent.mkdir(parents=True, exist_ok=True)
+        argv = [
+            "ip", "netns", "exec", host.netns, sys.executable, "-m", "gpulab.delayproxy",
+            "--listen", f"{host.address}:22", "--to", "127.0.0.1:22", "--delay-ms", str(delay_ms),
+            "--pidfile", str(pidfile),
+        ]  # fmt: skip
+        with open(host.dir / "delayproxy.log", "ab") as log:
+            p = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=_py_env(), start_new_session=True,
+                cwd=str(REPO),
+            )  # fmt: skip
+        host._set_pid("delayproxy", p.pid)
+
     def _build_layer(self, host: LabHost, m: _Machine, key: Path, mfs: Path) -> None:
         """Write the lab layer of one machine: a temporary overlay whose upper dir becomes ``base``."""
         prof = host.profile
@@ -1008,7 +1032,12 @@ class Lab:
                 (tmp / "etc/systemd/system" / units.unit_name(svc)).write_text(units.unit_text(svc, extra))
                 if svc.enabled:
                     enabled.append(units.unit_name(svc))
-            boot.prepare_root(tmp, m.hostname, key, Path(str(CLIENT_KEY) + ".pub"), enabled)
+            listen = (
+                "127.0.0.1"
+                if m.cid is None and host.meta.get("delay_mode") == "proxy" and host.meta.get("delay_ms")
+                else "0.0.0.0"
+            )
+            boot.prepare_root(tmp, m.hostname, key, Path(str(CLIENT_KEY) + ".pub"), enabled, listen=listen)
             (tmp / "etc/gpulab/profile.json").write_text(prof.to_json())
             (tmp / "etc/gpulab/machine").write_text(
                 json.dumps({"host": host.name, "container": m.cid}) + "\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -61,9 +62,21 @@ def test_cut_and_heal_link(host):
 
 
 @pytest.mark.skipif(netem_available(), reason="this kernel has netem")
-def test_delay_without_netem_is_a_clear_error(host):
+def test_loss_without_netem_is_a_clear_error(host):
     with pytest.raises(LabError, match="no netem qdisc"):
-        host.set_netem(delay_ms=25)
+        host.set_netem(loss_pct=5)
+
+
+def test_delay_slows_the_ssh_port(lab):
+    # netem where the kernel has it, else the lab's user-space delay in front of sshd.
+    h = lab.host(PROFILE, name=f"delay-{os.getpid()}", delay_ms=100)
+    t0 = time.monotonic()
+    with socket.create_connection((h.address, 22), timeout=10) as s:
+        s.settimeout(10)
+        assert s.recv(64).startswith(b"SSH-")
+    assert time.monotonic() - t0 >= 0.19  # at least one round trip of 2 x 100 ms
+    assert h.ssh("hostname").stdout == "pve-gpu01\n"
+    h.down()
 
 
 def test_kill_sshd_refuses_new_connections(host):
