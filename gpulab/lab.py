@@ -18,6 +18,11 @@ Layout in the root namespace for host ``NAME`` (index ``I``)::
 The lab layer (base) holds whiteouts for every unit this machine has enabled, so the host's
 systemd only starts ssh and the profile's units. ``reset`` drops upper (a pristine host);
 ``reboot`` keeps it (what was installed survives).
+
+Each machine runs in its own PID, mount, UTS, IPC, cgroup and network namespaces, PID 1 a real
+systemd, in cgroup ``gpulab/NAME`` (containers: ``gpulab/NAME/lxc/ID``) of the systemd, pids,
+devices and freezer hierarchies; memory and cpu stay this machine's. Link delay uses netem where
+the kernel has it, else ``gpulab.delayproxy`` in front of the host's sshd; loss needs netem.
 """
 
 from __future__ import annotations
