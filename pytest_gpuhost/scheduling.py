@@ -108,7 +108,14 @@ def hosts_for_worker(
 
 
 def static_assignment(config: pytest.Config) -> bool:
-    """Say whether this run's xdist scheduling is HostScheduling (so `assign_units` holds)."""
+    """Say whether this run's xdist scheduling is HostScheduling (so `assign_units` holds).
+
+    Workers see `dist=no`; the controller tells them in their workerinput (see
+    `pytest_configure_node`).
+    """
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        return bool(workerinput.get("gpuhost_host_scheduling"))
     return _choice(config) == "host" and config.getvalue("dist") == "load"
 
 
@@ -185,6 +192,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if value not in CHOICES:
         where = "--gpuhost-scheduling" if config.getoption("gpuhost_scheduling") else "ini gpuhost_scheduling"
         raise pytest.UsageError(f"{where}={value!r}: choose one of {', '.join(CHOICES)}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Tell each worker whether the host scheduler assigns the units (it cannot see --dist)."""
+    node.workerinput["gpuhost_host_scheduling"] = static_assignment(node.config)
 
 
 @pytest.hookimpl(optionalhook=True)
