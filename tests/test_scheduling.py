@@ -94,3 +94,37 @@ def test_units_go_round_robin_and_each_worker_can_compute_its_hosts() -> None:
     }
     assert hosts_for_worker(ids, known, 0, 2) == ["h1", "h3", "h5"]
     assert hosts_for_worker(ids, known, 1, 2) == ["h2", "h4"]
+
+
+KNOWS = """\
+import json, os
+from pytest_gpuhost import scheduling
+
+def test_a(target, request):
+    config = request.config
+    nodeids = [i.nodeid for i in request.session.items]
+    wi = config.workerinput
+    mine = scheduling.hosts_for_worker(nodeids, config.stash[scheduling.TARGET_NAMES], int(wi["workerid"][2:]), wi["workercount"])
+    with open(os.environ["SCHED_LOG"], "a") as f:
+        f.write(json.dumps({"worker": wi["workerid"], "ran": target.name, "static": scheduling.static_assignment(config), "mine": mine}) + "\\n")
+"""
+
+
+def test_every_worker_knows_its_hosts_before_they_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    log = pytester.path / "knows.log"
+    monkeypatch.setenv("SCHED_LOG", str(log))
+    pytester.makefile(".ini", fleet=INVENTORY)
+    pytester.makepyfile(test_knows=KNOWS)
+    result = pytester.runpytest_subprocess(
+        "--inventory=fleet.ini", "-n", "2", "-p", "no:cacheprovider", "--report-dir=none"
+    )
+    result.assert_outcomes(passed=6)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert all(r["static"] for r in rows)
+    for r in rows:
+        assert r["ran"] in r["mine"], r
+    assert {r["worker"]: r["mine"] for r in rows} == {"gw0": ["h1", "h3", "h5"], "gw1": ["h2", "h4", "h6"]}
