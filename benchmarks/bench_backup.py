@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpulab.lab import CLIENT_KEY, Lab, LabHost  # noqa: E402
 from pytest_gpuhost.modules.backup import Backup, load_manifest  # noqa: E402
-from pytest_gpuhost.modules.s3 import S3Upload, items_from_backup, parse_s3_url  # noqa: E402
+from pytest_gpuhost.modules.s3 import S3Upload, item_for, items_from_backup, parse_s3_url  # noqa: E402
 from pytest_gpuhost.targets import open_connection, parse_host_url  # noqa: E402
 from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto  # noqa: E402
 
@@ -59,6 +59,12 @@ def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict
     conn = open_connection(parse_host_url(f"ssh://root@{h.address}"), opts)
     try:
         b = Backup(conn, manifest, dest, stall_timeout=120)
+        session = up = None
+        if s3 is not None:
+            # as the suite does: upload while the local copy runs, then catch up on anything left
+            up = S3Upload(dest, parse_s3_url(s3["url"]), endpoint=s3["endpoint"], workers=8)
+            session = up.start(skip_current=True)
+            b.on_placed = lambda f, rec: session.offer(item_for(f, rec))
         listing = b.walk()
         res = b.run(b.plan(listing))
         missing = b.verify(listing)
@@ -72,15 +78,17 @@ def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict
             "failed": len(res.failed),
             "round_trips": conn.round_trips,
         }
-        if s3 is not None:
-            up = S3Upload(dest, parse_s3_url(s3["url"]), endpoint=s3["endpoint"], workers=8)
+        if up is not None and session is not None:
+            during = session.finish()
             items, unverified = items_from_backup(b, listing)
             r = up.run(up.plan(items))
             up.finish()
             out.update(
-                uploaded=r.uploaded,
-                upload_failed=len(r.failed),
+                uploaded_during_copy=during.uploaded,
+                uploaded_after=r.uploaded,
+                upload_failed=len(r.failed) + len(during.failed),
                 unverified=len(unverified),
+                s3_missing=len(up.verify(items)),
                 open_uploads=len(r.open_uploads_after),
             )
         return out

@@ -128,7 +128,7 @@ def run_suite(argv: list[str], env: dict[str, str], timeout: float = 240) -> tup
     r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|fixed|failed|skipped|would fix|error)", tail)}
-    return r.returncode, r.stdout[-6000:] + r.stderr[-3000:], counts
+    return r.returncode, r.stdout[-30000:] + r.stderr[-3000:], counts
 
 
 def processes(h: Any) -> list[str]:
@@ -145,9 +145,18 @@ def test_decommission_b200(b200, s3_endpoint, tmp_path):
     argv = suite_argv(h, dest, bucket, "b200", s3_endpoint.url, tmp_path / "reports")
     assert sum("-m sglang.launch_server" in p for p in processes(h)) == 7
 
+    # --check-only stops nothing, copies nothing, and says what it would stop and copy
+    rc, out, counts = run_suite([*argv, "--check-only"], env)
+    assert rc != 0 and counts.get("would fix", 0) >= 4, out
+    assert "stop PID" in out and "sglang.launch_server" in out and "files" in out, out
+    assert sum("-m sglang.launch_server" in p for p in processes(h)) == 7
+    copied = [p for p in dest.rglob("*") if p.is_file() and ".gpuhost" not in p.parts]
+    assert copied == []
+    assert s3_endpoint.client().list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
+
     rc, out, counts = run_suite(argv, env)
     assert rc == 0, out
-    assert counts.get("failed", 0) == 0 and counts.get("fixed", 0) >= 4, out
+    assert counts.get("failed", 0) == 0 and counts.get("fixed", 0) >= 3, out
     after = processes(h)
     assert not any("sglang.launch_server" in p and p.startswith("python3") for p in after), after
     assert "vim /data/sglang_notes.md" in after and "tail -f /data/logs/sglang-dp0.log" in after
@@ -196,17 +205,20 @@ def test_decommission_survives_five_cuts(b200, s3_endpoint, tmp_path):
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        # cut at a random time (runs 0, 2, 4), or at a random moment after the local copy
-        # (run 1) or the S3 upload (run 3) has verifiably begun
+        # cut at a random moment once the local copy (run 0) or the S3 upload (run 1) has
+        # verifiably begun, and at a random time from the start (runs 2, 3, 4)
         meta = dest / ".gpuhost"
         started = time.monotonic()
-        if i in (1, 3):
-            pattern = "state.journal.jsonl" if i == 1 else "s3-*.journal.jsonl"
-            while time.monotonic() - started < 60 and p.poll() is None:
-                if meta.is_dir() and any(meta.glob(pattern)):
+        if i in (0, 1):
+            # wait until a random number of files is journalled as verified, then cut
+            pattern = "state.journal.jsonl" if i == 0 else "s3-*.journal.jsonl"
+            want = rng.randint(20, 1000)
+            while time.monotonic() - started < 90 and p.poll() is None:
+                done = sum(j.read_bytes().count(b"\n") for j in meta.glob(pattern)) if meta.is_dir() else 0
+                if done >= want:
                     break
-                time.sleep(0.05)
-            delay = rng.uniform(0.0, 1.0)
+                time.sleep(0.02)
+            delay = 0.0
         else:
             delay = rng.uniform(1.0, 5.0)
         try:

@@ -501,6 +501,9 @@ class Backup:
         self.state = StateFile(self.meta, "state")
         self._dirs_ok: set[str] = set()
         self._mkdir_lock = threading.Lock()
+        # called with (file, state record) for each file or link verified into place: the S3
+        # side uses it to upload while the transfer runs
+        self.on_placed: Callable[[RemoteFile, dict[str, Any]], None] | None = None
         # files plan() found verified and unchanged, with the state record it saw: verify() can
         # trust its own stat from moments ago instead of stat-ing them all again
         self._seen_current: dict[str, tuple[dict[str, Any], int, int]] = {}
@@ -675,8 +678,14 @@ class Backup:
         except OSError as exc:
             result.failed.append((f.display, f"link: {exc.strerror}"))
             return
-        self.state.record(f.key, self._link_record(f))
+        rec = self._link_record(f)
+        self.state.record(f.key, rec)
+        self._placed(f, rec)
         result.links += 1
+
+    def _placed(self, f: RemoteFile, rec: dict[str, Any]) -> None:
+        if self.on_placed is not None:
+            self.on_placed(f, rec)
 
     def _rehash(self, files: list[RemoteFile], result: TransferResult) -> list[RemoteFile]:
         """Hash files on the node; those whose hash still matches only get their mtime updated."""
@@ -717,6 +726,7 @@ class Backup:
         rec = {"t": "f", "s": size, "m": mtime_ns if not changed else -1, "o": mode, "sha256": node_sha.hex()}
         with self._mkdir_lock:
             self.state.record(f.key, rec)
+        self._placed(f, rec)
         return None
 
     def _write_small(

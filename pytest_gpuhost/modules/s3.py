@@ -22,14 +22,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from pytest_gpuhost.errors import GpuhostError
-from pytest_gpuhost.modules.backup import Backup, Listing, Progress, StateFile
+from pytest_gpuhost.modules.backup import Backup, Listing, Progress, RemoteFile, StateFile
 
 __all__ = [
     "S3Error",
@@ -38,6 +38,8 @@ __all__ = [
     "S3Plan",
     "S3Result",
     "S3Upload",
+    "UploadSession",
+    "item_for",
     "items_from_backup",
     "key_for",
     "parse_s3_url",
@@ -226,47 +228,21 @@ class S3Upload:
 
     def run(self, plan: S3Plan) -> S3Result:
         """Upload the plan's items in parallel, verify each, journal each verified object."""
-        result = S3Result()
-        started = time.monotonic()
-        result.aborted_uploads = self.abort_open_uploads()
-        total = plan.upload_bytes
-        done = [0, 0]
-        last = [started]
-
-        def tick(n: int) -> None:
-            with self._lock:
-                done[1] += n
-                now = time.monotonic()
-                if self.progress is not None and now - last[0] >= self.progress_interval:
-                    last[0] = now
-                    self.progress(
-                        Progress(done[0], len(plan.upload), done[1], total, now - started, "S3 upload")
-                    )
-
+        session = self.start(expected=len(plan.upload), expected_bytes=plan.upload_bytes)
         # big files first, so that their multipart uploads overlap with the many small ones
-        queue = sorted(plan.upload, key=lambda i: -i.size)
-        try:
-            with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="s3up") as pool:
-                futures = {pool.submit(self._upload_one, item, tick): item for item in queue}
-                for fut in as_completed(futures):
-                    item = futures[fut]
-                    try:
-                        rec = fut.result()
-                    except Exception as exc:  # noqa: BLE001 - one line per failed object
-                        result.failed.append((item.rel, f"{type(exc).__name__}: {exc}"))
-                        continue
-                    with self._lock:
-                        self.state.record(rec.pop("key"), rec)
-                        done[0] += 1
-                    result.uploaded += 1
-                    result.uploaded_bytes += item.size
-        finally:
-            self.state.flush()
-            result.open_uploads_after = [k for k, _ in self.open_uploads()]
-            result.duration = time.monotonic() - started
-        if self.progress is not None:
-            self.progress(Progress(done[0], len(plan.upload), done[1], total, result.duration, "S3 upload"))
-        return result
+        for item in sorted(plan.upload, key=lambda i: -i.size):
+            session.offer(item)
+        return session.finish()
+
+    def start(
+        self, *, expected: int = 0, expected_bytes: int = 0, skip_current: bool = False
+    ) -> UploadSession:
+        """Begin an upload session: abort leftovers, then take items with offer() until finish().
+
+        With skip_current, offered items already verified in the bucket are skipped (one listing
+        of the prefix is taken now); the backup uses this to upload files as they arrive.
+        """
+        return UploadSession(self, expected, expected_bytes, skip_current)
 
     def _upload_one(self, item: S3Item, tick: Callable[[int], None]) -> dict[str, Any]:
         key = self.loc.key(key_for(item.rel))
@@ -274,22 +250,24 @@ class S3Upload:
         if item.link is not None:
             meta["symlink"] = "1"
             body = item.link
-            if hashlib.sha256(body).hexdigest() != item.sha256:
+            digest = hashlib.sha256(body).digest()
+            if digest.hex() != item.sha256:
                 raise S3Error("link target differs from the verified one")
-            etag = self._put(key, body, meta)
+            etag = self._put(key, body, digest, meta)
         elif item.size >= self.multipart_threshold:
             etag = self._multipart(key, self.dest / item.rel, item, meta, tick)
         else:
             with open(self.dest / item.rel, "rb") as f:
                 body = f.read()
-            if len(body) != item.size or hashlib.sha256(body).hexdigest() != item.sha256:
+            digest = hashlib.sha256(body).digest()
+            if len(body) != item.size or digest.hex() != item.sha256:
                 raise S3Error("local copy no longer matches its verified SHA-256; back up again")
-            etag = self._put(key, body, meta)
+            etag = self._put(key, body, digest, meta)
             tick(len(body))
         return {"key": key, "sha256": item.sha256, "etag": etag, "size": item.size}
 
-    def _put(self, key: str, body: bytes, meta: dict[str, str]) -> str:
-        sha_b64 = base64.b64encode(hashlib.sha256(body).digest()).decode()
+    def _put(self, key: str, body: bytes, digest: bytes, meta: dict[str, str]) -> str:
+        sha_b64 = base64.b64encode(digest).decode()
         res = self.client.put_object(
             Bucket=self.loc.bucket,
             Key=key,
@@ -383,6 +361,93 @@ class S3Upload:
         self.state.compact()
 
 
+class UploadSession:
+    """Parallel uploads fed one item at a time (thread-safe offer), collected by finish()."""
+
+    def __init__(self, up: S3Upload, expected: int, expected_bytes: int, skip_current: bool) -> None:
+        self.up = up
+        self.result = S3Result()
+        self.started = time.monotonic()
+        self.result.aborted_uploads = up.abort_open_uploads()
+        self.listing = up.list_prefix() if skip_current else None
+        self.expected = expected
+        self.expected_bytes = expected_bytes
+        self.done = [0, 0]
+        self.last = self.started
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=up.workers, thread_name_prefix="s3up")
+        self.futures: list[Future[None]] = []
+
+    def _tick(self, n: int) -> None:
+        with self.lock:
+            self.done[1] += n
+            now = time.monotonic()
+            if self.up.progress is not None and now - self.last >= self.up.progress_interval:
+                self.last = now
+                total = max(self.expected_bytes, self.done[1])
+                self.up.progress(
+                    Progress(
+                        self.done[0],
+                        max(self.expected, self.done[0]),
+                        self.done[1],
+                        total,
+                        now - self.started,
+                        "S3 upload",
+                    )
+                )
+
+    def offer(self, item: S3Item) -> None:
+        """Queue one item for upload (skipped when the bucket already has it, verified)."""
+        if self.listing is not None and self.up.plan([item], self.listing).current:
+            return
+        with self.lock:
+            if self.listing is not None:
+                self.expected += 1
+                self.expected_bytes += item.size
+        self.futures.append(self.pool.submit(self._one, item))
+
+    def _one(self, item: S3Item) -> None:
+        try:
+            rec = self.up._upload_one(item, self._tick)
+        except Exception as exc:  # noqa: BLE001 - one line per failed object
+            with self.lock:
+                self.result.failed.append((item.rel, f"{type(exc).__name__}: {exc}"))
+            return
+        with self.lock:
+            self.up.state.record(rec.pop("key"), rec)
+            self.done[0] += 1
+            self.result.uploaded += 1
+            self.result.uploaded_bytes += item.size
+
+    def finish(self) -> S3Result:
+        """Wait for every offered upload; check that no multipart upload is left open."""
+        try:
+            self.pool.shutdown(wait=True)
+        finally:
+            self.up.state.flush()
+            self.result.open_uploads_after = [k for k, _ in self.up.open_uploads()]
+            self.result.duration = time.monotonic() - self.started
+        if self.up.progress is not None:
+            self.up.progress(
+                Progress(
+                    self.done[0],
+                    max(self.expected, self.done[0]),
+                    self.done[1],
+                    max(self.expected_bytes, self.done[1]),
+                    self.result.duration,
+                    "S3 upload",
+                )
+            )
+        return self.result
+
+
+def item_for(f: RemoteFile, rec: dict[str, Any]) -> S3Item:
+    """Return the S3 item of a file (or link) verified in the local backup with state record rec."""
+    if f.kind == "l":
+        return S3Item(f.key, rec["sha256"], len(f.link or b""), link=f.link or b"")
+    return S3Item(f.key, rec["sha256"], int(rec["s"]))
+
+
 def items_from_backup(backup: Backup, listing: Listing) -> tuple[list[S3Item], list[tuple[str, str]]]:
     """Return the S3 items of the categories marked s3, and (path, why) for those not verified locally."""
     wanted = {c.name for c in backup.manifest.categories if c.s3}
@@ -395,8 +460,5 @@ def items_from_backup(backup: Backup, listing: Listing) -> tuple[list[S3Item], l
         if rec is None or rec.get("s") is None or "sha256" not in rec:
             unverified.append((f.display, "not in the local backup yet"))
             continue
-        if f.kind == "l":
-            items.append(S3Item(f.key, rec["sha256"], len(f.link or b""), link=f.link or b""))
-        else:
-            items.append(S3Item(f.key, rec["sha256"], int(rec["s"])))
+        items.append(item_for(f, rec))
     return items, unverified

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuhost.modules.backup import Backup, BackupPlan, Listing, Manifest, Progress
+from pytest_gpuhost.modules.backup import Backup, BackupPlan, Listing, Manifest, Progress, RemoteFile
 from pytest_gpuhost.modules.process import Proc, ProcessTable, stop_processes
-from pytest_gpuhost.modules.s3 import S3Location, S3Upload, items_from_backup
+from pytest_gpuhost.modules.s3 import S3Location, S3Upload, item_for, items_from_backup
 from pytest_gpuhost.remediation import Action, Check, Remediation
 
 GPU_QUERY = [
@@ -354,6 +354,15 @@ class Decommission:
 
         def plan(before: Check) -> list[Action]:
             p = plan_box[0]
+            extra = []
+            if self.s3 is not None and self.s3_cats():
+                extra.append(
+                    Action(
+                        f"upload files of {', '.join(self.s3_cats())} to {self.s3.url} as they arrive",
+                        "boto3 put_object / multipart (ChecksumSHA256) from the verified local copy",
+                        destructive=False,
+                    )
+                )
             by_cat: dict[str, list[int]] = {}
             for f in p.copy + p.rehash:
                 c = by_cat.setdefault(f.category, [0, 0])
@@ -376,11 +385,17 @@ class Decommission:
                         destructive=False,
                     )
                 )
-            return actions
+            return actions + extra
 
         def fix(actions: list[Action], before: Check) -> None:
             self.event(f"backup started: {plan_box[0].summary()}")
-            res = self.backup.run(plan_box[0])
+            session = self._start_s3_pipeline()
+            try:
+                res = self.backup.run(plan_box[0])
+            finally:
+                self.backup.on_placed = None
+                if session is not None:
+                    self._finish_s3_pipeline(session)
             self._measure("copied files", res.copied_files)
             self._measure("copied bytes", res.copied_bytes, "B")
             self._measure("copy time", round(res.duration, 3), "s")
@@ -425,6 +440,41 @@ class Decommission:
             )
 
         return _rem("artifacts backed up", check, plan, fix, verify)
+
+    def _start_s3_pipeline(self) -> Any:
+        """Start uploading the S3 categories while the local copy runs (None when not configured)."""
+        if self.s3 is None or not self.s3_cats():
+            return None
+        cats = set(self.s3_cats())
+        try:
+            session = self.s3_upload.start(skip_current=True)
+        except Exception as exc:  # noqa: BLE001 - the S3 step retries and reports
+            self.event(f"S3 upload during the backup not started: {type(exc).__name__}: {exc}")
+            return None
+
+        def offer(f: RemoteFile, rec: dict[str, Any]) -> None:
+            if f.category in cats:
+                session.offer(item_for(f, rec))
+
+        self.backup.on_placed = offer
+        return session
+
+    def _finish_s3_pipeline(self, session: Any) -> None:
+        res = session.finish()
+        self.s3_upload.finish()
+        self._state(
+            "S3 upload during the backup",
+            {
+                "uploaded": res.uploaded,
+                "failed": res.failed[:200],
+                "aborted_uploads": res.aborted_uploads,
+                "open_uploads_after": res.open_uploads_after,
+            },
+        )
+        self.event(
+            f"S3 (during the backup): {res.uploaded} objects, {_mb(res.uploaded_bytes)}"
+            + (f", {len(res.failed)} failed (the S3 step retries)" if res.failed else "")
+        )
 
     # ---------------------------------------------------------------- 5 data in S3
 
