@@ -176,6 +176,9 @@ class _Writer:
     def write_file(self, path: str, data: Any, *, timeout: float | None = None, mode: str = "w") -> Any:
         return SimpleNamespace(ok=False, errno=self.code, error=errno.errorcode[self.code], timed_out=False)
 
+    def call(self, op: str, **params: Any) -> Any:
+        raise AssertionError("a refused write must not be read back")
+
 
 @pytest.mark.parametrize(
     ("code", "kernel", "members", "needle"),

@@ -36,7 +36,7 @@ class _Conn(Protocol):
         self, path: str, data: str | bytes, *, timeout: float | None = None, mode: str = "w"
     ) -> Any: ...
 
-    def read_files(self, paths: Any, *, max_bytes: int | None = None) -> dict[str, Any]: ...
+    def call(self, op: str, **params: Any) -> Any: ...
 
 
 class IommuError(OSError):
@@ -126,10 +126,11 @@ def set_type(conn: _Conn, group: IommuGroup, value: str, *, kernel: str, timeout
         raise IommuError(
             code, f"{conn.name}: group {group.number}: {shown}: {_explain(group, value, code, kernel)}"
         )
-    now = conn.read_files([path])[path]
-    if isinstance(now, OSError):
-        raise IommuError(now.errno or 0, f"{conn.name}: group {group.number}: read back {path}: {now}")
-    now = now.strip()
+    # a small read: bound the reply tightly so that a link lost right after the write shows fast
+    entry = conn.call("read_files", paths=[path], _reply_timeout=timeout).get(path) or {}
+    if "data" not in entry:
+        raise IommuError(entry.get("errno") or 0, f"{conn.name}: group {group.number}: read back {path}: {entry.get('error')}")
+    now = str(entry["data"]).strip()
     if now != value and not (value == "auto" and now):
         raise IommuError(
             errno.EIO, f"{conn.name}: group {group.number}: wrote {value!r} but it reads {now!r}"
