@@ -7,6 +7,7 @@ import errno
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -240,3 +241,42 @@ def test_bad_options_are_usage_errors(args: list[str], message: str) -> None:
     )
     assert r.returncode == 4, r.stdout + r.stderr
     assert message in r.stderr
+
+
+def test_run_lock_and_journal_on_a_local_target(tmp_path: Path) -> None:
+    """Two agents: the second is refused while the first lives, and takes over once it is gone."""
+    from pytest_gpuhost.modules.journal import Journal, LockBusy
+    from pytest_gpuhost.targets import TargetOptions, open_connection, parse_host_url
+
+    opts = TargetOptions(command_timeout=10)
+    a = open_connection(parse_host_url("local://"), opts)
+    b = open_connection(parse_host_url("local://"), opts)
+    try:
+        ja = Journal(a, "p2p", base=str(tmp_path))
+        jb = Journal(b, "p2p", base=str(tmp_path))
+        assert ja.acquire(wait=0, owner={"controller": "run-a"})["took_over"] is None
+        ja.write(phase="unbind", plan={"groups": []})
+        assert jb.read() is not None and jb.read()["phase"] == "unbind"
+        t0 = time.monotonic()
+        with pytest.raises(LockBusy, match="another p2p run holds .* run-a"):
+            jb.acquire(wait=1)
+        assert 0.9 <= time.monotonic() - t0 < 5
+        a.close()  # its agent exits: the lock it held is stale now
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                got = jb.acquire(wait=0)
+                break
+            except LockBusy:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert "is gone" in got["took_over"]["why"]
+        jb.write(phase="done")
+        jb.retire()
+        assert jb.read() is None and (tmp_path / "journal" / "p2p.json.done").exists()
+        jb.release()
+        assert not (tmp_path / "lock" / "p2p").exists()
+    finally:
+        a.close()
+        b.close()

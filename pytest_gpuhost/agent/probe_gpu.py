@@ -98,20 +98,16 @@ def _gpu_smi_table(fields):
     return table
 
 
-# One nvidia-smi query serves the facts of one request: `gpus` fills it, the facts after it in the
-# same request (`persistence`, `nvidia_smi_gpus`) take it; a consumer never reuses it twice.
+# One nvidia-smi query serves every fact of one `facts` request: the facts of a request share
+# their params dict, so the table is kept there and never outlives the request.
 _SMI_FIELDS = ["index", "minor_number", "name", "persistence_mode"]
-_SMI_SHARED = {}
 
 
-def _gpu_smi_shared():
-    """The table `gpus` just read (for the two facts that follow it in a request), else a fresh one."""
-    fresh = _gpu_time.time() - _SMI_SHARED.get("t", 0) < 2.0
-    if "table" in _SMI_SHARED and fresh and _SMI_SHARED.get("uses", 0) < 2:
-        _SMI_SHARED["uses"] = _SMI_SHARED.get("uses", 0) + 1
-        return _SMI_SHARED["table"]
-    _SMI_SHARED.clear()
-    return _gpu_smi_table(_SMI_FIELDS)
+def _gpu_smi_shared(params):
+    """Return the nvidia-smi table of this facts request (query it on first use)."""
+    if "_gpu_smi" not in params:
+        params["_gpu_smi"] = _gpu_smi_table(_SMI_FIELDS)
+    return params["_gpu_smi"]
 
 
 @fact("gpus")
@@ -119,7 +115,6 @@ def gpus_fact(params):
     """Every NVIDIA display/3D function with its driver, IOMMU group (type, members), link, minor."""
     result = []
     smi_minors = None
-    _SMI_SHARED.clear()
     want_minors = params.get("minors", True)
     for path in sorted(_gpu_glob.glob(_PCI + "/*")):
         bdf = _gpu_os.path.basename(path)
@@ -152,8 +147,7 @@ def gpus_fact(params):
             minor = _gpu_minor_from_proc(bdf)
             if minor is None:
                 if smi_minors is None:
-                    smi_minors = _gpu_smi_table(_SMI_FIELDS) or {}
-                    _SMI_SHARED.update(table=smi_minors, t=_gpu_time.time(), uses=0)
+                    smi_minors = _gpu_smi_shared(params) or {}
                 minor = _gpu_int((smi_minors.get(bdf) or {}).get("minor_number"))
         entry["minor"] = minor
         result.append(entry)
@@ -225,7 +219,7 @@ def _gpu_running(program):
 @fact("persistence")
 def persistence_fact(params):
     """nvidia-persistenced processes and legacy persistence mode per GPU (nvidia-smi)."""
-    table = _gpu_smi_shared()
+    table = _gpu_smi_shared(params)
     legacy = None
     if table is not None:
         legacy = {bdf: row.get("persistence_mode") for bdf, row in table.items()}
@@ -235,7 +229,7 @@ def persistence_fact(params):
 @fact("nvidia_smi_gpus")
 def nvidia_smi_gpus_fact(params):
     """GPUs nvidia-smi lists: {bdf: {index, minor_number, name}}, or None if it cannot run."""
-    table = _gpu_smi_shared()
+    table = _gpu_smi_shared(params)
     if table is None:
         return None
     return {bdf: {k: row.get(k) for k in ("index", "minor_number", "name")} for bdf, row in table.items()}
