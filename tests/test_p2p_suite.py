@@ -219,7 +219,11 @@ def test_repair_rerun_reboot(host: Any, tmp_path: Path) -> None:
     assert set(second.outcomes.values()) == {"passed"}, second.outcomes
     assert second.writes() == [] and second.signals() == [], second.record
 
+    n = len(host.record())
     host.reboot()
+    boot = Run(subprocess.CompletedProcess([], 0, "", ""), tmp_path / "none.json", host.record()[n:], 0.0)
+    assert boot.writes(), "the boot unit should have written identity"
+    assert_vfio_untouched(boot)  # the boot unit touches exactly the repaired groups
     st = host_state(host)
     assert [st["groups"][g] for g in GROUPS] == ["identity"] * 4, st
     assert [st["groups"][g] for g in VFIO_GROUPS] == ["DMA-FQ"] * 4, st
