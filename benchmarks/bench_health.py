@@ -105,7 +105,10 @@ class DelayProxy:
             cw.close()
             return
         self.writers.add(sw)
-        await asyncio.gather(self._pipe(cr, sw), self._pipe(sr, cw))
+        try:
+            await asyncio.gather(self._pipe(cr, sw), self._pipe(sr, cw))
+        except asyncio.CancelledError:
+            pass  # shutting down: end quietly (asyncio logs a cancelled connection callback)
         for w in (sw, cw):
             w.close()
             self.writers.discard(w)
@@ -130,7 +133,10 @@ class DelayProxy:
                 w.close()  # the other side reads EOF: every pipe ends on its own
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             if tasks:
-                await asyncio.wait(tasks, timeout=3)
+                _, pending = await asyncio.wait(tasks, timeout=1)
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)

@@ -25,6 +25,7 @@ taken from the node id (see `pytest_gpuhost.scheduling.host_of_nodeid`).
 from __future__ import annotations
 
 import fnmatch
+import html
 import json
 import os
 import re
@@ -346,10 +347,10 @@ class FleetRecorder:
             "fleet": fleet_judgements(hosts),
         }
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if not self.cells:
-            return
+    def _summarize(self) -> dict[str, Any] | None:
+        """Build the summary (with the comparison) once; None when no test named a target."""
+        if self.summary is not None or not self.cells:
+            return self.summary
         summary = self.build()
         prev_path, _ = _opt(self.config, "gpuhost_previous")
         if prev_path:
@@ -360,6 +361,24 @@ class FleetRecorder:
             else:
                 summary["comparison"] = {"previous": prev_path, **compare(previous, summary)}
         self.summary = summary
+        return summary
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_html_results_summary(
+        self, prefix: list[str], summary: list[str], postfix: list[str], session: Any
+    ) -> None:
+        """Add the fleet section (failures, uniformity, comparison) below pytest-html's summary."""
+        built = self._summarize()
+        if built is None:
+            return
+        text = "\n".join(summary_lines(built)[2:])
+        postfix.append(f'<h3>Fleet</h3><pre class="gh-fleet" id="gpuhost-fleet">{html.escape(text)}</pre>')
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        summary = self._summarize()
+        if summary is None:
+            return
         dest, _ = _opt(self.config, "gpuhost_fleet_json")
         dest = dest or self._default_dest()
         if dest:

@@ -158,3 +158,4 @@ def test_fleet_verdicts_across_two_runs(fleet: dict[str, Any]) -> None:
     # The HTML report (pytest-html, with the engine's evidence) shows the reasons too.
     html = (fleet["tmp"] / "night2.html").read_text()
     assert "PCIe x8, below x16" in html and "GPU has fallen off the bus" in html
+    assert 'id="gpuhost-fleet"' in html and f"newly failed: {h['xid'].name} xid (was passed)" in html
