@@ -8,7 +8,8 @@ delay on each link, then for 1, 4 and 16 hosts runs, one run each, the same -n:
 * testinfra: pytest benchmarks/testinfra_health -p no:gpuhost --hosts=paramiko://... -n N
              (the same 19 checks, one host.run each: a new SSH channel per command)
 
-and prints wall time, SSH round trips per host for our facts (and for the connection as a whole,
+and prints wall time (ours twice: without reports, like the testinfra suite, and with the
+pytest-html/JSON/JUnit reports a nightly run writes), SSH round trips per host for our facts (and for the connection as a whole,
 agent start included) and commands per host for testinfra. Goals (issue 6): <= 2 round trips
 per host for the facts; 16 hosts >= 5x faster than testinfra; 16 hosts <= 3x the time of 1.
 
@@ -199,15 +200,16 @@ def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 900
     return time.monotonic() - t0, p.stdout + p.stderr, p.returncode
 
 
-def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int) -> dict[str, Any]:
+def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: bool) -> dict[str, Any]:
     inv = tmp / f"fleet-{len(hosts)}.yaml"
     write_inventory(inv, hosts)
-    summary = tmp / f"ours-{len(hosts)}.json"
+    summary = tmp / f"ours-{len(hosts)}-{reports}.json"
+    report_dir = str(tmp) if reports else "none"
     took, out, rc = run(
         [
             sys.executable, "-m", "pytest", "suites/health", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
             f"--inventory={inv}", f"--ssh-identity={CLIENT_KEY}", f"--known-hosts={known}", "--check-only",
-            "-n", str(workers), f"--report-dir={tmp}", f"--fleet-json={summary}",
+            "-n", str(workers), f"--report-dir={report_dir}", f"--fleet-json={summary}",
         ]
     )  # fmt: skip
     data = json.loads(summary.read_text())
@@ -291,27 +293,36 @@ def main() -> int:
             known.write_text("".join(e.known_hosts for e in eps))
             rows = []
             for n in sizes:
-                o = ours(tmp, eps[:n], known, workers)
+                # Like for like first (the testinfra suite writes no report), then with ours'
+                # pytest-html report, JSON evidence and JUnit, as a nightly run writes them.
+                o = ours(tmp, eps[:n], known, workers, reports=False)
+                r = ours(tmp, eps[:n], known, workers, reports=True)
                 b = baseline(tmp, eps[:n], workers)
+                o["wall_reports"] = r["wall"]
                 rows.append((n, o, b))
                 print(
-                    f"hosts={n:<3} ours {o['wall']:6.2f} s ({o['facts_rt']} round trips/host for the facts, "
-                    f"{o['conn_rt']} with the agent start) | testinfra {b['wall']:6.2f} s "
+                    f"hosts={n:<3} ours {o['wall']:6.2f} s ({r['wall']:.2f} s with reports; {o['facts_rt']} round trips/host "
+                    f"for the facts, {o['conn_rt']} with the agent start) | testinfra {b['wall']:6.2f} s "
                     f"({b['cmds']} commands/host, a channel each) | {b['wall'] / o['wall']:.1f}x",
                     flush=True,
                 )
         print()
         print(
-            f"{'hosts':>5} {'ours s':>8} {'rt/host':>8} {'testinfra s':>12} {'cmds/host':>10} {'speedup':>8}"
+            f"{'hosts':>5} {'ours s':>8} {'+reports s':>11} {'rt/host':>8} {'testinfra s':>12} {'cmds/host':>10} {'speedup':>8}"
         )
         for n, o, b in rows:
             print(
-                f"{n:>5} {o['wall']:>8.2f} {o['facts_rt']:>8} {b['wall']:>12.2f} {b['cmds']:>10} {b['wall'] / o['wall']:>7.1f}x"
+                f"{n:>5} {o['wall']:>8.2f} {o['wall_reports']:>11.2f} {o['facts_rt']:>8} {b['wall']:>12.2f} "
+                f"{b['cmds']:>10} {b['wall'] / o['wall']:>7.1f}x"
             )
         first, last = rows[0], rows[-1]
         goals = [
             ("<= 2 round trips per host for the facts", max(o["facts_rt"] for _, o, _ in rows) <= 2),
-            (f">= 5x faster than testinfra at {last[0]} hosts", last[2]["wall"] / last[1]["wall"] >= 5),
+            (
+                f">= 5x faster than testinfra at {last[0]} hosts ({last[2]['wall'] / last[1]['wall']:.1f}x; "
+                f"{last[2]['wall'] / last[1]['wall_reports']:.1f}x with our reports)",
+                last[2]["wall"] / last[1]["wall"] >= 5,
+            ),
             (
                 f"{last[0]} hosts <= 3x the time of {first[0]} ({last[1]['wall'] / first[1]['wall']:.2f}x)",
                 last[1]["wall"] <= 3 * first[1]["wall"],
