@@ -455,18 +455,23 @@ class _StreamReader:
         return int(_U32.unpack(self.exact(4))[0])
 
     def pipe(self, n: int, sinks: Sequence[Callable[[bytes], Any]]) -> None:
-        """Pass the next n bytes to each sink in pieces, without joining them."""
+        """Pass the next n bytes to each sink in pieces, without joining or copying them twice."""
         while n:
-            if not self.buf:
+            if self.buf:
+                take = min(n, len(self.buf))
+                piece = bytes(self.buf[:take])
+                del self.buf[:take]
+            else:
                 block = self.io.read(1 << 20)
                 if not block:
                     raise EOFError("stalled" if self.stalled else "stream ended")
                 self.last = time.monotonic()
                 self.received += len(block)
-                self.buf += block
-            take = min(n, len(self.buf))
-            piece = bytes(self.buf[:take]) if take < len(self.buf) else bytes(self.buf)
-            del self.buf[:take]
+                if len(block) <= n:
+                    piece, take = block, len(block)  # the common case for big files: no copy
+                else:
+                    piece, take = block[:n], n
+                    self.buf += memoryview(block)[n:]
             for sink in sinks:
                 sink(piece)
             n -= take
