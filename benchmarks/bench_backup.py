@@ -1,14 +1,16 @@
 """Benchmark the decommission backup against `rsync -a` over ssh and `aws s3 sync`, in one run.
 
     python benchmarks/bench_backup.py            # b200-nvl8 lab host, --data-scale bench (~850 MB)
-    python benchmarks/bench_backup.py --smoke    # CI: small scale (~35 MB), seconds
+    python benchmarks/bench_backup.py --smoke    # CI: small scale (~35 MB), no S3 part, seconds
     python benchmarks/bench_backup.py --host NAME  # reuse a running lab host (`python -m gpulab up ...`)
 
 Measured, each from a cold destination: our local backup (walk, bulk stream, SHA-256 on both
 ends, verify, SHA256SUMS) vs `rsync -a -e ssh`; the no-op rerun of each; our backup plus S3
 upload vs rsync followed by `aws s3 sync`, both to the same moto server on loopback.  Goals
 (issue 5): local <= 1.2 x rsync; with S3 < rsync + aws s3 sync; no-op rerun <= 2 x rsync's.
-Needs root (the lab), rsync, awscli and moto.  Prints a table and writes reports/bench_backup.json.
+The local comparisons alternate the two tools for --rounds rounds (default 3) and compare medians,
+because the machine is shared.  Needs root (the lab), rsync, awscli and moto.  Prints a table and
+writes reports/bench_backup.json.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -127,9 +130,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="small data scale, for CI")
     ap.add_argument("--host", help="use this running lab host instead of booting one")
-    ap.add_argument("--no-s3", action="store_true", help="skip the S3 comparison")
+    ap.add_argument("--no-s3", action="store_true", help="skip the S3 comparison (the default with --smoke)")
+    ap.add_argument("--s3", action="store_true", help="with --smoke: include the S3 comparison (~40 s)")
+    ap.add_argument(
+        "--rounds", type=int, default=0, help="rounds of the local comparison (default 3; smoke 1)"
+    )
     args = ap.parse_args()
     scale = "small" if args.smoke else "bench"
+    args.rounds = args.rounds or (1 if args.smoke else 3)
+    if args.smoke and not args.s3:
+        args.no_s3 = True
     lab = Lab()
     booted = None
     if args.host:
@@ -139,16 +149,33 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-backup-"))
     moto = None
     times: dict[str, float] = {}
+    samples: dict[str, list[float]] = {}
     info: dict[str, Any] = {"scale": scale, "host": h.name}
     try:
         # warm the node's page cache equally for both tools
         h.ssh("find /data -type f -exec cat {} + >/dev/null")
-        times["rsync"], r = timed(lambda: rsync(h, work / "rsync"))
-        if r.returncode != 0:
-            print("rsync failed:", r.stderr.decode(errors="replace")[-2000:], file=sys.stderr)
-        times["ours"], info["ours"] = timed(lambda: our_backup(h, work / "ours"))
-        times["rsync noop"], _ = timed(lambda: rsync(h, work / "rsync"))
-        times["ours noop"], info["ours noop"] = timed(lambda: our_backup(h, work / "ours"))
+        # the machine is shared: alternate the tools, round after round, and compare medians
+        for rnd in range(args.rounds):
+            for d in ("rsync", "ours"):
+                shutil.rmtree(work / d, ignore_errors=True)
+            order = ("rsync", "ours") if rnd % 2 == 0 else ("ours", "rsync")
+            for tool in order:
+                if tool == "rsync":
+                    t, r = timed(lambda: rsync(h, work / "rsync"))
+                    if r.returncode != 0:
+                        print("rsync failed:", r.stderr.decode(errors="replace")[-2000:], file=sys.stderr)
+                    samples.setdefault("rsync", []).append(t)
+                else:
+                    t, info["ours"] = timed(lambda: our_backup(h, work / "ours"))
+                    samples.setdefault("ours", []).append(t)
+            for tool in order:
+                if tool == "rsync":
+                    samples.setdefault("rsync noop", []).append(timed(lambda: rsync(h, work / "rsync"))[0])
+                else:
+                    t, info["ours noop"] = timed(lambda: our_backup(h, work / "ours"))
+                    samples.setdefault("ours noop", []).append(t)
+        for k, v in samples.items():
+            times[k] = statistics.median(v)
         if not args.no_s3:
             moto, endpoint = start_moto(work / "moto.log")
             import boto3
@@ -186,7 +213,8 @@ def main() -> int:
         )
     print(f"\nbackup benchmark, b200-nvl8 /data at scale {scale} ({info.get('bytes', 0) / 1e6:.0f} MB)")
     for k, v in times.items():
-        print(f"  {k:<14} {v:8.2f} s")
+        each = ", ".join(f"{x:.2f}" for x in samples.get(k, [v]))
+        print(f"  {k:<14} {v:8.2f} s   (median of: {each})" if k in samples else f"  {k:<14} {v:8.2f} s")
     for k, v in ratios.items():
         print(f"  {k:<45} {v:6.2f}")
     print(f"  ours: {info['ours']}")
@@ -195,7 +223,11 @@ def main() -> int:
         print(f"  ours + S3: {info['ours + S3']}; aws rc {info['aws rc']} {info['aws errors']}")
     out = ROOT / "reports" / ("bench_backup_smoke.json" if args.smoke else "bench_backup.json")
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"times": times, "ratios": ratios, "info": info}, indent=2, default=str))
+    out.write_text(
+        json.dumps(
+            {"times": times, "samples": samples, "ratios": ratios, "info": info}, indent=2, default=str
+        )
+    )
     bad = info["ours"]["missing"] or info["ours"]["error"] or info["ours noop"]["copied_files"]
     return 1 if bad else 0
 
