@@ -23,6 +23,7 @@ __all__ = [
     "measure",
     "pcie_gbps",
     "capability",
+    "topology",
 ]
 
 NVBANDWIDTH_TEST = "device_to_device_memcpy_read_ce"
@@ -125,7 +126,7 @@ def norm_bdf(bus_id: str) -> str:
 
 
 def capability(
-    conn: _Conn, bdfs: list[str], probe: dict[str, Any] | None = None
+    conn: _Conn, bdfs: list[str], probe: dict[str, Any] | None = None, index: dict[int, str] | None = None
 ) -> tuple[dict[tuple[str, str], str], str]:
     """Return P2P read capability per pair ("OK", "CNS", ...) and where it came from."""
     if (
@@ -143,13 +144,36 @@ def capability(
     if r.rc != 0:
         return {}, f"nvidia-smi topo -p2p r failed: rc {r.rc}"
     topo = parsers.parse_topo_p2p(r.stdout)
-    index = _smi_index_map(conn)
+    index = index or _smi_index_map(conn)
     caps = {}
     for (ra, rb), status in topo.links.items():
         a, b = index.get(int(ra[3:])), index.get(int(rb[3:]))
         if a in bdfs and b in bdfs and a != b:
             caps[(a, b)] = status
     return caps, "nvidia-smi topo -p2p r"
+
+
+def topology(conn: _Conn, bdfs: list[str], index: dict[int, str] | None = None) -> dict[tuple[str, str], str]:
+    """Return `nvidia-smi topo -m` links (NV18, PIX, PHB, SYS, ...) between the GPUs, keyed by PCI address.
+
+    Empty when nvidia-smi cannot tell; the expected bandwidth then falls back to the PCIe links.
+    """
+    r = conn.run(["nvidia-smi", "topo", "-m"], timeout=30)
+    if r.rc != 0:
+        return {}
+    try:
+        topo = parsers.parse_topo_matrix(r.stdout)
+    except parsers.ParseError:
+        return {}
+    index = index or _smi_index_map(conn)
+    out = {}
+    for (ra, rb), link in topo.links.items():
+        if not (ra.startswith("GPU") and rb.startswith("GPU")):
+            continue
+        a, b = index.get(int(ra[3:])), index.get(int(rb[3:]))
+        if a in bdfs and b in bdfs and a != b:
+            out[(a, b)] = link
+    return out
 
 
 def _nvbandwidth_devices(text: str) -> dict[int, str]:
@@ -161,8 +185,18 @@ def _nvbandwidth_devices(text: str) -> dict[int, str]:
     return found
 
 
-def measure(conn: _Conn, bdfs: list[str], *, timeout: float = 300.0, use_probe: bool = True) -> P2PMatrix:
-    """Measure one-way P2P bandwidth between every ordered pair of `bdfs` (GPUs on nvidia)."""
+def measure(
+    conn: _Conn,
+    bdfs: list[str],
+    *,
+    timeout: float = 300.0,
+    use_probe: bool = True,
+    index: dict[int, str] | None = None,
+) -> P2PMatrix:
+    """Measure one-way P2P bandwidth between every ordered pair of `bdfs` (GPUs on nvidia).
+
+    `index` maps nvidia-smi's GPU index to PCI address when the caller already knows it.
+    """
     bdfs = sorted(bdfs)
     probe: dict[str, Any] | None = None
     if use_probe:
@@ -175,9 +209,10 @@ def measure(conn: _Conn, bdfs: list[str], *, timeout: float = 300.0, use_probe: 
         for key, v in (probe.get("bandwidth") or {}).items():
             a, b = key.split(">")
             values[(a, b)] = v
-        caps, _ = capability(conn, bdfs, probe)
+        caps, _ = capability(conn, bdfs, probe, index)
         return P2PMatrix(bdfs, values, "cupy memcpyPeerAsync", caps)
-    caps, cap_source = capability(conn, bdfs, None)
+    index = index or _smi_index_map(conn)
+    caps, cap_source = capability(conn, bdfs, None, index)
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     note = f"capability from {cap_source}"
     r = conn.run(["nvbandwidth", "-t", NVBANDWIDTH_TEST, "-j"], timeout=timeout, env=env)
@@ -204,9 +239,8 @@ def measure(conn: _Conn, bdfs: list[str], *, timeout: float = 300.0, use_probe: 
             return P2PMatrix(bdfs, {}, "none", caps, f"no bandwidth tool worked: nvbandwidth: {why[0][:200]}")
     index = _nvbandwidth_devices(text)
     if not index:
-        smi = _smi_index_map(conn)
         # with CUDA_DEVICE_ORDER=PCI_BUS_ID, CUDA ordinals follow PCI order like nvidia-smi's
-        index = {i: b for i, b in enumerate(sorted(smi.values()))} if smi else dict(enumerate(bdfs))
+        index = {i: b for i, b in enumerate(sorted(index.values()))} if index else dict(enumerate(bdfs))
     values = {}
     for row in matrix.rows:
         for col in matrix.columns:

@@ -106,7 +106,6 @@ class P2PProcedure:
         self.opts = opts
         self.check_only = check_only
         self.svc_conn = getattr(target, "container_conn", None) or target.conn
-        self.in_container = getattr(target, "container_conn", None) is not None
         self.service = Service(self.svc_conn, opts.service, where=self._where(self.svc_conn))
         self.persistenced = Service(self.conn, "nvidia-persistenced", where=self.conn.name)
         self.journal = Journal(self.conn, "p2p")
@@ -121,6 +120,7 @@ class P2PProcedure:
         self.service_state: Any = None
         self.lost: str | None = None  # why the target became unreachable during this run
         self.blocked: list[str] = []  # writes left blocked in the kernel (an nvidia unbind while held)
+        self.topo: dict[tuple[str, str], str] = {}  # nvidia-smi topo -m link per GPU pair (NV#, PIX, ...)
 
     @staticmethod
     def _where(conn: Any) -> str:
@@ -159,8 +159,6 @@ class P2PProcedure:
             else None
         )
         self.plan = make_plan(self.gpus(), kernel=self.kernel(), selected=self.opts.gpus, journal=journal)
-        if journal is None and self.old_journal and self.old_journal.get("run_id") == self.journal.run_id:
-            self.plan.resumed_from = None
         smi = self.facts.get("nvidia_smi_gpus") or {}
         names = [str((smi.get(b) or {}).get("name") or "") for b in self.plan.gpus]
         self.plan.model = names[0] if names else ""
@@ -186,10 +184,18 @@ class P2PProcedure:
             self.stopped_service = bool(self.old_journal.get("service_stopped"))
             self.stopped_persistenced = bool(self.old_journal.get("persistenced_stopped"))
         if len(plan.gpus) >= 2 and not plan.unbound:
-            self.before = p2p.measure(self.conn, plan.gpus)
+            index = self._smi_index()
+            self.topo = p2p.topology(self.conn, plan.gpus, index)
+            self.before = p2p.measure(self.conn, plan.gpus, index=index)
             self.before_ok = all(v.ok for v in self._judge(self.before))
             self._record_matrix("P2P bandwidth before", self.before)
         return plan
+
+    def _smi_index(self) -> dict[int, str] | None:
+        """nvidia-smi index -> PCI address, from the last facts read (None when unknown)."""
+        smi = self.facts.get("nvidia_smi_gpus") or {}
+        index = {int(row["index"]): bdf for bdf, row in smi.items() if str(row.get("index", "")).isdigit()}
+        return index or None
 
     def _judge(self, matrix: p2p.P2PMatrix) -> list[p2p.PairVerdict]:
         assert self.plan is not None
@@ -198,6 +204,7 @@ class P2PProcedure:
             self.plan.links,
             min_gbps=self.opts.min_gbps,
             fraction=self.opts.fraction,
+            topo=self.topo,
             model=self.plan.model,
         )
 
@@ -216,7 +223,7 @@ class P2PProcedure:
             threshold=self._threshold(verdicts),
             target=self.conn.name,
         )
-        ev.state(name, matrix.to_dict(), target=self.conn.name)
+        ev.note(f"{name}: measured with {matrix.source}" + (f"; {matrix.note}" if matrix.note else ""))
 
     # ------------------------------------------------------------------ step 1: plan
 
@@ -625,7 +632,8 @@ class P2PProcedure:
             if self.before is not None and not self.changed:
                 matrix = self.before
             else:
-                matrix = p2p.measure(self.conn, self.plan.gpus)
+                self.read_facts(("nvidia_smi_gpus",))
+                matrix = p2p.measure(self.conn, self.plan.gpus, index=self._smi_index())
                 self._record_matrix("P2P bandwidth after", matrix)
             verdicts = self._judge(matrix)
             low = [v for v in verdicts if not v.ok]
