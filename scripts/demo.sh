@@ -10,17 +10,17 @@ STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 MOTO_PID=
 cleanup() {
   [[ -n $MOTO_PID ]] && kill "$MOTO_PID" 2>/dev/null || true
-  $PY -m gpulab down --all >/dev/null 2>&1 || true
+  $PY -m gpulab down --all --match demo- >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
-$PY -m gpulab down --all >/dev/null 2>&1 || true
+$PY -m gpulab down --all --match demo- >/dev/null 2>&1 || true   # a crashed demo's leftovers
 
 echo "== 1/3 Proxmox host: restore GPU peer-to-peer DMA (suites/p2p)"
-$PY -m gpulab up proxmox-rtx6000 --name pve-demo
-read -r -a P2P_ARGS <<<"$($PY -m gpulab pytest-args pve-demo)"
-$PY -m pytest suites/p2p "${P2P_ARGS[@]}" --stop-timeout=5 --report-name="p2p-pve-demo-$STAMP" -p no:cacheprovider || P2P_RC=$?
+$PY -m gpulab up proxmox-rtx6000 --name demo-pve
+read -r -a P2P_ARGS <<<"$($PY -m gpulab pytest-args demo-pve)"
+$PY -m pytest suites/p2p "${P2P_ARGS[@]}" --stop-timeout=5 --report-name="p2p-demo-pve-$STAMP" -p no:cacheprovider || P2P_RC=$?
 echo "   second run on the repaired host (everything should pass, nothing stopped):"
-$PY -m pytest suites/p2p "${P2P_ARGS[@]}" --report-name="p2p-pve-demo-rerun-$STAMP" -p no:cacheprovider -q || P2P_RC=$?
+$PY -m pytest suites/p2p "${P2P_ARGS[@]}" --report-name="p2p-demo-pve-rerun-$STAMP" -p no:cacheprovider -q || P2P_RC=$?
 
 echo "== 2/3 B200 node: decommission with backup to a local folder and to S3 (suites/decommission)"
 PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
@@ -32,11 +32,11 @@ $PY - "$PORT" <<'PYEOF'
 import sys, boto3
 boto3.client("s3", endpoint_url=f"http://127.0.0.1:{sys.argv[1]}").create_bucket(Bucket="node-handback")
 PYEOF
-$PY -m gpulab up b200-nvl8 --name b200-demo
-read -r -a B200_ARGS <<<"$($PY -m gpulab pytest-args b200-demo)"
+$PY -m gpulab up b200-nvl8 --name demo-b200
+read -r -a B200_ARGS <<<"$($PY -m gpulab pytest-args demo-b200)"
 $PY -m pytest suites/decommission "${B200_ARGS[@]}" --manifest=fixtures/manifests/b200-node-backup.yaml \
-  --backup-dir="backups/b200-demo" --backup-to="s3://node-handback/b200-demo" \
-  --s3-endpoint="http://127.0.0.1:$PORT" --report-name="decommission-b200-demo-$STAMP" -p no:cacheprovider || DEC_RC=$?
+  --backup-dir="backups/demo-b200" --backup-to="s3://node-handback/demo-b200" \
+  --s3-endpoint="http://127.0.0.1:$PORT" --report-name="decommission-demo-b200-$STAMP" -p no:cacheprovider || DEC_RC=$?
 
 echo "== 3/3 Fleet health check of both hosts (suites/health, check only)"
 $PY -m pytest suites/health "${P2P_ARGS[@]/--container=*/}" "${B200_ARGS[@]}" --check-only -n 2 \
@@ -45,5 +45,5 @@ $PY -m pytest suites/health "${P2P_ARGS[@]/--container=*/}" "${B200_ARGS[@]}" --
 echo
 echo "Reports:"
 ls -1 reports/*"$STAMP"*.html 2>/dev/null | sed 's/^/  /'
-echo "Backup: backups/b200-demo"
+echo "Backup: backups/demo-b200"
 exit $(( ${P2P_RC:-0} || ${DEC_RC:-0} ))

@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-.venv/bin/python -m gpulab down --all >/dev/null 2>&1 || true   # leftovers of a crashed run
-trap '.venv/bin/python -m gpulab down --all >/dev/null 2>&1 || true' EXIT
+# The lab fixture boots hosts once per session, tears them down at its end, and sweeps hosts left by
+# a test session that was killed; hosts of a running demo or another session are left alone.
 .venv/bin/python -m pytest tests -q -ra --durations=20 -p no:cacheprovider "$@"
