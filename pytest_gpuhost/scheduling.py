@@ -80,17 +80,18 @@ def scope_of(nodeid: str, known: Iterable[str] | None = None) -> str:
 
 
 def assign_units(nodeids: Sequence[str], known: Iterable[str] | None, workers: int) -> dict[str, int]:
-    """Give each work unit a worker index: round robin in collection order.
+    """Give each target's unit a worker index: round robin in collection order.
 
     The controller's scheduler and every worker compute the same answer from the same
     collection, so a worker knows its hosts before their tests arrive (and can open their
-    connections and read their facts concurrently: see `hosts_for_worker`).
+    connections and read their facts concurrently: see `hosts_for_worker`). Tests that name no
+    target are not in the answer: they are balanced as they go, like `--dist load`.
     """
     names = list(known or ())
     order: dict[str, int] = {}
     for nodeid in nodeids:
         scope = scope_of(nodeid, names)
-        if scope not in order:
+        if scope.startswith("gpuhost:") and scope not in order:
             order[scope] = len(order) % max(1, workers)
     return order
 
@@ -122,10 +123,11 @@ def static_assignment(config: pytest.Config) -> bool:
 class HostScheduling(LoadScopeScheduling):
     """LoadScopeScheduling whose scope is the target a test runs against, assigned round robin.
 
-    Every unit (one target's tests, in collection order) goes to one worker, whole, at the start:
+    Every target's unit (its tests, in collection order) goes to one worker, whole, at the start:
     unit k to worker k mod N, as `assign_units` says, so each worker can prepare its hosts
-    concurrently instead of one after another. A worker that dies has its unfinished units
-    handed to the others as LoadScopeScheduling does.
+    concurrently instead of one after another. Tests without a target are balanced as workers
+    run low. A worker that dies has its unfinished units handed to the others as
+    LoadScopeScheduling does.
     """
 
     def __init__(self, config: pytest.Config, log: Producer | None = None) -> None:
@@ -153,14 +155,23 @@ class HostScheduling(LoadScopeScheduling):
         for nodeid in self.collection:
             self.workqueue.setdefault(self._split_scope(nodeid), {})[nodeid] = False
         for scope in list(self.workqueue):
-            self.assigned_work[nodes[assignment[scope]]][scope] = self.workqueue.pop(scope)
+            if scope in assignment:
+                self.assigned_work[nodes[assignment[scope]]][scope] = self.workqueue.pop(scope)
         for node in nodes:
             work = self.assigned_work[node]
             if work:
-                collection = self.registered_collections[node]
-                index = {nodeid: i for i, nodeid in enumerate(collection)}
+                index = {nodeid: i for i, nodeid in enumerate(self.registered_collections[node])}
                 node.send_runtest_some([index[n] for unit in work.values() for n in unit])
-            node.shutdown()  # everything is sent: each worker leaves after its queue
+        # Tests without a target: handed out as workers run low, as LoadScopeScheduling does.
+        for node in nodes:
+            if self.workqueue and not self.assigned_work[node]:
+                self._assign_work_unit(node)
+        for node in nodes:
+            if self.workqueue:
+                self._reschedule(node)
+        if not self.workqueue:
+            for node in nodes:
+                node.shutdown()  # everything is sent: each worker leaves after its queue
 
 
 def _worker_index(node: Any) -> tuple[int, str]:

@@ -38,9 +38,13 @@ $PY -m pytest suites/decommission "${B200_ARGS[@]}" --manifest=fixtures/manifest
   --backup-dir="backups/demo-b200" --backup-to="s3://node-handback/demo-b200" \
   --s3-endpoint="http://127.0.0.1:$PORT" --report-name="decommission-demo-b200-$STAMP" -p no:cacheprovider || DEC_RC=$?
 
-echo "== 3/3 Fleet health check of both hosts (suites/health, check only)"
-$PY -m pytest suites/health "${P2P_ARGS[@]/--container=*/}" "${B200_ARGS[@]}" --check-only -n 2 \
-  --report-name="health-demo-$STAMP" -p no:cacheprovider -q || true
+echo "== 3/3 Fleet health check of both hosts (suites/health, check only, two workers)"
+KH=$(mktemp); cat /run/gpulab/demo-pve/known_hosts /run/gpulab/demo-b200/known_hosts >"$KH"
+HOSTS=()
+for a in "${P2P_ARGS[@]}" "${B200_ARGS[@]}"; do [[ $a == --host=* ]] && HOSTS+=("$a"); done
+$PY -m pytest suites/health "${HOSTS[@]}" --ssh-identity=/run/gpulab/id_ed25519 --known-hosts="$KH" \
+  --check-only -n 2 --report-name="health-demo-$STAMP" -p no:cacheprovider -q || true
+rm -f "$KH"
 
 echo
 echo "Reports:"

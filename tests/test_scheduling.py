@@ -90,7 +90,6 @@ def test_units_go_round_robin_and_each_worker_can_compute_its_hosts() -> None:
         "gpuhost:h3": 0,
         "gpuhost:h4": 1,
         "gpuhost:h5": 0,
-        "t.py::test_plain": 1,
     }
     assert hosts_for_worker(ids, known, 0, 2) == ["h1", "h3", "h5"]
     assert hosts_for_worker(ids, known, 1, 2) == ["h2", "h4"]
@@ -128,3 +127,25 @@ def test_every_worker_knows_its_hosts_before_they_run(
     for r in rows:
         assert r["ran"] in r["mine"], r
     assert {r["worker"]: r["mine"] for r in rows} == {"gw0": ["h1", "h3", "h5"], "gw1": ["h2", "h4", "h6"]}
+
+
+def test_tests_without_a_target_run_on_every_worker(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = pytester.path / "plain.log"
+    monkeypatch.setenv("SCHED_LOG", str(log))
+    pytester.makepyfile(
+        test_plain="""
+import os, time, pytest
+
+@pytest.mark.parametrize("i", range(8))
+def test_p(i):
+    time.sleep(0.3 if i == 0 else 0.01)
+    with open(os.environ["SCHED_LOG"], "a") as f:
+        f.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+    )
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--report-dir=none")
+    result.assert_outcomes(passed=8)
+    workers = log.read_text().split()
+    assert set(workers) == {"gw0", "gw1"}
