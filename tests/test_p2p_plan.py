@@ -143,6 +143,12 @@ def test_boot_script_touches_exactly_the_planned_groups(tmp_path: Path) -> None:
     assert "Before=nvidia-persistenced.service pve-guests.service" in unit and "Type=oneshot" in unit
 
 
+def test_kernel_command_line_that_makes_groups_identity_at_boot() -> None:
+    assert persist.boot_identity("BOOT_IMAGE=/boot/vmlinuz ro iommu=pt") == "iommu=pt"
+    assert persist.boot_identity("ro quiet intel_iommu=on") is None
+    assert persist.boot_identity(FACTS["host_info"]["cmdline"]) is None  # the broken Proxmox host
+
+
 def test_expected_bandwidth_and_thresholds() -> None:
     gen5 = {"speed": "32.0 GT/s PCIe", "width": 16}
     gen4 = {"speed": "16.0 GT/s PCIe", "width": 16}

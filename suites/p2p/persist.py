@@ -12,7 +12,7 @@ import shlex
 
 from suites.p2p.plan import P2PPlan
 
-__all__ = ["SCRIPT", "UNIT", "UNIT_NAME", "script_text", "unit_text"]
+__all__ = ["SCRIPT", "UNIT", "UNIT_NAME", "boot_identity", "script_text", "unit_text"]
 
 UNIT_NAME = "gpuhost-iommu-identity.service"
 UNIT = f"/etc/systemd/system/{UNIT_NAME}"
@@ -42,6 +42,15 @@ rebind() {  # BDF DRIVER
   echo "$1" > "/sys/bus/pci/drivers/$2/bind" || { echo "bind $1 to $2 failed" >&2; rc=1; }
 }
 """
+
+
+_PASSTHROUGH = ("iommu=pt", "iommu.passthrough=1", "iommu=off", "intel_iommu=off", "amd_iommu=off")
+
+
+def boot_identity(cmdline: str) -> str | None:
+    """Return the kernel argument that makes every group identity (or untranslated) at boot, if any."""
+    args = cmdline.split()
+    return next((a for a in reversed(args) if a in _PASSTHROUGH), None)
 
 
 def script_text(plan: P2PPlan) -> str:

@@ -693,6 +693,11 @@ class P2PProcedure:
             assert self.plan is not None
             if not self.plan.groups:
                 return Check(True, "no group in scope", skip="no IOMMU group in scope")
+            boot = persist.boot_identity((self.facts.get("host_info") or {}).get("cmdline") or "")
+            if boot and not self.plan.needs_repair and not self.changed:
+                return Check(
+                    True, f"identity at every boot by the kernel command line ({boot}): no unit needed"
+                )
             want_script, want_unit = persist.script_text(self.plan), persist.unit_text()
             files = self.conn.read_files([persist.SCRIPT, persist.UNIT])
             r = self.conn.run(["systemctl", "is-enabled", persist.UNIT_NAME], timeout=15)
