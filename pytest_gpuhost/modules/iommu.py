@@ -129,7 +129,10 @@ def set_type(conn: _Conn, group: IommuGroup, value: str, *, kernel: str, timeout
     # a small read: bound the reply tightly so that a link lost right after the write shows fast
     entry = conn.call("read_files", paths=[path], _reply_timeout=timeout).get(path) or {}
     if "data" not in entry:
-        raise IommuError(entry.get("errno") or 0, f"{conn.name}: group {group.number}: read back {path}: {entry.get('error')}")
+        raise IommuError(
+            entry.get("errno") or 0,
+            f"{conn.name}: group {group.number}: read back {path}: {entry.get('error')}",
+        )
     now = str(entry["data"]).strip()
     if now != value and not (value == "auto" and now):
         raise IommuError(
