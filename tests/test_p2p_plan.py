@@ -262,7 +262,8 @@ def test_run_lock_and_journal_on_a_local_target(tmp_path: Path) -> None:
         jb = Journal(b, "p2p", base=str(tmp_path))
         assert ja.acquire(wait=0, owner={"controller": "run-a"})["took_over"] is None
         ja.write(phase="unbind", plan={"groups": []})
-        assert jb.read() is not None and jb.read()["phase"] == "unbind"
+        seen = jb.read()
+        assert seen is not None and seen["phase"] == "unbind"
         t0 = time.monotonic()
         with pytest.raises(LockBusy, match="another p2p run holds .* run-a"):
             jb.acquire(wait=1)
