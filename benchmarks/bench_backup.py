@@ -32,6 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import boto3  # noqa: E402
+
 from gpulab.lab import CLIENT_KEY, Lab, LabHost  # noqa: E402
 from pytest_gpuhost.modules.backup import Backup, load_manifest  # noqa: E402
 from pytest_gpuhost.modules.s3 import S3Upload, item_for, items_from_backup, parse_s3_url  # noqa: E402
@@ -177,22 +179,31 @@ def main() -> int:
         for k, v in samples.items():
             times[k] = statistics.median(v)
         if not args.no_s3:
-            moto, endpoint = start_moto(work / "moto.log")
-            import boto3
-
-            boto3.client(
-                "s3",
-                endpoint_url=endpoint,
-                **{k.lower(): v for k, v in FAKE_ENV.items() if k.startswith("AWS_") and "KEY" in k},
-                region_name="us-east-1",
-            ).create_bucket(Bucket="bench")
-            times["aws s3 sync"], a = timed(lambda: aws_sync(work / "rsync", "s3://bench/rsync", endpoint))
-            info["aws rc"] = a.returncode
-            info["aws errors"] = a.stderr.decode(errors="replace").strip().splitlines()[-3:]
-            os.environ.update(FAKE_ENV)
-            times["ours + S3"], info["ours + S3"] = timed(
-                lambda: our_backup(h, work / "ours-s3", {"url": "s3://bench/ours", "endpoint": endpoint})
-            )
+            # each tool gets a fresh moto server: moto keeps objects in memory and slows as it fills
+            for tool in ("aws", "ours"):
+                moto, endpoint = start_moto(work / f"moto-{tool}.log")
+                boto3.client(
+                    "s3",
+                    endpoint_url=endpoint,
+                    aws_access_key_id=FAKE_ENV["AWS_ACCESS_KEY_ID"],
+                    aws_secret_access_key=FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
+                    region_name=FAKE_ENV["AWS_DEFAULT_REGION"],
+                ).create_bucket(Bucket="bench")
+                if tool == "aws":
+                    times["aws s3 sync"], a = timed(
+                        lambda: aws_sync(work / "rsync", "s3://bench/rsync", endpoint)
+                    )
+                    info["aws rc"] = a.returncode
+                    info["aws errors"] = a.stderr.decode(errors="replace").strip().splitlines()[-3:]
+                else:
+                    os.environ.update(FAKE_ENV)
+                    times["ours + S3"], info["ours + S3"] = timed(
+                        lambda: our_backup(
+                            h, work / "ours-s3", {"url": "s3://bench/ours", "endpoint": endpoint}
+                        )
+                    )
+                stop_moto(moto)
+                moto = None
         du = subprocess.run(
             ["du", "-sb", str(work / "rsync")], capture_output=True, text=True
         ).stdout.split()[0]
