@@ -191,15 +191,15 @@ def main() -> int:
                 ).create_bucket(Bucket="bench")
                 if tool == "aws":
                     times["aws s3 sync"], a = timed(
-                        lambda: aws_sync(work / "rsync", "s3://bench/rsync", endpoint)
+                        lambda ep=endpoint: aws_sync(work / "rsync", "s3://bench/rsync", ep)
                     )
                     info["aws rc"] = a.returncode
                     info["aws errors"] = a.stderr.decode(errors="replace").strip().splitlines()[-3:]
                 else:
                     os.environ.update(FAKE_ENV)
                     times["ours + S3"], info["ours + S3"] = timed(
-                        lambda: our_backup(
-                            h, work / "ours-s3", {"url": "s3://bench/ours", "endpoint": endpoint}
+                        lambda ep=endpoint: our_backup(
+                            h, work / "ours-s3", {"url": "s3://bench/ours", "endpoint": ep}
                         )
                     )
                 stop_moto(moto)
