@@ -284,6 +284,13 @@ def main() -> int:
             Endpoint(h, "127.0.0.1", proxy.add(h.address, 22)) if proxy else Endpoint(h, h.address, 22)
             for h in hosts
         ]
+        # Warm every host up the same way for both suites (page cache, first Python start),
+        # so that whichever suite runs first does not pay for it.
+        for h in hosts:
+            h.ssh(
+                "python3 -c pass; nvidia-smi >/dev/null; dmesg >/dev/null; systemctl is-active sglang-qwen >/dev/null",
+                timeout=60,
+            )
         print(
             f"{len(hosts)} lab hosts ({args.profile}) up in {time.monotonic() - t0:.1f} s; {how}; -n {workers}"
         )
