@@ -23,8 +23,10 @@ fi
 if ! .venv/bin/python -c "import pytest_gpuhost, mfusepy, moto, testinfra, pytest_html, xdist" 2>/dev/null \
    || [[ pyproject.toml -nt .venv/.installed ]]; then
   echo "setup: pip install -e .[dev]"
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e '.[dev]'
+  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+  .venv/bin/python -m pip install -q -e '.[dev]' 2>&1 | grep -Ev '^WARNING: Location|^ *$' || true
+  .venv/bin/python -c "import pytest_gpuhost, mfusepy, moto, testinfra, pytest_html, xdist" \
+    || { echo "setup: pip install failed" >&2; exit 1; }
   touch .venv/.installed
 fi
 modprobe fuse 2>/dev/null || true
