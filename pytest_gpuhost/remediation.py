@@ -276,6 +276,18 @@ class Remediator:
                 Outcome(remediation.name, FAILED, before, None, actions, f"vetoed: {veto}", self.target_name)
             )
         if self.check_only:
+            if not actions:  # nothing would run: a would-fix with no actions would promise a repair
+                return self._finish(
+                    Outcome(
+                        remediation.name,
+                        FAILED,
+                        before,
+                        None,
+                        actions,
+                        f"no fix is planned: {before.summary}",
+                        self.target_name,
+                    )
+                )
             return self._finish(
                 Outcome(remediation.name, WOULD_FIX, before, None, actions, before.summary, self.target_name)
             )

@@ -227,3 +227,18 @@ def test_worst_outcome_of_several_and_report_attributes(pytester: pytest.Pyteste
         {"name": "bandwidth", "value": 24.5, "unit": "GB/s", "target": ""}
     ]
     assert data["summary"] == {"fixed": 1}
+
+
+def test_check_only_without_a_planned_fix_fails_rather_than_would_fix(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        from pytest_gpuhost.remediation import Check
+
+        def test_pure_check(remediate):
+            remediate(name="temperature", check=lambda: Check(False, "GPU 3 at 93 C"))
+        """
+    )
+    result = pytester.runpytest("--check-only", "--report-dir=none", "-rA")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*no fix is planned: GPU 3 at 93 C*"])
+    assert "would fix" not in result.stdout.lines[-1]
