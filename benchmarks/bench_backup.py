@@ -223,11 +223,15 @@ def main() -> int:
             times["rsync"] + times["aws s3 sync"]
         )
     print(f"\nbackup benchmark, b200-nvl8 /data at scale {scale} ({info.get('bytes', 0) / 1e6:.0f} MB)")
-    for k, v in times.items():
-        each = ", ".join(f"{x:.2f}" for x in samples.get(k, [v]))
-        print(f"  {k:<14} {v:8.2f} s   (median of: {each})" if k in samples else f"  {k:<14} {v:8.2f} s")
-    for k, v in ratios.items():
-        print(f"  {k:<45} {v:6.2f}")
+    for name, secs in times.items():
+        each = ", ".join(f"{x:.2f}" for x in samples.get(name, [secs]))
+        print(
+            f"  {name:<14} {secs:8.2f} s   (median of: {each})"
+            if name in samples
+            else f"  {name:<14} {secs:8.2f} s"
+        )
+    for name, ratio in ratios.items():
+        print(f"  {name:<45} {ratio:6.2f}")
     print(f"  ours: {info['ours']}")
     print(f"  ours noop: {info['ours noop']}")
     if "ours + S3" in info:
