@@ -141,6 +141,7 @@ def test_boot_script_touches_exactly_the_planned_groups(tmp_path: Path) -> None:
     assert subprocess.run(["sh", "-n", str(script)], capture_output=True).returncode == 0
     unit = persist.unit_text()
     assert "Before=nvidia-persistenced.service pve-guests.service" in unit and "Type=oneshot" in unit
+    assert "gpu_users" in text and "blocked for 10 s" in text  # never blocks the boot on a GPU in use
 
 
 def test_kernel_command_line_that_makes_groups_identity_at_boot() -> None:
