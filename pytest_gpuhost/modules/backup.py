@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -55,7 +56,7 @@ PROBE_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "probe_backup.
 _TRAILER = struct.Struct(">iQqIB32s")
 _U32 = struct.Struct(">I")
 _END = 0xFFFFFFFF
-_SMALL = 4 << 20  # files up to this size are assembled in memory and written by a thread pool
+_SMALL = 4 << 20  # files up to this size are assembled in memory and written by the writer thread
 _META = ".gpuhost"
 
 
@@ -206,7 +207,7 @@ class RemoteFile:
     mode: int
     link: bytes | None = None
 
-    @property
+    @cached_property
     def key(self) -> str:
         """Path inside the backup directory (str with surrogateescape for non-UTF-8 bytes)."""
         rel = self.path.lstrip(b"/")
@@ -737,7 +738,7 @@ class Backup:
     def _write_small(
         self, f: RemoteFile, tmp: Path, pieces: list[bytes], trailer: tuple[Any, ...]
     ) -> str | None:
-        """Hash, write and place one small file (runs in a writer thread, off the stream)."""
+        """Hash, write and place one small file (runs in the writer thread, off the stream)."""
         data = b"".join(pieces)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         placed = False
@@ -753,7 +754,7 @@ class Backup:
                 tmp.unlink(missing_ok=True)
 
     def _transfer(self, files: list[RemoteFile], result: TransferResult) -> None:
-        """Stream the files' contents over one channel; small files are written by a thread pool."""
+        """Stream the files' contents over one channel; small files are written by a writer thread."""
         total_bytes = sum(f.size for f in files)
         python = str(getattr(getattr(self.conn, "opts", None), "python", "python3"))
         argv = sender_argv(max(self.stall_timeout * 2, 30), python)
@@ -765,7 +766,9 @@ class Backup:
         lock = threading.Lock()
         tmpdir = self.meta / "tmp"
         tmp_path: Path | None = None
-        pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="backup-write")
+        # one writer thread: it overlaps file creation with reading the stream; more threads made
+        # the kernel's per-directory and journal locks contend (measured: slower, more CPU)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backup-write")
         inflight = threading.BoundedSemaphore(64)  # at most 64 small files (<= 256 MiB) in memory
 
         def placed(f: RemoteFile, why: str | None) -> None:
