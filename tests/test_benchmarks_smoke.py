@@ -1,0 +1,41 @@
+"""CI runs each benchmark at smoke size: they must still run and print their figures.
+
+The full runs (and the figures quoted in the README and the issue notes) are made by hand:
+`python benchmarks/bench_X.py` without `--smoke`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB = os.geteuid() == 0 and os.path.exists("/dev/fuse")
+
+
+@pytest.mark.parametrize(
+    ("script", "needs_lab", "expect"),
+    [
+        ("bench_exec.py", True, "ratio"),
+        ("bench_lab_boot.py", True, "s"),
+        ("bench_backup.py", True, "rsync"),
+        ("bench_health.py", True, "hosts"),
+    ],
+)
+def test_benchmark_smoke(script: str, needs_lab: bool, expect: str) -> None:
+    if needs_lab and not LAB:
+        pytest.skip("needs root and /dev/fuse (sshd and lab hosts)")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert expect in out, out[-3000:]
