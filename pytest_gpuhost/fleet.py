@@ -285,7 +285,8 @@ class FleetRecorder:
     def _where(self, report: pytest.TestReport) -> tuple[str | None, str, dict[str, Any]]:
         props = dict(report.user_properties or [])
         known: list[str] = self.config.stash.get(TARGET_NAMES, [])
-        host = props.get("gpuhost_host") or host_of_nodeid(report.nodeid, known)
+        # Without targets (a run of ordinary tests) a parametrized id is no host: no fleet rows.
+        host = props.get("gpuhost_host") or (host_of_nodeid(report.nodeid, known) if known else None)
         check = props.get("gpuhost_check") or _check_of(report.nodeid)
         verdict = props.get("gpuhost_verdict")
         return (str(host) if host else None), str(check), (verdict if isinstance(verdict, dict) else {})
