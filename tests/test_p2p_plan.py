@@ -144,6 +144,22 @@ def test_boot_script_touches_exactly_the_planned_groups(tmp_path: Path) -> None:
     assert "gpu_users" in text and "blocked for 10 s" in text  # never blocks the boot on a GPU in use
 
 
+def test_boot_script_is_a_record_of_drivers_and_minors() -> None:
+    plan = make_plan(gpus_from(FACTS), kernel=KERNEL)
+    record = persist.recorded_functions(persist.script_text(plan))
+    assert record["0000:3a:00.0"] == {"bdf": "0000:3a:00.0", "driver": "nvidia", "is_gpu": True, "minor": 2}
+    assert record["0000:3a:00.1"]["driver"] == "snd_hda_intel" and not record["0000:3a:00.1"]["is_gpu"]
+    assert set(record) == {f.bdf for f in plan.rebind_order}
+    # a boot-time unbind that completed late left GPU 0 without a driver and no journal: the record keeps it in scope
+    facts = copy.deepcopy(FACTS)
+    facts["gpus"][0]["driver"] = facts["gpus"][0]["group_members"][0]["driver"] = None
+    facts["gpus"][0]["minor"] = None
+    as_journal = {"run_id": None, "plan": {"groups": [{"number": -1, "functions": [record["0000:17:00.0"]]}]}}
+    again = make_plan(gpus_from(facts), kernel=KERNEL, journal=as_journal)
+    assert again.gpus == NVIDIA and again.minors["0000:17:00.0"] == 0 and again.needs_repair
+    assert again.resumed_from is None
+
+
 def test_kernel_command_line_that_makes_groups_identity_at_boot() -> None:
     assert persist.boot_identity("BOOT_IMAGE=/boot/vmlinuz ro iommu=pt") == "iommu=pt"
     assert persist.boot_identity("ro quiet intel_iommu=on") is None

@@ -8,11 +8,12 @@ A group whose function sits on vfio-pci at boot is left alone.
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from suites.p2p.plan import P2PPlan
 
-__all__ = ["SCRIPT", "UNIT", "UNIT_NAME", "boot_identity", "script_text", "unit_text"]
+__all__ = ["SCRIPT", "UNIT", "UNIT_NAME", "boot_identity", "recorded_functions", "script_text", "unit_text"]
 
 UNIT_NAME = "gpuhost-iommu-identity.service"
 UNIT = f"/etc/systemd/system/{UNIT_NAME}"
@@ -83,9 +84,34 @@ def script_text(plan: P2PPlan) -> str:
         pairs = " ".join(shlex.quote(f"{f.bdf}={f.driver}") for f in g.unbind_order)
         lines.append(f"group_identity {int(g.number)} {pairs}")
     for f in plan.rebind_order:
-        lines.append(f"rebind {shlex.quote(f.bdf)} {shlex.quote(f.driver)}")
+        minor = "" if f.minor is None or not f.is_gpu else f"  # gpu minor {int(f.minor)}"
+        lines.append(f"rebind {shlex.quote(f.bdf)} {shlex.quote(f.driver)}{minor}")
     lines.append("exit $rc")
     return "\n".join(lines) + "\n"
+
+
+def recorded_functions(script: str) -> dict[str, dict[str, object]]:
+    """Read back, from an installed boot script, each function's driver (and a GPU's minor).
+
+    The boot script is the durable record of what the last repair found: when a boot-time unbind
+    was left blocked in the kernel and completed later, it is what still knows the driver.
+    """
+    out: dict[str, dict[str, object]] = {}
+    for line in script.splitlines():
+        parts = line.split()
+        if (
+            len(parts) >= 3
+            and parts[0] == "rebind"
+            and re.match(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$", parts[1])
+        ):
+            m = re.search(r"# gpu minor (\d+)", line)
+            out[parts[1]] = {
+                "bdf": parts[1],
+                "driver": parts[2],
+                "is_gpu": bool(m),
+                "minor": int(m.group(1)) if m else None,
+            }
+    return out
 
 
 def unit_text() -> str:

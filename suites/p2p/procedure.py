@@ -121,6 +121,7 @@ class P2PProcedure:
         self.lost: str | None = None  # why the target became unreachable during this run
         self.blocked: list[str] = []  # writes left blocked in the kernel (an nvidia unbind while held)
         self.topo: dict[tuple[str, str], str] = {}  # nvidia-smi topo -m link per GPU pair (NV#, PIX, ...)
+        self.boot_record: dict[str, dict[str, Any]] = {}  # functions listed by the installed boot script
 
     @staticmethod
     def _where(conn: Any) -> str:
@@ -129,17 +130,20 @@ class P2PProcedure:
     # ------------------------------------------------------------------ facts
 
     def read_facts(self, names: tuple[str, ...] = HOST_FACTS, **params: Any) -> dict[str, Any]:
-        """Read host facts (all the procedure needs by default) and the journal in one round trip."""
+        """Read host facts (all the procedure needs by default), the journal and the boot script in one round trip."""
         replies = self.conn.batch(
             [
                 {"op": "facts", "names": list(names), "params": params, "timeout": 60},
                 self.journal.read_request(),
+                {"op": "read_files", "paths": [persist.SCRIPT], "timeout": 5},
             ]
         )
         if isinstance(replies[0], Exception):
             raise replies[0]
         self.facts.update(replies[0])
         self.old_journal = Journal.parse(replies[1])
+        script = replies[2].get(persist.SCRIPT, {}) if isinstance(replies[2], dict) else {}
+        self.boot_record = persist.recorded_functions(script.get("data", "")) if "data" in script else {}
         return self.facts
 
     def gpus(self) -> list[gpu.GpuInfo]:
@@ -158,11 +162,32 @@ class P2PProcedure:
             if self.old_journal and self.old_journal.get("run_id") != self.journal.run_id
             else None
         )
-        self.plan = make_plan(self.gpus(), kernel=self.kernel(), selected=self.opts.gpus, journal=journal)
+        gpus = self.gpus()
+        if journal is None:
+            journal = self._boot_record_journal(gpus)
+        self.plan = make_plan(gpus, kernel=self.kernel(), selected=self.opts.gpus, journal=journal)
         smi = self.facts.get("nvidia_smi_gpus") or {}
         names = [str((smi.get(b) or {}).get("name") or "") for b in self.plan.gpus]
         self.plan.model = names[0] if names else ""
         return self.plan
+
+    def _boot_record_journal(self, gpus: list[gpu.GpuInfo]) -> dict[str, Any] | None:
+        """A journal-shaped record, from the installed boot script, of functions that lost their driver.
+
+        Only functions with no driver now are taken from it: what is bound now always wins.
+        """
+        driverless = {m.bdf for g in gpus if g.group for m in g.group.members if not m.driver}
+        record = [f for b, f in self.boot_record.items() if b in driverless]
+        if not record:
+            return None
+        evidence.current().note(
+            "no driver now, driver known from the boot script: "
+            + ", ".join(f"{f['bdf']} ({f['driver']})" for f in record)
+        )
+        return {
+            "run_id": None,
+            "plan": {"groups": [{"number": -1, "original_type": None, "functions": record}]},
+        }
 
     def gather(self) -> P2PPlan:
         """Step 1's read: facts, journal, plan, service state, and P2P before anything changes."""
