@@ -629,9 +629,6 @@ class Backup:
             copy = list(plan.copy)
             if plan.rehash:
                 copy += self._rehash(plan.rehash, result)
-            # large files first: an S3 upload fed by on_placed then overlaps their multipart
-            # uploads with the stream of small files instead of ending on them
-            copy.sort(key=lambda f: f.size <= _SMALL)
             if copy:
                 self._transfer(copy, result)
         finally:
