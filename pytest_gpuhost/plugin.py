@@ -94,6 +94,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "gpuhost_procedure: the module is an ordered procedure per target; "
         "a failed step skips the later ones for that target",
     )
+    config.addinivalue_line(
+        "markers",
+        "gpuhost_final: a procedure's verdict step; it runs even after a failed step, "
+        "to list what is missing",
+    )
     evidence.reset_session()
     redact.remember_env(os.environ)  # an operator's own AWS_SECRET_ACCESS_KEY never reaches a report
     if not hasattr(config, "workerinput"):

@@ -43,6 +43,7 @@ OUTCOMES = (PASSED, FIXED, FAILED, WOULD_FIX, SKIPPED)
 _RANK = {PASSED: 0, SKIPPED: 0, FIXED: 1, WOULD_FIX: 2, FAILED: 3}
 
 PROCEDURE_MARK = "gpuhost_procedure"
+FINAL_MARK = "gpuhost_final"  # a procedure's verdict step: runs even after a failed step
 SUMMARY_LIMIT = 40  # tests listed per terminal section; a fleet run has thousands
 TARGET_PARAM = "_gpuhost_target"
 
@@ -378,8 +379,8 @@ def _procedure_key(item: pytest.Item) -> tuple[str, str]:
 
 def check_blocked(item: pytest.Item) -> None:
     """Skip a procedure step whose earlier step failed for the same target."""
-    if item.get_closest_marker(PROCEDURE_MARK) is None:
-        return
+    if item.get_closest_marker(PROCEDURE_MARK) is None or item.get_closest_marker(FINAL_MARK) is not None:
+        return  # the verdict step must run to say exactly what is missing
     failed_step = item.config.stash.get(_blocked_key, {}).get(_procedure_key(item))
     if failed_step is not None:
         pytest.skip(f"blocked: step {failed_step} failed")

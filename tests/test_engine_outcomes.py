@@ -242,3 +242,27 @@ def test_check_only_without_a_planned_fix_fails_rather_than_would_fix(pytester: 
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*no fix is planned: GPU 3 at 93 C*"])
     assert "would fix" not in result.stdout.lines[-1]
+
+
+def test_final_step_runs_after_a_failed_step(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+        from pytest_gpuhost.remediation import Check
+
+        pytestmark = pytest.mark.gpuhost_procedure
+
+        def test_one(remediate):
+            remediate(name="one", check=lambda: Check(False, "broken"))
+
+        def test_two():
+            pass
+
+        @pytest.mark.gpuhost_final
+        def test_verdict():
+            pass
+        """
+    )
+    result = pytester.runpytest("--report-dir=none", "-rs")
+    result.assert_outcomes(failed=1, skipped=1, passed=1)
+    result.stdout.fnmatch_lines(["*blocked: step test_one failed*"])
