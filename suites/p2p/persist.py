@@ -27,20 +27,18 @@ rc=0
 UNIT=gpuhost-iommu-identity.service
 driver_of() { d=$(readlink "/sys/bus/pci/devices/$1/driver" 2>/dev/null) && basename "$d"; }
 gpu_users() {  # PIDs with a /dev/nvidiaN open: an nvidia unbind would block until they exit
-  for f in /proc/[0-9]*/fd/*; do
-    case $(readlink "$f" 2>/dev/null) in /dev/nvidia[0-9]*) p=${f#/proc/}; echo "${p%%/*}";; esac
-  done | sort -u | tr '\\n' ' '
+  find /proc/[0-9]*/fd -lname '/dev/nvidia[0-9]*' 2>/dev/null | cut -d/ -f3 | sort -u | tr '\\n' ' '
 }
 unbind() {  # BDF DRIVER; a write blocked in the kernel cannot be killed: never wait on it > 10 s
   ( echo "$1" > "/sys/bus/pci/drivers/$2/unbind" ) & w=$!
   n=0
   while kill -0 "$w" 2>/dev/null; do
     n=$((n + 1))
-    if [ "$n" -gt 40 ]; then
+    if [ "$n" -gt 500 ]; then
       echo "unbind $1 from $2 blocked for 10 s (the GPU is in use): stopping here, the write is left to the kernel" >&2
       rc=1; exit $rc
     fi
-    sleep 0.25
+    sleep 0.02
   done
   wait "$w" || { echo "unbind $1 from $2 failed" >&2; rc=1; return 1; }
 }
@@ -51,12 +49,12 @@ group_identity() {  # group, then BDF=DRIVER pairs
   for p in "$@"; do
     if [ "$(driver_of "${p%%=*}")" = vfio-pci ]; then echo "group $g: ${p%%=*} is on vfio-pci: left alone" >&2; return 0; fi
   done
+  users=$(gpu_users)
+  if [ -n "$users" ]; then  # an nvidia unbind would block: report and leave the group as it is
+    echo "group $g: GPUs in use by pid $users: left $t (start GPU users after $UNIT)" >&2; rc=1; return
+  fi
   for p in "$@"; do
     b=${p%%=*}; cur=$(driver_of "$b") || continue
-    users=$(gpu_users)
-    if [ -n "$users" ]; then  # an nvidia unbind would block: report and leave the group as it is
-      echo "group $g: GPUs in use by pid $users: left $t (start GPU users after $UNIT)" >&2; rc=1; return
-    fi
     unbind "$b" "$cur" || return
   done
   echo identity > "/sys/kernel/iommu_groups/$g/type" || { echo "group $g: identity refused" >&2; rc=1; }
@@ -121,7 +119,7 @@ def unit_text() -> str:
         "[Unit]\n"
         "Description=Put the IOMMU groups of peer-to-peer GPUs in identity mode (pytest-gpuhost)\n"
         "DefaultDependencies=no\n"
-        "After=local-fs.target systemd-modules-load.service systemd-udev-settle.service\n"
+        "After=local-fs.target systemd-modules-load.service\n"
         "Before=nvidia-persistenced.service pve-guests.service lxc.service docker.service "
         "containerd.service multi-user.target shutdown.target\n"
         "Conflicts=shutdown.target\n"
@@ -129,6 +127,8 @@ def unit_text() -> str:
         "[Service]\n"
         "Type=oneshot\n"
         "RemainAfterExit=yes\n"
+        "# a write left blocked in the kernel cannot be killed: do not wait on it when the unit ends\n"
+        "KillMode=process\n"
         f"ExecStart={SCRIPT}\n"
         "TimeoutStartSec=300\n"
         "\n"
