@@ -227,9 +227,8 @@ def test_repair_rerun_reboot(host: Any, tmp_path: Path) -> None:
     st = host_state(host)
     assert [st["groups"][g] for g in GROUPS] == ["identity"] * 4, st
     assert [st["groups"][g] for g in VFIO_GROUPS] == ["DMA-FQ"] * 4, st
-    deadline = time.monotonic() + 60
-    while host_state(host)["service"] != "active" and time.monotonic() < deadline:
-        time.sleep(1)
+    # (the service itself is not judged here: the lab boots the container together with the host,
+    # where Proxmox starts guests after the host's boot units; see suites/p2p/README.md)
     n = len(host.record())
     check = run_suite(host, tmp_path, "--check-only")
     assert check.rc == 0, check.output[-3000:]
