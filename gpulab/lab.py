@@ -648,13 +648,19 @@ class LabHost:
         deadline = t0 + timeout
         ms = self.machines()
         timings: dict[str, float] = {}
+        # Containers start once the host's boot is done, as Proxmox starts guests from
+        # pve-guests.service after the boot units (a boot-time IOMMU fix runs before any guest).
         self._launch(ms[0])
+        states = {ms[0].name: self._wait_booted(ms[0], deadline)}
+        timings[ms[0].name] = round(time.monotonic() - t0, 3)
         for m in ms[1:]:
             self._launch(m)
         self._write_containers_json()
-        for m in ms:
-            state = self._wait_booted(m, deadline)
+        for m in ms[1:]:
+            states[m.name] = self._wait_booted(m, deadline)
             timings[m.name] = round(time.monotonic() - t0, 3)
+        for m in ms:
+            state = states[m.name]
             if state == "degraded":
                 failed = self.exec(
                     ["systemctl", "--failed", "--no-legend", "--plain"], cid=m.cid, timeout=5

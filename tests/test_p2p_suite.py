@@ -227,8 +227,15 @@ def test_repair_rerun_reboot(host: Any, tmp_path: Path) -> None:
     st = host_state(host)
     assert [st["groups"][g] for g in GROUPS] == ["identity"] * 4, st
     assert [st["groups"][g] for g in VFIO_GROUPS] == ["DMA-FQ"] * 4, st
-    # (the service itself is not judged here: the lab boots the container together with the host,
-    # where Proxmox starts guests after the host's boot units; see suites/p2p/README.md)
+    # The container starts after the host's boot units (as pve-guests.service does): its service
+    # comes up on GPUs whose groups are already identity, and NCCL says P2P.
+    deadline = time.monotonic() + 30
+    while host_state(host)["service"] != "active" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert host_state(host)["service"] == "active"
+    log = sh(host, "pct exec 101 -- cat /var/log/sglang/sglang-qwen.log")
+    nccl = [line for line in log.splitlines() if " via " in line]
+    assert nccl and "via P2P" in nccl[-1], log[-2000:]
     n = len(host.record())
     check = run_suite(host, tmp_path, "--check-only")
     assert check.rc == 0, check.output[-3000:]

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (work / "test_rep.py").write_text(SUITE)
     proc = subprocess.run(
         [
-            "python",
+            sys.executable,
             "-m",
             "pytest",
             "-p",

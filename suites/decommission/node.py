@@ -295,7 +295,12 @@ class Decommission:
 
         def plan(before: Check) -> list[Action]:
             if before.state["apps"]:
-                return []  # processes the manifest did not select: not ours to kill
+                # Servers that step 2 stops (still running under --check-only) leave on their own;
+                # any other compute process is not ours to kill, so nothing is planned for it.
+                table = ProcessTable.read(self.conn, gpu_holders=self.manifest.stop.gpu_holders)
+                ours = {p.pid for p, _ in table.select(self.manifest.stop)}
+                if any(int(a["pid"]) not in ours for a in before.state["apps"]):
+                    return []
             return [
                 Action(
                     f"wait up to {self.gpu_idle_timeout:.0f} s for GPU memory to return to baseline",
