@@ -146,21 +146,26 @@ class DelayProxy:
             self.thread.join(5)
 
 
-def ensure_inotify(hosts: int) -> None:
+INOTIFY = Path("/proc/sys/fs/inotify/max_user_instances")
+
+
+def ensure_inotify(hosts: int) -> int | None:
     """Raise fs.inotify.max_user_instances if N more systemd instances would run out of it.
 
     Each lab host's systemd takes about 8 inotify instances; the kernel default of 128 ends a
-    16-host lab (plus whatever else runs) with "systemd died while booting".
+    16-host lab (plus whatever else runs) with "systemd died while booting". Returns the value
+    to restore afterwards (None when nothing was changed).
     """
-    path = Path("/proc/sys/fs/inotify/max_user_instances")
     try:
-        current = int(path.read_text())
+        current = int(INOTIFY.read_text())
     except (OSError, ValueError):
-        return
+        return None
     want = 1024
     if current < want and hosts * 10 + 128 > current:
-        path.write_text(f"{want}\n")
+        INOTIFY.write_text(f"{want}\n")
         print(f"raised fs.inotify.max_user_instances {current} -> {want} for {hosts} lab hosts")
+        return current
+    return None
 
 
 @dataclass
@@ -267,8 +272,9 @@ def main() -> int:
     tag = f"bh{os.getpid() % 100000}"
     hosts: list[LabHost] = []
     proxy: DelayProxy | None = None
+    restore_inotify: int | None = None
     try:
-        ensure_inotify(max(sizes))
+        restore_inotify = ensure_inotify(max(sizes))
         t0 = time.monotonic()
         for i in range(max(sizes)):
             hosts.append(lab.up(args.profile, name=f"{tag}-{i:02d}"))
@@ -346,6 +352,8 @@ def main() -> int:
                 h.down()
             except Exception as exc:  # keep tearing down the rest
                 print(f"teardown {h.name}: {exc}", file=sys.stderr)
+        if restore_inotify is not None:  # leave the machine as it was
+            INOTIFY.write_text(f"{restore_inotify}\n")
 
 
 if __name__ == "__main__":

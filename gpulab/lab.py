@@ -512,8 +512,10 @@ class LabHost:
         return time.monotonic() - t0
 
     def down(self) -> None:
-        """Stop the host and remove everything the lab made for it."""
+        """Stop the host and remove everything the lab made for it (the last host: the lab's route too)."""
         _teardown(self.dir, self.name, self.meta.get("index"))
+        if not Lab().names():
+            netns.remove_blackhole()
 
     # ---- boot machinery (used by Lab.up and reboot) ------------------------------------------
 
@@ -1103,8 +1105,8 @@ class Lab:
                         _remove_cgroup(f"gpulab/{sub.name}")
         if not match:
             _remove_cgroup("gpulab")
-            if not self.names():
-                netns.remove_blackhole()
+        if not self.names():
+            netns.remove_blackhole()
         return removed
 
 
