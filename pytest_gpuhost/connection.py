@@ -334,9 +334,14 @@ class Connection:
 
     # ------------------------------------------------------------ public API
 
-    def call(self, op: str, **params: Any) -> Any:
-        """Run a raw agent op and return its result; raise AgentError (with errno) on failure."""
-        timeout = float(params.pop("_reply_timeout", 0) or self._op_timeout(params))
+    def call(self, op: str, *, reply_timeout: float | None = None, **params: Any) -> Any:
+        """Run a raw agent op and return its result; raise AgentError (with errno) on failure.
+
+        `reply_timeout` bounds the wait for the reply (default: the op's own `timeout`, or the
+        command timeout, plus a margin); quick bookkeeping ops pass a short one so that a cut link
+        is noticed in seconds.
+        """
+        timeout = float(reply_timeout or self._op_timeout(params))
         with self._locked():
             fallback = self._ensure() is None
         if fallback:
@@ -356,7 +361,7 @@ class Connection:
     def batch(self, requests: list[dict[str, Any]]) -> list[Any]:
         """Run several ops in one round trip; each item is a result or an AgentError instance."""
         budget = sum(self._op_timeout(r) - REPLY_MARGIN for r in requests) + REPLY_MARGIN
-        replies = self.call("batch", requests=requests, _reply_timeout=budget)
+        replies = self.call("batch", requests=requests, reply_timeout=budget)
         out: list[Any] = []
         for req, rep in zip(requests, replies, strict=False):
             if rep.get("ok"):

@@ -127,7 +127,7 @@ def set_type(conn: _Conn, group: IommuGroup, value: str, *, kernel: str, timeout
             code, f"{conn.name}: group {group.number}: {shown}: {_explain(group, value, code, kernel)}"
         )
     # a small read: bound the reply tightly so that a link lost right after the write shows fast
-    entry = conn.call("read_files", paths=[path], _reply_timeout=timeout).get(path) or {}
+    entry = conn.call("read_files", paths=[path], reply_timeout=timeout).get(path) or {}
     if "data" not in entry:
         raise IommuError(
             entry.get("errno") or 0,

@@ -51,7 +51,7 @@ class Journal:
 
     def read(self) -> dict[str, Any] | None:
         """Return the journal on the target, or None when there is none."""
-        return self.parse(self.conn.call(**self.read_request(), _reply_timeout=QUICK))
+        return self.parse(self.conn.call(**self.read_request(), reply_timeout=QUICK))
 
     @staticmethod
     def parse(result: Any) -> dict[str, Any] | None:
@@ -102,7 +102,7 @@ class Journal:
                 path=self.lock_path,
                 action="release",
                 run_id=self.run_id,
-                _reply_timeout=QUICK,
+                reply_timeout=QUICK,
             )
             self.held = False
 
@@ -120,7 +120,7 @@ class Journal:
             path=self.path,
             data=self.data,
             lock={"path": self.lock_path, "run_id": self.run_id},
-            _reply_timeout=QUICK,
+            reply_timeout=QUICK,
         )
 
     def step(self, what: str, **detail: Any) -> None:
@@ -131,5 +131,5 @@ class Journal:
 
     def retire(self) -> None:
         """Move the journal aside (NAME.json.done): the procedure finished, nothing is pending."""
-        self.conn.call("gpuhost_journal", action="retire", path=self.path, _reply_timeout=QUICK)
+        self.conn.call("gpuhost_journal", action="retire", path=self.path, reply_timeout=QUICK)
         self.data = {}

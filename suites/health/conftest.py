@@ -59,7 +59,7 @@ class HostHealth:
         n = int(extra.get("samples") or 1)
         bound = (float(self.thresholds["probe_timeout"]) * 3 + 10) * n + float(extra.get("interval", 0)) * n
         try:
-            result = conn.call("facts", names=["health"], params=params, _reply_timeout=bound)
+            result = conn.call("facts", names=["health"], params=params, reply_timeout=bound)
         finally:
             self.round_trips += conn.round_trips - before
         facts = result.get("health")

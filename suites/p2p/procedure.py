@@ -552,7 +552,7 @@ class P2PProcedure:
 
     def _driver_now(self, bdf: str) -> str | None:
         link = f"{pci.DEVICES}/{bdf}/driver"
-        r = self.conn.call("readlink", paths=[link], _reply_timeout=QUICK)
+        r = self.conn.call("readlink", paths=[link], reply_timeout=QUICK)
         entry = r.get(link) or {}
         target = entry.get("target") if isinstance(entry, dict) else None
         return target.rsplit("/", 1)[-1] if target else None
