@@ -554,10 +554,12 @@ class Connection:
             self._wire.release()
 
     def open_channel(self, argv: Sequence[str]) -> RawChannel:
-        """Start `argv` on the target on a channel of its own, for bulk bytes (tar, hashing)."""
+        """Start `argv` on the target on a channel of its own, for bulk bytes (tar, hashing).
+
+        Over SSH this is an OpenSSH client process where one can log in (see transport.py)."""
         if self._closed:
             raise AgentError(f"connection to {self.name} is closed")
-        return self.launcher.open([str(a) for a in argv])
+        return self.launcher.open_bulk([str(a) for a in argv])
 
     def container(self, spec: Any) -> Connection:
         """Open a connection to a container through this one (or by its own SSH for ssh://)."""

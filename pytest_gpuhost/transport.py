@@ -6,6 +6,14 @@ target (one exec channel per program, so an agent and a bulk tar stream share th
 and `PrefixLauncher` wraps another launcher's argv (`sudo -n`, `docker exec -i NAME`,
 `pct exec ID --`, `lxc-attach -n NAME --`).
 
+`Launcher.open_bulk` is for programs that move many megabytes (the backup stream).  Over SSH it
+runs the program under the OpenSSH client when `ssh` is installed, with the same identity, the
+same known_hosts file under StrictHostKeyChecking=yes, and no user config: OpenSSH's C transport
+moves bulk bytes about 2.5 times faster than paramiko's here.  The first bulk channel of a
+channel that the client cannot log in on (ssh exits 255 before the program printed a byte) is
+replaced, transparently, by a paramiko channel that gets the same stdin; later bulk channels stay on
+paramiko and the reason is kept in `SSHTransport.bulk_fallback`.
+
 Host keys are checked by this module, not by paramiko's policies, so that a changed key can be
 reported with the file and line it contradicts; a changed key is refused under every policy.
 """
@@ -13,10 +21,12 @@ reported with the file and line it contradicts; a changed key is refused under e
 from __future__ import annotations
 
 import errno
+import fcntl
 import getpass
 import os
 import select
 import shlex
+import shutil
 import socket
 import subprocess
 import threading
@@ -43,6 +53,13 @@ __all__ = [
 
 HOST_KEY_POLICIES = ("strict", "accept-new")
 _STDERR_KEEP = 64 * 1024
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_BULK_PIPE = 1 << 20
+# AES-GCM first: with AES-NI it costs both ends about half of chacha20-poly1305's CPU (measured on
+# this 2-core machine: 839 MB in 1.9 s vs 3.1 s).  The server picks the first one it also offers.
+_BULK_CIPHERS = (
+    "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,aes128-ctr,aes256-ctr"
+)
 
 
 class RawChannel:
@@ -100,8 +117,15 @@ class RawChannel:
 class ProcessChannel(RawChannel):
     """A local child process, in its own session so closing it can kill its whole group."""
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
-        self.label = shlex.join(argv)
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        label: str | None = None,
+        bulk: bool = False,
+    ) -> None:
+        self.label = label or shlex.join(argv)
         full_env = None
         if env:
             full_env = dict(os.environ)
@@ -121,6 +145,13 @@ class ProcessChannel(RawChannel):
         self._stderr: deque[bytes] = deque()
         self._stderr_len = 0
         self._eof = False
+        self._read_size = 65536
+        if bulk:
+            try:  # fewer, larger reads; the kernel may refuse a size above pipe-max-size
+                fcntl.fcntl(self._out, _F_SETPIPE_SZ, _BULK_PIPE)
+                self._read_size = _BULK_PIPE
+            except OSError:
+                pass
 
     def send(self, data: bytes) -> None:
         view = memoryview(data)
@@ -164,7 +195,7 @@ class ProcessChannel(RawChannel):
                 else:
                     self._err = None
             if self._out in ready:
-                data = os.read(self._out, 65536)
+                data = os.read(self._out, self._read_size)
                 if not data:
                     self._eof = True
                 return data
@@ -264,6 +295,10 @@ class Launcher:
     def open(self, argv: Sequence[str]) -> RawChannel:
         raise NotImplementedError
 
+    def open_bulk(self, argv: Sequence[str]) -> RawChannel:
+        """Like `open`, for a program that moves bulk bytes (see the module docstring)."""
+        return self.open(argv)
+
     def close(self) -> None:
         """Release what the launcher holds (an SSH transport); channels must be closed first."""
 
@@ -278,6 +313,9 @@ class LocalLauncher(Launcher):
     def open(self, argv: Sequence[str]) -> RawChannel:
         return ProcessChannel(argv, self.env)
 
+    def open_bulk(self, argv: Sequence[str]) -> RawChannel:
+        return ProcessChannel(argv, self.env, bulk=True)
+
 
 class PrefixLauncher(Launcher):
     """Run programs through another launcher behind a fixed argv prefix (sudo, docker exec, ...)."""
@@ -289,6 +327,9 @@ class PrefixLauncher(Launcher):
 
     def open(self, argv: Sequence[str]) -> RawChannel:
         return self.base.open(self.prefix + list(argv))
+
+    def open_bulk(self, argv: Sequence[str]) -> RawChannel:
+        return self.base.open_bulk(self.prefix + list(argv))
 
 
 def _host_key_name(host: str, port: int) -> str:
@@ -336,6 +377,8 @@ class SSHTransport:
         self.password = password
         self.transport: paramiko.Transport | None = None
         self._lock = threading.Lock()
+        self._openssh_ok: bool | None = None  # None: not known yet; False: bulk stays on paramiko
+        self.bulk_fallback = ""  # why bulk channels use paramiko, once that is decided
 
     @property
     def where(self) -> str:
@@ -509,6 +552,62 @@ class SSHTransport:
                     ) from exc
         raise AssertionError("unreachable")
 
+    # -- bulk channels under the OpenSSH client
+
+    def openssh_argv(self, command: str | None = None) -> list[str] | None:
+        """The `ssh` argv reaching this host as paramiko does, or None where that cannot be built."""
+        ssh = shutil.which("ssh")
+        if ssh is None:
+            return None
+        if self.password is not None and not self.identity:
+            return None  # BatchMode cannot type a password
+        argv = [
+            ssh,
+            "-F", "/dev/null",  # no user config: the same host, port and key paramiko used
+            "-T",
+            "-x",
+            "-a",
+            "-p", str(self.port),
+            "-l", self.user,
+            "-c", _BULK_CIPHERS,
+            "-o", "BatchMode=yes",
+            "-o", "StrictHostKeyChecking=yes",
+            "-o", f"UserKnownHostsFile={self.known_hosts}",
+            "-o", "GlobalKnownHostsFile=/dev/null",
+            "-o", "UpdateHostKeys=no",
+            "-o", f"ConnectTimeout={max(1, int(self.connect_timeout))}",
+            "-o", "ServerAliveInterval=15",
+            "-o", "ServerAliveCountMax=4",
+            "-o", "LogLevel=ERROR",
+        ]  # fmt: skip
+        if self.identity:
+            argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
+        argv += [self.host, "--"]
+        if command is not None:
+            argv.append(command)
+        return argv
+
+    def open_bulk(self, argv: Sequence[str]) -> RawChannel:
+        """Start `argv` under the OpenSSH client, else (or if it cannot log in) on a paramiko channel."""
+        command = shlex.join(argv)
+        ssh = self.openssh_argv(command) if self._openssh_ok is not False else None
+        if ssh is None:
+            if self._openssh_ok is None:
+                self._openssh_ok = False
+                self.bulk_fallback = "no OpenSSH client (ssh) on PATH"
+            return self.open(argv)
+        try:
+            chan = ProcessChannel(ssh, label=f"ssh {self.where} {command}", bulk=True)
+        except OSError as exc:
+            self._openssh_ok = False
+            self.bulk_fallback = f"cannot start ssh: {_one_line(exc)}"
+            return self.open(argv)
+        return _OpenSSHChannel(self, argv, chan)
+
+    def _openssh_failed(self, why: str) -> None:
+        self._openssh_ok = False
+        self.bulk_fallback = why
+
     def _close_locked(self) -> None:
         if self.transport is not None:
             self.transport.close()
@@ -530,6 +629,69 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+class _OpenSSHChannel(RawChannel):
+    """A bulk program under the OpenSSH client that falls back to paramiko if ssh cannot log in.
+
+    Until the program's first byte arrives, what was sent is kept; if ssh then exits 255 with
+    nothing printed, the program is started again on a paramiko channel and that input replayed.
+    Only the fallback takes the lock, so a sender blocked on a full pipe cannot stall the reader.
+    """
+
+    def __init__(self, transport: SSHTransport, argv: Sequence[str], chan: ProcessChannel) -> None:
+        self.transport = transport
+        self.argv = list(argv)
+        self.label = chan.label
+        self.chan: RawChannel = chan
+        self._sent: list[bytes] = []
+        self._spoke = False
+        self._stdin_closed = False
+        self._lock = threading.Lock()
+
+    def send(self, data: bytes) -> None:
+        with self._lock:
+            if not self._spoke:
+                self._sent.append(bytes(data))
+            self.chan.send(data)
+
+    def close_stdin(self) -> None:
+        with self._lock:
+            self._stdin_closed = True
+            self.chan.close_stdin()
+
+    def recv(self, timeout: float | None) -> bytes:
+        if self._pushback:
+            data, self._pushback = self._pushback, b""
+            return data
+        data = self.chan.recv(timeout)
+        if data:
+            if not self._spoke:
+                self._spoke = True
+                self._sent = []
+            return data
+        if self._spoke or not isinstance(self.chan, ProcessChannel) or self.chan.exit_status(5.0) != 255:
+            return data
+        why = " ".join(self.chan.stderr_text().split())[-300:] or "no message"
+        self.transport._openssh_failed(f"ssh client exited 255: {why}")
+        with self._lock:
+            self.chan.close()
+            self.chan = self.transport.open(self.argv)
+            self.label = self.chan.label
+            for piece in self._sent:
+                self.chan.send(piece)
+            if self._stdin_closed:
+                self.chan.close_stdin()
+        return self.recv(timeout)
+
+    def stderr_text(self) -> str:
+        return self.chan.stderr_text()
+
+    def exit_status(self, timeout: float = 0.0) -> int | None:
+        return self.chan.exit_status(timeout)
+
+    def close(self) -> None:
+        self.chan.close()
+
+
 class SSHLauncher(Launcher):
     """Run programs over one SSH transport, one exec channel each."""
 
@@ -539,6 +701,9 @@ class SSHLauncher(Launcher):
 
     def open(self, argv: Sequence[str]) -> RawChannel:
         return self.transport.open(argv)
+
+    def open_bulk(self, argv: Sequence[str]) -> RawChannel:
+        return self.transport.open_bulk(argv)
 
     def close(self) -> None:
         self.transport.close()

@@ -234,3 +234,58 @@ def _container(sshd):
     from pytest_gpuhost.targets import parse_container
 
     return parse_container(sshd.url)
+
+
+def _ssh_client_port(text: str) -> str:
+    return text.split()[1]  # SSH_CLIENT is "client-address client-port server-port"
+
+
+def test_bulk_channel_runs_under_the_openssh_client(conn):
+    """Bulk bytes travel on a connection of their own, made by the OpenSSH client (C crypto)."""
+    agent_port = _ssh_client_port(conn.run("echo $SSH_CLIENT").stdout)
+    with conn.open_channel(["sh", "-c", 'echo "$SSH_CLIENT"; head -c 3000000 /dev/zero']) as ch:
+        first = b""
+        while not first.endswith(b"\n"):
+            first += ch.read_exact(1, 10)
+        assert ch.read_exact(3_000_000, 10) == b"\0" * 3_000_000
+        assert ch.exit_status(5) == 0
+    assert _ssh_client_port(first.decode()) != agent_port
+    assert conn.launcher.transport.bulk_fallback == ""
+
+
+def test_bulk_channel_falls_back_to_paramiko_when_ssh_cannot_log_in(sshd, tmp_path, monkeypatch):
+    """An ssh client that exits 255 before the program spoke: same program, same stdin, on paramiko."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "ssh"
+    fake.parent.mkdir()
+    fake.write_text(
+        f"#!/bin/sh\necho x >> {calls}\ncat >/dev/null\n"
+        "echo 'ssh: connect to host 127.0.0.1: Connection refused' >&2\nexit 255\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    c = open_connection(parse_host_url(sshd.url), opts(sshd))
+    try:
+        for round_ in (1, 2):
+            with c.open_channel(["sh", "-c", "cat; echo done >&2"]) as ch:
+                ch.send(b"payload %d" % round_)
+                ch.close_stdin()
+                assert ch.read_exact(9, 10) == b"payload %d" % round_
+                assert ch.read_exact(1, 10) == b""
+                assert ch.exit_status(5) == 0 and "done" in ch.stderr_text()
+        why = c.launcher.transport.bulk_fallback
+        assert why.startswith("ssh client exited 255") and "Connection refused" in why
+        assert calls.read_text().count("x") == 1  # the second channel went straight to paramiko
+    finally:
+        c.close()
+
+
+def test_bulk_channel_without_an_ssh_client(sshd, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ssh here; the remote side keeps its own PATH
+    c = open_connection(parse_host_url(sshd.url), opts(sshd))
+    try:
+        with c.open_channel(["sh", "-c", "head -c 5 /dev/zero"]) as ch:
+            assert ch.read_exact(5, 10) == b"\0" * 5
+        assert c.launcher.transport.bulk_fallback == "no OpenSSH client (ssh) on PATH"
+    finally:
+        c.close()
