@@ -6,10 +6,10 @@
 
 Measured, each from a cold destination: our local backup (walk, bulk stream, SHA-256 on both
 ends, verify, SHA256SUMS) vs `rsync -a -e ssh`; the no-op rerun of each; our backup plus S3
-upload vs rsync followed by `aws s3 sync`, both to the same moto server on loopback.  Goals
+upload vs rsync followed by `aws s3 sync`, each to a fresh moto server on loopback.  Goals
 (issue 5): local <= 1.2 x rsync; with S3 < rsync + aws s3 sync; no-op rerun <= 2 x rsync's.
-The local comparisons alternate the two tools for --rounds rounds (default 3) and compare medians,
-because the machine is shared.  Needs root (the lab), rsync, awscli and moto.  Prints a table and
+Both comparisons alternate the tools, --rounds rounds (default 3) for the local copy and
+--s3-rounds (default 2) for S3, and compare medians, because the machine is shared.  Needs root (the lab), rsync, awscli and moto.  Prints a table and
 writes reports/bench_backup.json.
 """
 
@@ -82,6 +82,7 @@ def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict
             "error": res.error,
             "failed": len(res.failed),
             "round_trips": conn.round_trips,
+            "copy_s": round(res.duration, 2),
         }
         if up is not None and session is not None:
             during = session.finish()
@@ -137,6 +138,7 @@ def main() -> int:
     ap.add_argument(
         "--rounds", type=int, default=0, help="rounds of the local comparison (default 3; smoke 1)"
     )
+    ap.add_argument("--s3-rounds", type=int, default=2, help="rounds of the S3 comparison (default 2)")
     args = ap.parse_args()
     scale = "small" if args.smoke else "bench"
     args.rounds = args.rounds or (1 if args.smoke else 3)
@@ -179,31 +181,42 @@ def main() -> int:
         for k, v in samples.items():
             times[k] = statistics.median(v)
         if not args.no_s3:
-            # each tool gets a fresh moto server: moto keeps objects in memory and slows as it fills
-            for tool in ("aws", "ours"):
-                moto, endpoint = start_moto(work / f"moto-{tool}.log")
-                boto3.client(
-                    "s3",
-                    endpoint_url=endpoint,
-                    aws_access_key_id=FAKE_ENV["AWS_ACCESS_KEY_ID"],
-                    aws_secret_access_key=FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
-                    region_name=FAKE_ENV["AWS_DEFAULT_REGION"],
-                ).create_bucket(Bucket="bench")
-                if tool == "aws":
-                    times["aws s3 sync"], a = timed(
-                        lambda ep=endpoint: aws_sync(work / "rsync", "s3://bench/rsync", ep)
-                    )
-                    info["aws rc"] = a.returncode
-                    info["aws errors"] = a.stderr.decode(errors="replace").strip().splitlines()[-3:]
-                else:
-                    os.environ.update(FAKE_ENV)
-                    times["ours + S3"], info["ours + S3"] = timed(
-                        lambda ep=endpoint: our_backup(
-                            h, work / "ours-s3", {"url": "s3://bench/ours", "endpoint": ep}
+            # rsync followed by aws s3 sync vs ours with S3, each from an empty directory and a fresh
+            # moto server (moto keeps objects in memory and slows as it fills), alternating per round
+            for rnd in range(args.s3_rounds):
+                order = ("aws", "ours") if rnd % 2 == 0 else ("ours", "aws")
+                for tool in order:
+                    moto, endpoint = start_moto(work / f"moto-{tool}.log")
+                    boto3.client(
+                        "s3",
+                        endpoint_url=endpoint,
+                        aws_access_key_id=FAKE_ENV["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
+                        region_name=FAKE_ENV["AWS_DEFAULT_REGION"],
+                    ).create_bucket(Bucket="bench")
+                    if tool == "aws":
+                        shutil.rmtree(work / "rsync-s3", ignore_errors=True)
+                        t_r, _ = timed(lambda: rsync(h, work / "rsync-s3"))
+                        t_a, a = timed(
+                            lambda ep=endpoint: aws_sync(work / "rsync-s3", "s3://bench/rsync", ep)
                         )
-                    )
-                stop_moto(moto)
-                moto = None
+                        samples.setdefault("rsync + aws s3 sync", []).append(t_r + t_a)
+                        samples.setdefault("aws s3 sync", []).append(t_a)
+                        info["aws rc"] = a.returncode
+                        info["aws errors"] = a.stderr.decode(errors="replace").strip().splitlines()[-3:]
+                    else:
+                        shutil.rmtree(work / "ours-s3", ignore_errors=True)
+                        os.environ.update(FAKE_ENV)
+                        t, info["ours + S3"] = timed(
+                            lambda ep=endpoint: our_backup(
+                                h, work / "ours-s3", {"url": "s3://bench/ours", "endpoint": ep}
+                            )
+                        )
+                        samples.setdefault("ours + S3", []).append(t)
+                    stop_moto(moto)
+                    moto = None
+            for k in ("rsync + aws s3 sync", "aws s3 sync", "ours + S3"):
+                times[k] = statistics.median(samples[k])
         du = subprocess.run(
             ["du", "-sb", str(work / "rsync")], capture_output=True, text=True
         ).stdout.split()[0]
@@ -219,16 +232,16 @@ def main() -> int:
         "noop / rsync noop (goal <= 2)": times["ours noop"] / times["rsync noop"],
     }
     if "ours + S3" in times:
-        ratios["ours+S3 / (rsync + aws s3 sync) (goal < 1)"] = times["ours + S3"] / (
-            times["rsync"] + times["aws s3 sync"]
+        ratios["ours+S3 / (rsync + aws s3 sync) (goal < 1)"] = (
+            times["ours + S3"] / times["rsync + aws s3 sync"]
         )
     print(f"\nbackup benchmark, b200-nvl8 /data at scale {scale} ({info.get('bytes', 0) / 1e6:.0f} MB)")
     for name, secs in times.items():
         each = ", ".join(f"{x:.2f}" for x in samples.get(name, [secs]))
         print(
-            f"  {name:<14} {secs:8.2f} s   (median of: {each})"
+            f"  {name:<20} {secs:8.2f} s   (median of: {each})"
             if name in samples
-            else f"  {name:<14} {secs:8.2f} s"
+            else f"  {name:<20} {secs:8.2f} s"
         )
     for name, ratio in ratios.items():
         print(f"  {name:<45} {ratio:6.2f}")
