@@ -17,6 +17,7 @@ import ipaddress
 import re
 import threading
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -338,10 +339,22 @@ class TargetPool:
         """Close every connection (containers first); errors while closing are ignored."""
         with self._lock:
             conns = list(self._containers.values()) + list(self._conns.values())
+            n_hosts = len(self._conns)
             self._containers.clear()
             self._conns.clear()
-        for conn in conns:
+
+        def close(conn: Connection) -> None:
             try:
                 conn.close()
             except Exception:  # noqa: BLE001 - closing must reach every connection
                 pass
+
+        # containers first, then hosts; each group in parallel, since closing waits up to a
+        # second for the agent to exit (a round trip each: 16 hosts 25 ms away took 1 s in series)
+        for group in (conns[: len(conns) - n_hosts], conns[len(conns) - n_hosts :]):
+            if len(group) < 2:
+                for conn in group:
+                    close(conn)
+                continue
+            with ThreadPoolExecutor(max_workers=min(32, len(group)), thread_name_prefix="close") as pool:
+                list(pool.map(close, group))

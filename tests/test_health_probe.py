@@ -148,3 +148,78 @@ def test_probe_samples_a_part_several_times_in_one_request(fake_host: Path) -> N
         assert len(f["samples"]) == 3 and all(s["gpus"]["ok"] for s in f["samples"])
     finally:
         conn.close()
+
+
+def test_cuda_version_is_cached_per_driver_version(fake_host: Path) -> None:
+    """The CUDA version comes from the header once; later runs with the same driver skip that nvidia-smi."""
+    conn = open_connection(parse_host_url("local://"))
+
+    def header_runs(f) -> int:
+        return sum(1 for c in f["commands"] if c["argv"] == ["nvidia-smi"])
+
+    try:
+        first = _facts(conn, fake_host)
+        assert header_runs(first) == 1 and "cached" not in first["smi"]
+        cursor = first["kernel_log"]["cursor"]
+        assert cursor["cuda"]["driver_version"] == "570.133.07" and cursor["cuda"]["cuda_version"] == "12.8"
+        # nothing committed yet: the header is read again
+        assert header_runs(_facts(conn, fake_host)) == 1
+        conn.call("health_commit", state=cursor, state_path=first["kernel_log"]["state_path"], timeout=10)
+        second = _facts(conn, fake_host)
+        assert header_runs(second) == 0
+        assert second["smi"]["cuda_version"] == "12.8" and second["smi"]["cached"]["driver_version"] == "570.133.07"
+        assert second["kernel_log"]["cursor"]["cuda"] == cursor["cuda"]  # carried into the next commit
+        # a new driver: the header is read again and reports the new CUDA version
+        (fake_host / "csv").write_text(CSV.replace("570.133.07", "575.51.03"))
+        (fake_host / "header").write_text(
+            HEADER.replace("570.133.07", "575.51.03").replace("CUDA Version: 12.8", "CUDA Version: 12.9")
+        )
+        third = _facts(conn, fake_host)
+        assert header_runs(third) == 1 and "cached" not in third["smi"]
+        assert third["smi"]["cuda_version"] == "12.9"
+        assert third["kernel_log"]["cursor"]["cuda"]["driver_version"] == "575.51.03"
+    finally:
+        conn.close()
+
+
+def test_health_url_get_over_a_plain_socket() -> None:
+    """The probe's loopback GET: status, body, HTTP errors, refused ports, non-local URLs."""
+    import http.server
+    import socket
+    import threading
+
+    from pytest_gpuhost.agent import probe_health
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            code = 200 if self.path == "/health" else 503
+            body = b"ok" if code == 200 else b"loading model"
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = srv.server_address[1]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        ok = probe_health._hl_http(f"http://127.0.0.1:{port}/health", 5)
+        assert (ok["status"], ok["body"], ok["error"]) == (200, "ok", None)
+        bad = probe_health._hl_http(f"http://localhost:{port}/v1/models", 5)
+        assert bad["status"] == 503 and bad["error"] == "HTTP 503 Service Unavailable"
+        assert bad["body"] == "loading model"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    free = s.getsockname()[1]
+    s.close()
+    refused = probe_health._hl_http(f"http://127.0.0.1:{free}/health", 5)
+    assert refused["status"] is None and refused["error"].startswith("ConnectionRefusedError:")
+    assert "Connection refused" in refused["error"]
+    far = probe_health._hl_http("http://10.0.0.1:30000/health", 5)
+    assert far["error"] == "refusing a non-local health URL"

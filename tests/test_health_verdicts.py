@@ -153,6 +153,12 @@ def test_versions_against_inventory_and_between_gpus() -> None:
     assert "differs between GPUs" in judge("driver_version", facts).summary
     assert judge("cuda_version", healthy()).state["cuda_version"] == "12.8"
     assert not judge("cuda_version", healthy(), cuda_version="12.4").ok
+    assert judge("cuda_version", healthy()).state["source"] == "nvidia-smi header"
+    facts = healthy()
+    facts["smi"]["cached"] = {"driver_version": "570.133.07", "cuda_version": "12.8", "at": 1796000000.0}
+    v = judge("cuda_version", facts)
+    assert v.ok and v.state["source"].startswith("cached for driver 570.133.07")
+    assert v.reasons == ["CUDA version cached: driver 570.133.07 unchanged since 2026-11-30 00:53 UTC"]
 
 
 def test_persistence_offers_its_fix() -> None:

@@ -15,12 +15,6 @@ import socket
 import threading
 import time
 
-try:
-    import urllib.error
-    import urllib.request
-except ImportError:  # pragma: no cover - stdlib everywhere
-    urllib = None
-
 if "fact" not in globals():  # imported on its own (tests, linters): registration is a no-op
 
     def fact(name):
@@ -165,7 +159,27 @@ def _hl_short_bdf(bus):
     return "%04x:%s:%s.%s" % (int(m.group(1), 16) & 0xFFFF, m.group(2), m.group(3), m.group(4))
 
 
-def _hl_smi(params, record):
+def _hl_smi(params, record, driver=None):
+    """CUDA and driver version from nvidia-smi's header.
+
+    The CUDA version is a property of the installed driver, so it is kept in the health state
+    (written by health_commit) keyed by the driver version: with `driver` (the version the
+    `gpus` part just read) equal to the cached one, nvidia-smi is not started again.
+    """
+    if driver and not params.get("no_cache"):
+        state, _ = _hl_read_state(params.get("state_path") or HL_STATE_PATH)
+        cached = (state or {}).get("cuda")
+        if isinstance(cached, dict) and cached.get("driver_version") == driver and cached.get("cuda_version"):
+            return {
+                "ok": True,
+                "cuda_version": cached["cuda_version"],
+                "driver_version": driver,
+                "cached": {
+                    "driver_version": driver,
+                    "cuda_version": cached["cuda_version"],
+                    "at": cached.get("at"),
+                },
+            }
     res = _hl_cmd(["nvidia-smi"], float(params.get("timeout", 20)), record)
     if res["rc"] != 0:
         return {"ok": False, "error": _hl_cmd_error(res, "nvidia-smi")}
@@ -497,22 +511,53 @@ def _hl_disk(params, record):
     return {"ok": True, "paths": out}
 
 
+_HL_LOCAL_URL = re.compile(r"^http://(127\.0\.0\.1|localhost|\[::1\])(?::(\d{1,5}))?(/\S*)$")
+
+
 def _hl_http(url, timeout):
+    """GET a loopback health URL (HTTP/1.0, first 512 bytes of the body).
+
+    A plain socket rather than urllib: urllib.request and what it imports (http.client, email,
+    ssl) cost the agent ~20 ms of start-up on every host, and only http://loopback is allowed.
+    """
     t0 = time.monotonic()
     out = {"url": url, "status": None, "error": None, "body": None}
-    if not re.match(r"^http://(127\.0\.0\.1|localhost|\[::1\])(:\d+)?/", url):
+    m = _HL_LOCAL_URL.match(url)
+    if not m:
         out["error"] = "refusing a non-local health URL"
         return out
+    host, port, path = m.group(1), int(m.group(2) or 80), m.group(3)
+    addr = "::1" if host == "[::1]" else host
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            out["status"] = resp.status
-            out["body"] = resp.read(512).decode("utf-8", "replace")
-    except urllib.error.HTTPError as exc:
-        out["status"] = exc.code
-        out["error"] = "HTTP %d %s" % (exc.code, exc.reason)
-    except Exception as exc:  # URLError, timeout, connection reset: all one line
-        reason = getattr(exc, "reason", exc)
-        out["error"] = "%s: %s" % (type(exc).__name__, " ".join(str(reason).split()) or type(reason).__name__)
+        with socket.create_connection((addr, port), timeout=timeout) as sock:
+            sock.sendall(
+                (
+                    "GET %s HTTP/1.0\r\nHost: %s\r\nUser-Agent: pytest-gpuhost\r\nConnection: close\r\n\r\n"
+                    % (path, host if port == 80 else "%s:%d" % (host, port))
+                ).encode("ascii", "replace")
+            )
+            data = b""
+            while True:
+                head, sep, body = data.partition(b"\r\n\r\n")
+                if (sep and len(body) >= 512) or len(data) > 65536:
+                    break
+                chunk = sock.recv(8192)
+                if not chunk:
+                    break
+                data += chunk
+        head, sep, body = data.partition(b"\r\n\r\n")
+        status = head.split(b"\r\n", 1)[0].decode("latin-1").split(None, 2)
+        if not sep or len(status) < 2 or not status[0].startswith("HTTP/") or not status[1].isdigit():
+            out["error"] = "not an HTTP response: %r" % data[:60]
+        else:
+            out["status"] = int(status[1])
+            out["body"] = body[:512].decode("utf-8", "replace")
+            if out["status"] >= 400:
+                out["error"] = "HTTP %d %s" % (out["status"], status[2] if len(status) > 2 else "")
+    except socket.timeout:  # noqa: UP041 - TimeoutError is its alias only from Python 3.10 (targets may be older)
+        out["error"] = "timeout: no answer within %gs" % timeout
+    except OSError as exc:
+        out["error"] = "%s: %s" % (type(exc).__name__, " ".join(str(exc).split()) or type(exc).__name__)
     out["duration"] = round(time.monotonic() - t0, 4)
     return out
 
@@ -574,17 +619,47 @@ def _hl_gather(params, parts):
                 "error": "%s: %s" % (type(exc).__name__, " ".join(str(exc).split())),
             }
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in parts]
+    def gpus_then_smi():
+        # smi after gpus, in one thread: the driver version just read says whether the cached
+        # CUDA version still holds (one nvidia-smi start fewer per run)
+        work("gpus")
+        rec = []
+        records["smi"] = rec
+        gpus = (results.get("gpus") or {}).get("gpus") or []
+        drivers = sorted({g.get("driver_version") for g in gpus if g.get("driver_version")})
+        try:
+            results["smi"] = _hl_smi(params, rec, drivers[0] if len(drivers) == 1 else None)
+        except Exception as exc:
+            results["smi"] = {
+                "ok": False,
+                "error": "%s: %s" % (type(exc).__name__, " ".join(str(exc).split())),
+            }
+
+    jobs = [(n, work, (n,)) for n in parts if n != "smi" or "gpus" not in parts]
+    if "gpus" in parts and "smi" in parts:
+        jobs = [(n, f, a) for n, f, a in jobs if n != "gpus"] + [("gpus", gpus_then_smi, ())]
+    threads = [threading.Thread(target=f, args=a) for _, f, a in jobs]
+    names = [n for n, _, _ in jobs]
     for t in threads:
         t.daemon = True
         t.start()
     # Every command inside has its own timeout; this bound only guards against a probe bug.
     deadline = time.monotonic() + float(params.get("timeout", 20)) * 3 + 5
-    for t, name in zip(threads, parts):
+    for t, name in zip(threads, names):
         t.join(max(0.0, deadline - time.monotonic()))
         if t.is_alive():
-            results[name] = {"ok": False, "error": "%s: probe did not finish in time" % name}
-    results["commands"] = [c for n in parts for c in records.get(n, [])]
+            for n in (name, "smi") if name == "gpus" and "smi" in parts else (name,):
+                results[n] = {"ok": False, "error": "%s: probe did not finish in time" % n}
+    results["commands"] = [c for n in parts for c in list(records.get(n, []))]
+    smi = results.get("smi") or {}
+    cursor = (results.get("kernel_log") or {}).get("cursor")
+    if isinstance(cursor, dict) and smi.get("ok") and smi.get("cuda_version") and smi.get("driver_version"):
+        # committed with the kernel-log cursor, for the next run's _hl_smi
+        cursor["cuda"] = smi.get("cached") or {
+            "driver_version": smi["driver_version"],
+            "cuda_version": smi["cuda_version"],
+            "at": time.time(),
+        }
     return results
 
 

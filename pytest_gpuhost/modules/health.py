@@ -15,6 +15,7 @@ its limit therefore does not flip the verdict night after night.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -352,7 +353,23 @@ def check_cuda_version(facts: Facts, t: Thresholds) -> Verdict:
     smi, err = _part(facts, "smi")
     if smi is None:
         return _fail("cuda_version", f"nvidia-smi failed: {err}", [str(err)])
-    return _version_check("cuda_version", [smi.get("cuda_version")], t["cuda_version"], "CUDA")
+    v = _version_check("cuda_version", [smi.get("cuda_version")], t["cuda_version"], "CUDA")
+    cached = smi.get("cached")
+    if isinstance(cached, dict):
+        # read from the health state: the same driver reported this CUDA version on an earlier run
+        when = cached.get("at")
+        stamp = (
+            time.strftime("%Y-%m-%d %H:%M", time.gmtime(when)) + " UTC"
+            if isinstance(when, int | float)
+            else "?"
+        )
+        v.state["source"] = f"cached for driver {cached.get('driver_version')} (nvidia-smi header, {stamp})"
+        v.reasons.append(
+            f"CUDA version cached: driver {cached.get('driver_version')} unchanged since {stamp}"
+        )
+    else:
+        v.state["source"] = "nvidia-smi header"
+    return v
 
 
 def check_persistence_mode(facts: Facts, t: Thresholds) -> Verdict:

@@ -10,6 +10,7 @@ same one-line error at once instead of waiting for another connect timeout.
 from __future__ import annotations
 
 import shlex
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +25,7 @@ from suites.health import options
 
 _HOSTS = pytest.StashKey[dict[str, "HostHealth"]]()
 _PREFETCHED = pytest.StashKey[bool]()
+_LAST = pytest.StashKey[dict[str, str]]()
 PREFETCH_THREADS = 32
 VERIFY_TIMEOUT = 30.0  # seconds a fix has to show on the host (a restarted service to answer /health)
 
@@ -49,19 +51,20 @@ class HostHealth:
         self.samples: dict[str, list[dict[str, Any]]] = {}
         self.round_trips = 0
         self.committed = False
+        self.commit_error: str | None = None
+        self._commit: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     # ---- reading the host -----------------------------------------------------------------
 
     def _facts(self, **extra: Any) -> dict[str, Any]:
         conn = self.target.conn
-        before = conn.round_trips
         params = dict(self.params, **extra)
         n = int(extra.get("samples") or 1)
         bound = (float(self.thresholds["probe_timeout"]) * 3 + 10) * n + float(extra.get("interval", 0)) * n
-        try:
-            result = conn.call("facts", names=["health"], params=params, reply_timeout=bound)
-        finally:
-            self.round_trips += conn.round_trips - before
+        with self._lock:
+            self.round_trips += 1  # one request (the connection's own count adds the agent start)
+        result = conn.call("facts", names=["health"], params=params, reply_timeout=bound)
         facts = result.get("health")
         if not isinstance(facts, dict) or (
             "error" in facts and "gpus" not in facts and "samples" not in facts
@@ -98,34 +101,64 @@ class HostHealth:
         return v
 
     def commit_kernel_cursor(self) -> None:
-        """Record where this run's kernel-log reading ended, so the next run reads only newer lines.
+        """Start recording where this run's kernel-log reading ended (the next run reads only newer lines).
 
-        Done once per host, after the Xid/SXid verdicts exist (a run that died before judging
-        them leaves the old cursor, and the next run reads those lines again). It is the
-        plugin's own bookkeeping in /var/lib/gpuhost, so --check-only writes it too.
+        Started once per host when the Xid/SXid verdicts exist (a run that died before judging
+        them leaves the old cursor, and the next run reads those lines again), in a thread: the
+        request's round trip overlaps the host's remaining checks, and `wait_commit` collects it
+        at the host's last check (or at the end of the session). It is the plugin's own
+        bookkeeping in /var/lib/gpuhost, so --check-only writes it too.
         """
-        if self.committed or self.facts is None:
+        if self._commit is not None or self.facts is None:
             return
         part = self.facts.get("kernel_log") or {}
         if not part.get("ok") or not part.get("cursor"):
             return
         conn = self.target.conn
-        before = conn.round_trips
-        try:
-            conn.call("health_commit", state=part["cursor"], state_path=part.get("state_path"), timeout=10)
-        finally:
-            self.round_trips += conn.round_trips - before
-        self.committed = True
+
+        def commit() -> None:
+            try:
+                conn.call(
+                    "health_commit", state=part["cursor"], state_path=part.get("state_path"), timeout=10
+                )
+                self.committed = True
+            except GpuhostError as exc:
+                self.commit_error = f"{type(exc).__name__}: {exc}"
+
+        with self._lock:
+            self.round_trips += 1
+        self._commit = threading.Thread(target=commit, name=f"cursor-{self.name}", daemon=True)
+        self._commit.start()
+
+    def wait_commit(self, timeout: float = 30.0) -> str | None:
+        """Wait for the cursor commit, if one was started; return a line for the evidence."""
+        if self._commit is None:
+            return None
+        self._commit.join(timeout)
+        if self._commit.is_alive():
+            return f"kernel log cursor: commit still running after {timeout:.0f} s"
+        if self.committed:
+            return "kernel log cursor committed"
+        return f"kernel log cursor NOT committed ({self.commit_error}): the next run reads these lines again"
 
     # ---- the remediation a test hands to the engine ----------------------------------------
 
-    def judge(self, check: str, remediate: Any, item: pytest.Item) -> None:
-        """Hand one check to the engine: passed, skipped, failed, or fixed / would fix."""
+    def judge(self, check: str, remediate: Any, item: pytest.Item, last: bool = False) -> None:
+        """Hand one check to the engine: passed, skipped, failed, or fixed / would fix.
+
+        `last`: this is the host's last check in this process, where the cursor commit is collected.
+        """
         v = self.verdict(check)
         ev = evidence.current()
         if check in ("xid", "sxid"):
+            started = self._commit is None
             self.commit_kernel_cursor()
-            ev.note(f"kernel log cursor committed: {self.committed}")
+            if started and self._commit is not None:
+                ev.note("kernel log cursor: commit sent (collected at this host's last check)")
+        if last:
+            line = self.wait_commit()
+            if line:
+                ev.note(line)
         item.user_properties.append(("gpuhost_host", self.name))
         item.user_properties.append(("gpuhost_check", check))
         item.user_properties.append(("gpuhost_verdict", v.as_dict()))
@@ -227,6 +260,27 @@ def _my_hosts(session: pytest.Session) -> list[str]:
     return [h for h in mine if h in wanted]
 
 
+def _last_items(session: pytest.Session) -> dict[str, str]:
+    """Map each host to the node id of its last health check in run order (computed once)."""
+    config = session.config
+    got = config.stash.get(_LAST, None)
+    if got is None:
+        known: list[str] = config.stash.get(scheduling.TARGET_NAMES, [])
+        got = {}
+        for item in session.items:
+            host = scheduling.host_of_nodeid(item.nodeid, known)
+            if host and "health" in getattr(item, "fixturenames", ()):
+                got[host] = item.nodeid
+        config.stash[_LAST] = got
+    return got
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Collect cursor commits whose host's last check ran elsewhere (before connections close)."""
+    for hh in _hosts(session.config).values():
+        hh.wait_commit()
+
+
 def _prefetch(request: pytest.FixtureRequest) -> None:
     """Read the facts of every host this process will check, concurrently, once.
 
@@ -292,7 +346,9 @@ def health(target: Any, request: pytest.FixtureRequest) -> HostHealth:
 def judge(health: HostHealth, remediate: Any, request: pytest.FixtureRequest) -> Any:
     """Return `judge(check)`: run one health check of this target through the engine."""
 
+    last = _last_items(request.session).get(health.name) == request.node.nodeid
+
     def run(check: str) -> None:
-        health.judge(check, remediate, request.node)
+        health.judge(check, remediate, request.node, last=last)
 
     return run
