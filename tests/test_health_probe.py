@@ -11,6 +11,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -167,7 +168,10 @@ def test_cuda_version_is_cached_per_driver_version(fake_host: Path) -> None:
         conn.call("health_commit", state=cursor, state_path=first["kernel_log"]["state_path"], timeout=10)
         second = _facts(conn, fake_host)
         assert header_runs(second) == 0
-        assert second["smi"]["cuda_version"] == "12.8" and second["smi"]["cached"]["driver_version"] == "570.133.07"
+        assert (
+            second["smi"]["cuda_version"] == "12.8"
+            and second["smi"]["cached"]["driver_version"] == "570.133.07"
+        )
         assert second["kernel_log"]["cursor"]["cuda"] == cursor["cuda"]  # carried into the next commit
         # a new driver: the header is read again and reports the new CUDA version
         (fake_host / "csv").write_text(CSV.replace("570.133.07", "575.51.03"))
@@ -223,3 +227,72 @@ def test_health_url_get_over_a_plain_socket() -> None:
     assert "Connection refused" in refused["error"]
     far = probe_health._hl_http("http://10.0.0.1:30000/health", 5)
     assert far["error"] == "refusing a non-local health URL"
+
+
+@pytest.fixture
+def probe_health(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """probe_health imported on its own, with the agent core's read_text it runs beside."""
+    from pytest_gpuhost.agent import agent, probe_health
+
+    monkeypatch.setattr(probe_health, "read_text", agent.read_text, raising=False)
+    return probe_health
+
+
+def test_upstream_bridges_from_the_sysfs_link_or_bus_ranges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probe_health: Any
+) -> None:
+    """One readlink gives the bridges above a GPU; a flat sysfs reads each bridge's bus range once."""
+
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "0000:03:00.0").symlink_to(
+        "../../../devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0"
+    )
+    monkeypatch.setattr(probe_health, "_HL_SYS_PCI", str(linked))
+    assert probe_health._hl_upstream("0000:03:00.0", set(), {}) == [
+        "0000:02:00.0",
+        "0000:01:00.0",
+        "0000:00:01.0",
+    ]
+
+    flat = tmp_path / "flat"
+    for bdf, lo, hi in (
+        ("0000:10:01.0", 0x11, 0x14),
+        ("0000:11:00.0", 0x12, 0x14),
+        ("0000:12:00.0", 0x13, 0x13),
+    ):
+        (flat / bdf).mkdir(parents=True)
+        (flat / bdf / "secondary_bus_number").write_text(f"{lo}\n")
+        (flat / bdf / "subordinate_bus_number").write_text(f"{hi}\n")
+    (flat / "0000:13:00.0").mkdir()
+    monkeypatch.setattr(probe_health, "_HL_SYS_PCI", str(flat))
+    ranges: dict[str, Any] = {}
+    bridges = {"0000:10:01.0", "0000:11:00.0", "0000:12:00.0"}
+    assert probe_health._hl_upstream("0000:13:00.0", bridges, ranges) == [
+        "0000:12:00.0",
+        "0000:11:00.0",
+        "0000:10:01.0",
+    ]
+    assert ranges == {
+        "0000:10:01.0": (0x11, 0x14),
+        "0000:11:00.0": (0x12, 0x14),
+        "0000:12:00.0": (0x13, 0x13),
+    }
+    (flat / "0000:12:00.0" / "secondary_bus_number").unlink()  # read once: the cache answers now
+    assert probe_health._hl_upstream("0000:13:00.0", bridges, ranges)[0] == "0000:12:00.0"
+
+
+def test_pci_ids_from_uevent_or_the_single_files(tmp_path: Path, probe_health: Any) -> None:
+    dev = tmp_path / "0000:13:00.0"
+    dev.mkdir()
+    (dev / "uevent").write_text(
+        "DRIVER=nvidia\nPCI_CLASS=30200\nPCI_ID=10DE:2BB5\nPCI_SLOT_NAME=0000:13:00.0\n"
+    )
+    assert probe_health._hl_ids(str(dev)) == ("0x030200", "0x10de", "nvidia")
+    (dev / "uevent").write_text("PCI_CLASS=60400\nPCI_ID=8086:352A\n")
+    assert probe_health._hl_ids(str(dev)) == ("0x060400", "0x8086", None)
+    (dev / "uevent").unlink()
+    (dev / "class").write_text("0x030000\n")
+    (dev / "vendor").write_text("0x10de\n")
+    (dev / "driver").symlink_to("../../../bus/pci/drivers/vfio-pci")
+    assert probe_health._hl_ids(str(dev)) == ("0x030000", "0x10de", "vfio-pci")

@@ -426,29 +426,55 @@ def _hl_acs_from_lspci(bdf, timeout, record):
     return None
 
 
-def _hl_upstream(bdf, all_bdfs, bridges):
-    """Return the BDFs of the bridges above `bdf`, nearest first."""
+def _hl_upstream(bdf, bridges, ranges):
+    """Return the BDFs of the bridges above `bdf`, nearest first.
+
+    sysfs's /sys/bus/pci/devices/BDF is a link into the device hierarchy: one readlink gives
+    every bridge on the way. A flat sysfs (plain directories, as in some containers) falls back
+    to the bridges whose secondary..subordinate bus range holds the device's bus; `ranges`
+    caches those per bridge, so each is read once for all GPUs.
+    """
     try:
-        real = os.path.realpath(os.path.join(_HL_SYS_PCI, bdf))
+        link = os.readlink(os.path.join(_HL_SYS_PCI, bdf))
     except OSError:
-        real = ""
-    parts = [p for p in real.split("/") if _HL_BDF.match(p)]
+        link = ""
+    parts = [p for p in link.split("/") if _HL_BDF.match(p)]
     if len(parts) > 1 and parts[-1] == bdf:
         return list(reversed(parts[:-1]))
-    # Flat sysfs (no device hierarchy): bridges whose secondary..subordinate range holds the bus.
     out = []
     dom, bus = bdf[:4], int(bdf[5:7], 16)
-    for b in all_bdfs:
-        if b == bdf or b[:4] != dom or b not in bridges:
+    for b in sorted(bridges):
+        if b == bdf or b[:4] != dom:
             continue
-        lo = _hl_read(os.path.join(_HL_SYS_PCI, b, "secondary_bus_number"))
-        hi = _hl_read(os.path.join(_HL_SYS_PCI, b, "subordinate_bus_number"))
-        try:
-            if int(lo) <= bus <= int(hi):
-                out.append((int(hi) - int(lo), b))
-        except (TypeError, ValueError):
-            continue
+        if b not in ranges:
+            lo = _hl_read(os.path.join(_HL_SYS_PCI, b, "secondary_bus_number"))
+            hi = _hl_read(os.path.join(_HL_SYS_PCI, b, "subordinate_bus_number"))
+            try:
+                ranges[b] = (int(lo), int(hi))
+            except (TypeError, ValueError):
+                ranges[b] = None
+        r = ranges[b]
+        if r is not None and r[0] <= bus <= r[1]:
+            out.append((r[1] - r[0], b))
     return [b for _, b in sorted(out)]
+
+
+def _hl_ids(base):
+    """Return (class, vendor, driver) of a PCI device: one read of `uevent` where it exists."""
+    text = _hl_read(os.path.join(base, "uevent"))
+    if text:
+        ev = dict(line.partition("=")[::2] for line in text.splitlines())
+        try:
+            cls = "0x%06x" % int(ev.get("PCI_CLASS", ""), 16)
+            vendor = "0x%s" % ev["PCI_ID"].split(":")[0].lower()
+            return cls, vendor, ev.get("DRIVER") or None
+        except (KeyError, ValueError):
+            pass
+    return (
+        _hl_read(os.path.join(base, "class")) or "",
+        _hl_read(os.path.join(base, "vendor")),
+        _hl_link_name(os.path.join(base, "driver")),
+    )
 
 
 def _hl_pci(params, record):
@@ -457,20 +483,20 @@ def _hl_pci(params, record):
         all_bdfs = sorted(os.listdir(_HL_SYS_PCI))
     except OSError as exc:
         return {"ok": False, "error": "%s: %s" % (_HL_SYS_PCI, exc.strerror), "devices": {}}
-    classes = {}
-    for b in all_bdfs:
-        classes[b] = _hl_read(os.path.join(_HL_SYS_PCI, b, "class")) or ""
-    bridges = set(b for b in all_bdfs if classes[b].startswith("0x0604"))
+    ids = {b: _hl_ids(os.path.join(_HL_SYS_PCI, b)) for b in all_bdfs}
+    bridges = set(b for b in all_bdfs if ids[b][0].startswith("0x0604"))
     devices = {}
     acs_cache = {}
+    ranges = {}
     for b in all_bdfs:
         base = os.path.join(_HL_SYS_PCI, b)
-        if _hl_read(os.path.join(base, "vendor")) != "0x10de" or classes[b][:6] not in ("0x0300", "0x0302"):
+        cls, vendor, driver = ids[b]
+        if vendor != "0x10de" or cls[:6] not in ("0x0300", "0x0302"):
             continue
         group = _hl_link_name(os.path.join(base, "iommu_group"))
         dev = {
-            "driver": _hl_link_name(os.path.join(base, "driver")),
-            "class": classes[b],
+            "driver": driver,
+            "class": cls,
             "iommu_group": group,
             "iommu_type": _hl_read("/sys/kernel/iommu_groups/%s/type" % group) if group else None,
             "link": {
@@ -481,7 +507,7 @@ def _hl_pci(params, record):
             },
             "bridges": [],
         }
-        for up in _hl_upstream(b, all_bdfs, bridges):
+        for up in _hl_upstream(b, bridges, ranges):
             if up not in acs_cache:
                 acs = _hl_acs_from_config(up)
                 if acs is None:
