@@ -34,10 +34,25 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-import paramiko
+from typing import TYPE_CHECKING, Any
 
 from pytest_gpuhost.errors import ConnectError
+
+if TYPE_CHECKING:
+    import paramiko
+else:
+
+    class _LazyParamiko:
+        """paramiko, imported on first use: it (and invoke, which it pulls in) costs a process
+        ~0.12 s, and an xdist controller or a local:// run never opens an SSH connection."""
+
+        def __getattr__(self, name: str) -> Any:
+            import paramiko as module
+
+            globals()["paramiko"] = module
+            return getattr(module, name)
+
+    paramiko = _LazyParamiko()
 
 __all__ = [
     "HOST_KEY_POLICIES",
