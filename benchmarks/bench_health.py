@@ -15,7 +15,8 @@ round trips per host for our facts (and for the connection as a whole, agent sta
 and commands per host for testinfra. Goals (issue 6): <= 2 round trips
 per host for the facts; 16 hosts >= 5x faster than testinfra; 16 hosts <= 3x the time of 1.
 
-    sudo python benchmarks/bench_health.py             # 1, 4, 16 hosts, -n 2
+    sudo python benchmarks/bench_health.py             # 1, 4, 16 hosts, -n 2, one run each
+    sudo python benchmarks/bench_health.py --repeat 3  # medians of 3 alternating rounds
     sudo python benchmarks/bench_health.py --smoke     # CI: 1 and 2 hosts, seconds
 """
 
@@ -231,6 +232,7 @@ def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: b
 
 def baseline(tmp: Path, hosts: list[Endpoint], workers: int) -> dict[str, Any]:
     log = tmp / f"testinfra-{len(hosts)}.log"
+    log.unlink(missing_ok=True)  # a log per run: commands per host are counted for this run only
     env = dict(os.environ, TESTINFRA_CMD_LOG=str(log))
     urls = ",".join(f"paramiko://root@{e.address}:{e.port}" for e in hosts)
     took, out, rc = run(
@@ -248,6 +250,14 @@ def baseline(tmp: Path, hosts: list[Endpoint], workers: int) -> dict[str, Any]:
     return {"wall": took, "cmds": max(per_host.values())}
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median wall time (the upper one of an even count); its walls listed."""
+    ordered = sorted(runs, key=lambda x: x["wall"])
+    out = dict(ordered[len(ordered) // 2])
+    out["walls"] = [x["wall"] for x in runs]
+    return out
+
+
 def main() -> int:
     """Boot the hosts, run both suites per size, print the table and the goals."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -262,6 +272,9 @@ def main() -> int:
     )
     ap.add_argument("--delay-ms", type=int, default=25, help="delay each way on each lab link (default 25)")
     ap.add_argument("--profile", default="health-ok")
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="rounds per size, medians reported (default 1: one run each)"
+    )
     args = ap.parse_args()
     sizes = [1, 2] if args.smoke else sorted({int(s) for s in args.sizes.split(",")})
     workers = 2 if args.smoke else args.workers
@@ -317,9 +330,16 @@ def main() -> int:
             for n in sizes:
                 # Like for like first (the testinfra suite writes no report), then with ours'
                 # pytest-html report, JSON evidence and JUnit, as a nightly run writes them.
-                o = ours(tmp, eps[:n], known, workers, reports=False)
-                r = ours(tmp, eps[:n], known, workers, reports=True)
-                b = baseline(tmp, eps[:n], workers)
+                # --repeat N: N rounds of the three, alternating which suite goes first; medians
+                runs: dict[str, list[dict[str, Any]]] = {"o": [], "r": [], "b": []}
+                for rnd in range(args.repeat):
+                    order = ("o", "r", "b") if rnd % 2 == 0 else ("b", "o", "r")
+                    for k in order:
+                        if k == "b":
+                            runs[k].append(baseline(tmp, eps[:n], workers))
+                        else:
+                            runs[k].append(ours(tmp, eps[:n], known, workers, reports=k == "r"))
+                o, r, b = (median_run(runs[k]) for k in ("o", "r", "b"))
                 o["wall_reports"] = r["wall"]
                 rows.append((n, o, b))
                 print(
@@ -328,6 +348,16 @@ def main() -> int:
                     f"({b['cmds']} commands/host, a channel each) | {b['wall'] / o['wall']:.1f}x",
                     flush=True,
                 )
+                if args.repeat > 1:
+                    print(
+                        "          runs: ours "
+                        + ", ".join(f"{w:.2f}" for w in o["walls"])
+                        + " | with reports "
+                        + ", ".join(f"{w:.2f}" for w in r["walls"])
+                        + " | testinfra "
+                        + ", ".join(f"{w:.2f}" for w in b["walls"]),
+                        flush=True,
+                    )
         print()
         print(
             f"{'hosts':>5} {'ours s':>8} {'+reports s':>11} {'rt/host':>8} {'testinfra s':>12} {'cmds/host':>10} {'speedup':>8}"
