@@ -9,10 +9,10 @@ and `PrefixLauncher` wraps another launcher's argv (`sudo -n`, `docker exec -i N
 `Launcher.open_bulk` is for programs that move many megabytes (the backup stream).  Over SSH it
 runs the program under the OpenSSH client when `ssh` is installed, with the same identity, the
 same known_hosts file under StrictHostKeyChecking=yes, and no user config: OpenSSH's C transport
-moves bulk bytes about 2.5 times faster than paramiko's here.  The first bulk channel of a
-channel that the client cannot log in on (ssh exits 255 before the program printed a byte) is
-replaced, transparently, by a paramiko channel that gets the same stdin; later bulk channels stay on
-paramiko and the reason is kept in `SSHTransport.bulk_fallback`.
+moved 839 MB in about 2 s here (AES-GCM), where paramiko took about 7 s.  A bulk channel on which
+the client cannot log in (ssh exits 255 before the program printed a byte) is replaced,
+transparently, by a paramiko channel that gets the same stdin; later bulk channels of that
+transport stay on paramiko, and the reason is kept in `SSHTransport.bulk_fallback`.
 
 Host keys are checked by this module, not by paramiko's policies, so that a changed key can be
 reported with the file and line it contradicts; a changed key is refused under every policy.
@@ -649,7 +649,8 @@ class _OpenSSHChannel(RawChannel):
 
     Until the program's first byte arrives, what was sent is kept; if ssh then exits 255 with
     nothing printed, the program is started again on a paramiko channel and that input replayed.
-    Only the fallback takes the lock, so a sender blocked on a full pipe cannot stall the reader.
+    The reader takes the lock only to fall back (when ssh has exited, so a send in progress fails
+    at once), never on the normal path: a sender blocked on a full pipe cannot stall it.
     """
 
     def __init__(self, transport: SSHTransport, argv: Sequence[str], chan: ProcessChannel) -> None:
