@@ -111,6 +111,15 @@ class RawChannel:
         return bytes(buf)
 
     _pushback: bytes = b""
+    _stderr: deque[bytes]
+    _stderr_len: int
+
+    def _keep_stderr(self, data: bytes) -> None:
+        """Keep `data` in the stderr tail, dropping the oldest pieces beyond 64 KiB."""
+        self._stderr.append(data)
+        self._stderr_len += len(data)
+        while self._stderr_len > _STDERR_KEEP and len(self._stderr) > 1:
+            self._stderr_len -= len(self._stderr.popleft())
 
     def stderr_text(self) -> str:
         raise NotImplementedError
@@ -183,12 +192,6 @@ class ProcessChannel(RawChannel):
                 self.proc.stdin.close()
             except OSError:
                 pass
-
-    def _keep_stderr(self, data: bytes) -> None:
-        self._stderr.append(data)
-        self._stderr_len += len(data)
-        while self._stderr_len > _STDERR_KEEP and len(self._stderr) > 1:
-            self._stderr_len -= len(self._stderr.popleft())
 
     def recv(self, timeout: float | None) -> bytes:
         if self._pushback:
@@ -270,10 +273,7 @@ class SSHChannel(RawChannel):
             chunk = self.chan.recv_stderr(65536)
             if not chunk:
                 break
-            self._stderr.append(chunk)
-            self._stderr_len += len(chunk)
-            while self._stderr_len > _STDERR_KEEP and len(self._stderr) > 1:
-                self._stderr_len -= len(self._stderr.popleft())
+            self._keep_stderr(chunk)
 
     def recv(self, timeout: float | None) -> bytes:
         if self._pushback:

@@ -167,7 +167,7 @@ def _hl_smi(params, record, driver=None):
     `gpus` part just read) equal to the cached one, nvidia-smi is not started again.
     """
     if driver and not params.get("no_cache"):
-        state, _ = _hl_read_state(params.get("state_path") or HL_STATE_PATH)
+        state, _ = _hl_state(params)
         cached = (state or {}).get("cuda")
         if isinstance(cached, dict) and cached.get("driver_version") == driver and cached.get("cuda_version"):
             return {
@@ -263,6 +263,15 @@ def _hl_btime():
     return None
 
 
+def _hl_state(params):
+    """The health state file as (state, error): read once per gather (see _hl_gather), shared
+    by the kernel-log part (the cursor) and the smi part (the cached CUDA version)."""
+    got = params.get("_state")
+    if got is None:
+        got = _hl_read_state(params.get("state_path") or HL_STATE_PATH)
+    return got
+
+
 def _hl_read_state(path):
     try:
         data = read_text(path, 1 << 20)
@@ -284,7 +293,7 @@ def _hl_line_key(ts, msg):
 def _hl_kernel_log(params, record):
     timeout = float(params.get("timeout", 20))
     path = params.get("state_path") or HL_STATE_PATH
-    state, state_error = _hl_read_state(path)
+    state, state_error = _hl_state(params)
     lines = []
     res = _hl_cmd(["dmesg", "--time-format", "iso"], timeout, record)
     mode = "iso"
@@ -633,6 +642,8 @@ _HL_FUNCS = {
 def _hl_gather(params, parts):
     results = {}
     records = {}
+    if "kernel_log" in parts or "smi" in parts:
+        params = dict(params, _state=_hl_read_state(params.get("state_path") or HL_STATE_PATH))
 
     def work(name):
         rec = []

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_gpuhost.modules.parsers import P2P_STATUS_LEGEND
+
 __all__ = [
     "CHECKS",
     "FIXES",
@@ -146,15 +148,6 @@ _THROTTLE_BITS = (
     (0x80, "hw_power_brake_slowdown"),
     (0x100, "display_clock_setting"),
 )
-_P2P_LEGEND = {
-    "OK": "ok",
-    "CNS": "chipset not supported",
-    "GNS": "GPU not supported",
-    "TNS": "topology not supported",
-    "NS": "not supported",
-    "DR": "disabled by regkey",
-    "U": "unknown",
-}
 _GEN_BY_SPEED = {
     "2.5": 1,
     "5.0": 2,
@@ -667,7 +660,9 @@ def check_p2p(facts: Facts, t: Thresholds) -> Verdict:
         for j, cell in enumerate(row):
             if j <= i or cell in ("X", "OK"):
                 continue
-            reasons.append(f"{labels[i]} <-> {labels[j]}: {cell} ({_P2P_LEGEND.get(cell, 'unknown code')})")
+            reasons.append(
+                f"{labels[i]} <-> {labels[j]}: {cell} ({P2P_STATUS_LEGEND.get(cell, 'unknown code')})"
+            )
     pairs = len(labels) * (len(labels) - 1) // 2
     state = {"labels": labels, "matrix": matrix}
     if reasons:
