@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 import paramiko  # noqa: E402
 import testinfra  # noqa: E402
 
-from pytest_gpuhost.backend import make_host  # noqa: E402
-from pytest_gpuhost.targets import TargetOptions, open_connection, parse_host_url  # noqa: E402
+from pytest_gpuhost.exec.backend import make_host  # noqa: E402
+from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url  # noqa: E402
 from tests.helpers.sshd import start_sshd  # noqa: E402
 
 

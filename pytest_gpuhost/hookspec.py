@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_gpuhost.remediation import Action, Check, Outcome, Remediation
+    from pytest_gpuhost.run.remediation import Action, Check, Outcome, Remediation
 
 hookspec = pytest.hookspec
 
@@ -22,7 +22,7 @@ def pytest_gpuhost_targets(config: pytest.Config, targets: list[Any]) -> None:
 
     Called once per process (controller and every xdist worker) from `pytest_configure`, after
     `--host` and `--inventory` are parsed into `TargetSpec`s. `targets` is the list itself: remove,
-    reorder or append `TargetSpec`s in place (use `pytest_gpuhost.targets.parse_host_url`). Every
+    reorder or append `TargetSpec`s in place (use `pytest_gpuhost.exec.targets.parse_host_url`). Every
     xdist worker must end with the same list in the same order, so decide from `config` and the
     specs only, never from timing or randomness. The return value is ignored.
     """
@@ -58,7 +58,7 @@ def pytest_gpuhost_after_fix(
     Called after `fix` returned (or raised) and the verification re-read the host; never under
     `--check-only` and never for a veto. `after` is the re-check (None when the re-check itself
     raised). Use it to notify, to record a journal, or to add evidence with
-    `pytest_gpuhost.evidence.current()`. The return value is ignored.
+    `pytest_gpuhost.run.evidence.current()`. The return value is ignored.
     """
 
 

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost import evidence, redact, remediation, settings
-from pytest_gpuhost import report as html_report
+from pytest_gpuhost import redact
 from pytest_gpuhost.errors import GpuhostError
-from pytest_gpuhost.settings import Settings, settings_key
+from pytest_gpuhost.report import html as html_report
+from pytest_gpuhost.run import evidence, remediation, settings
+from pytest_gpuhost.run.settings import Settings, settings_key
 
-pytest_plugins = ["pytest_gpuhost.scheduling", "pytest_gpuhost.fleet"]
+pytest_plugins = ["pytest_gpuhost.run.scheduling", "pytest_gpuhost.report.fleet"]
 
 __all__ = ["Settings", "Target", "get_pool", "get_target", "pool_key", "settings_key", "targets_key"]
 
@@ -52,7 +53,7 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 def _load_targets(config: pytest.Config, s: Settings) -> list[Any]:
     # `from package.module import name` (not `from package import module`): pytester's inline
     # runs drop modules from sys.modules between runs, and the package attribute would go stale.
-    from pytest_gpuhost.targets import parse_container, parse_host_url
+    from pytest_gpuhost.exec.targets import parse_container, parse_host_url
 
     specs: list[Any] = []
     for url in s.hosts:
@@ -61,7 +62,7 @@ def _load_targets(config: pytest.Config, s: Settings) -> list[Any]:
         except GpuhostError as exc:
             raise pytest.UsageError(f"gpuhost: bad value {url!r} for --host: {exc}") from None
     if s.inventory:
-        from pytest_gpuhost.inventory import load_inventory
+        from pytest_gpuhost.exec.inventory import load_inventory
 
         try:
             specs.extend(load_inventory(s.inventory))
@@ -115,7 +116,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # Registered now, after every entry-point plugin (testinfra included), so that our `host`
     # fixture is the one tests get, whichever order pytest loaded the plugins in.
     if not config.pluginmanager.has_plugin("gpuhost-fixtures"):
-        config.pluginmanager.register(importlib.import_module("pytest_gpuhost.fixtures"), "gpuhost-fixtures")
+        config.pluginmanager.register(
+            importlib.import_module("pytest_gpuhost.run.fixtures"), "gpuhost-fixtures"
+        )
     # evidence.py holds the per-phase wrappers; registered here rather than in pytest_plugins,
     # which would ask for an assertion rewrite of a module this one already imported.
     if not config.pluginmanager.has_plugin("gpuhost-evidence"):
@@ -175,7 +178,7 @@ def get_pool(config: pytest.Config) -> Any:
     """Return the run's TargetPool, made on first use (connections open lazily)."""
     pool = config.stash.get(pool_key, None)
     if pool is None:
-        from pytest_gpuhost.targets import TargetOptions, TargetPool
+        from pytest_gpuhost.exec.targets import TargetOptions, TargetPool
 
         s = config.stash[settings_key]
         pool = TargetPool(

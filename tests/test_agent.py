@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import pytest_gpuhost.agent
-from pytest_gpuhost.agent import BOOTSTRAP, agent_source, probe_files
-from pytest_gpuhost.connection import CommandResult, Connection
+import pytest_gpuhost.exec.agent
 from pytest_gpuhost.errors import AgentError, CommandTimeout, GpuhostError
-from pytest_gpuhost.targets import open_connection, parse_host_url
+from pytest_gpuhost.exec.agent import BOOTSTRAP, agent_source, probe_files
+from pytest_gpuhost.exec.connection import CommandResult, Connection
+from pytest_gpuhost.exec.targets import open_connection, parse_host_url
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def _top_level_names(path: Path) -> set[str]:
 
 def test_probes_do_not_shadow_each_other_or_the_core():
     """Probes share one namespace with the core: a clash would silently replace a function."""
-    core_path = Path(pytest_gpuhost.agent.__file__).parent / "agent.py"
+    core_path = Path(pytest_gpuhost.exec.agent.__file__).parent / "agent.py"
     owner = dict.fromkeys(_top_level_names(core_path), "agent.py")
     for probe in probe_files():
         for name in _top_level_names(probe):

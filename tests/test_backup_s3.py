@@ -7,10 +7,10 @@ import os
 
 import pytest
 
+from pytest_gpuhost.exec.targets import open_connection, parse_host_url
 from pytest_gpuhost.modules.backup import Backup, Category, Manifest
 from pytest_gpuhost.modules.process import Selection
 from pytest_gpuhost.modules.s3 import S3Upload, items_from_backup, key_for, parse_s3_url
-from pytest_gpuhost.targets import open_connection, parse_host_url
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
+from pytest_gpuhost.exec.targets import open_connection, parse_host_url
 from pytest_gpuhost.modules.process import Matcher, ProcessTable, Selection, parse_selection, stop_processes
-from pytest_gpuhost.targets import open_connection, parse_host_url
 
 SERVER = "import time\nwhile True: time.sleep(1)"
 STUBBORN = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(1)"

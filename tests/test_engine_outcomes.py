@@ -11,7 +11,7 @@ import pytest
 ENGINE_TESTS = """
 import pathlib
 import pytest
-from pytest_gpuhost.remediation import Action, Check
+from pytest_gpuhost.run.remediation import Action, Check
 
 HERE = pathlib.Path(__file__).parent
 
@@ -99,7 +99,7 @@ def test_second_run_passes_everywhere(engine: pytest.Pytester) -> None:
 def test_fix_that_raises_fails_with_before_and_after(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
-        from pytest_gpuhost.remediation import Action, Check, Remediation
+        from pytest_gpuhost.run.remediation import Action, Check, Remediation
 
         class Stuck(Remediation):
             name = "unbind 0000:01:00.0"
@@ -128,7 +128,7 @@ def test_fix_that_raises_fails_with_before_and_after(pytester: pytest.Pytester) 
 def test_hooks_veto_extend_and_observe(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(
         """
-        from pytest_gpuhost.remediation import Action
+        from pytest_gpuhost.run.remediation import Action
         SEEN = []
 
         def pytest_gpuhost_before_fix(item, target, remediation, actions, check_only):
@@ -149,7 +149,7 @@ def test_hooks_veto_extend_and_observe(pytester: pytest.Pytester) -> None:
     )
     pytester.makepyfile(
         """
-        from pytest_gpuhost.remediation import Action, Check
+        from pytest_gpuhost.run.remediation import Action, Check
         state = {"vfio": False, "plain": False}
         got = []
 
@@ -183,7 +183,7 @@ def test_procedure_blocks_after_failed_step_not_after_would_fix(pytester: pytest
     pytester.makepyfile(
         """
         import pytest
-        from pytest_gpuhost.remediation import Action, Check
+        from pytest_gpuhost.run.remediation import Action, Check
         pytestmark = pytest.mark.gpuhost_procedure
 
         def test_one(remediate):
@@ -207,7 +207,7 @@ def test_procedure_blocks_after_failed_step_not_after_would_fix(pytester: pytest
 def test_worst_outcome_of_several_and_report_attributes(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
-        from pytest_gpuhost.remediation import Check
+        from pytest_gpuhost.run.remediation import Check
         state = {"x": False}
 
         def test_two(remediate, evidence):
@@ -232,7 +232,7 @@ def test_worst_outcome_of_several_and_report_attributes(pytester: pytest.Pyteste
 def test_check_only_without_a_planned_fix_fails_rather_than_would_fix(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
-        from pytest_gpuhost.remediation import Check
+        from pytest_gpuhost.run.remediation import Check
 
         def test_pure_check(remediate):
             remediate(name="temperature", check=lambda: Check(False, "GPU 3 at 93 C"))
@@ -248,7 +248,7 @@ def test_final_step_runs_after_a_failed_step(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
         import pytest
-        from pytest_gpuhost.remediation import Check
+        from pytest_gpuhost.run.remediation import Check
 
         pytestmark = pytest.mark.gpuhost_procedure
 

@@ -8,7 +8,7 @@ import secrets
 import pytest
 
 # Imported here, outside pytester's inline runs (see test_plugin_fixtures.py).
-import pytest_gpuhost.targets  # noqa: F401
+import pytest_gpuhost.exec.targets  # noqa: F401
 from pytest_gpuhost.redact import MASK, redact, redact_argv, redact_env, redact_obj, secret_name
 
 
@@ -59,7 +59,7 @@ def test_env_argv_objects_and_remembered_values() -> None:
 
 CANARY_SUITE = """
 import os
-from pytest_gpuhost.remediation import Action, Check
+from pytest_gpuhost.run.remediation import Action, Check
 
 SECRET = os.environ["GPUHOST_CANARY"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost import fleet, merge
+from pytest_gpuhost.report import fleet, merge
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -262,7 +262,7 @@ def test_nodes_write_to_s3_and_merge_reads_the_prefix(
 
 
 def test_example_inventories_agree_and_their_thresholds_load() -> None:
-    from pytest_gpuhost.inventory import load_inventory
+    from pytest_gpuhost.exec.inventory import load_inventory
     from pytest_gpuhost.modules.health import Thresholds
 
     yaml_hosts = load_inventory(str(REPO / "fixtures/inventories/fleet.yaml"))

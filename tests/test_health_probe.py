@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.targets import open_connection, parse_host_url
+from pytest_gpuhost.exec.targets import open_connection, parse_host_url
 
 CSV = """\
 0, 00000000:17:00.0, NVIDIA RTX PRO 6000 Blackwell Server Edition, GPU-aaaa, 570.133.07, Enabled, 41, 0, 0, [N/A], 0, 0x0000000000000000, 5, 5, 16, 16
@@ -192,7 +192,7 @@ def test_health_url_get_over_a_plain_socket() -> None:
     import socket
     import threading
 
-    from pytest_gpuhost.agent import probe_health
+    from pytest_gpuhost.exec.agent import probe_health
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
@@ -232,7 +232,7 @@ def test_health_url_get_over_a_plain_socket() -> None:
 @pytest.fixture
 def probe_health(monkeypatch: pytest.MonkeyPatch) -> Any:
     """probe_health imported on its own, with the agent core's read_text it runs beside."""
-    from pytest_gpuhost.agent import agent, probe_health
+    from pytest_gpuhost.exec.agent import agent, probe_health
 
     monkeypatch.setattr(probe_health, "read_text", agent.read_text, raising=False)
     return probe_health

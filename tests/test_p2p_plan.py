@@ -268,8 +268,8 @@ def test_bad_options_are_usage_errors(args: list[str], message: str) -> None:
 
 def test_run_lock_and_journal_on_a_local_target(tmp_path: Path) -> None:
     """Two agents: the second is refused while the first lives, and takes over once it is gone."""
+    from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url
     from pytest_gpuhost.modules.journal import Journal, LockBusy
-    from pytest_gpuhost.targets import TargetOptions, open_connection, parse_host_url
 
     opts = TargetOptions(command_timeout=10)
     a = open_connection(parse_host_url("local://"), opts)

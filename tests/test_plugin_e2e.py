@@ -10,8 +10,8 @@ import pytest
 
 # Imported here, outside pytester's inline runs: those drop modules first imported inside a run
 # from sys.modules, and cryptography's compiled bindings break when imported a second time.
-import pytest_gpuhost.backend  # noqa: F401
-import pytest_gpuhost.targets  # noqa: F401
+import pytest_gpuhost.exec.backend  # noqa: F401
+import pytest_gpuhost.exec.targets  # noqa: F401
 
 # Files on the target (this machine, reached through the agent): check "content is good",
 # fix writes it with the agent's write_file. Every command goes through target.conn.
@@ -20,7 +20,7 @@ import os
 import pathlib
 import shlex
 import pytest
-from pytest_gpuhost.remediation import Action, Check, Remediation
+from pytest_gpuhost.run.remediation import Action, Check, Remediation
 
 STATE_DIR = pathlib.Path(__file__).with_name("state_dir.txt").read_text()
 

@@ -15,8 +15,8 @@ import pytest
 
 # Imported here, outside pytester's inline runs: those drop modules first imported inside a run
 # from sys.modules, and cryptography's compiled bindings break when imported a second time.
-import pytest_gpuhost.backend  # noqa: F401
-import pytest_gpuhost.targets  # noqa: F401
+import pytest_gpuhost.exec.backend  # noqa: F401
+import pytest_gpuhost.exec.targets  # noqa: F401
 
 HOST_IS_OURS = """
 import json
@@ -30,7 +30,7 @@ def test_host_is_ours(host, target, request):
     names = [name for name, _ in request.config.pluginmanager.list_name_plugin()]
     order = [n for n in names if n in ("testinfra", "gpuhost")]
     assert order == os.environ["EXPECTED_ORDER"].split(","), names
-    assert type(host.backend).__module__ == "pytest_gpuhost.backend"
+    assert type(host.backend).__module__ == "pytest_gpuhost.exec.backend"
     assert host.target is target and target.name == "local"
     assert host.run("echo hi").stdout == "hi\\n"
     assert host.file("/").is_directory
@@ -59,7 +59,7 @@ def test_fixtures_per_target(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
         import pytest
-        from pytest_gpuhost.remediation import Action, Check
+        from pytest_gpuhost.run.remediation import Action, Check
 
         def test_target(target):
             assert target.name == "local" and target.spec.scheme == "local"

@@ -136,7 +136,7 @@ def test_without_target_tests_skip_with_reason(pytester: pytest.Pytester) -> Non
 def test_targets_hook_filters_and_extends(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(
         """
-        from pytest_gpuhost.targets import parse_host_url
+        from pytest_gpuhost.exec.targets import parse_host_url
         def pytest_gpuhost_targets(config, targets):
             targets[:] = [t for t in targets if t.name != "drop"]
             targets.append(parse_host_url("local://", name="added"))

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 
 # Imported here, outside pytester's inline runs (see test_plugin_fixtures.py).
-import pytest_gpuhost.targets  # noqa: F401
-from pytest_gpuhost.report import check_name, heatmap
+import pytest_gpuhost.exec.targets  # noqa: F401
+from pytest_gpuhost.report.html import check_name, heatmap
 
 SUITE = """
 import pytest
-from pytest_gpuhost.remediation import Action, Check
+from pytest_gpuhost.run.remediation import Action, Check
 
 state = {"fixed": False}
 

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pytest
 
-from pytest_gpuhost.scheduling import host_of_nodeid, param_id
+from pytest_gpuhost.run.scheduling import host_of_nodeid, param_id
 
 INVENTORY = """\
 [rack1]
@@ -79,7 +79,7 @@ def test_xdist_choice_leaves_the_scheduling_to_xdist(pytester: pytest.Pytester) 
 
 
 def test_units_go_round_robin_and_each_worker_can_compute_its_hosts() -> None:
-    from pytest_gpuhost.scheduling import assign_units, hosts_for_worker
+    from pytest_gpuhost.run.scheduling import assign_units, hosts_for_worker
 
     ids = [f"t.py::test_{c}[h{h}]" for c in "ab" for h in range(1, 6)] + ["t.py::test_plain"]
     known = [f"h{h}" for h in range(1, 6)]
@@ -97,7 +97,7 @@ def test_units_go_round_robin_and_each_worker_can_compute_its_hosts() -> None:
 
 KNOWS = """\
 import json, os
-from pytest_gpuhost import scheduling
+from pytest_gpuhost.run import scheduling
 
 def test_a(target, request):
     config = request.config

@@ -8,9 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytest_gpuhost.backend import GpuhostBackend, make_host
 from pytest_gpuhost.errors import TargetError
-from pytest_gpuhost.targets import TargetOptions, TargetPool, open_connection, parse_container, parse_host_url
+from pytest_gpuhost.exec.backend import GpuhostBackend, make_host
+from pytest_gpuhost.exec.targets import (
+    TargetOptions,
+    TargetPool,
+    open_connection,
+    parse_container,
+    parse_host_url,
+)
 
 
 @pytest.mark.parametrize(

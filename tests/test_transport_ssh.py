@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuhost.errors import AgentError, ConnectError
-from pytest_gpuhost.targets import TargetOptions, TargetPool, open_connection, parse_host_url
+from pytest_gpuhost.exec.targets import TargetOptions, TargetPool, open_connection, parse_host_url
 from tests.helpers.sshd import keygen, start_sshd
 
 
@@ -231,7 +231,7 @@ def test_pool_tells_apart_two_daemons_on_one_address(sshd, tmp_path):
 
 
 def _container(sshd):
-    from pytest_gpuhost.targets import parse_container
+    from pytest_gpuhost.exec.targets import parse_container
 
     return parse_container(sshd.url)
 

@@ -54,7 +54,7 @@ __all__ = [
     "sender_argv",
 ]
 
-PROBE_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "probe_backup.py"
+PROBE_SOURCE = Path(__file__).resolve().parent.parent / "exec" / "agent" / "probe_backup.py"
 _TRAILER = struct.Struct(">iQqIB32s")
 _U32 = struct.Struct(">I")
 _END = 0xFFFFFFFF
@@ -67,7 +67,7 @@ class BackupError(GpuhostError):
 
 
 class AgentConnection(Protocol):
-    """What the backup needs from a target connection (pytest_gpuhost.connection.Connection)."""
+    """What the backup needs from a target connection (pytest_gpuhost.exec.connection.Connection)."""
 
     def call(self, op: str, **params: Any) -> Any: ...
 
@@ -377,7 +377,7 @@ class _ChannelIO:
 
     def __init__(self, chan: Any, stall_timeout: float = 60.0) -> None:
         self.chan = chan
-        if hasattr(chan, "recv") and hasattr(chan, "close_stdin"):  # pytest_gpuhost.transport.RawChannel
+        if hasattr(chan, "recv") and hasattr(chan, "close_stdin"):  # pytest_gpuhost.exec.transport.RawChannel
 
             def recv(n: int) -> bytes:
                 return bytes(chan.recv(stall_timeout))  # TimeoutError (an OSError) when stalled

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost import evidence
 from pytest_gpuhost.modules.backup import Progress, load_manifest
 from pytest_gpuhost.modules.s3 import parse_s3_url
-from pytest_gpuhost.remediation import Remediation, WouldFix
+from pytest_gpuhost.run import evidence
+from pytest_gpuhost.run.remediation import Remediation, WouldFix
 from suites.decommission import options
 from suites.decommission.node import Decommission
 

@@ -18,7 +18,7 @@ from typing import Any
 from pytest_gpuhost.modules.backup import Backup, BackupPlan, Listing, Manifest, Progress, RemoteFile
 from pytest_gpuhost.modules.process import Proc, ProcessTable, stop_processes
 from pytest_gpuhost.modules.s3 import S3Location, S3Upload, item_for, items_from_backup
-from pytest_gpuhost.remediation import Action, Check, Remediation
+from pytest_gpuhost.run.remediation import Action, Check, Remediation
 
 GPU_QUERY = [
     "nvidia-smi",
@@ -732,6 +732,6 @@ def _rem(
     fix: Callable[[list[Action], Check], None] | None = None,
     verify: Callable[[], Check] | None = None,
 ) -> Remediation:
-    from pytest_gpuhost.remediation import remediation_from
+    from pytest_gpuhost.run.remediation import remediation_from
 
     return remediation_from(name=name, check=check, plan=plan, fix=fix, verify=verify)

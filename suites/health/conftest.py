@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost import evidence, scheduling
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.modules import health as hm
-from pytest_gpuhost.remediation import Action, Check
+from pytest_gpuhost.run import evidence, scheduling
+from pytest_gpuhost.run.remediation import Action, Check
 from suites.health import options
 
 _HOSTS = pytest.StashKey[dict[str, "HostHealth"]]()

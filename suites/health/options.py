@@ -4,7 +4,7 @@
 (persistence mode on) or `service` (restart a failed inference service). Without it every
 check only reports. `--previous` (ini `gpuhost_previous`) names the fleet summary of the last
 run to compare with; `--prometheus-textfile` (ini `gpuhost_prometheus_textfile`) is where the
-controller writes gauges for node_exporter's textfile collector. pytest_gpuhost.fleet reads the
+controller writes gauges for node_exporter's textfile collector. pytest_gpuhost.report.fleet reads the
 last two.
 """
 

@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_gpuhost import evidence
 from pytest_gpuhost.errors import AgentError, CommandTimeout, ConnectError
 from pytest_gpuhost.modules import gpu, iommu, p2p, pci
 from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError, check_health, nccl_transport
-from pytest_gpuhost.remediation import Action, Check, Remediation
+from pytest_gpuhost.run import evidence
+from pytest_gpuhost.run.remediation import Action, Check, Remediation
 from suites.p2p import persist
 from suites.p2p.plan import P2PPlan, make_plan
 

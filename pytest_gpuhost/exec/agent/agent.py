@@ -1,6 +1,6 @@
 """The gpuhost agent core: a line-delimited JSON server that runs ON the target.
 
-This file is not imported by the plugin; `pytest_gpuhost.agent.agent_source()` concatenates it
+This file is not imported by the plugin; `pytest_gpuhost.exec.agent.agent_source()` concatenates it
 with every `probe_*.py` of this package (sorted by name) and a final `main()` call, and the
 connection sends that program to the target, where a tiny bootstrap `exec`s it.  So:
 

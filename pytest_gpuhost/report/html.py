@@ -49,7 +49,7 @@ def outcome_badge(outcome: str) -> str:
 
 def configure_outputs(config: pytest.Config, report_dir: Path, name: str) -> None:
     """Send HTML, JUnit XML and JSON to `<dir>/<name>.*` unless the user chose paths."""
-    from pytest_gpuhost.evidence import JsonWriter
+    from pytest_gpuhost.run.evidence import JsonWriter
 
     base = report_dir if report_dir.is_absolute() else config.invocation_params.dir / report_dir
     if getattr(config.option, "htmlpath", "unset") is None:

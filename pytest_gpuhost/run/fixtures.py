@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost import evidence as evidence_mod
-from pytest_gpuhost import remediation
 from pytest_gpuhost.plugin import NO_TARGET_REASON, get_target, settings_key
+from pytest_gpuhost.run import evidence as evidence_mod
+from pytest_gpuhost.run import remediation
 
 
 class _CurrentEvidence:
@@ -83,7 +83,7 @@ def evidence() -> Any:
 
 
 def _host_for(target: Any, *, container: bool) -> Any:
-    from pytest_gpuhost.backend import make_host
+    from pytest_gpuhost.exec.backend import make_host
 
     attr = "_gpuhost_container_host" if container else "_gpuhost_host"
     host = getattr(target, attr, None)

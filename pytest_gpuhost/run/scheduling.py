@@ -10,7 +10,7 @@ Tests that name no target are units of one and are balanced like `--dist load`.
 (xdist is a dependency of this package; `-p no:xdist` just leaves the hook unused.)
 xdist's own `--dist loadgroup` needs `xdist_group` marks added at collection, which is fragile
 on recent pytest; grouping by the node id needs nothing from the workers but the ids they send.
-The known target names come from `pytest_gpuhost_targets` (recorded by `pytest_gpuhost.fleet`
+The known target names come from `pytest_gpuhost_targets` (recorded by `pytest_gpuhost.report.fleet`
 in every process, the controller included); without them the whole `[...]` id is the host.
 `--gpuhost-scheduling=xdist` (ini `gpuhost_scheduling`) leaves xdist's choice alone.
 """
@@ -36,7 +36,7 @@ __all__ = [
     "static_assignment",
 ]
 
-#: The target names of this run, in order (set by pytest_gpuhost.fleet; may be absent).
+#: The target names of this run, in order (set by pytest_gpuhost.report.fleet; may be absent).
 TARGET_NAMES = pytest.StashKey[list[str]]()
 CHOICES = ("host", "xdist")
 

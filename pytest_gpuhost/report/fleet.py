@@ -10,7 +10,7 @@ On the controller (never in an xdist worker) every test report that names a targ
 as one cell of a hosts x checks table. At the end of the session that table becomes:
 
 * a fleet summary JSON (`--fleet-json PATH|s3://bucket/prefix/`, default
-  `fleet-summary.json` in `--report-dir`), the unit `python -m pytest_gpuhost.merge` merges;
+  `fleet-summary.json` in `--report-dir`), the unit `python -m pytest_gpuhost.report.merge` merges;
 * a Prometheus textfile for node_exporter's textfile collector (`--prometheus-textfile`,
   registered by suites/health), written atomically;
 * a comparison with a previous summary (`--previous`), listing what newly failed and what
@@ -19,7 +19,7 @@ as one cell of a hosts x checks table. At the end of the session that table beco
 
 Tests feed it through `item.user_properties` (`gpuhost_host`, `gpuhost_check`,
 `gpuhost_verdict`); without them the check is the test's name without `test_` and the host is
-taken from the node id (see `pytest_gpuhost.scheduling.host_of_nodeid`).
+taken from the node id (see `pytest_gpuhost.run.scheduling.host_of_nodeid`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.scheduling import TARGET_NAMES, host_of_nodeid
+from pytest_gpuhost.run.scheduling import TARGET_NAMES, host_of_nodeid
 
 __all__ = [
     "BAD",
@@ -592,7 +592,7 @@ def write_summary(summary: Mapping[str, Any], dest: str) -> str:
     """Write the fleet summary to a path or an s3:// URL; return where it went."""
     text = json.dumps(summary, indent=1, sort_keys=False, default=str)
     if dest.startswith("s3://"):
-        from pytest_gpuhost.merge import s3_put
+        from pytest_gpuhost.report.merge import s3_put
 
         if dest.endswith("/"):
             dest = dest + socket.gethostname() + ".json"
@@ -605,7 +605,7 @@ def write_summary(summary: Mapping[str, Any], dest: str) -> str:
 def load_summary(source: str) -> dict[str, Any]:
     """Read one fleet summary from a path or an s3:// URL; raise ValueError if it is not one."""
     if source.startswith("s3://"):
-        from pytest_gpuhost.merge import s3_get
+        from pytest_gpuhost.report.merge import s3_get
 
         data = s3_get(source).decode("utf-8")
     else:

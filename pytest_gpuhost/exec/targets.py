@@ -1,0 +1,360 @@
+"""Target descriptions (URLs, container specs) and the pool of open connections.
+
+`parse_host_url` accepts `ssh://[user@]host[:port]`, `paramiko://` (same), `local://`, and the
+testinfra container schemes that can carry our agent: `docker://[user@]NAME`,
+`podman://[user@]NAME`, `kubectl://POD?container=C&namespace=N`, `lxc://NAME` (LXD's `lxc exec`).
+Query options on any URL: `sudo=1`, `python=python3.11`, `identity=PATH`, `timeout=S`;
+`?path=/a:/b` replaces PATH for programs started on this machine (local://, docker:// ...;
+tests use it to hide python3 or to put stand-in tools first).
+
+`--container` values: `pct:ID` (`pct exec ID --` through the host), `lxc:NAME`
+(`lxc-attach -n NAME --`), `docker:NAME` (`docker exec -i NAME`), `ssh://...` (its own SSH).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import threading
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_gpuhost.errors import TargetError
+from pytest_gpuhost.exec.connection import Connection
+from pytest_gpuhost.exec.transport import (
+    HOST_KEY_POLICIES,
+    Launcher,
+    LocalLauncher,
+    PrefixLauncher,
+    SSHLauncher,
+    SSHTransport,
+)
+
+__all__ = [
+    "SCHEMES",
+    "ContainerSpec",
+    "TargetOptions",
+    "TargetPool",
+    "TargetSpec",
+    "open_connection",
+    "parse_container",
+    "parse_host_url",
+]
+
+SCHEMES = ("ssh", "paramiko", "local", "docker", "podman", "kubectl", "lxc")
+_UNSUPPORTED = {
+    "ansible": "it runs modules, not commands; use ssh:// to the same host",
+    "salt": "it has no interactive channel; use ssh:// to the minion",
+    "winrm": "Windows targets have no POSIX agent",
+    "openshift": "use kubectl://",
+    "chroot": "use local:// inside the chroot",
+}
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.:@/+-]*$")
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """Where a service's container is: `kind` pct | lxc | docker | ssh."""
+
+    kind: str
+    name: str
+    text: str
+    target: TargetSpec | None = None  # for kind "ssh"
+
+    def prefix(self) -> list[str]:
+        """Return the argv prefix that runs a program inside the container from its host."""
+        if self.kind == "pct":
+            return ["pct", "exec", self.name, "--"]
+        if self.kind == "lxc":
+            return ["lxc-attach", "-n", self.name, "--"]
+        if self.kind == "docker":
+            return ["docker", "exec", "-i", self.name]
+        raise TargetError(f"container {self.text} is reached by its own SSH, not through the host")
+
+
+@dataclass
+class TargetSpec:
+    """One target as given on the command line or in an inventory."""
+
+    url: str
+    scheme: str
+    user: str | None = None
+    hostname: str = ""
+    port: int | None = None
+    name: str = ""
+    vars: dict[str, Any] = field(default_factory=dict)
+    container: ContainerSpec | None = None
+    query: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class TargetOptions:
+    """Connection settings shared by every target of a run (the plugin fills it from options)."""
+
+    command_timeout: float = 60.0
+    connect_timeout: float = 10.0
+    identity: str | None = None
+    known_hosts: str | None = None
+    host_key_policy: str = "strict"
+    sudo: bool = False
+
+
+def _bad(url: str, why: str) -> TargetError:
+    return TargetError(f"bad target URL {url!r}: {why}")
+
+
+def parse_host_url(url: str, *, name: str | None = None) -> TargetSpec:
+    """Parse a `--host` URL; raise TargetError (one line, with what to type) when it is wrong."""
+    text = url.strip()
+    if not text:
+        raise _bad(url, "empty")
+    if "://" not in text:
+        raise _bad(url, "no scheme; write ssh://user@host:port, local:// or docker://NAME")
+    scheme, _, rest = text.partition("://")
+    scheme = scheme.lower()
+    if scheme in _UNSUPPORTED:
+        raise TargetError(f"target scheme {scheme}:// is not supported: {_UNSUPPORTED[scheme]}")
+    if scheme not in SCHEMES:
+        raise TargetError(
+            f"unknown target scheme {scheme!r} in {url!r}: use one of {', '.join(s + '://' for s in SCHEMES)}"
+        )
+    try:
+        parts = urllib.parse.urlsplit(text)
+    except ValueError as exc:  # e.g. "Invalid IPv6 URL" for an unclosed '['
+        raise _bad(url, f"{exc} (unclosed '[' or ']'?)") from None
+    query = {k: v[-1] for k, v in urllib.parse.parse_qs(parts.query, keep_blank_values=True).items()}
+    if scheme == "local":
+        if parts.netloc not in ("", "localhost") or parts.path not in ("", "/"):
+            raise _bad(url, "local:// takes no host or path (options go after '?')")
+        return TargetSpec(url=text, scheme="local", hostname="localhost", name=name or "local", query=query)
+    netloc = parts.netloc
+    if not netloc:
+        raise _bad(url, f"{scheme}:// needs a host or container name")
+    user = None
+    if "@" in netloc:
+        user, _, netloc = netloc.rpartition("@")
+        user = urllib.parse.unquote(user)
+        if not user:
+            raise _bad(url, "empty user before '@'")
+        if ":" in user:
+            raise _bad(url, "passwords in URLs are not accepted; use an SSH key (--ssh-identity)")
+    port: int | None = None
+    host = netloc
+    if host.startswith("["):
+        end = host.find("]")
+        if end < 0:
+            raise _bad(url, "unclosed '[' in IPv6 address")
+        host, rest_port = host[1:end], host[end + 1 :]
+        if rest_port:
+            if not rest_port.startswith(":"):
+                raise _bad(url, "junk after IPv6 address")
+            port = _port(url, rest_port[1:])
+    elif ":" in host:
+        host, _, p = host.rpartition(":")
+        port = _port(url, p)
+    host = urllib.parse.unquote(host)
+    if not host:
+        raise _bad(url, "empty host")
+    if scheme in ("ssh", "paramiko"):
+        if not _valid_hostname(host):
+            raise _bad(url, f"{host!r} is not a host name or address")
+        if parts.path not in ("", "/"):
+            raise _bad(url, "ssh:// URLs take no path")
+        port = port or 22
+    elif not _NAME_RE.match(host):
+        raise _bad(url, f"{host!r} is not a container name")
+    return TargetSpec(
+        url=text,
+        scheme="ssh" if scheme == "paramiko" else scheme,
+        user=user,
+        hostname=host,
+        port=port,
+        name=name or host,
+        query=query,
+    )
+
+
+def _port(url: str, text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise _bad(url, f"port {text!r} is not a number from 1 to 65535")
+    return int(text)
+
+
+def _valid_hostname(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    if len(host) > 253:
+        return False
+    return all(
+        re.match(r"^[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$", label)
+        for label in host.rstrip(".").split(".")
+    )
+
+
+def parse_container(text: str) -> ContainerSpec:
+    """Parse a `--container` value: pct:ID, lxc:NAME, docker:NAME or ssh://..."""
+    raw = text.strip()
+    if raw.startswith(("ssh://", "paramiko://")):
+        spec = parse_host_url(raw)
+        return ContainerSpec("ssh", spec.hostname, raw, spec)
+    kind, sep, name = raw.partition(":")
+    if not sep or not name:
+        raise TargetError(f"bad container {text!r}: write pct:ID, lxc:NAME, docker:NAME or ssh://user@host")
+    kind = kind.lower()
+    if kind == "pct":
+        if not name.isdigit():
+            raise TargetError(f"bad container {text!r}: a Proxmox container ID is a number (pct:101)")
+    elif kind in ("lxc", "docker"):
+        if not _NAME_RE.match(name) or "/" in name:
+            raise TargetError(f"bad container {text!r}: {name!r} is not a container name")
+    else:
+        raise TargetError(f"unknown container kind {kind!r} in {text!r}: use pct:, lxc:, docker: or ssh://")
+    return ContainerSpec(kind, name, raw)
+
+
+def _opt(options: Any, name: str, default: Any) -> Any:
+    value = getattr(options, name, None) if options is not None else None
+    return default if value is None else value
+
+
+def _launcher(spec: TargetSpec, options: Any) -> Launcher:
+    q = spec.query
+    if spec.scheme == "local":
+        env = {"PATH": q["path"]} if "path" in q else None
+        return LocalLauncher(env)
+    if spec.scheme == "ssh":
+        policy = _opt(options, "host_key_policy", "strict")
+        if policy not in HOST_KEY_POLICIES:
+            raise TargetError(
+                f"unknown host key policy {policy!r}: use one of {', '.join(HOST_KEY_POLICIES)}"
+            )
+        transport = SSHTransport(
+            spec.hostname,
+            spec.port or 22,
+            spec.user or spec.vars.get("ansible_user"),
+            identity=q.get("identity") or _opt(options, "identity", None),
+            known_hosts=_opt(options, "known_hosts", None),
+            host_key_policy=policy,
+            connect_timeout=float(_opt(options, "connect_timeout", 10.0)),
+        )
+        return SSHLauncher(transport)
+    local = LocalLauncher({"PATH": q["path"]} if "path" in q else None)
+    if spec.scheme in ("docker", "podman"):
+        prefix = [spec.scheme, "exec", "-i"] + (["-u", spec.user] if spec.user else []) + [spec.hostname]
+        return PrefixLauncher(local, prefix, f"{spec.scheme} {spec.hostname}")
+    if spec.scheme == "kubectl":
+        prefix = ["kubectl", "exec", "-i", spec.hostname]
+        if q.get("container"):
+            prefix += ["-c", q["container"]]
+        if q.get("namespace"):
+            prefix += ["-n", q["namespace"]]
+        if q.get("context"):
+            prefix += ["--context", q["context"]]
+        return PrefixLauncher(local, prefix + ["--"], f"kubectl {spec.hostname}")
+    if spec.scheme == "lxc":
+        return PrefixLauncher(local, ["lxc", "exec", spec.hostname, "--"], f"lxc {spec.hostname}")
+    raise TargetError(f"unknown target scheme {spec.scheme!r}")
+
+
+def open_connection(spec: TargetSpec, options: Any = None, *, connect: bool = True) -> Connection:
+    """Open a Connection to `spec` (agent started now unless `connect=False`)."""
+    launcher = _launcher(spec, options)
+    sudo = _truthy(spec.query.get("sudo")) or bool(_opt(options, "sudo", False))
+    if sudo:
+        launcher = PrefixLauncher(launcher, ["sudo", "-n", "--"], f"sudo on {launcher.description}")
+    timeout = spec.query.get("timeout") or _opt(options, "command_timeout", 60.0)
+    conn = Connection(
+        spec.name or spec.hostname,
+        launcher,
+        command_timeout=float(timeout),
+        python=spec.query.get("python") or str(spec.vars.get("ansible_python_interpreter") or "python3"),
+        options=options,
+    )
+    if connect:
+        try:
+            conn.connect()
+        except BaseException:
+            conn.close()
+            raise
+    return conn
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").lower() in ("1", "yes", "true", "on")
+
+
+class TargetPool:
+    """Open connections lazily, one per target name, reused; `close_all` at session end."""
+
+    def __init__(self, options: Any = None) -> None:
+        self.options = options if options is not None else TargetOptions()
+        self._conns: dict[tuple[str, str], Connection] = {}
+        self._containers: dict[tuple[str, str, str], Connection] = {}
+        self._lock = threading.Lock()
+        self._opening: dict[object, threading.Lock] = {}  # one lock per target: hosts connect in parallel
+
+    def _key_lock(self, key: object) -> threading.Lock:
+        with self._lock:
+            return self._opening.setdefault(key, threading.Lock())
+
+    def get(self, spec: TargetSpec) -> Connection:
+        """Return the open connection for `spec`, opening it on first use.
+
+        Keyed by name and URL: `ssh://h:2222` and `ssh://h:2223` are both named `h` yet are two
+        targets.
+        """
+        key = (spec.name, spec.url)
+        with self._key_lock(key):
+            conn = self._conns.get(key)
+            if conn is None:
+                conn = open_connection(spec, self.options)
+                with self._lock:
+                    self._conns[key] = conn
+            return conn
+
+    def container(self, spec: TargetSpec, container: ContainerSpec | None = None) -> Connection | None:
+        """Return the connection to the target's container (the spec's own, or `container`)."""
+        cs = container or spec.container
+        if cs is None:
+            return None
+        key = (spec.name, spec.url, cs.text)
+        host = self.get(spec)
+        with self._key_lock(key):
+            conn = self._containers.get(key)
+            if conn is None:
+                conn = host.container(cs)
+                with self._lock:
+                    self._containers[key] = conn
+            return conn
+
+    def connections(self) -> list[Connection]:
+        return list(self._conns.values())
+
+    def close_all(self) -> None:
+        """Close every connection (containers first); errors while closing are ignored."""
+        with self._lock:
+            conns = list(self._containers.values()) + list(self._conns.values())
+            n_hosts = len(self._conns)
+            self._containers.clear()
+            self._conns.clear()
+
+        def close(conn: Connection) -> None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - closing must reach every connection
+                pass
+
+        # containers first, then hosts; each group in parallel, since closing waits up to a
+        # second for the agent to exit (a round trip each: 16 hosts 25 ms away took 1 s in series)
+        for group in (conns[: len(conns) - n_hosts], conns[len(conns) - n_hosts :]):
+            if len(group) < 2:
+                for conn in group:
+                    close(conn)
+                continue
+            with ThreadPoolExecutor(max_workers=min(32, len(group)), thread_name_prefix="close") as pool:
+                list(pool.map(close, group))

@@ -1,0 +1,347 @@
+"""Per-test evidence: commands, states, measurements, matrices, notes and actions.
+
+Each test phase (setup, call, teardown) gets its own `Evidence`; `current()` returns the one of
+the phase that is running, or the session bucket outside of tests (connections opened at
+configure time, closed at session end). A plain module global rather than a contextvar, so that
+commands a test runs from worker threads are recorded into that test too.
+
+Everything is redacted when it is recorded, so secrets never sit in memory in a form that a
+report could pick up. Records are plain JSON-able dicts: they travel from xdist workers on the
+report (`report.gpuhost_evidence`) and end in `reports/<name>.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpuhost.redact import redact, redact_env, redact_obj
+
+__all__ = [
+    "Evidence",
+    "JsonWriter",
+    "MAX_OUTPUT",
+    "activate",
+    "attach",
+    "current",
+    "jsonable",
+    "phase",
+    "session_evidence",
+]
+
+# Output kept per stream and command; the rest is cut with a marker (a report must stay openable).
+MAX_OUTPUT = 64 * 1024
+
+
+def jsonable(value: Any) -> Any:
+    """Convert a value to something `json.dumps` accepts (dataclasses, sets, paths, bytes)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return jsonable(dataclasses.asdict(value))
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if hasattr(value, "to_dict"):
+        return jsonable(value.to_dict())
+    return str(value)
+
+
+def _cut(text: str) -> str:
+    if len(text) <= MAX_OUTPUT:
+        return text
+    return text[:MAX_OUTPUT] + f"\n... [{len(text) - MAX_OUTPUT} more characters cut]"
+
+
+class Evidence:
+    """What one test phase saw and did on its targets."""
+
+    def __init__(self, phase: str = "session") -> None:
+        self.phase = phase
+        self.commands: list[dict[str, Any]] = []
+        self.states: list[dict[str, Any]] = []
+        self.measures: list[dict[str, Any]] = []
+        self.matrices: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.actions: list[dict[str, Any]] = []
+
+    def command(self, result: Any) -> None:
+        """Record one command result (a `CommandResult` or a dict with the same fields)."""
+        data = jsonable(result) if not isinstance(result, Mapping) else dict(result)
+        if not isinstance(data, dict):
+            data = {"command": str(data)}
+        command = data.get("command", "")
+        if isinstance(command, list | tuple):
+            command = " ".join(str(c) for c in command)
+        record: dict[str, Any] = {
+            "target": str(data.get("target", "")),
+            "command": redact(str(command)),
+            "rc": data.get("rc"),
+            "stdout": _cut(redact(str(data.get("stdout") or ""))),
+            "stderr": _cut(redact(str(data.get("stderr") or ""))),
+            "start": data.get("start"),
+            "duration": data.get("duration"),
+            "timed_out": bool(data.get("timed_out", False)),
+        }
+        env = data.get("env")
+        if isinstance(env, Mapping) and env:
+            record["env"] = redact_env({str(k): str(v) for k, v in env.items()})
+        self.commands.append(record)
+
+    def state(self, label: str, value: Any, target: str = "") -> None:
+        """Record a state of the host, e.g. "before" and "after" a fix."""
+        self.states.append({"label": label, "target": target, "value": redact_obj(jsonable(value))})
+
+    def measure(self, name: str, value: Any, unit: str | None = None, target: str = "") -> None:
+        """Record one scalar measurement (a bandwidth, a checksum, a count)."""
+        self.measures.append(
+            {"name": name, "value": redact_obj(jsonable(value)), "unit": unit, "target": target}
+        )
+
+    def matrix(
+        self,
+        name: str,
+        labels: Sequence[str],
+        values: Sequence[Sequence[float | None]],
+        unit: str = "GB/s",
+        threshold: float | None = None,
+        target: str = "",
+    ) -> None:
+        """Record a square matrix of measurements (rows and columns share `labels`); shown as a heatmap.
+
+        `None` (or NaN) cells are pairs without a value (self, or not measured). Cells below
+        `threshold` are marked in the report.
+        """
+        rows = [
+            [None if v is None or (isinstance(v, float) and not math.isfinite(v)) else float(v) for v in row]
+            for row in values
+        ]
+        self.matrices.append(
+            {
+                "name": name,
+                "labels": [str(x) for x in labels],
+                "values": rows,
+                "unit": unit,
+                "threshold": threshold,
+                "target": target,
+            }
+        )
+
+    def note(self, text: str) -> None:
+        """Record a line of free text."""
+        self.notes.append(redact(str(text)))
+
+    def action(self, action: Any, status: str) -> None:
+        """Record an `Action` with its status: planned, done, failed, vetoed."""
+        data = jsonable(action)
+        if not isinstance(data, dict):
+            data = {"description": str(data)}
+        data = redact_obj(data)
+        data["status"] = status
+        for existing in self.actions:
+            if all(existing.get(k) == data.get(k) for k in ("description", "command", "target")):
+                existing["status"] = status
+                return
+        self.actions.append(data)
+
+    @property
+    def empty(self) -> bool:
+        """Tell whether nothing was recorded."""
+        return not (
+            self.commands or self.states or self.measures or self.matrices or self.notes or self.actions
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the JSON-able record (only the non-empty kinds)."""
+        out: dict[str, Any] = {}
+        for key in ("commands", "states", "measures", "matrices", "notes", "actions"):
+            value = getattr(self, key)
+            if value:
+                out[key] = value
+        return json.loads(json.dumps(out, default=str))
+
+
+_session = Evidence("session")
+_active: Evidence | None = None
+
+
+def current() -> Evidence:
+    """Return the Evidence of the running test phase, or the session bucket between tests."""
+    return _active if _active is not None else _session
+
+
+def session_evidence() -> Evidence:
+    """Return the bucket for evidence recorded outside any test phase."""
+    return _session
+
+
+def reset_session() -> Evidence:
+    """Start a fresh session bucket (a new pytest session in the same process, as pytester runs)."""
+    global _session
+    _session = Evidence("session")
+    return _session
+
+
+def activate(ev: Evidence | None) -> Evidence | None:
+    """Make `ev` the current Evidence; return the previous one (to restore it)."""
+    global _active
+    previous, _active = _active, ev
+    return previous
+
+
+# --- pytest integration (called from plugin.py's hooks) -------------------------------------
+
+_phases_key = pytest.StashKey[dict[str, Evidence]]()
+
+
+@contextlib.contextmanager
+def phase(item: pytest.Item, when: str) -> Iterator[Evidence]:
+    """Make a fresh Evidence current for one phase of `item`, and keep it for its report."""
+    ev = Evidence(when)
+    item.stash.setdefault(_phases_key, {})[when] = ev
+    previous = activate(ev)
+    try:
+        yield ev
+    finally:
+        activate(previous)
+
+
+def _phase(item: pytest.Item, when: str) -> Generator[None, object, object]:
+    with phase(item, when):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _phase(item, "setup"))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _phase(item, "call"))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _phase(item, "teardown"))
+
+
+def of(item: pytest.Item, when: str) -> Evidence | None:
+    """Return the Evidence recorded for one phase of `item`, if any."""
+    return item.stash.get(_phases_key, {}).get(when)
+
+
+def attach(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Put the phase's evidence and target on the report; redact the failure text and sections."""
+    from pytest_gpuhost.run.remediation import target_name
+
+    ev = of(item, report.when)
+    report.gpuhost_target = target_name(item)  # type: ignore[attr-defined]
+    report.gpuhost_evidence = ev.to_dict() if ev is not None else {}  # type: ignore[attr-defined]
+    scrub(report)
+
+
+def scrub(report: pytest.TestReport) -> None:
+    """Redact a report's failure text and captured sections (only when something is hidden).
+
+    A failure's repr is kept as an object unless redaction changes its text, so ordinary
+    tracebacks keep their formatting.
+    """
+    if report.longrepr is not None:
+        text = str(report.longrepr) if not isinstance(report.longrepr, tuple) else report.longrepr[2]
+        hidden = redact(text)
+        if hidden != text:
+            if isinstance(report.longrepr, tuple):
+                report.longrepr = (report.longrepr[0], report.longrepr[1], hidden)
+            else:
+                report.longrepr = hidden
+    report.sections = [(title, redact(content)) for title, content in report.sections]
+
+
+class JsonWriter:
+    """Collect every test's outcome and evidence on the controller; write `<dir>/<name>.json`."""
+
+    def __init__(self, path: Path, config: pytest.Config) -> None:
+        self.path = path
+        self.config = config
+        self.tests: dict[str, dict[str, Any]] = {}
+        self.started = time.time()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        entry = self.tests.setdefault(
+            report.nodeid,
+            {
+                "nodeid": report.nodeid,
+                "target": "",
+                "outcome": "passed",
+                "gpuhost_outcome": "passed",
+                "duration": 0.0,
+                "evidence": {},
+                "remediations": [],
+                "message": "",
+            },
+        )
+        entry["target"] = getattr(report, "gpuhost_target", "") or entry["target"]
+        entry["duration"] = round(entry["duration"] + report.duration, 6)
+        ev = getattr(report, "gpuhost_evidence", None)
+        if ev:
+            entry["evidence"][report.when] = ev
+        if getattr(report, "gpuhost_remediations", None):
+            entry["remediations"] = report.gpuhost_remediations
+        gpuhost_outcome = getattr(report, "gpuhost_outcome", None)
+        if report.failed or (report.skipped and entry["outcome"] == "passed") or report.when == "call":
+            if entry["outcome"] != "failed":
+                entry["outcome"] = report.outcome
+                entry["gpuhost_outcome"] = gpuhost_outcome or report.outcome
+        if report.failed or report.skipped:
+            entry["message"] = redact(_one_line(report))
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        counts: dict[str, int] = {}
+        for entry in self.tests.values():
+            counts[entry["gpuhost_outcome"]] = counts.get(entry["gpuhost_outcome"], 0) + 1
+        data = {
+            "name": self.path.stem,
+            "started": self.started,
+            "finished": time.time(),
+            "args": [redact(a) for a in self.config.invocation_params.args],
+            "exitstatus": int(session.exitstatus),
+            "check_only": bool(self.config.getoption("gpuhost_check_only", default=False)),
+            "targets": sorted({t["target"] for t in self.tests.values() if t["target"]}),
+            "summary": counts,
+            "tests": list(self.tests.values()),
+            "session": session_evidence().to_dict(),
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        tmp.replace(self.path)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        terminalreporter.write_sep("-", f"gpuhost evidence: {self.path}")
+
+
+def _one_line(report: pytest.TestReport) -> str:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2])
+    text = report.longreprtext.strip()
+    if not text:
+        return ""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return str(crash.message)
+    return text.splitlines()[0] if text else ""

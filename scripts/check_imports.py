@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Print import cycles, layer violations and oversized modules in `pytest_gpuhost/` and `suites/`.
+
+Every import counts, at module level or inside a function, `importlib.import_module("...")` with a
+literal name included: a cycle hidden in a function is still a cycle a reader has to hold in mind.
+
+Layers, lowest first; a module may import only from its own layer or below:
+
+    base      pytest_gpuhost.errors, pytest_gpuhost.redact
+    exec      pytest_gpuhost.exec.*           (reaches targets; never imports pytest)
+    modules   pytest_gpuhost.modules.*        (host knowledge; never imports pytest)
+    run       pytest_gpuhost.run.*, hookspec  (the pytest side)
+    report    pytest_gpuhost.report.*
+    plugin    pytest_gpuhost.plugin, the deprecated re-export shims, suites.*
+
+Exit 1 when anything is found, so CI can run it. `--max-lines N` (default 500) is the size limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("pytest_gpuhost", "suites")
+LAYERS = ("base", "exec", "modules", "run", "report", "plugin")
+NO_PYTEST = ("exec", "modules", "base")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer(mod: str) -> str:
+    if mod in ("pytest_gpuhost.errors", "pytest_gpuhost.redact", "pytest_gpuhost"):
+        return "base"
+    for name in ("exec", "modules", "run", "report"):
+        if mod == f"pytest_gpuhost.{name}" or mod.startswith(f"pytest_gpuhost.{name}."):
+            return name
+    if mod == "pytest_gpuhost.hookspec":
+        return "run"
+    return "plugin"
+
+
+def imports_of(path: Path, mod: str, known: set[str]) -> set[str]:
+    """Return the project modules `path` imports (resolved to the longest known module name)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    found: set[str] = set()
+
+    def add(name: str) -> None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name and name != mod:
+            found.add(name)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = package.split(".")
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                add(full if full in known else base)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            add(node.args[0].value)
+    return found
+
+
+def uses_pytest(path: Path) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(
+            a.name.split(".")[0] in ("pytest", "_pytest") for a in node.names
+        ):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("pytest", "_pytest"):
+            return True
+    return False
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Return the strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-lines", type=int, default=500)
+    args = ap.parse_args(argv)
+    paths = {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    known = set(paths)
+    graph = {mod: imports_of(path, mod, known) for mod, path in paths.items()}
+    problems: list[str] = []
+    for comp in cycles(graph):
+        problems.append("cycle: " + " <-> ".join(comp))
+    for mod, deps in sorted(graph.items()):
+        mine = LAYERS.index(layer(mod))
+        for dep in sorted(deps):
+            if mod.startswith("pytest_gpuhost") and dep.startswith("suites"):
+                problems.append(f"layer: {mod} imports the suite module {dep}")
+            elif LAYERS.index(layer(dep)) > mine:
+                problems.append(f"layer: {mod} ({layer(mod)}) imports {dep} ({layer(dep)})")
+        if layer(mod) in NO_PYTEST and uses_pytest(paths[mod]):
+            problems.append(f"layer: {mod} ({layer(mod)}) imports pytest")
+    for _mod, path in sorted(paths.items()):
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > args.max_lines:
+            problems.append(f"size: {path.relative_to(ROOT)} has {n} lines (limit {args.max_lines})")
+    for line in problems:
+        print(line)
+    print(f"check_imports: {len(paths)} modules, {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
