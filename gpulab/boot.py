@@ -73,6 +73,27 @@ MASKED_UNITS = (
     "avahi-daemon.socket",
 )
 
+# Directories of this machine that a lab host must not see through its overlay root (lower layer
+# `/`): the plugin's own state on the machine that runs the tests (a `local://` run's health cursor
+# and journals) would otherwise appear inside every lab host, as if the host had run the plugin
+# before. A real host never shares them. Masked with opaque directories in the lab layer
+# (Documentation/filesystems/overlayfs.rst, "whiteouts and opaque directories": an upper or middle
+# layer directory with the xattr trusted.overlay.opaque="y" hides everything below it).
+MASKED_DIRS = ("var/lib/gpuhost", "etc/gpuhost")
+
+
+def mask_dirs(base: Path, dirs: Iterable[str] = MASKED_DIRS) -> None:
+    """Make each of ``dirs`` an empty opaque directory in the lab layer ``base`` (not mounted now)."""
+    for rel in dirs:
+        p = base / rel
+        if p.is_symlink() or (p.exists() and not p.is_dir()):
+            p.unlink()  # a whiteout (char device 0:0) left by the build, or a file
+        elif p.is_dir():
+            shutil.rmtree(p)
+        p.mkdir(parents=True)
+        os.setxattr(p, "trusted.overlay.opaque", b"y")
+
+
 SSHD_CONFIG = """\
 # gpulab: this lab machine's sshd
 Port 22

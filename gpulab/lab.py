@@ -1066,6 +1066,7 @@ class Lab:
             with contextlib.suppress(OSError):
                 tmp.rmdir()
         shutil.rmtree(mfs / "work0", ignore_errors=True)
+        boot.mask_dirs(mfs / "base")
 
     def down(self, name: str) -> None:
         """Tear down host ``name`` (also one whose up failed half-way)."""

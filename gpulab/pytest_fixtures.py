@@ -16,7 +16,8 @@ the same host for the rest of the session. Without a name the host is called
 torn down when the session ends, on Ctrl-C, and at interpreter exit as a safety net; hosts of a
 session that was killed outright are swept by the next session that uses ``lab``. Tests that
 use ``lab`` are skipped, with the reason, when the machine cannot run the lab (not root, no
-/dev/fuse, no systemd).
+/dev/fuse, no systemd), and carry the ``lab`` marker: ``pytest -m "not lab"`` leaves them out,
+``pytest -m lab`` runs only them.
 """
 
 from __future__ import annotations
@@ -98,6 +99,19 @@ class LabSession:
             with contextlib.suppress(Exception):
                 h.down()
         self._hosts.clear()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "lab: the test boots or uses lab hosts (set on every test that uses the `lab` fixture)"
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that uses ``lab`` (directly or through a fixture) so ``-m "not lab"`` works."""
+    for item in items:
+        if "lab" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.lab)
 
 
 def lab_unavailable() -> str | None:
