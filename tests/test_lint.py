@@ -31,3 +31,28 @@ def _tool(name: str) -> str:
 def test_clean(argv: list[str]) -> None:
     proc = subprocess.run([_tool(argv[0]), *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
+def test_extensionless_python_scripts_are_linted() -> None:
+    """The lab's tools without a .py suffix are in ruff's default file search (pyproject extend-include)."""
+    scripts = [
+        p
+        for d in ("gpulab/tools", "gpulab/hosttools")
+        for p in sorted((ROOT / d).iterdir())
+        if p.is_file() and not p.suffix and p.read_bytes().startswith(b"#!/usr/bin/python3")
+    ]
+    assert scripts
+    proc = subprocess.run(
+        [_tool("ruff"), "check", "--show-files", "."], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    shown = proc.stdout
+    missing = [str(p.relative_to(ROOT)) for p in scripts if str(p) not in shown]
+    assert not missing, f"not linted by `ruff check .`: {missing}"
+
+
+def test_no_import_cycles_layer_breaks_or_oversized_modules() -> None:
+    """scripts/check_imports.py: imports only go down the layers, no cycle, no module over 500 lines."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/check_imports.py")], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
