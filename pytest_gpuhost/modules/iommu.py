@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.modules.pci import PciFunction
 
 __all__ = [
@@ -39,7 +40,7 @@ class _Conn(Protocol):
     def call(self, op: str, **params: Any) -> Any: ...
 
 
-class IommuError(OSError):
+class IommuError(GpuhostError, OSError):
     """Changing a group's type failed; str() says why and what to do."""
 
     def __str__(self) -> str:

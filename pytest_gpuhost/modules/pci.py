@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pytest_gpuhost.errors import GpuhostError
+
 __all__ = [
     "BDF_RE",
     "DRIVERS",
@@ -43,7 +45,7 @@ class _Writer(Protocol):
     ) -> Any: ...
 
 
-class PciError(OSError):
+class PciError(GpuhostError, OSError):
     """A bind or unbind write failed; str() is one line for the operator."""
 
     def __str__(self) -> str:

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pytest_gpuhost.errors import GpuhostError
+
 __all__ = ["Service", "ServiceError", "ServiceState", "StopReport", "check_health", "nccl_transport"]
 
 _UNIT_RE = re.compile(r"^[A-Za-z0-9:_.@\\-]+$")
@@ -34,7 +36,7 @@ class _Conn(Protocol):
     def run(self, command: Any, *, timeout: float | None = None, **kw: Any) -> Any: ...
 
 
-class ServiceError(RuntimeError):
+class ServiceError(GpuhostError, RuntimeError):
     """A service could not be stopped or started within its bound; the message says which step."""
 
 
