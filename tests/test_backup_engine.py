@@ -165,7 +165,9 @@ def test_max_size_and_excludes(conn, tmp_path):
 def test_manifest_errors_name_the_key(tmp_path):
     bad = tmp_path / "m.yaml"
     bad.write_text("categories:\n  logs: {roots: [relative/path]}\n")
-    with pytest.raises(BackupError, match="not absolute"):
+    with pytest.raises(
+        BackupError, match=r"categories\.logs\.roots: .relative/path. \(expected an absolute path\)"
+    ):
         load_manifest(bad)
     bad.write_text("categories:\n  logs: {roots: [/x], colour: red}\n")
     with pytest.raises(BackupError, match="colour"):

@@ -26,9 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
-from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.exec.s3io import S3Error, S3Location, make_client, parse_s3_url
 from pytest_gpuhost.modules.backup import Backup, Listing, Progress, RemoteFile, StateFile
 
 __all__ = [
@@ -48,33 +47,6 @@ __all__ = [
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 PART_SIZE = 32 * 1024 * 1024
 _META = ".gpuhost"
-
-
-class S3Error(GpuhostError):
-    """An S3 upload or verification failed."""
-
-
-@dataclass(frozen=True)
-class S3Location:
-    """s3://bucket/prefix"""
-
-    bucket: str
-    prefix: str  # without leading or trailing slash; may be ""
-
-    @property
-    def url(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}"
-
-    def key(self, rel: str) -> str:
-        return f"{self.prefix}/{rel}" if self.prefix else rel
-
-
-def parse_s3_url(url: str) -> S3Location:
-    """Parse s3://BUCKET[/PREFIX]; raise ValueError saying what is wrong."""
-    u = urlparse(url)
-    if u.scheme != "s3" or not u.netloc:
-        raise ValueError(f"{url!r} is not an s3://BUCKET/PREFIX URL")
-    return S3Location(u.netloc, u.path.strip("/"))
 
 
 def key_for(rel: str) -> str:
@@ -123,22 +95,6 @@ class S3Result:
     @property
     def ok(self) -> bool:
         return not self.failed and not self.open_uploads_after
-
-
-def make_client(endpoint: str | None = None, max_pool: int = 16) -> Any:
-    """Return a boto3 S3 client: credentials from boto3's chain, optional S3-compatible endpoint."""
-    import boto3
-    from botocore.config import Config
-
-    cfg = Config(
-        max_pool_connections=max_pool,
-        retries={"max_attempts": 5, "mode": "standard"},
-        connect_timeout=10,
-        read_timeout=120,
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-    return boto3.client("s3", endpoint_url=endpoint or None, config=cfg)
 
 
 class S3Upload:

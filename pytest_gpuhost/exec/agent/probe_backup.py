@@ -1,18 +1,28 @@
 # Agent probe: backup listing, hashing where files lie, and the bulk file sender.
 #
-# Concatenated into the agent (no imports from pytest_gpuhost, no __future__ imports, stdlib only,
-# Python 3.6 syntax).  The same source also runs on its own as the bulk sender on a second raw
-# channel: `python3 -u -c <this file + "_bk_send_main()">` (see pytest_gpuhost.modules.backup).
+# Stdlib only, Python 3.6 syntax, no imports from pytest_gpuhost.  The same source also runs on its
+# own as the bulk sender on a second raw channel (see pytest_gpuhost.modules.backup_stream), and
+# the controller imports it for the wire constants below: the wire format is defined here, once.
 #
 # File names travel as {"p": str} when they are valid UTF-8 and as {"pb": base64 of the bytes}
-# otherwise, so a name with newlines, quotes or non-UTF-8 bytes arrives unchanged.
+# otherwise, so a name with newlines, quotes or non-UTF-8 bytes arrives unchanged.  A listed path
+# also carries "a": the length of its anchor, the directory the operator named (a category root,
+# or the parent of a root that is a file).  The anchor is opened following its own ancestors;
+# every component below it is opened with O_NOFOLLOW from the directory fd above it, so a
+# directory swapped for a symlink during the backup makes that file fail, never read elsewhere.
 #
 # Bulk wire format (all integers big-endian):
-#   controller -> node: b"GHB1", then per file u32 len + absolute path bytes, then u32 0.
-#   node -> controller: b"GHB1", then per file: u32 index, chunks of (u32 len > 0, bytes),
-#   u32 0, trailer (i32 errno, u64 size, i64 mtime_ns, u32 mode, u8 changed, 32 bytes sha256);
-#   finally u32 0xFFFFFFFF and u32 count of files sent.
+#   controller -> node: BK_MAGIC, then per file u32 len + absolute path bytes + u32 anchor len,
+#   then u32 0.
+#   node -> controller: BK_MAGIC, then per file: u32 index, frames, u32 0, trailer; finally
+#   u32 BK_END and u32 count of files sent.  A frame is (u32 len, len bytes) for data, or
+#   (u32 BK_HOLE, u64 len) for a hole (that many zero bytes, not sent).  Trailer: BK_TRAILER =
+#   (i32 code, u64 apparent size, i64 mtime_ns, u32 mode, u8 changed, 32 bytes sha256); code 0
+#   is success, > 0 an errno, BK_NOT_REGULAR a path that is no longer a regular file.
+# ruff: noqa: UP004, UP031, B905  (Python 3.6 on the node: no zip(strict=), classes as written)
+
 import base64
+import errno as _bk_errno
 import hashlib
 import os
 import re
@@ -22,7 +32,7 @@ import sys
 import threading
 import time
 
-if "op" not in globals():  # running alone as the bulk sender: no agent core, no registry
+if "op" not in globals():  # imported by the controller, or running alone as the bulk sender
 
     def op(name):
         def register(func):
@@ -31,9 +41,19 @@ if "op" not in globals():  # running alone as the bulk sender: no agent core, no
         return register
 
 
-_BK_CHUNK = 1 << 20
-_BK_TRAILER = struct.Struct(">iQqIB32s")
-_BK_END = 0xFFFFFFFF
+BK_MAGIC = b"GHB2"
+BK_CHUNK = 1 << 20
+BK_TRAILER = struct.Struct(">iQqIB32s")
+BK_U32 = struct.Struct(">I")
+BK_U64 = struct.Struct(">Q")
+BK_END = 0xFFFFFFFF
+BK_HOLE = 0x80000000  # a frame length with this bit is a hole; data frames are at most BK_CHUNK
+BK_NOT_REGULAR = -1  # trailer code: the path is no longer a regular file (changed type)
+
+_BK_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: a FIFO or device that replaced a file never blocks the open or a read
+_BK_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_BK_ZERO = bytes(BK_CHUNK)
 
 
 def _bk_name(raw):
@@ -51,67 +71,233 @@ def _bk_unname(item):
     return item["p"].encode("utf-8")
 
 
-def _bk_glob_regex(pattern):
-    """Translate a glob with ** into a regex over '/'-separated relative paths."""
-    out = []
-    i = 0
-    n = len(pattern)
-    while i < n:
-        c = pattern[i]
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
+# ---------------------------------------------------------------- globs
+
+
+def bk_glob_compile(pattern):
+    """Compile a glob into per-segment matchers: None for a `**` segment, else a regex or a str.
+
+    Matching runs segment by segment over a set of states (bk_glob_step), so its cost is linear in
+    the number of path segments whatever the number of `**` (a regex with many `(?:.*/)?` is not).
+    """
+    segs = []  # type: list
+    for seg in pattern.split("/"):
+        if seg == "**":
+            if not segs or segs[-1] is not None:  # "**/**" is one "**"
+                segs.append(None)
             continue
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
+        if not any(c in seg for c in "*?["):
+            segs.append(seg)
             continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[":
-            j = pattern.find("]", i + 1)
-            if j < 0:
-                out.append(re.escape(c))
+        out = []
+        i = 0
+        while i < len(seg):
+            c = seg[i]
+            if c == "*":
+                while i + 1 < len(seg) and seg[i + 1] == "*":
+                    i += 1
+                out.append(".*")
+            elif c == "?":
+                out.append(".")
+            elif c == "[":
+                j = seg.find("]", i + 2 if seg.startswith("[!", i) or seg.startswith("[]", i) else i + 1)
+                if j < 0:
+                    out.append(re.escape(c))
+                else:
+                    body = seg[i + 1 : j]
+                    if body.startswith("!"):
+                        body = "^" + body[1:]
+                    out.append("[" + body.replace("\\", "\\\\") + "]")
+                    i = j
             else:
-                body = pattern[i + 1 : j]
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append("[" + body.replace("\\", "\\\\") + "]")
-                i = j
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return re.compile("(?s)" + "".join(out) + r"\Z")
+                out.append(re.escape(c))
+            i += 1
+        segs.append(re.compile("(?s)" + "".join(out) + r"\Z"))
+    return segs
 
 
-def _bk_matcher(patterns):
-    regexes = [_bk_glob_regex(p) for p in patterns or []]
-
-    def match(rel):
-        for rx in regexes:
-            if rx.match(rel):
-                return True
-        return False
-
-    return match
+def _bk_close(segs, state):
+    """Add the states reachable without consuming a segment (a `**` may match none)."""
+    for j, seg in enumerate(segs):
+        if seg is None and state >> j & 1:
+            state |= 1 << (j + 1)
+    return state
 
 
-def _bk_onerror(errors):
-    def onerror(exc):
-        errors.append(dict(_bk_name(os.fsencode(exc.filename or "")), errno=exc.errno, error=exc.strerror))
-
-    return onerror
+def bk_glob_start(globs):
+    """Return the initial states of compiled globs (a tuple of bitsets, one per glob)."""
+    return tuple(_bk_close(segs, 1) for segs in globs)
 
 
-def _bk_entry(path, st, kind):
-    entry = _bk_name(os.fsencode(path))
+def bk_glob_step(globs, states, name):
+    """Return the states after one more path segment `name`."""
+    out = []
+    for segs, state in zip(globs, states):
+        new = 0
+        j = 0
+        while state >> j:
+            if state >> j & 1 and j < len(segs):
+                seg = segs[j]
+                if seg is None:
+                    new |= 1 << j
+                elif seg == name if isinstance(seg, str) else seg.match(name):
+                    new |= 1 << (j + 1)
+            j += 1
+        out.append(_bk_close(segs, new) if new else 0)
+    return tuple(out)
+
+
+def bk_glob_accepts(globs, states):
+    """Return True when any glob matched the whole path so far."""
+    for segs, state in zip(globs, states):
+        if state >> len(segs) & 1:
+            return True
+    return False
+
+
+def bk_glob_match(globs, rel):
+    """Return True when any glob matches the relative path `rel` (str, '/'-separated)."""
+    states = bk_glob_start(globs)
+    for name in rel.split("/"):
+        states = bk_glob_step(globs, states, name)
+    return bk_glob_accepts(globs, states)
+
+
+# ---------------------------------------------------------------- listing
+
+
+def _bk_entry(path, st, kind, anchor):
+    entry = _bk_name(path)
     entry["t"] = kind
     entry["s"] = st.st_size
     entry["m"] = st.st_mtime_ns
     entry["o"] = stat.S_IMODE(st.st_mode)
+    entry["b"] = st.st_blocks * 512
+    entry["a"] = len(anchor)
     return entry
+
+
+def _bk_error(path, exc, doing):
+    return dict(_bk_name(path), errno=exc.errno, error="%s: %s" % (doing, exc.strerror))
+
+
+class _BkWalk(object):
+    """List one category: fd-relative from each root down, never following a link."""
+
+    def __init__(self, cat):
+        self.inc = [bk_glob_compile(p) for p in cat.get("include") or ["**"]]
+        self.exc = [bk_glob_compile(p) for p in cat.get("exclude") or []]
+        self.max_size = cat.get("max_size")
+        self.entries = []
+        self.skipped = []
+        self.errors = []
+
+    def root(self, root):
+        rootb = os.fsencode(os.path.normpath(root))
+        try:
+            rst = os.lstat(rootb)
+        except OSError as exc:
+            self.errors.append(_bk_error(rootb, exc, "cannot list"))
+            return
+        if not stat.S_ISDIR(rst.st_mode):  # a single file (or link) named as a root
+            name = os.fsdecode(os.path.basename(rootb))
+            states = (
+                bk_glob_step(self.inc, bk_glob_start(self.inc), name),
+                bk_glob_step(self.exc, bk_glob_start(self.exc), name),
+            )
+            self.item(rootb, os.path.dirname(rootb), rst, None, None, states)
+            return
+        try:
+            fd = os.open(rootb, _BK_DIR)
+        except OSError as exc:
+            self.errors.append(_bk_error(rootb, exc, "cannot open the directory"))
+            return
+        self.tree(fd, rootb)
+
+    def tree(self, fd, rootb):
+        # frames: (fd, path, include states, exclude states, subdirectories still to enter)
+        start = (bk_glob_start(self.inc), bk_glob_start(self.exc))
+        stack = [(fd, rootb, start[0], start[1], iter(self.listdir(fd, rootb, rootb, start)))]
+        while stack:
+            dfd, dpath, _inc, _exc, subdirs = stack[-1]
+            sub = next(subdirs, None)
+            if sub is None:
+                os.close(dfd)
+                stack.pop()
+                continue
+            name, st, s_inc, s_exc = sub
+            path = dpath + b"/" + os.fsencode(name)
+            try:
+                cfd = os.open(name, _BK_DIR, dir_fd=dfd)
+            except OSError as exc:
+                why = (
+                    "changed type while listed"
+                    if exc.errno in (_bk_errno.ELOOP, _bk_errno.ENOTDIR)
+                    else "cannot open the directory"
+                )
+                self.errors.append(_bk_error(path, exc, why))
+                continue
+            cst = os.fstat(cfd)
+            if (cst.st_dev, cst.st_ino) != (st.st_dev, st.st_ino):
+                os.close(cfd)
+                self.errors.append(
+                    dict(_bk_name(path), errno=None, error="changed while listed (another directory now)")
+                )
+                continue
+            stack.append((cfd, path, s_inc, s_exc, iter(self.listdir(cfd, path, rootb, (s_inc, s_exc)))))
+
+    def listdir(self, fd, dpath, rootb, states):
+        """List one directory: files and links are recorded now; return the subdirectories to enter."""
+        try:
+            names = sorted(os.listdir(fd))
+        except OSError as exc:
+            self.errors.append(_bk_error(dpath, exc, "cannot list the directory"))
+            return []
+        subdirs = []
+        for name in names:
+            path = dpath + b"/" + os.fsencode(name)
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError as exc:
+                self.errors.append(
+                    _bk_error(
+                        path, exc, "vanished while listed" if exc.errno == _bk_errno.ENOENT else "cannot stat"
+                    )
+                )
+                continue
+            s_inc = bk_glob_step(self.inc, states[0], name)
+            s_exc = bk_glob_step(self.exc, states[1], name)
+            if stat.S_ISDIR(st.st_mode):
+                # prune an excluded directory ("cache" or "cache/**"): it is never entered
+                if bk_glob_accepts(self.exc, s_exc) or bk_glob_accepts(
+                    self.exc, bk_glob_step(self.exc, s_exc, "")
+                ):
+                    continue
+                subdirs.append((name, st, s_inc, s_exc))
+            else:
+                self.item(path, rootb, st, fd, name, (s_inc, s_exc))
+        return subdirs
+
+    def item(self, path, anchor, st, dfd, name, states):
+        if bk_glob_accepts(self.exc, states[1]) or not bk_glob_accepts(self.inc, states[0]):
+            return
+        if stat.S_ISLNK(st.st_mode):
+            entry = _bk_entry(path, st, "l", anchor)
+            try:
+                target = os.readlink(name, dir_fd=dfd) if dfd is not None else os.readlink(path)
+            except OSError as exc:
+                self.errors.append(_bk_error(path, exc, "cannot read the link"))
+                return
+            tgt = _bk_name(os.fsencode(target))
+            entry["l" if "p" in tgt else "lb"] = tgt.get("p", tgt.get("pb"))
+            self.entries.append(entry)
+        elif stat.S_ISREG(st.st_mode):
+            if self.max_size is not None and st.st_size > self.max_size:
+                self.skipped.append(dict(_bk_entry(path, st, "f", anchor), why="larger than max_size"))
+                return
+            self.entries.append(_bk_entry(path, st, "f", anchor))
+        else:
+            self.skipped.append(dict(_bk_entry(path, st, "x", anchor), why="not a regular file or link"))
 
 
 @op("backup_walk")
@@ -120,98 +306,145 @@ def backup_walk(params):
     started = time.time()
     result = {}
     for cat in params["categories"]:
-        include = _bk_matcher(cat.get("include") or ["**"])
-        exclude = _bk_matcher(cat.get("exclude") or [])
-        max_size = cat.get("max_size")
-        entries = []
-        skipped = []
-        errors = []
+        walk = _BkWalk(cat)
         for root in cat["roots"]:
-            root = os.path.normpath(root)
-            try:
-                rst = os.lstat(root)
-            except OSError as exc:
-                errors.append(dict(_bk_name(os.fsencode(root)), errno=exc.errno, error=exc.strerror))
-                continue
-            if not stat.S_ISDIR(rst.st_mode):
-                walker = [(os.path.dirname(root), [], [os.path.basename(root)])]
-            else:
-                walker = os.walk(
-                    root,
-                    followlinks=False,
-                    onerror=_bk_onerror(errors),
-                )
-            for dirpath, dirnames, filenames in walker:
-                dirnames.sort()
-                names = sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
-                # prune excluded directories early (a rule like "**/cache/**" or "cache")
-                keep = []
-                for d in dirnames:
-                    full = os.path.join(dirpath, d)
-                    rel = os.path.relpath(full, root)
-                    if os.path.islink(full) or exclude(rel) or exclude(rel + "/"):
-                        continue
-                    keep.append(d)
-                dirnames[:] = keep
-                for name in names:
-                    full = os.path.join(dirpath, name)
-                    rel = os.path.relpath(full, root) if full != root else name
-                    if exclude(rel) or not include(rel):
-                        continue
-                    try:
-                        st = os.lstat(full)
-                    except OSError as exc:
-                        errors.append(dict(_bk_name(os.fsencode(full)), errno=exc.errno, error=exc.strerror))
-                        continue
-                    if stat.S_ISLNK(st.st_mode):
-                        entry = _bk_entry(full, st, "l")
-                        try:
-                            target = os.fsencode(os.readlink(full))
-                        except OSError as exc:
-                            errors.append(
-                                dict(_bk_name(os.fsencode(full)), errno=exc.errno, error=exc.strerror)
-                            )
-                            continue
-                        tgt = _bk_name(target)
-                        entry["l" if "p" in tgt else "lb"] = tgt.get("p", tgt.get("pb"))
-                        entries.append(entry)
-                    elif stat.S_ISREG(st.st_mode):
-                        if max_size is not None and st.st_size > max_size:
-                            skipped.append(dict(_bk_entry(full, st, "f"), why="larger than max_size"))
-                            continue
-                        entries.append(_bk_entry(full, st, "f"))
-                    elif not stat.S_ISDIR(st.st_mode):
-                        skipped.append(dict(_bk_entry(full, st, "x"), why="not a regular file or link"))
-        result[cat["name"]] = {"entries": entries, "skipped": skipped, "errors": errors}
+            walk.root(root)
+        result[cat["name"]] = {"entries": walk.entries, "skipped": walk.skipped, "errors": walk.errors}
     return {"categories": result, "duration": time.time() - started}
 
 
-def _bk_hash_path(path):
+# ---------------------------------------------------------------- opening and reading
+
+
+class BkOpener(object):
+    """Open listed files below their anchors with O_NOFOLLOW per component, reusing directory fds."""
+
+    def __init__(self):
+        self.anchor = None
+        self.anchor_fd = None
+        self.chain = []  # [(component, fd)] below the anchor, for the last file's directory
+
+    def _drop(self, keep):
+        while len(self.chain) > keep:
+            os.close(self.chain.pop()[1])
+
+    def close(self):
+        self._drop(0)
+        if self.anchor_fd is not None:
+            os.close(self.anchor_fd)
+        self.anchor = self.anchor_fd = None
+
+    def open(self, path, anchor_len):
+        """Return (fd, fstat) of a regular file; raise OSError, or OSError(BK_NOT_REGULAR)."""
+        anchor = path[:anchor_len] or b"/"
+        parts = [p for p in path[anchor_len:].split(b"/") if p]
+        if not parts:
+            raise OSError(_bk_errno.EINVAL, "no file name below the anchor")
+        if anchor != self.anchor:
+            self.close()
+            # the anchor is the operator's; only its own last component is not followed
+            self.anchor_fd = os.open(anchor, _BK_DIR)
+            self.anchor = anchor
+        dirs = parts[:-1]
+        keep = 0
+        while keep < len(self.chain) and keep < len(dirs) and self.chain[keep][0] == dirs[keep]:
+            keep += 1
+        self._drop(keep)
+        for d in dirs[keep:]:
+            parent = self.chain[-1][1] if self.chain else self.anchor_fd
+            self.chain.append((d, os.open(d, _BK_DIR, dir_fd=parent)))
+        parent = self.chain[-1][1] if self.chain else self.anchor_fd
+        # a stat first: a device that replaced the file is never opened (an open can rewind a tape)
+        st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(BK_NOT_REGULAR, "no longer a regular file")
+        fd = os.open(parts[-1], _BK_FILE, dir_fd=parent)
+        fst = os.fstat(fd)
+        if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            os.close(fd)
+            raise OSError(BK_NOT_REGULAR, "replaced while opened")
+        return fd, fst
+
+
+def bk_extents(fd, st):
+    """Yield (is_data, offset, length) for a file; holes only where the file is sparse."""
+    size = st.st_size
+    seek_data = getattr(os, "SEEK_DATA", None)
+    if seek_data is None or st.st_blocks * 512 >= size or size == 0:
+        yield True, 0, None  # dense: read to the end, whatever the size is by then
+        return
+    pos = 0
+    while pos < size:
+        try:
+            data = os.lseek(fd, pos, seek_data)
+        except OSError as exc:
+            if exc.errno != _bk_errno.ENXIO:
+                yield True, pos, None  # no hole support after all: read the rest
+                return
+            data = size  # only a hole is left
+        if data > pos:
+            yield False, pos, min(data, size) - pos
+            pos = min(data, size)
+        if pos >= size:
+            return
+        end = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
+        yield True, pos, end - pos
+        pos = end
+
+
+def bk_read_file(fd, st, data_out, hole_out):
+    """Read a file's data extents into data_out(bytes) and holes into hole_out(n); return (size, sha256)."""
     digest = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        st = os.fstat(fd)
-        while True:
-            block = os.read(fd, _BK_CHUNK)
+    size = 0
+    for is_data, offset, length in bk_extents(fd, st):
+        if not is_data:
+            hole_out(length)
+            left = length
+            while left:
+                digest.update(_BK_ZERO[: min(left, BK_CHUNK)])
+                left -= min(left, BK_CHUNK)
+            size += length
+            continue
+        os.lseek(fd, offset, os.SEEK_SET)
+        left = length
+        while left is None or left > 0:
+            block = os.read(fd, BK_CHUNK if left is None else min(left, BK_CHUNK))
             if not block:
                 break
             digest.update(block)
-    finally:
-        os.close(fd)
-    return {"sha256": digest.hexdigest(), "s": st.st_size, "m": st.st_mtime_ns}
+            data_out(block)
+            size += len(block)
+            if left is not None:
+                left -= len(block)
+    return size, digest.digest()
 
 
 @op("backup_hash")
 def backup_hash(params):
     """Hash files where they lie (SHA-256, streamed); one result per path, errors as errno."""
     out = []
-    for item in params["paths"]:
-        path = _bk_unname(item)
-        try:
-            out.append(_bk_hash_path(path))
-        except OSError as exc:
-            out.append({"errno": exc.errno, "error": exc.strerror})
+    opener = BkOpener()
+    try:
+        for item in params["paths"]:
+            path = _bk_unname(item)
+            try:
+                fd, st = opener.open(path, int(item.get("a", 0)))
+            except OSError as exc:
+                out.append({"errno": exc.errno, "error": exc.strerror})
+                continue
+            try:
+                size, digest = bk_read_file(fd, st, lambda b: None, lambda n: None)
+                out.append({"sha256": digest.hex(), "s": size, "m": st.st_mtime_ns})
+            except OSError as exc:
+                out.append({"errno": exc.errno, "error": exc.strerror})
+            finally:
+                os.close(fd)
+    finally:
+        opener.close()
     return out
+
+
+# ---------------------------------------------------------------- the bulk sender
 
 
 def _bk_read_exact(stream, n):
@@ -224,85 +457,78 @@ def _bk_read_exact(stream, n):
     return buf
 
 
-def _bk_reader(paths, queue_put):
-    """Read and hash each file; hand ready-framed bytes to the writer (runs in a thread).
+def bk_reader(files, queue_put):
+    """Read and hash each (path, anchor length); hand framed bytes to the writer (runs in a thread).
 
     Small files are batched into blocks of about 1 MiB so that the writer makes few large
     writes; big reads travel as their own items without being copied again.
     """
     zero = b"\0" * 32
-    u32 = struct.Struct(">I").pack
+    u32 = BK_U32.pack
     buf = bytearray()
-    for index, path in enumerate(paths):
+    opener = BkOpener()
+
+    def data(block):
+        if len(block) >= 65536:
+            buf.extend(u32(len(block)))
+            queue_put(bytes(buf))
+            del buf[:]
+            queue_put(block)
+        else:
+            buf.extend(u32(len(block)))
+            buf.extend(block)
+
+    def hole(n):
+        buf.extend(u32(BK_HOLE))
+        buf.extend(BK_U64.pack(n))
+
+    for index, (path, anchor_len) in enumerate(files):
         buf += u32(index)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd, st = opener.open(path, anchor_len)
         except OSError as exc:
-            buf += u32(0) + _BK_TRAILER.pack(exc.errno or 5, 0, 0, 0, 0, zero)
+            buf += u32(0) + BK_TRAILER.pack(exc.errno or _bk_errno.EIO, 0, 0, 0, 0, zero)
             continue
+        err = 0
+        size, digest = 0, zero
         try:
-            st = os.fstat(fd)
-            digest = hashlib.sha256()
-            size = 0
-            err = 0
-            if not stat.S_ISREG(st.st_mode):
-                err = 21  # EISDIR-like: only regular files travel
-            else:
-                while True:
-                    try:
-                        block = os.read(fd, _BK_CHUNK)
-                    except OSError as exc:
-                        err = exc.errno or 5
-                        break
-                    if not block:
-                        break
-                    digest.update(block)
-                    size += len(block)
-                    if len(block) >= 65536:
-                        buf += u32(len(block))
-                        queue_put(bytes(buf))
-                        buf = bytearray()
-                        queue_put(block)
-                    else:
-                        buf += u32(len(block))
-                        buf += block
-            after = os.fstat(fd)
-            changed = int(after.st_mtime_ns != st.st_mtime_ns or after.st_size != size)
-            buf += u32(0)
-            buf += _BK_TRAILER.pack(
-                err,
-                size,
-                st.st_mtime_ns,
-                stat.S_IMODE(st.st_mode),
-                changed,
-                digest.digest() if not err else zero,
-            )
-        finally:
-            os.close(fd)
-        if len(buf) >= _BK_CHUNK:
+            size, digest = bk_read_file(fd, st, data, hole)
+        except OSError as exc:
+            err = exc.errno or _bk_errno.EIO
+        after = os.fstat(fd)
+        os.close(fd)
+        changed = int(after.st_mtime_ns != st.st_mtime_ns or after.st_size != size)
+        buf += u32(0)
+        buf += BK_TRAILER.pack(
+            err, size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), changed, digest if not err else zero
+        )
+        if len(buf) >= BK_CHUNK:
             queue_put(bytes(buf))
-            buf = bytearray()
-    buf += u32(_BK_END) + u32(len(paths))
+            del buf[:]
+    opener.close()
+    buf += u32(BK_END) + u32(len(files))
     queue_put(bytes(buf))
     queue_put(None)
 
 
-def _bk_send_main():
+def bk_send_main():
     """Bulk sender: read a framed path list on stdin, write a framed stream of contents on stdout."""
     import queue
 
     stdin = sys.stdin.buffer
     out = sys.stdout.buffer
-    if _bk_read_exact(stdin, 4) != b"GHB1":
+    if _bk_read_exact(stdin, 4) != BK_MAGIC:
         sys.stderr.write("backup sender: bad magic\n")
         sys.exit(2)
-    paths = []
+    files = []
     while True:
-        (n,) = struct.unpack(">I", _bk_read_exact(stdin, 4))
+        (n,) = BK_U32.unpack(_bk_read_exact(stdin, 4))
         if n == 0:
             break
-        paths.append(_bk_read_exact(stdin, n))
-    q = queue.Queue(maxsize=64)
+        path = _bk_read_exact(stdin, n)
+        (anchor_len,) = BK_U32.unpack(_bk_read_exact(stdin, 4))
+        files.append((path, anchor_len))
+    q = queue.Queue(maxsize=64)  # type: queue.Queue
     last_write = [time.time()]
 
     def watchdog():
@@ -313,9 +539,9 @@ def _bk_send_main():
                 os._exit(3)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    reader = threading.Thread(target=_bk_reader, args=(paths, q.put), daemon=True)
+    reader = threading.Thread(target=bk_reader, args=(files, q.put), daemon=True)
     reader.start()
-    out.write(b"GHB1")
+    out.write(BK_MAGIC)
     while True:
         item = q.get()
         if item is None:
