@@ -118,8 +118,7 @@ def test_pool_reuses_and_closes(tmp_path):
     time.sleep(0.1)
     with pytest.raises(FileNotFoundError):
         open(f"/proc/{pid}/cmdline").close()
-    # any object with the option attributes works (e.g. the plugin's own)
-    pool2 = TargetPool(SimpleNamespace(command_timeout=7, connect_timeout=None, sudo=False))
+    pool2 = TargetPool(TargetOptions(command_timeout=7))
     assert pool2.get(spec).opts.command_timeout == 7
     pool2.close_all()
 

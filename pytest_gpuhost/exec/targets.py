@@ -13,6 +13,7 @@ tests use it to hide python3 or to put stand-in tools first).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import re
 import threading
@@ -22,15 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpuhost.errors import TargetError
-from pytest_gpuhost.exec.connection import Connection
-from pytest_gpuhost.exec.transport import (
-    HOST_KEY_POLICIES,
-    Launcher,
-    LocalLauncher,
-    PrefixLauncher,
-    SSHLauncher,
-    SSHTransport,
-)
+from pytest_gpuhost.exec.connect import connect
+from pytest_gpuhost.exec.connection import Connection, ConnectionOptions
+from pytest_gpuhost.exec.launch import Launcher, LocalLauncher, PrefixLauncher
+from pytest_gpuhost.exec.ssh import HOST_KEY_POLICIES, SSHLauncher, SSHTransport
 
 __all__ = [
     "SCHEMES",
@@ -39,6 +35,7 @@ __all__ = [
     "TargetPool",
     "TargetSpec",
     "open_connection",
+    "open_container",
     "parse_container",
     "parse_host_url",
 ]
@@ -217,18 +214,13 @@ def parse_container(text: str) -> ContainerSpec:
     return ContainerSpec(kind, name, raw)
 
 
-def _opt(options: Any, name: str, default: Any) -> Any:
-    value = getattr(options, name, None) if options is not None else None
-    return default if value is None else value
-
-
-def _launcher(spec: TargetSpec, options: Any) -> Launcher:
+def _launcher(spec: TargetSpec, options: TargetOptions) -> Launcher:
     q = spec.query
     if spec.scheme == "local":
         env = {"PATH": q["path"]} if "path" in q else None
         return LocalLauncher(env)
     if spec.scheme == "ssh":
-        policy = _opt(options, "host_key_policy", "strict")
+        policy = options.host_key_policy
         if policy not in HOST_KEY_POLICIES:
             raise TargetError(
                 f"unknown host key policy {policy!r}: use one of {', '.join(HOST_KEY_POLICIES)}"
@@ -237,16 +229,16 @@ def _launcher(spec: TargetSpec, options: Any) -> Launcher:
             spec.hostname,
             spec.port or 22,
             spec.user or spec.vars.get("ansible_user"),
-            identity=q.get("identity") or _opt(options, "identity", None),
-            known_hosts=_opt(options, "known_hosts", None),
+            identity=q.get("identity") or options.identity,
+            known_hosts=options.known_hosts,
             host_key_policy=policy,
-            connect_timeout=float(_opt(options, "connect_timeout", 10.0)),
+            connect_timeout=float(options.connect_timeout),
         )
         return SSHLauncher(transport)
     local = LocalLauncher({"PATH": q["path"]} if "path" in q else None)
     if spec.scheme in ("docker", "podman"):
         prefix = [spec.scheme, "exec", "-i"] + (["-u", spec.user] if spec.user else []) + [spec.hostname]
-        return PrefixLauncher(local, prefix, f"{spec.scheme} {spec.hostname}")
+        return PrefixLauncher(local, prefix, f"{spec.scheme} {spec.hostname}", owns_base=True)
     if spec.scheme == "kubectl":
         prefix = ["kubectl", "exec", "-i", spec.hostname]
         if q.get("container"):
@@ -255,32 +247,51 @@ def _launcher(spec: TargetSpec, options: Any) -> Launcher:
             prefix += ["-n", q["namespace"]]
         if q.get("context"):
             prefix += ["--context", q["context"]]
-        return PrefixLauncher(local, prefix + ["--"], f"kubectl {spec.hostname}")
+        return PrefixLauncher(local, prefix + ["--"], f"kubectl {spec.hostname}", owns_base=True)
     if spec.scheme == "lxc":
-        return PrefixLauncher(local, ["lxc", "exec", spec.hostname, "--"], f"lxc {spec.hostname}")
+        return PrefixLauncher(
+            local, ["lxc", "exec", spec.hostname, "--"], f"lxc {spec.hostname}", owns_base=True
+        )
     raise TargetError(f"unknown target scheme {spec.scheme!r}")
 
 
-def open_connection(spec: TargetSpec, options: Any = None, *, connect: bool = True) -> Connection:
-    """Open a Connection to `spec` (agent started now unless `connect=False`)."""
+def open_connection(spec: TargetSpec, options: TargetOptions | None = None) -> Connection:
+    """Open a Connection to `spec` with its agent started (or the fallback, without python3).
+
+    Raise `ConnectError` (an `Unreachable`) when the target cannot be reached.
+    """
+    options = options or TargetOptions()
     launcher = _launcher(spec, options)
-    sudo = _truthy(spec.query.get("sudo")) or bool(_opt(options, "sudo", False))
-    if sudo:
-        launcher = PrefixLauncher(launcher, ["sudo", "-n", "--"], f"sudo on {launcher.description}")
-    timeout = spec.query.get("timeout") or _opt(options, "command_timeout", 60.0)
-    conn = Connection(
-        spec.name or spec.hostname,
-        launcher,
+    if _truthy(spec.query.get("sudo")) or options.sudo:
+        launcher = PrefixLauncher(
+            launcher, ["sudo", "-n", "--"], f"sudo on {launcher.description}", owns_base=True
+        )
+    timeout = spec.query.get("timeout") or options.command_timeout
+    opts = ConnectionOptions(
         command_timeout=float(timeout),
         python=spec.query.get("python") or str(spec.vars.get("ansible_python_interpreter") or "python3"),
-        options=options,
+        connect_timeout=float(options.connect_timeout),
     )
-    if connect:
-        try:
-            conn.connect()
-        except BaseException:
-            conn.close()
-            raise
+    conn = connect(spec.name or spec.hostname, launcher, opts)
+    conn.container_opener = lambda host, cs: open_container(host, cs, options)
+    return conn
+
+
+def open_container(
+    host: Connection, container: ContainerSpec | str, options: TargetOptions | None = None
+) -> Connection:
+    """Open a connection into `container`: through `host`'s launcher, or by its own SSH for ssh://.
+
+    `Connection.container()` calls this (through the opener `open_connection` gives it), which
+    also closes the container's connection with the host's.
+    """
+    cs = container if isinstance(container, ContainerSpec) else parse_container(str(container))
+    if cs.kind == "ssh":
+        assert cs.target is not None
+        return open_connection(cs.target, options)
+    launcher = PrefixLauncher(host.launcher, cs.prefix(), f"{cs.kind}:{cs.name} via {host.name}")
+    conn = connect(f"{host.name}/{cs.name}", launcher, dataclasses.replace(host.opts))
+    conn.container_opener = lambda inner, spec: open_container(inner, spec, options)
     return conn
 
 
@@ -291,7 +302,7 @@ def _truthy(value: str | None) -> bool:
 class TargetPool:
     """Open connections lazily, one per target name, reused; `close_all` at session end."""
 
-    def __init__(self, options: Any = None) -> None:
+    def __init__(self, options: TargetOptions | None = None) -> None:
         self.options = options if options is not None else TargetOptions()
         self._conns: dict[tuple[str, str], Connection] = {}
         self._containers: dict[tuple[str, str, str], Connection] = {}

@@ -1,0 +1,406 @@
+"""SSH to a target with paramiko: the transport, its exec channels, and the launcher.
+
+`SSHLauncher` starts programs over one paramiko `Transport` per target, one exec channel per
+program, so an agent and a bulk tar stream share the connection.  `open_bulk` runs a program
+under the OpenSSH client instead where it can (openssh.py says why and how it falls back); the
+reason bulk channels stay on paramiko, once decided, is kept in `SSHTransport.bulk_fallback`.
+
+Host keys are checked by this module, not by paramiko's policies, so that a changed key can be
+reported with the file and line it contradicts; a changed key is refused under every policy.
+Every failure to connect, authenticate or open a channel raises `ConnectError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import getpass
+import os
+import shlex
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpuhost.errors import ConnectError
+from pytest_gpuhost.exec.channels import ProcessChannel, RawChannel
+from pytest_gpuhost.exec.launch import Launcher
+from pytest_gpuhost.exec.openssh import OpenSSHChannel, openssh_argv
+
+if TYPE_CHECKING:
+    import paramiko
+else:
+
+    class _LazyParamiko:
+        """paramiko, imported on first use: it (and invoke, which it pulls in) costs a process
+        ~0.12 s, and an xdist controller or a local:// run never opens an SSH connection."""
+
+        def __getattr__(self, name: str) -> Any:
+            import paramiko as module
+
+            globals()["paramiko"] = module
+            return getattr(module, name)
+
+    paramiko = _LazyParamiko()
+
+__all__ = ["HOST_KEY_POLICIES", "SSHChannel", "SSHLauncher", "SSHTransport"]
+
+HOST_KEY_POLICIES = ("strict", "accept-new")
+
+
+class SSHChannel(RawChannel):
+    """One exec channel on an SSH transport."""
+
+    def __init__(self, chan: paramiko.Channel, label: str) -> None:
+        self.chan = chan
+        self.label = label
+        self._stderr: deque[bytes] = deque()
+        self._stderr_len = 0
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.chan.sendall(data)
+        except OSError:
+            pass  # closed: the reader sees EOF
+
+    def close_stdin(self) -> None:
+        try:
+            self.chan.shutdown_write()
+        except (OSError, EOFError):
+            pass
+
+    def _drain_stderr(self) -> None:
+        while self.chan.recv_stderr_ready():
+            chunk = self.chan.recv_stderr(65536)
+            if not chunk:
+                break
+            self._keep_stderr(chunk)
+
+    def recv(self, timeout: float | None) -> bytes:
+        if self._pushback:
+            data, self._pushback = self._pushback, b""
+            return data
+        self.chan.settimeout(timeout)
+        try:
+            data = self.chan.recv(65536)
+        except TimeoutError as exc:  # socket.timeout is TimeoutError
+            self._drain_stderr()
+            raise TimeoutError("no data within %.1fs" % (timeout or 0)) from exc
+        self._drain_stderr()
+        return data
+
+    def stderr_text(self) -> str:
+        self._drain_stderr()
+        return b"".join(self._stderr).decode("utf-8", "replace")
+
+    def exit_status(self, timeout: float = 0.0) -> int | None:
+        if self.chan.status_event.wait(timeout) if timeout > 0 else self.chan.exit_status_ready():
+            return self.chan.recv_exit_status()
+        return None
+
+    def lost(self) -> bool:
+        # paramiko leaves -1 when the channel closed without an exit status (a program killed
+        # by a signal also sends none): only a transport that is gone means the link went.
+        transport = self.chan.get_transport()
+        return self.chan.exit_status == -1 and (transport is None or not transport.is_active())
+
+    def close(self) -> None:
+        self.close_stdin()
+        self.chan.close()
+
+
+def _host_key_name(host: str, port: int) -> str:
+    return host if port == 22 else f"[{host}]:{port}"
+
+
+def _matches(patterns: list[str], name: str) -> bool:
+    for pattern in patterns:
+        if pattern.startswith("|1|"):
+            if paramiko.HostKeys.hash_host(name, pattern) == pattern:
+                return True
+        elif pattern == name:
+            return True
+    return False
+
+
+class SSHTransport:
+    """One authenticated paramiko Transport to a host, verified against known_hosts."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int = 22,
+        user: str | None = None,
+        *,
+        identity: str | os.PathLike[str] | None = None,
+        known_hosts: str | os.PathLike[str] | None = None,
+        host_key_policy: str = "strict",
+        connect_timeout: float = 10.0,
+        password: str | None = None,
+    ) -> None:
+        if host_key_policy not in HOST_KEY_POLICIES:
+            raise ConnectError(
+                f"unknown host key policy {host_key_policy!r}: use one of {', '.join(HOST_KEY_POLICIES)}"
+            )
+        self.host = host
+        self.port = int(port)
+        self.user = user or getpass.getuser()
+        self.identity = os.path.expanduser(str(identity)) if identity else None
+        self.known_hosts = (
+            Path(known_hosts).expanduser() if known_hosts else Path.home() / ".ssh" / "known_hosts"
+        )
+        self.policy = host_key_policy
+        self.connect_timeout = float(connect_timeout)
+        self.password = password
+        self.transport: paramiko.Transport | None = None
+        self._lock = threading.Lock()
+        self._openssh_ok: bool | None = None  # None: not known yet; False: bulk stays on paramiko
+        self.bulk_fallback = ""  # why bulk channels use paramiko, once that is decided
+
+    @property
+    def where(self) -> str:
+        return f"{self.user}@{self.host}:{self.port}"
+
+    # -- host keys
+
+    def _known_entries(self, name: str) -> list[tuple[int, paramiko.PKey]]:
+        try:
+            text = self.known_hosts.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise ConnectError(f"cannot read known hosts file {self.known_hosts}: {exc.strerror}") from exc
+        found = []
+        for lineno, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith("#") or line.startswith("@"):
+                continue
+            fields = line.split()
+            if len(fields) < 3 or not _matches(fields[0].split(","), name):
+                continue
+            try:
+                entry = paramiko.hostkeys.HostKeyEntry.from_line(" ".join(fields[:3]), lineno)
+            except (paramiko.hostkeys.InvalidHostKey, ValueError):
+                continue
+            if entry is not None and entry.key is not None:
+                found.append((lineno, entry.key))
+        return found
+
+    def _verify_host_key(self, key: paramiko.PKey, entries: list[tuple[int, paramiko.PKey]]) -> None:
+        name = _host_key_name(self.host, self.port)
+        same_type = [(n, k) for n, k in entries if k.get_name() == key.get_name()]
+        for _n, known in same_type:
+            if known.asbytes() == key.asbytes():
+                return
+        if same_type:
+            lineno = same_type[0][0]
+            raise ConnectError(
+                f"host key for {name} does not match {self.known_hosts} line {lineno}: refusing "
+                f"(offered {key.get_name()} {key.fingerprint})"
+            )
+        if self.policy != "accept-new":
+            raise ConnectError(
+                f"host key for {name} is not in {self.known_hosts} ({key.get_name()} {key.fingerprint}): "
+                "refusing under the strict policy; add it with ssh-keyscan or use --host-key-policy=accept-new"
+            )
+        self.known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        line = f"{name} {key.get_name()} {key.get_base64()}\n"
+        fd = os.open(self.known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode("ascii"))
+        finally:
+            os.close(fd)
+
+    # -- connect
+
+    def _keys(self) -> list[paramiko.PKey]:
+        paths = [self.identity] if self.identity else []
+        if not self.identity:
+            ssh_dir = Path.home() / ".ssh"
+            paths = [str(ssh_dir / n) for n in ("id_ed25519", "id_ecdsa", "id_rsa") if (ssh_dir / n).exists()]
+        keys: list[paramiko.PKey] = []
+        for path in paths:
+            try:
+                keys.append(paramiko.PKey.from_path(path))
+            except FileNotFoundError as exc:
+                raise ConnectError(f"SSH identity file {path} not found") from exc
+            except (paramiko.SSHException, OSError, ValueError) as exc:
+                raise ConnectError(f"cannot load SSH identity {path}: {exc}") from exc
+        if not self.identity:
+            try:
+                keys.extend(paramiko.Agent().get_keys())
+            except (paramiko.SSHException, OSError):
+                pass
+        return keys
+
+    def connect(self) -> paramiko.Transport:
+        """Open (or reopen) the transport; raise ConnectError with one line on failure."""
+        with self._lock:
+            if self.transport is not None and self.transport.is_active():
+                return self.transport
+            self._close_locked()
+            self.transport = self._connect()
+            return self.transport
+
+    def _connect(self) -> paramiko.Transport:
+        t0 = time.monotonic()
+        timeout = self.connect_timeout
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        except TimeoutError as exc:
+            raise ConnectError(
+                f"cannot reach {self.host}:{self.port} within {timeout:g}s: timed out"
+            ) from exc
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise ConnectError(f"cannot reach {self.host}:{self.port}: {reason}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport = paramiko.Transport(sock)
+        ok = False
+        try:
+            left = max(0.5, timeout - (time.monotonic() - t0))
+            transport.banner_timeout = left
+            transport.handshake_timeout = left
+            transport.auth_timeout = left
+            name = _host_key_name(self.host, self.port)
+            entries = self._known_entries(name)
+            if entries:
+                # Ask for the key type we already know, as OpenSSH does; otherwise a host with
+                # several keys could offer another type and look "unknown".
+                opts = transport.get_security_options()
+                known_types = [k.get_name() for _, k in entries]
+                preferred = [
+                    t for t in opts.key_types if any(t == kt or _rsa_alias(t, kt) for kt in known_types)
+                ]
+                opts.key_types = preferred + [t for t in opts.key_types if t not in preferred]
+            try:
+                transport.start_client(timeout=left)
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                if "banner" in str(exc):  # TCP accepted (a middlebox, a dying host) but no SSH server spoke
+                    raise ConnectError(
+                        f"cannot reach {self.host}:{self.port} within {timeout:g}s: no SSH server answered"
+                    ) from exc
+                raise ConnectError(
+                    f"SSH handshake with {self.host}:{self.port} failed: {_one_line(exc)}"
+                ) from exc
+            key = transport.get_remote_server_key()
+            self._verify_host_key(key, entries)
+            self._authenticate(transport)
+            transport.set_keepalive(30)
+            ok = True
+            return transport
+        finally:
+            if not ok:
+                transport.close()
+
+    def _authenticate(self, transport: paramiko.Transport) -> None:
+        errors = []
+        for key in self._keys():
+            try:
+                transport.auth_publickey(self.user, key)
+                if transport.is_authenticated():
+                    return
+            except paramiko.AuthenticationException as exc:
+                errors.append(_one_line(exc))
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                raise ConnectError(f"SSH authentication as {self.where} failed: {_one_line(exc)}") from exc
+        if self.password is not None:
+            try:
+                transport.auth_password(self.user, self.password)
+                if transport.is_authenticated():
+                    return
+            except paramiko.AuthenticationException as exc:
+                errors.append(_one_line(exc))
+        tried = self.identity or "the default keys and agent"
+        raise ConnectError(f"SSH authentication as {self.where} failed with {tried}: permission denied")
+
+    def open(self, argv: Sequence[str]) -> SSHChannel:
+        command = shlex.join(argv)
+        for attempt in (1, 2):
+            transport = self.connect()
+            try:
+                chan = transport.open_session(timeout=self.connect_timeout)
+                chan.exec_command(command)
+                return SSHChannel(chan, command)
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                if attempt == 2 or transport.is_active():
+                    raise ConnectError(
+                        f"cannot open an SSH channel to {self.where}: {_one_line(exc)}"
+                    ) from exc
+        raise AssertionError("unreachable")
+
+    # -- bulk channels under the OpenSSH client
+
+    # -- bulk channels under the OpenSSH client
+
+    def openssh_argv(self, command: str | None = None) -> list[str] | None:
+        """The `ssh` argv reaching this host as paramiko does, or None where that cannot be built."""
+        return openssh_argv(
+            self.host,
+            self.port,
+            self.user,
+            known_hosts=self.known_hosts,
+            identity=self.identity,
+            connect_timeout=self.connect_timeout,
+            password=self.password,
+            command=command,
+        )
+
+    def open_bulk(self, argv: Sequence[str]) -> RawChannel:
+        """Start `argv` under the OpenSSH client, else (or if it cannot log in) on a paramiko channel."""
+        command = shlex.join(argv)
+        ssh = self.openssh_argv(command) if self._openssh_ok is not False else None
+        if ssh is None:
+            if self._openssh_ok is None:
+                self._openssh_ok = False
+                self.bulk_fallback = "no OpenSSH client (ssh) on PATH"
+            return self.open(argv)
+        try:
+            chan = ProcessChannel(ssh, label=f"ssh {self.where} {command}", bulk=True)
+        except OSError as exc:
+            self._openssh_failed(f"cannot start ssh: {_one_line(exc)}")
+            return self.open(argv)
+        return OpenSSHChannel(argv, chan, reopen=self.open, failed=self._openssh_failed)
+
+    def _openssh_failed(self, why: str) -> None:
+        self._openssh_ok = False
+        self.bulk_fallback = why
+
+    def _close_locked(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+
+def _rsa_alias(offered: str, known: str) -> bool:
+    return known == "ssh-rsa" and offered in ("rsa-sha2-512", "rsa-sha2-256")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.errno and not str(exc):
+        text = errno.errorcode.get(exc.errno, text)
+    return " ".join(text.split())
+
+
+class SSHLauncher(Launcher):
+    """Run programs over one SSH transport, one exec channel each."""
+
+    def __init__(self, transport: SSHTransport) -> None:
+        self.transport = transport
+        self.description = f"ssh {transport.where}"
+
+    def open(self, argv: Sequence[str]) -> RawChannel:
+        return self.transport.open(argv)
+
+    def open_bulk(self, argv: Sequence[str]) -> RawChannel:
+        return self.transport.open_bulk(argv)
+
+    def close(self) -> None:
+        self.transport.close()
