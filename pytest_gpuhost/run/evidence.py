@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from pytest_gpuhost.exec import observe
 from pytest_gpuhost.redact import redact, redact_env, redact_obj
 
 __all__ = [
@@ -200,6 +201,14 @@ def activate(ev: Evidence | None) -> Evidence | None:
     global _active
     previous, _active = _active, ev
     return previous
+
+
+def _record_command(target: str, result: Any) -> None:
+    """Record a command a connection made; exec.observe hands it over already redacted."""
+    current().command(result)
+
+
+observe.add_command_observer(_record_command)
 
 
 # --- pytest integration (called from plugin.py's hooks) -------------------------------------
