@@ -17,5 +17,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Every value is checked before collection, so a typo fails the run at once, not at step 5.
     for suite in _SUITES:
         suite.validate(config)

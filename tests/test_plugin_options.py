@@ -1,4 +1,7 @@
-"""Every gpuhost option: help, ini twin, validation errors naming the value and its source, report paths."""
+"""Every gpuhost option: help, ini twin, validation errors naming the value and its source, report paths.
+
+Every usage error reads `gpuhost: SOURCE=VALUE: WHY` (SOURCE the flag, or `ini NAME`; see run/options.py).
+"""
 
 from __future__ import annotations
 
@@ -48,34 +51,37 @@ def test_sudo_exists_without_testinfra(pytester: pytest.Pytester) -> None:
     [
         (
             ["--command-timeout=abc"],
-            "*bad value 'abc' for --command-timeout (command line --command-timeout): expected a number*",
+            "ERROR: gpuhost: --command-timeout='abc': expected a number of seconds, e.g. 60",
         ),
         (
             ["--connect-timeout=0"],
-            "*bad value '0' for --connect-timeout (command line*): expected a number of seconds greater than 0*",
+            "ERROR: gpuhost: --connect-timeout='0': expected a number of seconds greater than 0",
         ),
         (
             ["--host-key-policy=yolo"],
-            "*bad value 'yolo' for --host-key-policy*expected one of strict, accept-new*",
+            "ERROR: gpuhost: --host-key-policy='yolo': choose one of strict, accept-new",
         ),
-        (["--ssh-identity=/nonexistent/id"], "*bad value '/nonexistent/id' for --ssh-identity*no such file*"),
+        (
+            ["--ssh-identity=/nonexistent/id"],
+            "ERROR: gpuhost: --ssh-identity='/nonexistent/id': no such file",
+        ),
         (
             ["--known-hosts=/nonexistent/kh"],
-            "*bad value '/nonexistent/kh' for --known-hosts*no such file*accept-new*",
+            "ERROR: gpuhost: --known-hosts='/nonexistent/kh': no such file (*accept-new it is created)",
         ),
         (
             ["--known-hosts=/nonexistent/kh", "--host-key-policy=accept-new"],
-            "*--known-hosts*directory /nonexistent does not exist*",
+            "ERROR: gpuhost: --known-hosts='/nonexistent/kh': directory /nonexistent does not exist",
         ),
         (
             ["--inventory=/nonexistent/fleet.yaml"],
-            "*bad value '/nonexistent/fleet.yaml' for --inventory*no such file*",
+            "ERROR: gpuhost: --inventory='/nonexistent/fleet.yaml': no such file",
         ),
-        (["--report-name=a/b"], "*bad value 'a/b' for --report-name*no directories*"),
-        (["--host=ftp://x"], "*bad value 'ftp://x' for --host: unknown target scheme 'ftp'*"),
-        (["--host=ssh://root@host:99999"], "*bad value 'ssh://root@host:99999' for --host*port*"),
-        (["--host=local://", "--container=pct:abc"], "*bad value 'pct:abc' for --container*"),
-        (["--host=local://", "--host=local://"], "*target 'local' is given twice*"),
+        (["--report-name=a/b"], "ERROR: gpuhost: --report-name='a/b': *(no directories)"),
+        (["--host=ftp://x"], "ERROR: gpuhost: --host='ftp://x': *unknown target scheme 'ftp'*"),
+        (["--host=ssh://root@host:99999"], "ERROR: gpuhost: --host='ssh://root@host:99999': *port*"),
+        (["--host=local://", "--container=pct:abc"], "ERROR: gpuhost: --container='pct:abc': *"),
+        (["--host=local://", "--host=local://"], "ERROR: gpuhost: target 'local' is given twice*"),
     ],
 )
 def test_bad_values_are_usage_errors(pytester: pytest.Pytester, args: list[str], message: str) -> None:
@@ -89,15 +95,13 @@ def test_ini_twins_are_read_and_named_in_errors(pytester: pytest.Pytester) -> No
     result = pytester.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
-        [
-            "*bad value 'maybe' for --check-only (ini option gpuhost_check_only in *tox.ini): expected true or false*"
-        ]
+        ["ERROR: gpuhost: ini gpuhost_check_only='maybe': expected true or false (from *tox.ini)"]
     )
 
     pytester.makeini("[pytest]\ngpuhost_sudo = perhaps\n")
     result = pytester.runpytest()
     result.stderr.fnmatch_lines(
-        ["*bad value 'perhaps' for --sudo (ini option gpuhost_sudo in *): expected true or false*"]
+        ["ERROR: gpuhost: ini gpuhost_sudo='perhaps': expected true or false (from *)"]
     )
 
     pytester.makeini(
@@ -105,7 +109,7 @@ def test_ini_twins_are_read_and_named_in_errors(pytester: pytest.Pytester) -> No
     )
     pytester.makepyfile(
         """
-        from pytest_gpuhost.plugin import settings_key
+        from pytest_gpuhost.run.settings import settings_key
         def test_values(check_only, pytestconfig):
             s = pytestconfig.stash[settings_key]
             assert check_only is True and s.command_timeout == 5.0 and s.report_dir is None
@@ -117,7 +121,7 @@ def test_ini_twins_are_read_and_named_in_errors(pytester: pytest.Pytester) -> No
     pytester.runpytest().assert_outcomes(passed=1)
     # The command line wins over the ini file.
     result = pytester.runpytest("--command-timeout=x")
-    result.stderr.fnmatch_lines(["*'x' for --command-timeout (command line --command-timeout)*"])
+    result.stderr.fnmatch_lines(["ERROR: gpuhost: --command-timeout='x': *"])
 
 
 def test_without_target_tests_skip_with_reason(pytester: pytest.Pytester) -> None:
@@ -182,4 +186,4 @@ def test_inventory_targets_and_bad_inventory(pytester: pytest.Pytester) -> None:
     pytester.makefile(".yaml", broken="all: [unclosed\n")
     result = pytester.runpytest("--inventory=broken.yaml")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*bad inventory 'broken.yaml' (--inventory): *"])
+    result.stderr.fnmatch_lines(["ERROR: gpuhost: --inventory='broken.yaml': bad inventory: *"])

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.plugin import NO_TARGET_REASON, get_target, settings_key
 from pytest_gpuhost.run import evidence as evidence_mod
 from pytest_gpuhost.run import remediation
+from pytest_gpuhost.run.settings import settings_key
+from pytest_gpuhost.run.targets_stash import NO_TARGET_REASON, get_target
 
 
 class _CurrentEvidence:

@@ -12,7 +12,8 @@ xdist's own `--dist loadgroup` needs `xdist_group` marks added at collection, wh
 on recent pytest; grouping by the node id needs nothing from the workers but the ids they send.
 The known target names come from `pytest_gpuhost_targets` (recorded by `pytest_gpuhost.report.fleet`
 in every process, the controller included); without them the whole `[...]` id is the host.
-`--gpuhost-scheduling=xdist` (ini `gpuhost_scheduling`) leaves xdist's choice alone.
+`--gpuhost-scheduling=xdist` (ini `gpuhost_scheduling`, declared with the plugin's options in
+`run/settings.py`) leaves xdist's choice alone.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 import pytest
 from xdist.remote import Producer
 from xdist.scheduler import LoadScopeScheduling
+
+from pytest_gpuhost.run import settings
 
 __all__ = [
     "CHOICES",
@@ -38,7 +41,7 @@ __all__ = [
 
 #: The target names of this run, in order (set by pytest_gpuhost.report.fleet; may be absent).
 TARGET_NAMES = pytest.StashKey[list[str]]()
-CHOICES = ("host", "xdist")
+CHOICES = settings.SCHEDULING_CHOICES
 
 
 def param_id(nodeid: str) -> str | None:
@@ -180,29 +183,8 @@ def _worker_index(node: Any) -> tuple[int, str]:
     return (int(digits) if digits.isdigit() else 1 << 30, wid)
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("gpuhost")
-    group.addoption(
-        "--gpuhost-scheduling",
-        dest="gpuhost_scheduling",
-        default=None,
-        metavar="host|xdist",
-        help="with -n: 'host' (default) keeps each target's tests on one worker in order; "
-        "'xdist' leaves xdist's --dist choice alone",
-    )
-    parser.addini("gpuhost_scheduling", "default for --gpuhost-scheduling (host|xdist)", default="host")
-
-
 def _choice(config: pytest.Config) -> str:
-    value = config.getoption("gpuhost_scheduling") or config.getini("gpuhost_scheduling") or "host"
-    return str(value).strip()
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    value = _choice(config)
-    if value not in CHOICES:
-        where = "--gpuhost-scheduling" if config.getoption("gpuhost_scheduling") else "ini gpuhost_scheduling"
-        raise pytest.UsageError(f"{where}={value!r}: choose one of {', '.join(CHOICES)}")
+    return settings.read(config).scheduling
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,0 +1,159 @@
+"""The run's targets and their connection pool, kept in `config.stash` under the keys below.
+
+`plugin.py` fills `targets_key` at configure time (`load_targets`) and closes the pool at the end
+of the session (`close_pool`); the fixtures (`run/fixtures.py`), the suites and the report layer
+read them through `get_target` and `get_pool`. Connections open lazily, on a target's first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.exec.targets import (
+    TargetOptions,
+    TargetPool,
+    TargetSpec,
+    parse_container,
+    parse_host_url,
+)
+from pytest_gpuhost.run.remediation import TARGET_PARAM
+from pytest_gpuhost.run.settings import Settings, settings_key
+
+__all__ = [
+    "NO_TARGET_REASON",
+    "Target",
+    "close_pool",
+    "get_pool",
+    "get_target",
+    "load_targets",
+    "parametrize_targets",
+    "pool_key",
+    "targets_key",
+]
+
+NO_TARGET_REASON = (
+    "no target: pass --host=URL (e.g. --host=local:// or --host=ssh://root@gpu-host) or --inventory=FILE"
+)
+
+#: The run's target specs, in order (after `pytest_gpuhost_targets`); the same in every process.
+targets_key = pytest.StashKey[list[Any]]()
+#: The run's TargetPool, made on first use.
+pool_key = pytest.StashKey[TargetPool]()
+_target_objects_key = pytest.StashKey[dict[str, "Target"]]()
+
+
+def load_targets(config: pytest.Config, s: Settings) -> list[Any]:
+    """Parse --host, --inventory and --container into specs and let `pytest_gpuhost_targets` edit them."""
+    specs: list[Any] = []
+    sources = s.sources
+    for url in s.hosts:
+        try:
+            specs.append(parse_host_url(url))
+        except GpuhostError as exc:
+            raise sources["hosts"].error(str(exc), raw=url) from None
+    if s.inventory:
+        from pytest_gpuhost.exec.inventory import load_inventory  # YAML, only when an inventory is given
+
+        try:
+            specs.extend(load_inventory(s.inventory))
+        except GpuhostError as exc:
+            raise sources["inventory"].error(f"bad inventory: {exc}") from None
+    if s.container:
+        try:
+            container = parse_container(s.container)
+        except GpuhostError as exc:
+            raise sources["container"].error(str(exc)) from None
+        for spec in specs:
+            if getattr(spec, "container", None) is None:
+                spec.container = container
+    config.hook.pytest_gpuhost_targets(config=config, targets=specs)
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise pytest.UsageError(f"gpuhost: target {spec.name!r} is given twice (--host / --inventory)")
+        seen.add(spec.name)
+    return specs
+
+
+class Target:
+    """One machine or container of the run: its spec, its connection (opened on first use), its vars."""
+
+    def __init__(self, spec: TargetSpec, pool: TargetPool, config: pytest.Config | None = None) -> None:
+        self.spec = spec
+        self.name: str = spec.name
+        self.vars: dict[str, Any] = dict(getattr(spec, "vars", {}) or {})
+        self._pool = pool
+        self._config = config
+
+    def _hooked(self, conn: Any) -> Any:
+        # The connection calls pytest_gpuhost_command on this config for every command.
+        if conn is not None and getattr(conn, "config", None) is None:
+            conn.config = self._config
+        return conn
+
+    @property
+    def conn(self) -> Any:
+        """The target's Connection (its agent is started on first use)."""
+        return self._hooked(self._pool.get(self.spec))
+
+    @property
+    def container_conn(self) -> Any:
+        """The Connection into the target's container, or None when it has none."""
+        if getattr(self.spec, "container", None) is None:
+            return None
+        return self._hooked(self._pool.container(self.spec))
+
+    def __repr__(self) -> str:
+        return f"<Target {self.name}>"
+
+
+def get_pool(config: pytest.Config) -> TargetPool:
+    """Return the run's TargetPool, made on first use (connections open lazily)."""
+    pool = config.stash.get(pool_key, None)
+    if pool is None:
+        s = config.stash[settings_key]
+        pool = TargetPool(
+            TargetOptions(
+                command_timeout=s.command_timeout,
+                connect_timeout=s.connect_timeout,
+                identity=s.ssh_identity,
+                known_hosts=s.known_hosts,
+                host_key_policy=s.host_key_policy,
+                sudo=s.sudo,
+            )
+        )
+        config.stash[pool_key] = pool
+    return pool
+
+
+def get_target(config: pytest.Config, name: str) -> Target:
+    """Return the Target called `name` (one object per name and run)."""
+    cache = config.stash.setdefault(_target_objects_key, {})
+    if name not in cache:
+        spec = next(s for s in config.stash[targets_key] if s.name == name)
+        cache[name] = Target(spec, get_pool(config), config)
+    return cache[name]
+
+
+def close_pool(config: pytest.Config) -> None:
+    """Close every connection of the run (idempotent: the session and unconfigure both call it)."""
+    pool = config.stash.get(pool_key, None)
+    if pool is not None:
+        del config.stash[pool_key]
+        config.stash[_target_objects_key] = {}
+        pool.close_all()
+
+
+def parametrize_targets(metafunc: pytest.Metafunc) -> None:
+    """Run a test that uses `target` (or `host`, ...) once per target; skip it when there is none."""
+    if TARGET_PARAM not in metafunc.fixturenames:
+        return
+    names = [spec.name for spec in metafunc.config.stash.get(targets_key, [])]
+    if names:
+        metafunc.parametrize(TARGET_PARAM, names, ids=names, indirect=True, scope="module")
+    else:
+        params = [pytest.param(None, id="no-target", marks=pytest.mark.skip(reason=NO_TARGET_REASON))]
+        metafunc.parametrize(TARGET_PARAM, params, indirect=True, scope="module")
