@@ -35,12 +35,12 @@ class BackupError(GpuhostError):
 
 
 class ManifestError(BackupError):
-    """A manifest is not valid; `problems` has one line per problem."""
+    """A manifest is not valid; `problems` has one line per problem, each naming the file and key."""
 
     def __init__(self, path: str, problems: list[str]) -> None:
         self.path = path
-        self.problems = problems
-        super().__init__(f"manifest {path}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+        self.problems = [f"{path}: {p}" for p in problems]
+        super().__init__(f"manifest {path}: {len(problems)} problem(s):\n  " + "\n  ".join(self.problems))
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def _check_category(c: _Checker, name: Any, spec: Any) -> None:
         c.bad(f"{key}.roots", None, "one absolute path or a list of them")
     else:
         roots = c.texts(f"{key}.roots", spec["roots"], "absolute paths", allow_one=True)
-        if not roots and isinstance(spec["roots"], list | str):
+        if spec["roots"] in ([], ""):
             c.bad(f"{key}.roots", spec["roots"], "at least one absolute path")
         for r in roots:
             if not r.startswith("/"):

@@ -356,6 +356,8 @@ class BkOpener(object):
         parent = self.chain[-1][1] if self.chain else self.anchor_fd
         # a stat first: a device that replaced the file is never opened (an open can rewind a tape)
         st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            raise OSError(_bk_errno.ELOOP, "now a symlink")
         if not stat.S_ISREG(st.st_mode):
             raise OSError(BK_NOT_REGULAR, "no longer a regular file")
         fd = os.open(parts[-1], _BK_FILE, dir_fd=parent)
