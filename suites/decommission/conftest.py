@@ -41,7 +41,7 @@ def _safe_name(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def decom(target: Any, pytestconfig: pytest.Config) -> Iterator[Decommission]:
+def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterator[Decommission]:
     """The Decommission of the current target (module scope: shared by the seven steps)."""
     manifest_path, _ = options.get(pytestconfig, "manifest")
     if not manifest_path:
@@ -55,10 +55,10 @@ def decom(target: Any, pytestconfig: pytest.Config) -> Iterator[Decommission]:
     backup_to, _ = options.get(pytestconfig, "backup_to")
     endpoint, _ = options.get(pytestconfig, "s3_endpoint")
     d = Decommission(
-        conn=target.conn,
-        target=target.name,
+        target,
         manifest=manifest,
         dest=dest,
+        check_only=check_only,
         s3=parse_s3_url(backup_to.replace("{host}", name)) if backup_to else None,
         endpoint=endpoint,
         progress=_progress_sink(pytestconfig),
@@ -70,6 +70,7 @@ def decom(target: Any, pytestconfig: pytest.Config) -> Iterator[Decommission]:
         part_size=int(options.tuning(pytestconfig, "decommission_s3_part_mib") * 1024 * 1024),
     )
     yield d
+    d.finish()
 
 
 @pytest.fixture

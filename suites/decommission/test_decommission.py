@@ -16,35 +16,35 @@ pytestmark = pytest.mark.gpuhost_procedure
 
 def test_inventory(decom, step):
     """Host facts, GPU processes, servers to stop and the manifest's files, in one round trip."""
-    step(decom.inventory_step())
+    step(decom.step_inventory())
 
 
 def test_servers_stopped(decom, step):
     """The manifest's servers are stopped (SIGTERM, bounded wait, SIGKILL), and nothing else."""
-    step(decom.servers_step())
+    step(decom.step_servers_stopped())
 
 
 def test_gpus_idle(decom, step):
     """No compute process on any GPU, memory back to baseline."""
-    step(decom.gpus_step())
+    step(decom.step_gpus_idle())
 
 
 def test_artifacts_backed_up(decom, step):
     """Every manifest file is in the local backup, SHA-256 checked against the node's."""
-    step(decom.backup_step())
+    step(decom.step_artifacts_backed_up())
 
 
 def test_data_in_s3(decom, step):
     """The categories marked s3 are in the bucket with the same SHA-256; no upload left open."""
-    step(decom.s3_step())
+    step(decom.step_data_in_s3())
 
 
 def test_notes_saved(decom, step):
     """NOTES.md says what the node was, what ran, what was kept and where."""
-    step(decom.notes_step())
+    step(decom.step_notes_saved())
 
 
 @pytest.mark.gpuhost_final
 def test_safe_to_terminate(decom, step):
     """Every step passed or was fixed and every byte is verified at its destination."""
-    step(decom.safe_step())
+    step(decom.step_safe_to_terminate())

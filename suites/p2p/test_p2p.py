@@ -34,7 +34,7 @@ def test_gpus_released(p2p: P2PProcedure, remediate) -> None:
 
 def test_iommu_groups_identity(p2p: P2PProcedure, remediate) -> None:
     """Every in-scope IOMMU group is identity: functions unbound (watched), type written and read back."""
-    remediate(p2p.step_groups_identity())
+    remediate(p2p.step_iommu_groups_identity())
 
 
 def test_drivers_bound(p2p: P2PProcedure, remediate) -> None:

@@ -1,0 +1,161 @@
+"""Steps 6-7 of suites/decommission: notes saved, and the verdict (safe to terminate)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from pytest_gpuhost.modules.backup import Listing
+from pytest_gpuhost.modules.process import ProcessTable
+from pytest_gpuhost.modules.s3 import items_from_backup
+from pytest_gpuhost.run.procedure import ProcedureError, Step
+from pytest_gpuhost.run.remediation import Action, Check
+from suites.decommission.state import DecommissionState
+
+__all__ = ["STEPS", "NotesSteps"]
+
+STEPS = ("inventory", "servers stopped", "gpus idle", "artifacts backed up", "data in s3", "notes saved")
+
+
+class NotesSteps(DecommissionState):
+    """The steps that write what happened and judge whether the node may go."""
+
+    # ---------------------------------------------------------------- 6 notes saved
+
+    def notes_body(self) -> str:
+        """Return NOTES.md without its timeline: what the node was, what ran, what was kept where."""
+        inv = self.inventory or self.take_inventory()
+        listing: Listing = getattr(self, "_listing", None) or self.backup.walk()
+        lines = [f"# Decommission notes: {inv.get('hostname')} ({self.target})", ""]
+        lines += [
+            "## The node",
+            "",
+            f"- hostname: {inv.get('hostname')}",
+            f"- kernel: {inv.get('kernel')}",
+            f"- manifest: {self.manifest.name} ({self.manifest.path})",
+            "",
+        ]
+        if inv.get("gpus"):
+            lines += ["| GPU | bus id | model | UUID | memory |", "|---|---|---|---|---|"]
+            lines += [
+                f"| {g['index']} | {g['bus_id']} | {g['name']} | {g['uuid']} | {g['memory_total_mib']} MiB |"
+                for g in inv["gpus"]
+            ]
+            lines.append("")
+        lines += ["## What ran", ""]
+        seen = set()
+        for p in self.stopped():
+            key = (p["pid"], p["starttime"])
+            if key in seen:
+                continue
+            seen.add(key)
+            gpus = f" on {', '.join(p['gpus'])}" if p.get("gpus") else ""
+            lines.append(f"- PID {p['pid']} ({p['why']}){gpus}: `{p['cmdline']}`")
+        if not seen:
+            lines.append("- nothing selected by the manifest was running")
+        lines += [
+            "",
+            "## What was backed up",
+            "",
+            "| category | files | links | bytes | destinations |",
+            "|---|---|---|---|---|",
+        ]
+        totals = listing.totals()
+        for cat in self.manifest.categories:
+            t = totals.get(cat.name, {"files": 0, "links": 0, "bytes": 0})
+            where = f"{self.dest / cat.name}"
+            if cat.s3 and self.s3 is not None:
+                where += f", {self.s3.url}/{cat.name}"
+            lines.append(f"| {cat.name} | {t['files']} | {t['links']} | {t['bytes']} | {where} |")
+        sums = self.dest / "SHA256SUMS"
+        digest = hashlib.sha256(sums.read_bytes()).hexdigest() if sums.exists() else "(not written)"
+        lines += [
+            "",
+            f"- checksums: `SHA256SUMS` (SHA-256 computed on the node, checked on arrival; "
+            f"`sha256sum -c SHA256SUMS` in {self.dest}); its own SHA-256: {digest}",
+        ]
+        if listing.skipped:
+            lines.append(f"- left out by the manifest's rules: {len(listing.skipped)} files")
+            lines += [f"  - {s['category']}: {s['path']} ({s['why']})" for s in listing.skipped[:50]]
+        lines += ["", "## Where it went", "", f"- local: {self.dest.resolve()}"]
+        if self.s3 is not None:
+            lines.append(
+                f"- S3: {self.s3.url} (endpoint {self.endpoint or 'AWS default'}), categories "
+                f"{', '.join(self.s3_cats()) or 'none'}"
+            )
+        return "\n".join(lines) + "\n"
+
+    def step_notes_saved(self) -> Step:
+        """Step 6: NOTES.md says what the node was, what ran, what was kept and where."""
+        path = self.dest / "NOTES.md"
+        box: dict[str, str] = {}
+
+        def check() -> Check:
+            body = self.notes_body()
+            box["body"] = body
+            current = path.read_text(errors="replace") if path.exists() else ""
+            if current.split("\n## Timeline\n", 1)[0] == body.rstrip("\n") + "\n" or current.startswith(body):
+                return Check(True, f"{path} is up to date")
+            return Check(False, f"{path} is {'missing' if not current else 'out of date'}")
+
+        def plan(before: Check) -> list[Action]:
+            return [
+                Action(
+                    f"write {path}",
+                    "NOTES.md: node, what ran, what was backed up, where, timeline",
+                    destructive=False,
+                )
+            ]
+
+        def fix(actions: list[Action], before: Check) -> None:
+            self.event("NOTES.md written")
+            timeline = ["", "## Timeline", ""] + [f"- {e['t']} {e['event']}" for e in self.timeline()]
+            tmp = path.with_name(".NOTES.md.tmp")
+            tmp.write_text(box["body"].rstrip("\n") + "\n" + "\n".join(timeline) + "\n")
+            os.replace(tmp, path)
+
+        return self.step("notes saved", check, plan, fix)
+
+    # ---------------------------------------------------------------- 7 safe to terminate
+
+    def step_safe_to_terminate(self) -> Step:
+        """Step 7, the verdict: every step passed or was fixed and every byte is verified at its destination."""
+
+        def check() -> Check:
+            problems: list[str] = []
+            for step in STEPS:
+                outcome = self.outcomes.get(step)
+                if step == "data in s3" and outcome == "skipped":
+                    continue
+                if outcome not in ("passed", "fixed"):
+                    problems.append(f"step {step!r}: {outcome or 'not run'}")
+            table = ProcessTable.read(self.conn, gpu_holders=self.manifest.stop.gpu_holders)
+            running = table.select(self.manifest.stop)
+            problems += [f"still running: PID {p.pid} {p.cmdline}" for p, _ in running]
+            listing = self.backup.walk()
+            missing = self.backup.verify(listing)
+            problems += [f"not in the local backup: {p} ({why})" for p, why in missing]
+            if self.s3_cats():
+                if self.s3 is None:
+                    problems.append(f"categories {', '.join(self.s3_cats())} marked s3 but no --backup-to")
+                else:
+                    items, unverified = items_from_backup(self.backup, listing)
+                    problems += [f"not in S3: {p} ({why})" for p, why in unverified]
+                    problems += [f"not in S3: {p} ({why})" for p, why in self.s3_upload.verify(items)]
+                    problems += [f"open multipart upload: {k}" for k, _ in self.s3_upload.open_uploads()]
+            state = {"problems": problems, "files": len(listing.files)}
+            if problems:
+                head = "\n  ".join(problems[:30])
+                more = f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else ""
+                return Check(
+                    False, f"NOT safe to terminate: {len(problems)} problems:\n  {head}{more}", state
+                )
+            self.event("safe to terminate")
+            return Check(
+                True, f"safe to terminate: {len(listing.files)} files verified in every destination", state
+            )
+
+        def fix(actions: list[Action], before: Check) -> None:
+            raise ProcedureError("nothing here can make the node safe; fix the steps above and run again")
+
+        return self.step("safe to terminate", check, None, fix)

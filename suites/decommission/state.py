@@ -1,0 +1,215 @@
+"""The state shared by the decommission steps: the node's links, where its files go, the timeline.
+
+State that must outlive a run (what was stopped, the timeline) lives in the backup directory's
+`.gpuhost/` folder, so a rerun (or a run after an interruption) writes the same NOTES.md. Nothing
+a decommission does is undone: servers stay stopped. What `Procedure` brings is the node's
+link, whose loss makes the later steps fail at once, and the verdict naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pytest_gpuhost.modules.backup import Backup, Listing, Manifest, Progress
+from pytest_gpuhost.modules.process import ProcessTable
+from pytest_gpuhost.modules.s3 import S3Location, S3Upload
+from pytest_gpuhost.run.procedure import Procedure
+
+__all__ = ["APPS_QUERY", "GPU_QUERY", "DecommissionState", "csv_rows", "mb"]
+
+GPU_QUERY = [
+    "nvidia-smi",
+    "--query-gpu=index,pci.bus_id,name,uuid,memory.used,memory.total",
+    "--format=csv,noheader,nounits",
+]
+APPS_QUERY = [
+    "nvidia-smi",
+    "--query-compute-apps=pid,process_name,used_memory,gpu_bus_id",
+    "--format=csv,noheader,nounits",
+]
+
+
+def csv_rows(text: str) -> list[list[str]]:
+    """Rows of nvidia-smi's CSV output, cells stripped."""
+    return [[c.strip() for c in line.split(",")] for line in text.splitlines() if line.strip()]
+
+
+def mb(n: int) -> str:
+    """Bytes as "12.3 MB"."""
+    return f"{n / 1e6:.1f} MB"
+
+
+class DecommissionState(Procedure):
+    """One node being emptied: its link, manifest, destinations and what happened so far."""
+
+    def __init__(
+        self,
+        target: Any,
+        *,
+        manifest: Manifest,
+        dest: Path,
+        check_only: bool = False,
+        s3: S3Location | None = None,
+        endpoint: str | None = None,
+        gpu_idle_mib: int = 256,
+        gpu_idle_timeout: float = 30.0,
+        stall_timeout: float = 60.0,
+        part_size: int | None = None,
+        progress: Callable[[Progress], None] | None = None,
+        record: Callable[[str, Any], None] | None = None,
+        measure: Callable[..., None] | None = None,
+    ) -> None:
+        host, _ = Procedure.links_of(target)
+        super().__init__(host, check_only=check_only)
+        self.conn = host
+        self.target = str(target.name)
+        self.manifest = manifest
+        self.dest = dest
+        self.s3 = s3
+        self.endpoint = endpoint
+        self.gpu_idle_mib = gpu_idle_mib
+        self.gpu_idle_timeout = gpu_idle_timeout
+        self.stall_timeout = stall_timeout
+        self.part_size = part_size
+        self.progress = progress
+        self.record_state = record  # evidence.state
+        self.record_measure = measure  # evidence.measure
+        self.outcomes: dict[str, str] = {}  # step name -> outcome, for the verdict
+        self.inventory: dict[str, Any] = {}
+        self._listing: Listing | None = None
+        self._backup: Backup | None = None
+        self._s3: S3Upload | None = None
+
+    # ---------------------------------------------------------------- shared state
+
+    @property
+    def backup(self) -> Backup:
+        """The backup engine, on the node's connection itself (it streams on channels of its own)."""
+        if self._backup is None:
+            self._backup = Backup(
+                self.conn.connection(),
+                self.manifest,
+                self.dest,
+                progress=self.progress,
+                progress_interval=2.0,
+                stall_timeout=self.stall_timeout,
+            )
+        return self._backup
+
+    @property
+    def s3_upload(self) -> S3Upload:
+        """The S3 uploader of the categories marked s3."""
+        assert self.s3 is not None
+        if self._s3 is None:
+            self._s3 = S3Upload(
+                self.dest,
+                self.s3,
+                endpoint=self.endpoint,
+                progress=self.progress,
+                progress_interval=2.0,
+                part_size=self.part_size,
+            )
+        return self._s3
+
+    @property
+    def meta(self) -> Path:
+        """The backup directory's `.gpuhost/` folder (made on first use)."""
+        path = self.dest / ".gpuhost"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def event(self, text: str) -> None:
+        """Append one line to the persistent timeline (UTC)."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        with open(self.meta / "timeline.jsonl", "a") as f:
+            f.write(json.dumps({"t": stamp, "target": self.target, "event": text}) + "\n")
+
+    def timeline(self) -> list[dict[str, str]]:
+        """The timeline so far, over every run."""
+        path = self.meta / "timeline.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def stopped(self) -> list[dict[str, Any]]:
+        """Every process a run stopped, as recorded before it was signalled."""
+        path = self.meta / "stopped.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def _state(self, label: str, value: Any) -> None:
+        if self.record_state is not None:
+            self.record_state(label, value)
+
+    def _measure(self, name: str, value: Any, unit: str | None = None) -> None:
+        if self.record_measure is not None:
+            self.record_measure(name, value, unit)
+
+    # ---------------------------------------------------------------- 1 inventory
+
+    def take_inventory(self) -> dict[str, Any]:
+        """Read host facts, processes, GPU use and the manifest's files in one round trip."""
+        started = time.monotonic()
+        reqs: list[dict[str, Any]] = [
+            {"op": "hello"},
+            {"op": "proc_list", "gpu_holders": True},
+            {"op": "backup_walk", "categories": [c.wire() for c in self.manifest.categories], "timeout": 300},
+            {"op": "run", "argv": GPU_QUERY, "timeout": 30},
+            {"op": "run", "argv": APPS_QUERY, "timeout": 30},
+            {
+                "op": "run",
+                "argv": ["df", "-P", "-k", *sorted({r for c in self.manifest.categories for r in c.roots})],
+                "timeout": 30,
+            },
+        ]
+        before = getattr(self.conn, "round_trips", 0)
+        hello, procs, walk, gpus, apps, df = self.conn.batch(reqs)
+        for res in (hello, procs, walk):
+            if isinstance(res, Exception):
+                raise res
+        table = ProcessTable.from_result(procs)
+        selected = table.select(self.manifest.stop)
+        listing = self.backup.listing_from(walk)
+        gpu_rows = csv_rows(gpus["stdout"]) if isinstance(gpus, dict) and gpus.get("rc") == 0 else []
+        app_rows = csv_rows(apps["stdout"]) if isinstance(apps, dict) and apps.get("rc") == 0 else []
+        inv = {
+            "hostname": hello.get("hostname"),
+            "kernel": hello.get("kernel"),
+            "python": hello.get("python"),
+            "gpus": [
+                {
+                    "index": r[0],
+                    "bus_id": r[1],
+                    "name": r[2],
+                    "uuid": r[3],
+                    "memory_used_mib": r[4],
+                    "memory_total_mib": r[5],
+                }
+                for r in gpu_rows
+                if len(r) >= 6
+            ],
+            "gpu_apps": [
+                {"pid": r[0], "name": r[1], "used_mib": r[2], "bus_id": r[3]} for r in app_rows if len(r) >= 4
+            ],
+            "to_stop": [dict(p.record(), why=why) for p, why in selected],
+            "categories": listing.totals(),
+            "skipped": listing.skipped,
+            "walk_errors": listing.errors,
+            "df": df.get("stdout", "") if isinstance(df, dict) else str(df),
+            "round_trips": getattr(self.conn, "round_trips", 0) - before,
+            "duration": time.monotonic() - started,
+        }
+        if isinstance(gpus, dict) and gpus.get("rc") != 0:
+            inv["nvidia_smi_error"] = (gpus.get("stderr") or "").strip()[:500]
+        self.inventory = inv
+        self._listing = listing
+        return inv
+
+    def s3_cats(self) -> list[str]:
+        """The manifest's categories marked s3."""
+        return [c.name for c in self.manifest.categories if c.s3]

@@ -1,0 +1,280 @@
+"""Steps 4-5 of suites/decommission: artifacts backed up (S3 uploads start while it copies), data in S3."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytest_gpuhost.modules.backup import BackupPlan, RemoteFile
+from pytest_gpuhost.modules.s3 import item_for, items_from_backup
+from pytest_gpuhost.run.procedure import ProcedureError, Step
+from pytest_gpuhost.run.remediation import Action, Check
+from suites.decommission.state import DecommissionState, mb
+
+__all__ = ["TransferSteps"]
+
+
+class TransferSteps(DecommissionState):
+    """The steps that copy the node's files to the local backup and to S3, verified."""
+
+    # ---------------------------------------------------------------- 4 artifacts backed up
+
+    def step_artifacts_backed_up(self) -> Step:
+        """Step 4: every manifest file is in the local backup, SHA-256 checked against the node's."""
+        plan_box: list[BackupPlan] = []
+
+        def check() -> Check:
+            listing = self.backup.walk()
+            self._listing = listing
+            plan = self.backup.plan(listing)
+            plan_box[:] = [plan]
+            missing = self.backup.verify(listing)
+            state = {
+                "plan": plan.summary(),
+                "totals": listing.totals(),
+                "skipped": listing.skipped,
+                "walk_errors": listing.errors,
+                "missing": len(missing),
+            }
+            if listing.errors:
+                state["walk_errors"] = listing.errors
+            if not plan.copy and not plan.links and not plan.rehash and not missing and not listing.errors:
+                self.backup.write_checksums(listing)
+                return Check(
+                    True, f"{len(listing.files)} files verified in {self.dest} ({plan.summary()})", state
+                )
+            return Check(
+                False,
+                plan.summary()
+                + (f"; {len(listing.errors)} unreadable on the node" if listing.errors else ""),
+                state,
+            )
+
+        def plan(before: Check) -> list[Action]:
+            p = plan_box[0]
+            extra = []
+            if self.s3 is not None and self.s3_cats():
+                extra.append(
+                    Action(
+                        f"upload files of {', '.join(self.s3_cats())} to {self.s3.url} as they arrive",
+                        "boto3 put_object / multipart (ChecksumSHA256) from the verified local copy",
+                        destructive=False,
+                    )
+                )
+            by_cat: dict[str, list[int]] = {}
+            for f in p.copy + p.rehash:
+                c = by_cat.setdefault(f.category, [0, 0])
+                c[0] += 1
+                c[1] += f.size
+            actions = [
+                Action(
+                    f"copy {n} files ({mb(b)}) of category {cat} to {self.dest / cat}",
+                    "one bulk stream: python3 -c <agent/probe_backup.py sender> | local writer; "
+                    "SHA-256 on the node and on arrival, temp name then rename",
+                    destructive=False,
+                )
+                for cat, (n, b) in sorted(by_cat.items())
+            ]
+            if p.links:
+                actions.append(
+                    Action(
+                        f"recreate {len(p.links)} symlinks as links (never followed)",
+                        "os.symlink(target) then rename",
+                        destructive=False,
+                    )
+                )
+            return actions + extra
+
+        def fix(actions: list[Action], before: Check) -> None:
+            self.event(f"backup started: {plan_box[0].summary()}")
+            session = self._start_s3_pipeline()
+            try:
+                res = self.backup.run(plan_box[0])
+            finally:
+                self.backup.on_placed = None
+                if session is not None:
+                    self._finish_s3_pipeline(session)
+            self._measure("copied files", res.copied_files)
+            self._measure("copied bytes", res.copied_bytes, "B")
+            self._measure("copy time", round(res.duration, 3), "s")
+            if res.duration > 0:
+                self._measure("copy rate", round(res.copied_bytes / res.duration / 1e6, 1), "MB/s")
+            self._state(
+                "backup result",
+                {
+                    "copied_files": res.copied_files,
+                    "copied_bytes": res.copied_bytes,
+                    "links": res.links,
+                    "same_by_node_hash": res.rehashed_same,
+                    "failed": res.failed[:200],
+                    "error": res.error,
+                },
+            )
+            assert self._listing is not None  # walked by the check
+            self.backup.write_checksums(self._listing)
+            self.backup.finish()
+            self.event(
+                f"backup: {res.copied_files} files, {mb(res.copied_bytes)} in {res.duration:.1f} s"
+                + (f"; {res.error}" if res.error else "")
+            )
+            if not res.ok:
+                lines = [f"{p}: {why}" for p, why in res.failed[:20]]
+                raise ProcedureError(
+                    (res.error or f"{len(res.failed)} files failed")
+                    + ("\n" + "\n".join(lines) if lines else "")
+                )
+
+        def verify() -> Check:
+            listing = self.backup.walk()
+            self._listing = listing
+            missing = self.backup.verify(listing)
+            self.backup.write_checksums(listing)
+            if missing:
+                head = "; ".join(f"{p} ({why})" for p, why in missing[:10])
+                return Check(
+                    False, f"{len(missing)} files not verified in {self.dest}: {head}", {"missing": missing}
+                )
+            return Check(
+                True, f"{len(listing.files)} files verified in {self.dest}", {"totals": listing.totals()}
+            )
+
+        return self.step("artifacts backed up", check, plan, fix, verify)
+
+    def _start_s3_pipeline(self) -> Any:
+        """Start uploading the S3 categories while the local copy runs (None when not configured)."""
+        if self.s3 is None or not self.s3_cats():
+            return None
+        cats = set(self.s3_cats())
+        try:
+            session = self.s3_upload.start(skip_current=True)
+        except Exception as exc:  # noqa: BLE001 - the S3 step retries and reports
+            self.event(f"S3 upload during the backup not started: {type(exc).__name__}: {exc}")
+            return None
+
+        def offer(f: RemoteFile, rec: dict[str, Any]) -> None:
+            if f.category in cats:
+                session.offer(item_for(f, rec))
+
+        self.backup.on_placed = offer
+        return session
+
+    def _finish_s3_pipeline(self, session: Any) -> None:
+        res = session.finish()
+        self.s3_upload.finish()
+        self._state(
+            "S3 upload during the backup",
+            {
+                "uploaded": res.uploaded,
+                "failed": res.failed[:200],
+                "aborted_uploads": res.aborted_uploads,
+                "open_uploads_after": res.open_uploads_after,
+            },
+        )
+        self.event(
+            f"S3 (during the backup): {res.uploaded} objects, {mb(res.uploaded_bytes)}"
+            + (f", {len(res.failed)} failed (the S3 step retries)" if res.failed else "")
+        )
+
+    # ---------------------------------------------------------------- 5 data in S3
+
+    def step_data_in_s3(self) -> Step:
+        """Step 5: the categories marked s3 are in the bucket with the same SHA-256; no upload left open."""
+
+        box: dict[str, Any] = {}
+
+        def check() -> Check:
+            if not self.s3_cats():
+                return Check(True, "no category is marked s3", skip="the manifest marks no category for S3")
+            if self.s3 is None:
+                return Check(
+                    False,
+                    f"categories {', '.join(self.s3_cats())} are marked s3 but there is no "
+                    "--backup-to=s3://BUCKET/PREFIX",
+                    {"categories": self.s3_cats()},
+                )
+            listing = self.backup.walk()
+            items, unverified = items_from_backup(self.backup, listing)
+            up = self.s3_upload
+            plan = up.plan(items)
+            open_uploads = up.open_uploads()
+            box.update(items=items, plan=plan, unverified=unverified)
+            state = {
+                "to_upload": len(plan.upload),
+                "upload_bytes": plan.upload_bytes,
+                "current": len(plan.current),
+                "open_multipart_uploads": [k for k, _ in open_uploads],
+                "not_in_local_backup": len(unverified),
+            }
+            if not plan.upload and not open_uploads and not unverified:
+                return Check(True, f"{len(items)} objects verified in {self.s3.url}", state)
+            summary = f"{len(plan.upload)} objects ({mb(plan.upload_bytes)}) to upload to {self.s3.url}"
+            if unverified:
+                summary += f"; {len(unverified)} files not in the local backup yet"
+            if open_uploads:
+                summary += f"; {len(open_uploads)} interrupted multipart uploads to abort"
+            return Check(False, summary, state)
+
+        def plan(before: Check) -> list[Action]:
+            if self.s3 is None:
+                return []
+            p = box["plan"]
+            n_unverified = len(box["unverified"])
+            actions = [
+                Action(
+                    f"upload {len(p.upload) + n_unverified} objects "
+                    f"({mb(p.upload_bytes)} known now) to {self.s3.url}",
+                    f"boto3 put_object / multipart upload (ChecksumSHA256) to {self.endpoint or 'AWS'}",
+                )
+            ]
+            if before.state.get("open_multipart_uploads"):
+                actions.append(
+                    Action(
+                        "abort interrupted multipart uploads under the prefix", "boto3 abort_multipart_upload"
+                    )
+                )
+            return actions
+
+        def fix(actions: list[Action], before: Check) -> None:
+            if self.s3 is None:
+                raise ProcedureError("no --backup-to=s3://BUCKET/PREFIX given")
+            if box["unverified"]:
+                head = ", ".join(p for p, _ in box["unverified"][:5])
+                raise ProcedureError(
+                    f"{len(box['unverified'])} files are not in the verified local backup: {head}"
+                )
+            self.event(f"S3 upload started: {len(box['plan'].upload)} objects to {self.s3.url}")
+            res = self.s3_upload.run(box["plan"])
+            self.s3_upload.finish()
+            self._measure("uploaded objects", res.uploaded)
+            self._measure("uploaded bytes", res.uploaded_bytes, "B")
+            self._measure("upload time", round(res.duration, 3), "s")
+            self._state(
+                "S3 result",
+                {
+                    "uploaded": res.uploaded,
+                    "aborted_uploads": res.aborted_uploads,
+                    "failed": res.failed[:200],
+                    "open_uploads_after": res.open_uploads_after,
+                },
+            )
+            self.event(f"S3: {res.uploaded} objects, {mb(res.uploaded_bytes)} in {res.duration:.1f} s")
+            if not res.ok:
+                lines = [f"{p}: {why}" for p, why in res.failed[:20]]
+                raise ProcedureError(
+                    f"{len(res.failed)} uploads failed, {len(res.open_uploads_after)} left open\n"
+                    + "\n".join(lines)
+                )
+
+        def verify() -> Check:
+            assert self.s3 is not None
+            missing = self.s3_upload.verify(box["items"])
+            open_uploads = self.s3_upload.open_uploads()
+            if missing or open_uploads:
+                head = "; ".join(f"{p} ({why})" for p, why in missing[:10])
+                return Check(
+                    False,
+                    f"{len(missing)} objects not verified, {len(open_uploads)} uploads open: {head}",
+                    {"missing": missing},
+                )
+            return Check(True, f"{len(box['items'])} objects verified in {self.s3.url}")
+
+        return self.step("data in s3", check, plan, fix, verify)

@@ -1,0 +1,369 @@
+"""The state shared by the eight P2P steps: facts, plan, measurements, the actions each step plans, and undo.
+
+Facts are read once in step 1 and re-read where a step must verify. The host's journal
+(`/var/lib/gpuhost/journal/p2p.json`) records every destructive action before it is taken; the
+undo stack of `Procedure` puts back, at the end of the run, what a failed or cut run left: unbound
+functions (rebound in the original order), nvidia-persistenced and the service this run stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_gpuhost.modules import gpu, iommu, p2p, pci
+from pytest_gpuhost.modules.journal import Journal
+from pytest_gpuhost.modules.service import Service, ServiceError
+from pytest_gpuhost.run import evidence
+from pytest_gpuhost.run.procedure import Procedure, ProcedureError
+from pytest_gpuhost.run.remediation import Action
+from suites.p2p import persist
+from suites.p2p.plan import P2PPlan, make_plan
+
+__all__ = ["HOST_FACTS", "P2POptions", "P2PState"]
+
+HOST_FACTS = ("gpus", "gpu_holders", "persistence", "host_info", "nvidia_smi_gpus")
+QUICK = 10.0  # seconds to wait for a reply to a small metadata op (readlink, journal, lock)
+
+
+@dataclass
+class P2POptions:
+    """The suite's settings (suites/p2p/options.py fills them from the command line and ini)."""
+
+    gpus: list[str] | None = None
+    stop_timeout: float = 20.0
+    min_gbps: float | None = None
+    fraction: float = p2p.DEFAULT_FRACTION
+    service: str = "sglang-qwen"
+    health_url: str | None = None
+    health_port: int = 30000
+    health_timeout: float = 120.0
+    lock_wait: float = 60.0
+    lock_stale: float = 600.0
+    unbind_timeout: float = 15.0
+    log_paths: tuple[str, ...] = ()
+
+
+class P2PState(Procedure):
+    """State of one suites/p2p run against one target (the host, and the service's container)."""
+
+    def __init__(self, target: Any, opts: P2POptions, *, check_only: bool) -> None:
+        host, container = Procedure.links_of(target)
+        journal = Journal(host, "p2p")
+        super().__init__(host, check_only=check_only, container=container, journal=journal)
+        self.target = target
+        self.opts = opts
+        self.conn = host
+        self.svc_conn = container or host  # where the service runs
+        self.service = Service(self.svc_conn, opts.service, where=self.svc_conn.name)
+        self.persistenced = Service(self.conn, "nvidia-persistenced", where=self.conn.name)
+        self.journal: Journal = journal
+        self.facts: dict[str, Any] = {}
+        self.plan: P2PPlan | None = None
+        self.old_journal: dict[str, Any] | None = None
+        self.before: p2p.P2PMatrix | None = None
+        self.before_ok: bool | None = None
+        self.changed = False  # this run unbound/rebound something: P2P must be measured again
+        self.stopped_service = False  # this run (or the interrupted one it completes) stopped it
+        self.stopped_persistenced = False
+        self.service_state: Any = None
+        self.blocked: list[str] = []  # writes left blocked in the kernel (an nvidia unbind while held)
+        self.topo: dict[tuple[str, str], str] = {}  # nvidia-smi topo -m link per GPU pair (NV#, PIX, ...)
+        self.boot_record: dict[str, dict[str, Any]] = {}  # functions listed by the installed boot script
+
+    # ------------------------------------------------------------------ facts and plan
+
+    def read_facts(self, names: tuple[str, ...] = HOST_FACTS, **params: Any) -> dict[str, Any]:
+        """Read host facts (all the procedure needs by default), the journal and the boot script in one round trip."""
+        replies = self.conn.batch(
+            [
+                {"op": "facts", "names": list(names), "params": params, "timeout": 60},
+                self.journal.read_request(),
+                {"op": "read_files", "paths": [persist.SCRIPT], "timeout": 5},
+            ]
+        )
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        self.facts.update(replies[0])
+        self.old_journal = Journal.parse(replies[1])
+        script = replies[2].get(persist.SCRIPT, {}) if isinstance(replies[2], dict) else {}
+        self.boot_record = persist.recorded_functions(script.get("data", "")) if "data" in script else {}
+        return self.facts
+
+    def gpus(self) -> list[gpu.GpuInfo]:
+        """GpuInfo from the last facts read."""
+        return gpu.from_facts(self.facts.get("gpus"), self.facts.get("gpu_holders"))
+
+    def kernel(self) -> str:
+        """Kernel release of the target."""
+        info = self.facts.get("host_info") or {}
+        return str(info.get("kernel") or self.conn.hello.get("kernel") or "")
+
+    def make_plan(self) -> P2PPlan:
+        """(Re)plan from the last facts read and any journal found."""
+        journal = (
+            self.old_journal
+            if self.old_journal and self.old_journal.get("run_id") != self.journal.run_id
+            else None
+        )
+        gpus = self.gpus()
+        if journal is None:
+            journal = self._boot_record_journal(gpus)
+        self.plan = make_plan(gpus, kernel=self.kernel(), selected=self.opts.gpus, journal=journal)
+        smi = self.facts.get("nvidia_smi_gpus") or {}
+        names = [str((smi.get(b) or {}).get("name") or "") for b in self.plan.gpus]
+        self.plan.model = names[0] if names else ""
+        return self.plan
+
+    def _boot_record_journal(self, gpus: list[gpu.GpuInfo]) -> dict[str, Any] | None:
+        """A journal-shaped record, from the installed boot script, of functions that lost their driver.
+
+        Only functions with no driver now are taken from it: what is bound now always wins.
+        """
+        driverless = {m.bdf for g in gpus if g.group for m in g.group.members if not m.driver}
+        record = [f for b, f in self.boot_record.items() if b in driverless]
+        if not record:
+            return None
+        evidence.current().note(
+            "no driver now, driver known from the boot script: "
+            + ", ".join(f"{f['bdf']} ({f['driver']})" for f in record)
+        )
+        return {
+            "run_id": None,
+            "plan": {"groups": [{"number": -1, "original_type": None, "functions": record}]},
+        }
+
+    def adopt_old_journal(self) -> None:
+        """Take over what an interrupted run's journal says it stopped (this run restarts it)."""
+        if self.old_journal and self.plan is not None and self.plan.resumed_from:
+            self.stopped_service = self.stopped_service or bool(self.old_journal.get("service_stopped"))
+            self.stopped_persistenced = self.stopped_persistenced or bool(
+                self.old_journal.get("persistenced_stopped")
+            )
+
+    def gather(self) -> P2PPlan:
+        """Step 1's read: facts, journal, plan, service state, and P2P before anything changes."""
+        self.read_facts()
+        plan = self.make_plan()
+        ev = evidence.current()
+        ev.state("plan", plan.to_dict(), target=self.conn.name)
+        for bdf, why in plan.excluded.items():
+            ev.note(f"{bdf}: excluded: {why}")
+        try:
+            self.service_state = self.service.state()
+        except (ServiceError, ProcedureError) as exc:
+            self.service_state = None
+            ev.note(f"service {self.service.unit}: {exc}")
+        if self.old_journal and plan.resumed_from:
+            ev.note(
+                f"journal of interrupted run {plan.resumed_from} found at phase {self.old_journal.get('phase')}"
+            )
+            self.adopt_old_journal()
+        if len(plan.gpus) >= 2 and not plan.unbound:
+            index = self.smi_index()
+            self.topo = p2p.topology(self.conn, plan.gpus, index)
+            self.before = p2p.measure(self.conn, plan.gpus, index=index)
+            self.before_ok = all(v.ok for v in self.judge(self.before))
+            self.record_matrix("P2P bandwidth before", self.before)
+        return plan
+
+    def smi_index(self) -> dict[int, str] | None:
+        """nvidia-smi index -> PCI address, from the last facts read (None when unknown)."""
+        smi = self.facts.get("nvidia_smi_gpus") or {}
+        index = {int(row["index"]): bdf for bdf, row in smi.items() if str(row.get("index", "")).isdigit()}
+        return index or None
+
+    def judge(self, matrix: p2p.P2PMatrix) -> list[p2p.PairVerdict]:
+        """Each in-scope pair's verdict against its threshold."""
+        assert self.plan is not None
+        return p2p.judge(
+            matrix,
+            self.plan.links,
+            min_gbps=self.opts.min_gbps,
+            fraction=self.opts.fraction,
+            topo=self.topo,
+            model=self.plan.model,
+        )
+
+    def record_matrix(self, name: str, matrix: p2p.P2PMatrix) -> None:
+        """Put a measured matrix (a heatmap in the report) and how it was measured in the evidence."""
+        verdicts = self.judge(matrix)
+        thresholds = [v.threshold for v in verdicts if v.threshold is not None]
+        ev = evidence.current()
+        ev.matrix(
+            name,
+            matrix.bdfs,
+            matrix.rows(),
+            unit="GB/s",
+            threshold=min(thresholds) if thresholds else None,
+            target=self.conn.name,
+        )
+        ev.note(f"{name}: measured with {matrix.source}" + (f"; {matrix.note}" if matrix.note else ""))
+
+    def current_groups(self) -> dict[int, str | None]:
+        """IOMMU group -> type, from the last facts read."""
+        return {g.iommu_group: g.group_type for g in self.gpus() if g.iommu_group is not None}
+
+    def driver_now(self, bdf: str) -> str | None:
+        """The driver `bdf` is bound to right now (one readlink), or None."""
+        link = f"{pci.DEVICES}/{bdf}/driver"
+        r = self.conn.call("readlink", paths=[link], reply_timeout=QUICK)
+        entry = r.get(link) or {}
+        target = entry.get("target") if isinstance(entry, dict) else None
+        return target.rsplit("/", 1)[-1] if target else None
+
+    def legacy_on(self) -> list[str]:
+        """In-scope GPUs with legacy persistence mode on (per the last persistence fact)."""
+        assert self.plan is not None
+        legacy = (self.facts.get("persistence") or {}).get("legacy") or {}
+        return [b for b in self.plan.gpus if str(legacy.get(b, "")).lower() in ("enabled", "1", "on")]
+
+    # ------------------------------------------------------------------ undo
+
+    def rollback(self) -> list[str]:
+        """Rebind every in-scope function that has no driver, in the original order; return refusals.
+
+        A function the kernel refuses is reported and the others are still tried; an unreachable
+        host raises (the journal on it tells the next run).
+        """
+        if self.plan is None:
+            return []
+        errors = []
+        for f in self.plan.rebind_order:
+            try:
+                if self.driver_now(f.bdf):
+                    continue
+                self.record("rollback-bind", bdf=f.bdf, driver=f.driver)
+                pci.bind(self.conn, f.bdf, f.driver, timeout=self.opts.unbind_timeout)
+            except pci.PciError as exc:  # this function refused; try the others
+                errors.append(str(exc))
+        for e in errors:
+            evidence.current().note(f"rollback: {e}")
+        return errors
+
+    def _undo_rebind(self) -> None:
+        errors = self.rollback()
+        if errors:
+            raise ProcedureError("; ".join(errors))
+
+    def _undo_persistenced(self) -> None:
+        if self.stopped_persistenced:
+            self.persistenced.start()
+            self.stopped_persistenced = False
+            self.journal.write(persistenced_stopped=False)
+
+    def _undo_service(self) -> None:
+        if self.stopped_service:
+            self.service.start()
+            self.stopped_service = False
+            self.journal.write(service_stopped=False)
+
+    def push_service_undo(self) -> None:
+        """Pending until step 8 starts it: start the service this run (or the one it completes) stopped.
+
+        Skipped when an undo before it failed: the service must not start on GPUs without a driver.
+        """
+        self.push_undo(
+            "start-service",
+            f"start {self.service.unit}",
+            self._undo_service,
+            link=self.svc_conn,
+            after_failure=False,
+        )
+
+    def push_persistenced_undo(self) -> None:
+        """Pending until step 8 starts it: start nvidia-persistenced again."""
+        self.push_undo(
+            "start-persistenced", f"start {self.persistenced.unit}", self._undo_persistenced, link=self.conn
+        )
+
+    def push_rebind_undo(self) -> None:
+        """Pending to the end: bind every in-scope function left without a driver (idempotent)."""
+        self.push_undo(
+            "rebind", "bind in-scope functions left without a driver", self._undo_rebind, link=self.conn
+        )
+
+    def unfinished(self) -> list[str]:
+        """A write still blocked in the kernel: the journal stays for the next run to complete."""
+        if not self.blocked:
+            return []
+        return [
+            f"{', '.join(self.blocked)} is still blocked in the kernel; the journal stays for the next run to complete"
+        ]
+
+    # ------------------------------------------------------------------ planned actions
+
+    def stop_actions(self) -> list[Action]:
+        """Stopping the service, as its commands."""
+        return [
+            Action(f"stop {self.service.unit}", cmd, self.svc_conn.name)
+            for cmd in self.service.commands(self.opts.stop_timeout)
+        ]
+
+    def release_actions(self) -> list[Action]:
+        """Stopping nvidia-persistenced and turning legacy persistence off."""
+        t = self.conn.name
+        acts = [
+            Action(f"stop {self.persistenced.unit}", cmd, t)
+            for cmd in self.persistenced.commands(self.opts.stop_timeout)[:1]
+        ]
+        for b in self.legacy_on() if self.facts.get("persistence") else []:
+            acts.append(
+                Action(
+                    f"persistence mode off on {b} (if still on once nvidia-persistenced is stopped)",
+                    f"nvidia-smi -i {b} -pm 0",
+                    t,
+                )
+            )
+        return acts
+
+    def group_actions(self) -> list[Action]:
+        """Unbinding each group's functions and writing identity."""
+        assert self.plan is not None
+        t = self.conn.name
+        acts: list[Action] = []
+        for g in self.plan.groups_to_fix:
+            for f in g.unbind_order:
+                if f.current:
+                    acts.append(
+                        Action(
+                            f"unbind {f.bdf} from {f.current} (group {g.number})",
+                            pci.unbind_command(f.bdf, f.current),
+                            t,
+                        )
+                    )
+            if not g.identity:
+                acts.append(
+                    Action(
+                        f"group {g.number}: {g.type} -> identity", iommu.type_command(g.number, "identity"), t
+                    )
+                )
+        return acts
+
+    def bind_actions(self, all_functions: bool = False) -> list[Action]:
+        """Binding functions to their original drivers, in the original order."""
+        assert self.plan is not None
+        todo = self.plan.rebind_order
+        if not all_functions:
+            todo = [f for f in todo if f.current != f.driver]
+        t = self.conn.name
+        return [Action(f"bind {f.bdf} to {f.driver}", pci.bind_command(f.bdf, f.driver), t) for f in todo]
+
+    def persist_actions(self) -> list[Action]:
+        """Installing and enabling the boot unit."""
+        t = self.conn.name
+        return [
+            Action("install the boot script", f"write {persist.SCRIPT} (mode 0755)", t, False),
+            Action("install the unit", f"write {persist.UNIT}", t, False),
+            Action("reload systemd", "systemctl daemon-reload", t, False),
+            Action("enable the unit", f"systemctl enable {persist.UNIT_NAME}", t, False),
+        ]
+
+    def start_action(self, destructive: bool = True) -> Action:
+        """Starting the service again."""
+        return Action(
+            f"start {self.service.unit}",
+            f"systemctl start {self.service.unit}",
+            self.svc_conn.name,
+            destructive,
+        )
