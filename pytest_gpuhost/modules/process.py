@@ -3,11 +3,18 @@
 Selection is by systemd unit (the unit's cgroup), by matchers on the executable and arguments
 (regex on the basename of argv[0] or exe, the module after `-m`, exact argv elements; never a
 substring of the whole command line, so `vim sglang_notes.md` is not an SGLang server), or by
-"everything holding a GPU" (`/dev/nvidia*` open).  The agent's own PID, its ancestors and its
-session are excluded on the node itself.  Stopping records the selection (PIDs, start times,
-command lines) before any signal, then SIGTERM, a bounded wait, SIGKILL, and a verifying wait;
-every signal goes to an exact PID whose start time is re-checked on the node (pidfd when the
-node's Python has it), so a PID reused by another process is never hit.
+"everything holding a GPU" (`/dev/nvidia*` open), and then by TREE: every descendant of a
+selected process is selected with it.  Serving programs rename their workers (SGLang's children
+call `setproctitle("sglang::scheduler_TP0")`, so their command line no longer names the module),
+and with data parallelism those workers keep the GPUs when only the parent is stopped
+(sgl-project/sglang#23627: `sglang::scheduler_DP0_TP0_EP0` reparented to PID 1, 100 GB each).
+The tree comes from one process-table read: children by ppid, accepted only when the child
+started no earlier than its parent, so a PID reused between two reads of /proc never adopts a
+stranger.  The agent's own PID, its ancestors and its session are excluded on the node itself.
+Stopping records the selection (PIDs, start times, command lines) before any signal, then
+SIGTERM, a bounded wait, SIGKILL, and a verifying wait; every signal goes to an exact PID whose
+start time is re-checked on the node (pidfd when the node's Python has it), so a PID reused by
+another process is never hit.
 """
 
 from __future__ import annotations
@@ -156,14 +163,29 @@ class Proc:
         return shlex.join(self.argv) if self.argv else f"[{self.comm}]"
 
     def record(self) -> dict[str, Any]:
+        """Return what the evidence keeps of this process (enough to find it again, or not)."""
         return {
             "pid": self.pid,
             "ppid": self.ppid,
             "starttime": self.starttime,
             "unit": self.unit,
             "cmdline": self.cmdline,
+            "comm": self.comm,
+            "exe": self.exe,
             "gpus": list(self.gpus),
         }
+
+
+def _argv(raw: Sequence[str]) -> tuple[str, ...]:
+    """Return argv without the empty tail a renamed process leaves in /proc/PID/cmdline.
+
+    setproctitle writes the title over the old argv area and pads it with NULs, so the kernel
+    hands back "sglang::detokenizer" followed by dozens of empty arguments; ps shows the title.
+    """
+    argv = list(raw)
+    while len(argv) > 1 and argv[-1] == "":
+        argv.pop()
+    return tuple(argv)
 
 
 @dataclass
@@ -189,7 +211,7 @@ class ProcessTable:
                 sid=p["sid"],
                 starttime=p["starttime"],
                 state=p["state"],
-                argv=tuple(p["argv"]),
+                argv=_argv(p["argv"]),
                 exe=p.get("exe"),
                 cgroup=p.get("cgroup", ""),
                 comm=p.get("comm", ""),
@@ -203,26 +225,62 @@ class ProcessTable:
     def is_own(self, p: Proc) -> bool:
         return p.pid == self.own_pid or p.pid in self.own_ancestors or p.sid == self.own_sid
 
-    def select(self, sel: Selection) -> list[tuple[Proc, str]]:
-        """Return (process, why selected), in PID order, excluding the run's own tree."""
-        out = []
-        for p in sorted(self.procs, key=lambda p: p.pid):
-            if self.is_own(p) or p.state in ("Z", "X") or p.pid == 1:
-                continue
-            why = None
-            unit = p.unit
-            if unit and any(fnmatchcase(unit, u) for u in sel.units):
-                why = f"unit {unit}"
-            if why is None:
-                for m in sel.matchers:
-                    if m.matches(p):
-                        why = f"matcher {m.describe()}"
-                        break
-            if why is None and sel.gpu_holders and p.gpus:
-                why = "holds " + ",".join(p.gpus)
-            if why is not None:
-                out.append((p, why))
+    def selectable(self, p: Proc) -> bool:
+        # PID 1, kthreadd and kernel threads (children of PID 2) are never ours to stop
+        return not (self.is_own(p) or p.state in ("Z", "X") or p.pid in (1, 2) or p.ppid == 2)
+
+    def children(self) -> dict[int, list[Proc]]:
+        """Map PID -> its children in this read; a child older than its "parent" is not one."""
+        by_pid = {p.pid: p for p in self.procs}
+        out: dict[int, list[Proc]] = {}
+        for p in self.procs:
+            parent = by_pid.get(p.ppid)
+            if parent is not None and p.pid != p.ppid and p.starttime >= parent.starttime:
+                out.setdefault(parent.pid, []).append(p)
         return out
+
+    def descendants(self, roots: Sequence[Proc]) -> list[tuple[Proc, Proc]]:
+        """Return (descendant, the root it descends from) for every process below `roots`."""
+        kids = self.children()
+        seen = {r.pid for r in roots}
+        out: list[tuple[Proc, Proc]] = []
+        stack = [(r, r) for r in roots]
+        while stack:
+            node, root = stack.pop()
+            for child in kids.get(node.pid, ()):
+                if child.pid not in seen:
+                    seen.add(child.pid)
+                    out.append((child, root))
+                    stack.append((child, root))
+        return out
+
+    def _why(self, p: Proc, sel: Selection) -> str | None:
+        unit = p.unit
+        if unit and any(fnmatchcase(unit, u) for u in sel.units):
+            return f"unit {unit}"
+        for m in sel.matchers:
+            if m.matches(p):
+                return f"matcher {m.describe()}"
+        if sel.gpu_holders and p.gpus:
+            return "holds " + ",".join(p.gpus)
+        return None
+
+    def select(self, sel: Selection) -> list[tuple[Proc, str]]:
+        """Return (process, why selected), in PID order: the matches and all their descendants.
+
+        Never the run's own tree, PID 1 or kernel threads, even as a descendant.
+        """
+        direct: dict[int, tuple[Proc, str]] = {}
+        for p in self.procs:
+            if self.selectable(p):
+                why = self._why(p, sel)
+                if why is not None:
+                    direct[p.pid] = (p, why)
+        chosen = dict(direct)
+        for child, root in self.descendants([p for p, _ in direct.values()]):
+            if child.pid not in chosen and self.selectable(child):
+                chosen[child.pid] = (child, f"descendant of PID {root.pid} ({direct[root.pid][1]})")
+        return [chosen[pid] for pid in sorted(chosen)]
 
     def gpu_holders(self) -> list[Proc]:
         return [p for p in self.procs if p.gpus and p.state not in ("Z", "X")]
@@ -245,6 +303,15 @@ class StopResult:
         return not self.survivors
 
 
+def _late_children(conn: _Conn, chosen: Sequence[Proc]) -> list[Proc]:
+    """Return the descendants of `chosen` in a fresh read that `chosen` does not hold yet."""
+    fresh = ProcessTable.read(conn, gpu_holders=False)
+    now = {p.pid: p for p in fresh.procs}
+    roots = [now[p.pid] for p in chosen if p.pid in now and now[p.pid].starttime == p.starttime]
+    have = {p.pid for p in chosen}
+    return [c for c, _ in fresh.descendants(roots) if c.pid not in have and fresh.selectable(c)]
+
+
 def stop_processes(
     conn: _Conn,
     chosen: Sequence[Proc],
@@ -254,15 +321,22 @@ def stop_processes(
     record: Callable[[str, Any], None] | None = None,
     run: Callable[[list[str]], Any] | None = None,
     units: Sequence[str] = (),
+    tree: bool = True,
 ) -> StopResult:
-    """Stop exactly these processes: record, SIGTERM, bounded wait, SIGKILL, verify.
+    """Stop exactly these processes and their children: record, SIGTERM, wait, SIGKILL, verify.
 
+    With `tree`, the process table is read once more just before the first signal and every
+    descendant of a chosen process (same PID and start time) that appeared since the selection
+    is added: a worker forked while the operator read the plan is stopped with its parent.
     `record(label, value)` is called with the selection before any signal is sent (the evidence).
     `run(argv)` runs a command on the node; when units are given, `systemctl stop --no-block`
     goes first so that systemd does not restart what we kill.
     """
     import time
 
+    chosen = list(chosen)
+    if tree and chosen:
+        chosen += _late_children(conn, chosen)
     result = StopResult(selected=[p.record() for p in chosen])
     if record is not None:
         record("selected for stop", result.selected)
