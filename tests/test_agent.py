@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 
-import pytest_gpuhost.exec.agent
 from pytest_gpuhost.errors import AgentError, CommandTimeout, GpuhostError
-from pytest_gpuhost.exec.agent import BOOTSTRAP, agent_source, probe_files
+from pytest_gpuhost.exec.agent import BOOTSTRAP, _core, agent_source, core, probe_files, probe_program
 from pytest_gpuhost.exec.connection import CommandResult, Connection
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
 
@@ -29,30 +31,88 @@ def conn():
 def test_program_is_core_probes_then_main():
     src = agent_source()
     assert src.rstrip().endswith("main()")
+    assert src.count("\nload_probe(") == len(probe_files()) > 0
     assert "\nfrom __future__ import" not in src
     compile(src, "<agent>", "exec")
     ast.parse(src, feature_version=(3, 6))  # old targets: no walrus, no 3.8+ grammar
     assert len(BOOTSTRAP) < 400
 
 
-def _top_level_names(path: Path) -> set[str]:
-    out = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.FunctionDef | ast.ClassDef):
-            out.add(node.name)
-        elif isinstance(node, ast.Assign):
-            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    return out
+def _serve(program: str, *requests: dict) -> list[dict]:
+    """Start `program` the way a connection does (bootstrap, payload); return one reply per request."""
+    body = zlib.compress(program.encode("utf-8"), 9)
+    lines = b"".join(json.dumps(r).encode() + b"\n" for r in requests)
+    proc = subprocess.run(
+        [sys.executable, "-u", "-c", BOOTSTRAP],
+        input=b"%d\n" % len(body) + body + lines,
+        capture_output=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
-def test_probes_do_not_shadow_each_other_or_the_core():
-    """Probes share one namespace with the core: a clash would silently replace a function."""
-    core_path = Path(pytest_gpuhost.exec.agent.__file__).parent / "agent.py"
-    owner = dict.fromkeys(_top_level_names(core_path), "agent.py")
-    for probe in probe_files():
-        for name in _top_level_names(probe):
-            assert name not in owner, f"{probe.name} redefines {name} from {owner[name]}"
-            owner[name] = probe.name
+def _probe(name: str, source: str) -> str:
+    return f"load_probe({name!r}, {source!r})\n"
+
+
+def test_each_probe_runs_in_a_module_of_its_own():
+    """Two probes may use the same private name; a probe written for the shared namespace still runs."""
+    importing = (
+        "from pytest_gpuhost.exec.agent.core import op, read_str\n"
+        "_ME = 'a'\n"
+        "@op('who_a')\n"
+        "def who(params):\n"
+        "    return [_ME, read_str('/proc/sys/kernel/osrelease'), __name__]\n"
+    )
+    bare = "_ME = 'b'\n@op('who_b')\ndef who(params):\n    return [_ME, run_process(argv=['true'], timeout=5)['rc']]\n"
+    program = _core() + _probe("probe_a", importing) + _probe("probe_b", bare) + "main()\n"
+    a, b = _serve(program, {"id": 1, "op": "who_a"}, {"id": 2, "op": "who_b"})
+    assert a["result"] == ["a", os.uname().release, "__gpuhost_agent__.probe_a"]
+    assert b["result"] == ["b", 0]
+
+
+def test_a_probe_that_fails_to_load_stops_the_agent():
+    program = (
+        _core() + _probe("probe_bad", "from pytest_gpuhost.exec.agent.core import nothing\n") + "main()\n"
+    )
+    with pytest.raises(AssertionError, match="ImportError"):
+        _serve(program, {"id": 1, "op": "hello"})
+
+
+def test_probes_import_only_the_core_api():
+    """On the target only `pytest_gpuhost.exec.agent.core` exists, holding exactly its `__all__`."""
+    for path in probe_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pytest_gpuhost"):
+                assert node.module == core.API_MODULE, f"{path.name} imports {node.module}"
+                assert {a.name for a in node.names} <= set(core.__all__), path.name
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("pytest_gpuhost") for a in node.names), path.name
+    assert core.API_MODULE == core.__name__
+
+
+def test_core_files_are_joined_without_their_imports_of_each_other():
+    tree = ast.parse(_core(), feature_version=(3, 6))
+    imported = [
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert imported and not [m for m in imported if (m or "").startswith("pytest_gpuhost")]
+
+
+def test_probe_program_runs_one_probe_alone():
+    """What the backup's bulk sender uses: the core and one probe, no protocol loop."""
+    program = probe_program(
+        "probe_process", "import json; print(json.dumps(proc_wait(dict(timeout=0, targets=[]))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert json.loads(proc.stdout)["alive"] == []
+    with pytest.raises(ValueError, match="no agent probe named"):
+        probe_program("probe_nothing", "main()")
 
 
 def test_hello_lists_ops_and_facts(conn):

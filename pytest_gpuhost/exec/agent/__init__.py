@@ -1,8 +1,52 @@
-"""Assemble the agent program that runs on targets: core, probes, then `main()`.
+"""Assemble the agent program that runs on targets: the core, each probe in its own module, `main()`.
 
 The program is sent once per connection: a bootstrap (`python3 -u -c BOOTSTRAP`) reads a
 decimal length line and that many bytes of zlib-compressed source from stdin, then `exec`s it.
-The source is built once per process and cached.
+The source is built once per process and cached.  On the target it runs the files of
+`CORE_FILES` as one namespace (their imports of each other removed), then loads every
+`probe_*.py` with `core.load_probe` into a module of its own, then calls `main()`.
+
+Probe-author guide
+------------------
+A probe is a file `exec/agent/probe_<name>.py` that adds operations or facts to the agent.  It is
+picked up by its name; nothing else needs registering.
+
+* It runs ON the target: stdlib only, Python 3.6 syntax (f-strings yes; no walrus, no
+  `from __future__ import annotations`, no annotations such as `list[str]` that 3.6 evaluates;
+  type comments where mypy needs a type).  Imports of optional libraries (cupy, pynvml) go inside the
+  function that needs them.
+* It has a module of its own, so its private names need no prefix and cannot clash with
+  another probe's.  It imports the core explicitly, from one module only::
+
+      from pytest_gpuhost.exec.agent.core import fact, op, read_str
+
+  Only names in `core.__all__` may be imported (a test checks it): `op`, `fact`, `OpError`,
+  `run_process` (argv, timeout, ...; same dict as the `run` op, whole process group killed at
+  the timeout), `read_text(path, max_bytes)` -> bytes, `read_str(path, default)` -> stripped
+  text or `default`, `link_name(path)` -> basename of a symlink's target or None,
+  `write_file(path, data, timeout)` (forked writer under a watchdog), `b64e`/`b64d`,
+  `DEFAULT_MAX_BYTES`, `DEFAULT_MAX_OUTPUT`.  Nothing else from `pytest_gpuhost`: on the target
+  only that one module exists.  In the plugin the same line is an ordinary import, so ruff and
+  mypy check the probe as a normal module, with no file-wide `noqa`.
+* Declare handlers with the decorators::
+
+      @op("gpu_inventory")               # handler(params: dict) -> JSON-able result
+      def gpu_inventory(params): ...
+
+      @op("tar_stream", stream=True)     # handler(params, emit); emit(chunk) per chunk,
+      def tar_stream(params, emit): ...  # the return value is the final result
+
+      @fact("iommu_groups")              # handler(params) -> JSON-able; the "facts" op calls
+      def iommu_groups(params): ...      # it with the request's "params" (shared by its facts)
+
+  Fail a request with `OSError` (its errno travels back) or `OpError("one line")`.  Nothing may
+  wait without a bound: every command gets a timeout, every loop a deadline.
+* A probe that also runs alone (the backup's bulk sender) is started with
+  `probe_program("probe_x", "entry()")`: the core, that probe, then the call, no protocol loop.
+* Tests: import the probe as a normal module (`from pytest_gpuhost.exec.agent import probe_x`)
+  and call its functions against files under `tmp_path`; test what goes over the wire through a
+  real agent (`open_connection(parse_host_url("local://"))`, or the lab).  tests/test_agent.py
+  checks every probe's imports and that the assembled program parses as Python 3.6.
 """
 
 from __future__ import annotations
@@ -12,10 +56,17 @@ import re
 import zlib
 from pathlib import Path
 
-__all__ = ["BOOTSTRAP", "agent_source", "agent_payload", "probe_files"]
+__all__ = ["BOOTSTRAP", "CORE_FILES", "agent_source", "agent_payload", "probe_files", "probe_program"]
 
 _HERE = Path(__file__).resolve().parent
 _FUTURE = re.compile(r"^from __future__ import [^\n]*\n", re.MULTILINE)
+# A core file's import of another core file: on the target all core files share one namespace.
+_CORE_IMPORT = re.compile(
+    r"^from pytest_gpuhost\.exec\.agent\.\w+ import (?:\([^)]*\)|[^\n(]*)\n", re.MULTILINE
+)
+
+# The core, in the order it runs on the target: each file uses only names defined above it.
+CORE_FILES = ("agent.py", "core.py")
 
 # Reads with os.read (unbuffered) so no protocol byte is swallowed by a buffer before main()
 # takes fd 0 over.  Kept short: it travels on the command line of every agent start.
@@ -36,22 +87,50 @@ BOOTSTRAP = (
 
 
 def probe_files() -> list[Path]:
-    """Return the probe modules that are part of the agent, in the order they are joined."""
+    """Return the probe modules that are part of the agent, in the order they are loaded."""
     return sorted(_HERE.glob("probe_*.py"))
+
+
+def _core_source(path: Path) -> str:
+    text = _FUTURE.sub("", path.read_text(encoding="utf-8"))
+    for found in _CORE_IMPORT.findall(text):
+        # Stripped, an alias would leave its name undefined on the target.
+        if " as " in found:
+            raise ValueError(f"{path.name}: core files import each other without `as`: {found.strip()}")
+    return _CORE_IMPORT.sub("", text)
+
+
+def _probe_call(path: Path) -> str:
+    # The probe travels as a string constant and is compiled in its own module by load_probe.
+    source = _FUTURE.sub("", path.read_text(encoding="utf-8"))
+    return f"load_probe({path.stem!r}, {source!r})\n"
+
+
+@functools.lru_cache(maxsize=1)
+def _core() -> str:
+    return "".join(f"\n# ---- {name}\n" + _core_source(_HERE / name) for name in CORE_FILES)
 
 
 @functools.lru_cache(maxsize=1)
 def agent_source() -> str:
-    """Return the agent program: core, every probe (sorted by name), then the `main()` call.
+    """Return the agent program: the core files, each probe loaded in its own module, `main()`.
 
     `from __future__` lines are dropped: they are only legal at the top of a program, and the
     agent keeps to syntax that old target Pythons understand anyway.
     """
-    parts = [(_HERE / "agent.py").read_text(encoding="utf-8")]
-    for path in probe_files():
-        parts.append(f"\n# ---- {path.name}\n" + path.read_text(encoding="utf-8"))
-    parts.append("\nmain()\n")
-    return _FUTURE.sub("", "\n".join(parts))
+    return _core() + "\n" + "".join(_probe_call(path) for path in probe_files()) + "main()\n"
+
+
+def probe_program(probe: str, call: str) -> str:
+    """Return a program that loads the core and one probe (no protocol loop), then runs `call`.
+
+    `call` is Python run in the probe's module, for a probe that also works alone on a channel
+    of its own: `["python3", "-c", probe_program("probe_backup", "_bk_send_main()")]`.
+    """
+    path = _HERE / f"{probe}.py"
+    if path not in probe_files():
+        raise ValueError(f"no agent probe named {probe!r} in {_HERE}")
+    return _core() + "\n" + f"exec({call!r}, {_probe_call(path).rstrip()}.__dict__)\n"
 
 
 @functools.lru_cache(maxsize=1)

@@ -372,6 +372,22 @@ def read_text(path, max_bytes=DEFAULT_MAX_BYTES):
         os.close(fd)
 
 
+def read_str(path, default=None, max_bytes=65536):
+    """Return a small file's text, stripped (sysfs, procfs values); `default` when unreadable."""
+    try:
+        return read_text(path, max_bytes).decode("utf-8", "replace").strip()
+    except OSError:
+        return default
+
+
+def link_name(path):
+    """Return the last part of a symlink's target (a sysfs driver or group link); None if none."""
+    try:
+        return os.path.basename(os.readlink(path))
+    except OSError:
+        return None
+
+
 @op("read_files")
 def op_read_files(params):
     max_bytes = int(params.get("max_bytes") or DEFAULT_MAX_BYTES)
