@@ -92,23 +92,23 @@ S3_ENDPOINT = _opt(
 #: Every option with a flag (and its ini twin).
 OPTIONS: tuple[Option, ...] = (MANIFEST, BACKUP_DIR, BACKUP_TO, S3_ENDPOINT)
 
-#: Ini-only tuning values.
-TUNING: tuple[Option, ...] = (
-    _opt(
-        "stall_timeout",
-        None,
-        "seconds without a byte before a transfer counts as cut (default {default})",
-        parse=seconds,
-        default=60.0,
-    ),
-    _opt(
-        "s3_part_mib",
-        None,
-        "S3 multipart part size in MiB, at least 5 (S3's minimum); larger files go multipart (default {default})",
-        parse=_part_mib,
-        default=32.0,
-    ),
+STALL_TIMEOUT = _opt(
+    "stall_timeout",
+    None,
+    "seconds without a byte before a transfer counts as cut (default {default})",
+    parse=seconds,
+    default=60.0,
 )
+S3_PART_MIB = _opt(
+    "s3_part_mib",
+    None,
+    "S3 multipart part size in MiB, at least 5 (S3's minimum); larger files go multipart (default {default})",
+    parse=_part_mib,
+    default=32.0,
+)
+
+#: Ini-only tuning values.
+TUNING: tuple[Option, ...] = (STALL_TIMEOUT, S3_PART_MIB)
 
 _BY_NAME = {opt.name: opt for opt in OPTIONS + TUNING}
 
