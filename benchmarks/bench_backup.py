@@ -26,7 +26,6 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import boto3  # noqa: E402
 
 from gpulab.lab import CLIENT_KEY, Lab, LabHost  # noqa: E402
-from pytest_gpuhost.exec.targets import open_connection, parse_host_url  # noqa: E402
+from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url  # noqa: E402
 from pytest_gpuhost.modules.backup import Backup, load_manifest  # noqa: E402
 from pytest_gpuhost.modules.s3 import S3Upload, item_for, items_from_backup, parse_s3_url  # noqa: E402
 from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto  # noqa: E402
@@ -51,7 +50,7 @@ def timed(fn: Any) -> tuple[float, Any]:
 
 def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict[str, Any]:
     """One full run of our backup, connection included: walk, plan, stream, verify, checksums (+ S3)."""
-    opts = SimpleNamespace(
+    opts = TargetOptions(
         identity=str(CLIENT_KEY),
         known_hosts=str(h.known_hosts),
         host_key_policy="strict",
