@@ -121,16 +121,19 @@ def test_summary_matrix_of_targets_and_checks(report: Path) -> None:
     text = report.read_text()
     matrix = text[text.index('id="gpuhost-matrix"') :]
     matrix = matrix[: matrix.index("</table>")]
-    assert "<th>test_fixme</th><th>test_fine</th><th>test_broken</th>" in matrix.replace("\n", "")
+    # The fleet summary's check names: one function names a check in every output.
+    assert "<th>fixme</th><th>fine</th><th>broken</th>" in matrix.replace("\n", "")
     assert "<th>local</th>" in matrix and "gh-fixed" in matrix and "gh-failed" in matrix
     assert '<th class="sortable" data-column-type="gpuhostOutcome">Outcome</th>' in text
 
 
-def test_check_names_drop_the_target() -> None:
-    assert check_name("suites/p2p/test_a.py::test_x[gpu-1]", "gpu-1") == "test_x"
-    assert check_name("t.py::test_x[gpu-1-a.txt]", "gpu-1") == "test_x[a.txt]"
-    assert check_name("t.py::test_x[a-gpu-1]", "gpu-1") == "test_x[a]"
-    assert check_name("t.py::TestC::test_y", "") == "TestC::test_y"
+def test_check_names_drop_the_file_test_prefix_and_target() -> None:
+    assert check_name("suites/p2p/test_a.py::test_x[gpu-1]", "gpu-1") == "x"
+    assert check_name("t.py::test_x[gpu-1-a.txt]", "gpu-1") == "x[a.txt]"
+    assert check_name("t.py::test_x[a-gpu-1]", "gpu-1") == "x[a]"
+    assert check_name("t.py::test_x[a-b]", "") == "x[a-b]"
+    assert check_name("t.py::TestC::test_y", "") == "TestC::y"
+    assert check_name("t.py::test_xid[gpu-1]", "gpu-1", "xid_errors") == "xid_errors", "an explicit name wins"
 
 
 def test_heatmap_colours_follow_values() -> None:

@@ -15,7 +15,17 @@ from typing import Any
 
 import pytest
 
-__all__ = ["HtmlCustomisation", "add_extras", "configure_outputs", "heatmap", "render_evidence"]
+from pytest_gpuhost.report.jsonfile import JsonWriter
+from pytest_gpuhost.run.record import check_name, install, phase_result, record_key
+
+__all__ = [
+    "HtmlCustomisation",
+    "add_extras",
+    "check_name",
+    "configure_outputs",
+    "heatmap",
+    "render_evidence",
+]
 
 OUTCOME_CSS = """
 .gh-outcome{display:inline-block;padding:1px 6px;border-radius:3px;font-weight:bold;color:#fff}
@@ -49,15 +59,15 @@ def outcome_badge(outcome: str) -> str:
 
 def configure_outputs(config: pytest.Config, report_dir: Path, name: str) -> None:
     """Send HTML, JUnit XML and JSON to `<dir>/<name>.*` unless the user chose paths."""
-    from pytest_gpuhost.run.evidence import JsonWriter
-
     base = report_dir if report_dir.is_absolute() else config.invocation_params.dir / report_dir
     if getattr(config.option, "htmlpath", "unset") is None:
         config.option.htmlpath = str(base / f"{name}.html")
         config.option.self_contained_html = True
     if getattr(config.option, "xmlpath", "unset") is None:
         config.option.xmlpath = str(base / f"{name}.xml")
-    config.pluginmanager.register(JsonWriter(base / f"{name}.json", config), "gpuhost-json")
+    run_record = install(config)
+    if run_record is not None:
+        config.pluginmanager.register(JsonWriter(base / f"{name}.json", config, run_record), "gpuhost-json")
 
 
 # --- evidence as HTML -----------------------------------------------------------------------
@@ -215,42 +225,12 @@ def add_extras(report: pytest.TestReport) -> None:
 # --- pytest-html hooks (controller only) ----------------------------------------------------
 
 
-def check_name(nodeid: str, target: str) -> str:
-    """Return a test's name without its file path and without the target's id."""
-    name = nodeid.split("::", 1)[-1]
-    base, bracket, params = name.partition("[")
-    if not bracket or not target:
-        return name
-    params = params.removesuffix("]")
-    if params == target:
-        return base
-    for rest in (params.removeprefix(target + "-"), params.removesuffix("-" + target)):
-        if rest != params:
-            return f"{base}[{rest}]"
-    return name
-
-
 class HtmlCustomisation:
-    """pytest-html hooks: Outcome and Target columns, the targets x checks matrix, the CSS."""
+    """pytest-html hooks: Outcome and Target columns, the targets x checks matrix, the CSS.
 
-    def __init__(self) -> None:
-        self.cells: dict[tuple[str, str], str] = {}
-        self.targets: list[str] = []
-        self.checks: list[str] = []
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        outcome = getattr(report, "gpuhost_outcome", None)
-        if outcome is None or not (report.when == "call" or report.failed or report.skipped):
-            return
-        target = getattr(report, "gpuhost_target", "") or "(no target)"
-        check = check_name(report.nodeid, getattr(report, "gpuhost_target", ""))
-        if target not in self.targets:
-            self.targets.append(target)
-        if check not in self.checks:
-            self.checks.append(check)
-        key = (target, check)
-        if self.cells.get(key) not in ("failed",):  # a failed phase is never overwritten
-            self.cells[key] = "error" if report.failed and report.when != "call" else outcome
+    The matrix and the counts come from the run record, so its names and results are the
+    fleet summary's.
+    """
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_html_report_title(self, report: Any) -> None:
@@ -263,9 +243,7 @@ class HtmlCustomisation:
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_html_results_table_row(self, report: pytest.TestReport, cells: list[str]) -> None:
-        outcome = getattr(report, "gpuhost_outcome", None) or report.outcome
-        if report.failed and report.when != "call":
-            outcome = "error"
+        outcome = phase_result(report) or report.outcome
         target = getattr(report, "gpuhost_target", "") or ""
         cells.insert(1, f'<td class="col-gpuhostOutcome">{outcome_badge(outcome)}</td>')
         cells.insert(3, f'<td class="col-gpuhostTarget">{html.escape(target)}</td>')
@@ -275,24 +253,28 @@ class HtmlCustomisation:
         self, prefix: list[str], summary: list[str], postfix: list[str], session: Any
     ) -> None:
         prefix.append(f"<style>{OUTCOME_CSS}</style>")
-        counts: dict[str, int] = {}
-        for outcome in self.cells.values():
-            counts[outcome] = counts.get(outcome, 0) + 1
-        if counts:
-            prefix.append(
-                '<p class="gh-counts">'
-                + " ".join(f"{outcome_badge(k)} {v}" for k, v in sorted(counts.items()))
-                + "</p>"
-            )
-        if not self.cells:
+        run_record = session.config.stash.get(record_key, None)
+        if run_record is None:
             return
+        cells = {key: str(t.result) for key, t in run_record.cells().items()}
+        counts: dict[str, int] = {}
+        for outcome in cells.values():
+            counts[outcome] = counts.get(outcome, 0) + 1
+        if not counts:
+            return
+        prefix.append(
+            '<p class="gh-counts">'
+            + " ".join(f"{outcome_badge(k)} {v}" for k, v in sorted(counts.items()))
+            + "</p>"
+        )
+        checks = run_record.checks()
         rows = ['<h3>Targets x checks</h3><table class="gh-matrix" id="gpuhost-matrix"><tr><th>target</th>']
-        rows += [f"<th>{html.escape(c)}</th>" for c in self.checks]
+        rows += [f"<th>{html.escape(c)}</th>" for c in checks]
         rows.append("</tr>")
-        for target in self.targets:
-            rows.append(f"<tr><th>{html.escape(target)}</th>")
-            for check in self.checks:
-                cell = self.cells.get((target, check))
+        for target in run_record.targets():
+            rows.append(f"<tr><th>{html.escape(target or '(no target)')}</th>")
+            for check in checks:
+                cell = cells.get((target, check))
                 rows.append(f"<td>{outcome_badge(cell) if cell else ''}</td>")
             rows.append("</tr>")
         rows.append("</table>")

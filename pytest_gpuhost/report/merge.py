@@ -26,76 +26,45 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuhost.report import fleet
+from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.exec.s3io import S3Store
+from pytest_gpuhost.report.files import load_summary
+from pytest_gpuhost.report.prometheus import write_prometheus
+from pytest_gpuhost.report.summary import BAD, FORMAT, compare, fleet_judgements, iter_cells, summary_lines
 
-__all__ = ["load_sources", "main", "merge", "render_html", "s3_get", "s3_list", "s3_put"]
-
-_ENDPOINT: str | None = None
-
-
-def _s3() -> Any:
-    import boto3
-
-    return boto3.client("s3", endpoint_url=_ENDPOINT) if _ENDPOINT else boto3.client("s3")
+__all__ = ["MergeError", "load_sources", "main", "merge", "render_html"]
 
 
-def _split(url: str) -> tuple[str, str]:
-    bucket, _, key = url.removeprefix("s3://").partition("/")
-    if not bucket:
-        raise ValueError(f"{url}: no bucket in the s3:// URL")
-    return bucket, key
+class MergeError(GpuhostError):
+    """A merge source names nothing to merge (an empty directory or prefix, a missing file)."""
 
 
-def s3_put(url: str, data: bytes) -> None:
-    """Upload bytes to s3://bucket/key."""
-    bucket, key = _split(url)
-    _s3().put_object(Bucket=bucket, Key=key, Body=data, ContentType="application/json")
-
-
-def s3_get(url: str) -> bytes:
-    """Download s3://bucket/key."""
-    bucket, key = _split(url)
-    body: bytes = _s3().get_object(Bucket=bucket, Key=key)["Body"].read()
-    return body
-
-
-def s3_list(url: str) -> list[str]:
-    """Return the s3:// URLs of every `.json` object under a prefix, sorted."""
-    bucket, prefix = _split(url)
-    client = _s3()
-    out = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for obj in page.get("Contents") or []:
-            if obj["Key"].endswith(".json"):
-                out.append(f"s3://{bucket}/{obj['Key']}")
-    return sorted(out)
-
-
-def load_sources(sources: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
-    """Load every summary the sources name; raise ValueError naming an unreadable one."""
+def load_sources(sources: Sequence[str], store: S3Store | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """Load every summary the sources name; raise a GpuhostError naming an unreadable one."""
+    store = store or S3Store()
     found: list[str] = []
     for src in sources:
         if src.startswith("s3://"):
             if src.endswith(".json"):
                 found.append(src)
             else:
-                urls = s3_list(src)
+                urls = store.list(src, suffix=".json")
                 if not urls:
-                    raise ValueError(f"{src}: no .json objects under this prefix")
+                    raise MergeError(f"{src}: no .json objects under this prefix")
                 found += urls
         elif Path(src).is_dir():
             files = sorted(str(p) for p in Path(src).glob("*.json"))
             if not files:
-                raise ValueError(f"{src}: no .json files in this directory")
+                raise MergeError(f"{src}: no .json files in this directory")
             found += files
         else:
             found.append(src)
     out = []
     for src in found:
         try:
-            out.append((src, fleet.load_summary(src)))
+            out.append((src, load_summary(src, store)))
         except OSError as exc:
-            raise ValueError(f"{src}: {exc.strerror or exc}") from None
+            raise MergeError(f"{src}: {exc.strerror or exc}") from None
     return out
 
 
@@ -123,7 +92,7 @@ def merge(summaries: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
     started = min(times, default=time.time())
     finished = max(times, default=time.time())
     return {
-        "format": fleet.FORMAT,
+        "format": FORMAT,
         "run": {
             "started": started,
             "finished": finished,
@@ -132,7 +101,7 @@ def merge(summaries: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
         },
         "checks": checks,
         "hosts": dict(sorted(hosts.items())),
-        "fleet": fleet.fleet_judgements(hosts),
+        "fleet": fleet_judgements(hosts),
     }
 
 
@@ -212,7 +181,7 @@ def render_html(summary: Mapping[str, Any], title: str = "GPU fleet health") -> 
         for c in comp.get("recovered") or []:
             out.append(f"<li>recovered: {e(c['host'])} {e(c['check'])} (was {e(str(c['was']))})</li>")
         out.append("</ul>")
-    bad = [(hst, c, cell) for hst, c, cell in fleet.iter_cells(summary) if cell.get("outcome") in fleet.BAD]
+    bad = [(hst, c, cell) for hst, c, cell in iter_cells(summary) if cell.get("outcome") in BAD]
     if bad:
         out.append("<h2>Why</h2><ul>")
         for hst, c, cell in bad:
@@ -229,7 +198,6 @@ def render_html(summary: Mapping[str, Any], title: str = "GPU fleet health") -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the merge command line; return the exit status."""
-    global _ENDPOINT
     ap = argparse.ArgumentParser(prog="python -m pytest_gpuhost.merge", description=__doc__.split("\n\n")[0])
     ap.add_argument("sources", nargs="+", help="summary files, directories, s3://bucket/prefix")
     ap.add_argument("-o", "--output", required=True, help="HTML report to write")
@@ -238,20 +206,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prometheus-textfile", help="also write a Prometheus textfile for node_exporter")
     ap.add_argument("--endpoint-url", help="S3 endpoint (default: boto3's configuration)")
     args = ap.parse_args(argv)
-    _ENDPOINT = args.endpoint_url
+    store = S3Store(args.endpoint_url)
     try:
-        summaries = load_sources(args.sources)
+        summaries = load_sources(args.sources, store)
         merged = merge(summaries)
         if args.previous:
-            merged["comparison"] = {
-                "previous": args.previous,
-                **fleet.compare(fleet.load_summary(args.previous), merged),
-            }
-    except ValueError as exc:
+            previous = load_summary(args.previous, store)
+            merged["comparison"] = {"previous": args.previous, **compare(previous, merged)}
+    except (OSError, GpuhostError) as exc:
         print(f"merge: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # boto3's errors: one line, not a traceback
-        print(f"merge: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -259,8 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path = args.json or str(out.with_suffix(".json"))
     Path(json_path).write_text(json.dumps(merged, indent=1, default=str), encoding="utf-8")
     if args.prometheus_textfile:
-        fleet.write_prometheus(merged, args.prometheus_textfile)
-    for line in fleet.summary_lines(merged)[1:]:
+        write_prometheus(merged, args.prometheus_textfile)
+    for line in summary_lines(merged)[1:]:
         print(line)
     print(f"merged {len(summaries)} summaries: {out} {json_path}")
     return 1 if any(h.get("status") != "ok" for h in merged["hosts"].values()) else 0

@@ -7,7 +7,8 @@ commands a test runs from worker threads are recorded into that test too.
 
 Everything is redacted when it is recorded, so secrets never sit in memory in a form that a
 report could pick up. Records are plain JSON-able dicts: they travel from xdist workers on the
-report (`report.gpuhost_evidence`) and end in `reports/<name>.json`.
+report (`report.gpuhost_evidence`), are folded into the run record (`run/record.py`) on the
+controller and end in `reports/<name>.json` (`report/jsonfile.py`).
 """
 
 from __future__ import annotations
@@ -16,19 +17,17 @@ import contextlib
 import dataclasses
 import json
 import math
-import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pytest_gpuhost.exec import observe
 from pytest_gpuhost.redact import redact, redact_env, redact_obj
+from pytest_gpuhost.run import record
 
 __all__ = [
     "Evidence",
-    "JsonWriter",
     "MAX_OUTPUT",
     "activate",
     "attach",
@@ -254,11 +253,13 @@ def of(item: pytest.Item, when: str) -> Evidence | None:
 
 
 def attach(item: pytest.Item, report: pytest.TestReport) -> None:
-    """Put the phase's evidence and target on the report; redact the failure text and sections."""
-    from pytest_gpuhost.run.remediation import target_name
+    """Put the phase's record on the report (evidence, target, check); redact the failure text.
 
+    Called after the remediation engine set `report.gpuhost_outcome`, so the JUnit properties
+    `record.annotate` writes carry it.
+    """
     ev = of(item, report.when)
-    report.gpuhost_target = target_name(item)  # type: ignore[attr-defined]
+    record.annotate(item, report)
     report.gpuhost_evidence = ev.to_dict() if ev is not None else {}  # type: ignore[attr-defined]
     scrub(report)
 
@@ -278,79 +279,3 @@ def scrub(report: pytest.TestReport) -> None:
             else:
                 report.longrepr = hidden
     report.sections = [(title, redact(content)) for title, content in report.sections]
-
-
-class JsonWriter:
-    """Collect every test's outcome and evidence on the controller; write `<dir>/<name>.json`."""
-
-    def __init__(self, path: Path, config: pytest.Config) -> None:
-        self.path = path
-        self.config = config
-        self.tests: dict[str, dict[str, Any]] = {}
-        self.started = time.time()
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        entry = self.tests.setdefault(
-            report.nodeid,
-            {
-                "nodeid": report.nodeid,
-                "target": "",
-                "outcome": "passed",
-                "gpuhost_outcome": "passed",
-                "duration": 0.0,
-                "evidence": {},
-                "remediations": [],
-                "message": "",
-            },
-        )
-        entry["target"] = getattr(report, "gpuhost_target", "") or entry["target"]
-        entry["duration"] = round(entry["duration"] + report.duration, 6)
-        ev = getattr(report, "gpuhost_evidence", None)
-        if ev:
-            entry["evidence"][report.when] = ev
-        if getattr(report, "gpuhost_remediations", None):
-            entry["remediations"] = report.gpuhost_remediations
-        gpuhost_outcome = getattr(report, "gpuhost_outcome", None)
-        if report.failed or (report.skipped and entry["outcome"] == "passed") or report.when == "call":
-            if entry["outcome"] != "failed":
-                entry["outcome"] = report.outcome
-                entry["gpuhost_outcome"] = gpuhost_outcome or report.outcome
-        if report.failed or report.skipped:
-            entry["message"] = redact(_one_line(report))
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        counts: dict[str, int] = {}
-        for entry in self.tests.values():
-            counts[entry["gpuhost_outcome"]] = counts.get(entry["gpuhost_outcome"], 0) + 1
-        data = {
-            "name": self.path.stem,
-            "started": self.started,
-            "finished": time.time(),
-            "args": [redact(a) for a in self.config.invocation_params.args],
-            "exitstatus": int(session.exitstatus),
-            "check_only": bool(self.config.getoption("gpuhost_check_only", default=False)),
-            "targets": sorted({t["target"] for t in self.tests.values() if t["target"]}),
-            "summary": counts,
-            "tests": list(self.tests.values()),
-            "session": session_evidence().to_dict(),
-        }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=1, default=str))
-        tmp.replace(self.path)
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        terminalreporter.write_sep("-", f"gpuhost evidence: {self.path}")
-
-
-def _one_line(report: pytest.TestReport) -> str:
-    if report.skipped and isinstance(report.longrepr, tuple):
-        return str(report.longrepr[2])
-    text = report.longreprtext.strip()
-    if not text:
-        return ""
-    crash = getattr(report.longrepr, "reprcrash", None)
-    if crash is not None:
-        return str(crash.message)
-    return text.splitlines()[0] if text else ""

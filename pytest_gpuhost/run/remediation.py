@@ -24,9 +24,20 @@ import pytest
 
 from pytest_gpuhost.redact import redact, redact_obj
 from pytest_gpuhost.run import evidence
+from pytest_gpuhost.run.record import (
+    FAILED,
+    FIXED,
+    OUTCOMES,
+    PASSED,
+    SKIPPED,
+    TARGET_PARAM,
+    WOULD_FIX,
+    target_name,
+)
 
 __all__ = [
     "OUTCOMES",
+    "TARGET_PARAM",
     "Action",
     "Check",
     "Outcome",
@@ -35,17 +46,15 @@ __all__ = [
     "RemediationFailed",
     "WouldFix",
     "remediation_from",
+    "target_name",
 ]
 
-PASSED, FIXED, FAILED, WOULD_FIX, SKIPPED = "passed", "fixed", "failed", "would fix", "skipped"
-OUTCOMES = (PASSED, FIXED, FAILED, WOULD_FIX, SKIPPED)
 # When one test runs several remediations, the test shows the worst of them.
 _RANK = {PASSED: 0, SKIPPED: 0, FIXED: 1, WOULD_FIX: 2, FAILED: 3}
 
 PROCEDURE_MARK = "gpuhost_procedure"
 FINAL_MARK = "gpuhost_final"  # a procedure's verdict step: runs even after a failed step
 SUMMARY_LIMIT = 40  # tests listed per terminal section; a fleet run has thousands
-TARGET_PARAM = "_gpuhost_target"
 
 
 @dataclass
@@ -212,15 +221,6 @@ _outcomes_key = pytest.StashKey[list[Outcome]]()
 _blocked_key = pytest.StashKey[dict[tuple[str, str], str]]()
 
 
-def target_name(item: pytest.Item) -> str:
-    """Return the name of the target an item runs against ("" when it has none)."""
-    callspec = getattr(item, "callspec", None)
-    if callspec is None:
-        return ""
-    value = callspec.params.get(TARGET_PARAM)
-    return "" if value is None else str(value)
-
-
 class Remediator:
     """The `remediate` fixture: run one remediation for the current test and target."""
 
@@ -347,7 +347,10 @@ def outcomes_of(item: pytest.Item) -> list[Outcome]:
 
 
 def annotate_report(item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport) -> None:
-    """Set `report.gpuhost_outcome` (and the remediations) and record procedure failures."""
+    """Set `report.gpuhost_outcome` (and the remediations) and record procedure failures.
+
+    The JUnit property `gpuhost_outcome` is written from it by `record.annotate`.
+    """
     outcomes = outcomes_of(item)
     if report.when == "call":
         report.gpuhost_remediations = [o.to_dict() for o in outcomes]  # type: ignore[attr-defined]
@@ -367,10 +370,6 @@ def annotate_report(item: pytest.Item, call: pytest.CallInfo[None], report: pyte
         report.gpuhost_outcome = worst if worst in (PASSED, FIXED) else PASSED  # type: ignore[attr-defined]
     else:
         report.gpuhost_outcome = PASSED  # type: ignore[attr-defined]
-    if report.when == "call" or report.failed or report.skipped:
-        # JUnit XML writes item.user_properties as <property>: CI sees fixed / would fix too.
-        props = [p for p in item.user_properties if p[0] != "gpuhost_outcome"]
-        item.user_properties[:] = [*props, ("gpuhost_outcome", report.gpuhost_outcome)]  # type: ignore[attr-defined]
 
 
 def _procedure_key(item: pytest.Item) -> tuple[str, str]:

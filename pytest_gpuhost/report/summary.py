@@ -1,0 +1,168 @@
+"""The fleet summary: a hosts x checks table built from the run record, and the verdicts on it.
+
+Format `pytest-gpuhost/fleet-summary/1` (docs/fleet.md): `run` (when, where, argv), `checks`
+(names in order, from `record.check_name`), `hosts -> {status, checks -> {outcome, summary,
+reasons, state, nodeid, duration}, round_trips, conn_round_trips}`, `fleet` (judgements no single
+host can make) and, with a previous summary, `comparison`. Pure functions of dicts, so the merge
+command reads and writes the same thing the controller does.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pytest_gpuhost.run.record import BAD, GOOD, RunRecord
+
+__all__ = [
+    "BAD",
+    "FORMAT",
+    "GOOD",
+    "build_summary",
+    "compare",
+    "fleet_judgements",
+    "host_status",
+    "iter_cells",
+    "summary_lines",
+]
+
+FORMAT = "pytest-gpuhost/fleet-summary/1"
+#: Bad cells listed per host in the terminal summary.
+LINES_PER_HOST = 6
+
+
+def build_summary(record: RunRecord, finished: float | None = None) -> dict[str, Any]:
+    """Return the fleet summary of the tests that ran against a target."""
+    finished = time.time() if finished is None else finished
+    checks = [c for c in record.checks() if any(t.check == c and t.target for t in record.decided())]
+    cells = record.cells()
+    hosts: dict[str, Any] = {}
+    for target in record.targets():
+        if not target:
+            continue  # a test against no target has no row in a fleet
+        row = {c: cells[(target, c)].as_cell() for c in checks if (target, c) in cells}
+        hosts[target] = {"status": host_status(row), "checks": row}
+        trips: dict[str, int] = {}
+        for t in record.decided():
+            if t.target == target:
+                for key, n in t.round_trips.items():
+                    trips[key] = max(trips.get(key, 0), n)
+        hosts[target].update(trips)
+    return {
+        "format": FORMAT,
+        "run": {
+            "started": record.started,
+            "finished": finished,
+            "duration": round(finished - record.started, 3),
+            "node": socket.gethostname(),
+            "argv": list(sys.argv[1:]),
+        },
+        "checks": checks,
+        "hosts": hosts,
+        "fleet": fleet_judgements(hosts),
+    }
+
+
+def host_status(cells: Mapping[str, Mapping[str, Any]]) -> str:
+    """Return a host's status: error (unreachable or broken run), failed, or ok."""
+    outcomes = [c.get("outcome") for c in cells.values()]
+    if "error" in outcomes:
+        return "error"
+    if any(o in ("failed", "would fix") for o in outcomes):
+        return "failed"
+    return "ok"
+
+
+def fleet_judgements(hosts: Mapping[str, Any]) -> dict[str, Any]:
+    """Judge what needs the whole fleet: are driver and CUDA versions the same everywhere."""
+    out: dict[str, Any] = {}
+    for check in ("driver_version", "cuda_version"):
+        by_version: dict[str, list[str]] = {}
+        for host, h in sorted(hosts.items()):
+            state = ((h.get("checks") or {}).get(check) or {}).get("state") or {}
+            version = state.get(check) if isinstance(state, Mapping) else None
+            if version:
+                by_version.setdefault(str(version), []).append(host)
+        if by_version:
+            out[check] = {"uniform": len(by_version) == 1, "versions": by_version}
+    return out
+
+
+def iter_cells(summary: Mapping[str, Any]) -> Iterable[tuple[str, str, Mapping[str, Any]]]:
+    """Yield (host, check, cell) of a summary."""
+    for host, h in (summary.get("hosts") or {}).items():
+        for check, cell in (h.get("checks") or {}).items():
+            yield host, check, cell
+
+
+def compare(previous: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """List the cells that newly failed and those that recovered since `previous`.
+
+    Newly failed: not healthy now, and healthy, skipped or absent before (`was` says which).
+    Recovered: healthy now, not healthy before. Skipped now counts as neither.
+    """
+    prev = {(h, c): cell for h, c, cell in iter_cells(previous)}
+    cur = {(h, c): cell for h, c, cell in iter_cells(current)}
+    newly, recovered = [], []
+    for (host, check), cell in sorted(cur.items()):
+        before = prev.get((host, check))
+        was = before.get("outcome") if before else "absent"
+        summary = cell.get("summary", "")
+        if cell.get("outcome") in BAD and was not in BAD:
+            newly.append(
+                {"host": host, "check": check, "outcome": cell.get("outcome"), "was": was, "summary": summary}
+            )
+        elif cell.get("outcome") in GOOD and was in BAD:
+            recovered.append({"host": host, "check": check, "was": was, "summary": summary})
+    return {"newly_failed": newly, "recovered": recovered}
+
+
+def summary_lines(summary: Mapping[str, Any]) -> list[str]:
+    """Return the terminal summary of a fleet run, a few lines."""
+    hosts = summary.get("hosts") or {}
+    by_status: dict[str, list[str]] = {}
+    for host, h in sorted(hosts.items()):
+        by_status.setdefault(h.get("status", "?"), []).append(host)
+    lines = ["", "=" * 20 + " gpuhost fleet " + "=" * 20]
+    n_checks = len(summary.get("checks") or [])
+    parts = [f"{len(hosts)} hosts x {n_checks} checks: {len(by_status.get('ok', []))} ok"]
+    parts += [f"{len(by_status[s])} {s}" for s in ("failed", "error") if by_status.get(s)]
+    lines.append(", ".join(parts))
+    for host in by_status.get("failed", []) + by_status.get("error", []):
+        bad = [(c, cell) for c, cell in hosts[host]["checks"].items() if cell.get("outcome") in BAD]
+        for check, cell in bad[:LINES_PER_HOST]:
+            lines.append(f"  {host} {check}: {cell.get('outcome')}: {cell.get('summary', '')}")
+        if len(bad) > LINES_PER_HOST:
+            lines.append(f"  {host}: {len(bad) - LINES_PER_HOST} more")
+    lines += _uniformity_lines(summary.get("fleet") or {})
+    lines += _comparison_lines(summary.get("comparison"))
+    return lines
+
+
+def _uniformity_lines(judgements: Mapping[str, Any]) -> list[str]:
+    lines = []
+    for check, j in judgements.items():
+        versions = j.get("versions") or {}
+        if j.get("uniform"):
+            ((v, names),) = versions.items()
+            lines.append(f"{check}: {v} on all {len(names)} hosts")
+        else:
+            by_count = sorted(versions.items(), key=lambda kv: -len(kv[1]))
+            shown = "; ".join(f"{v} on {', '.join(n)}" for v, n in by_count)
+            lines.append(f"{check}: NOT uniform across the fleet: {shown}")
+    return lines
+
+
+def _comparison_lines(comp: Mapping[str, Any] | None) -> list[str]:
+    if not comp:
+        return []
+    if comp.get("error"):
+        return [f"previous run {comp.get('previous')}: unreadable: {comp['error']}"]
+    newly, recovered = comp["newly_failed"], comp["recovered"]
+    lines = [f"since {comp.get('previous')}: {len(newly)} newly failed, {len(recovered)} recovered"]
+    lines += [f"  newly failed: {c['host']} {c['check']} (was {c['was']}): {c['summary']}" for c in newly]
+    lines += [f"  recovered: {c['host']} {c['check']} (was {c['was']})" for c in recovered]
+    return lines
