@@ -5,9 +5,8 @@ program, so an agent and a bulk tar stream share the connection.  `open_bulk` ru
 under the OpenSSH client instead where it can (openssh.py says why and how it falls back); the
 reason bulk channels stay on paramiko, once decided, is kept in `SSHTransport.bulk_fallback`.
 
-Host keys are checked by this module, not by paramiko's policies, so that a changed key can be
-reported with the file and line it contradicts; a changed key is refused under every policy.
-Every failure to connect, authenticate or open a channel raises `ConnectError`.
+Host keys are checked against known_hosts by hostkeys.py, not by paramiko's policies.  Every
+failure to connect, authenticate or open a channel raises `ConnectError` (an `Unreachable`).
 """
 
 from __future__ import annotations
@@ -26,6 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpuhost.errors import ConnectError
 from pytest_gpuhost.exec.channels import ProcessChannel, RawChannel
+from pytest_gpuhost.exec.hostkeys import (
+    HOST_KEY_POLICIES,
+    host_key_name,
+    known_entries,
+    prefer_known_types,
+    verify_host_key,
+)
 from pytest_gpuhost.exec.launch import Launcher
 from pytest_gpuhost.exec.openssh import OpenSSHChannel, openssh_argv
 
@@ -46,8 +52,6 @@ else:
     paramiko = _LazyParamiko()
 
 __all__ = ["HOST_KEY_POLICIES", "SSHChannel", "SSHLauncher", "SSHTransport"]
-
-HOST_KEY_POLICIES = ("strict", "accept-new")
 
 
 class SSHChannel(RawChannel):
@@ -111,20 +115,6 @@ class SSHChannel(RawChannel):
         self.chan.close()
 
 
-def _host_key_name(host: str, port: int) -> str:
-    return host if port == 22 else f"[{host}]:{port}"
-
-
-def _matches(patterns: list[str], name: str) -> bool:
-    for pattern in patterns:
-        if pattern.startswith("|1|"):
-            if paramiko.HostKeys.hash_host(name, pattern) == pattern:
-                return True
-        elif pattern == name:
-            return True
-    return False
-
-
 class SSHTransport:
     """One authenticated paramiko Transport to a host, verified against known_hosts."""
 
@@ -162,56 +152,6 @@ class SSHTransport:
     @property
     def where(self) -> str:
         return f"{self.user}@{self.host}:{self.port}"
-
-    # -- host keys
-
-    def _known_entries(self, name: str) -> list[tuple[int, paramiko.PKey]]:
-        try:
-            text = self.known_hosts.read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise ConnectError(f"cannot read known hosts file {self.known_hosts}: {exc.strerror}") from exc
-        found = []
-        for lineno, raw in enumerate(text.splitlines(), 1):
-            line = raw.strip()
-            if not line or line.startswith("#") or line.startswith("@"):
-                continue
-            fields = line.split()
-            if len(fields) < 3 or not _matches(fields[0].split(","), name):
-                continue
-            try:
-                entry = paramiko.hostkeys.HostKeyEntry.from_line(" ".join(fields[:3]), lineno)
-            except (paramiko.hostkeys.InvalidHostKey, ValueError):
-                continue
-            if entry is not None and entry.key is not None:
-                found.append((lineno, entry.key))
-        return found
-
-    def _verify_host_key(self, key: paramiko.PKey, entries: list[tuple[int, paramiko.PKey]]) -> None:
-        name = _host_key_name(self.host, self.port)
-        same_type = [(n, k) for n, k in entries if k.get_name() == key.get_name()]
-        for _n, known in same_type:
-            if known.asbytes() == key.asbytes():
-                return
-        if same_type:
-            lineno = same_type[0][0]
-            raise ConnectError(
-                f"host key for {name} does not match {self.known_hosts} line {lineno}: refusing "
-                f"(offered {key.get_name()} {key.fingerprint})"
-            )
-        if self.policy != "accept-new":
-            raise ConnectError(
-                f"host key for {name} is not in {self.known_hosts} ({key.get_name()} {key.fingerprint}): "
-                "refusing under the strict policy; add it with ssh-keyscan or use --host-key-policy=accept-new"
-            )
-        self.known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        line = f"{name} {key.get_name()} {key.get_base64()}\n"
-        fd = os.open(self.known_hosts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, line.encode("ascii"))
-        finally:
-            os.close(fd)
 
     # -- connect
 
@@ -264,21 +204,15 @@ class SSHTransport:
             transport.banner_timeout = left
             transport.handshake_timeout = left
             transport.auth_timeout = left
-            name = _host_key_name(self.host, self.port)
-            entries = self._known_entries(name)
+            name = host_key_name(self.host, self.port)
+            entries = known_entries(self.known_hosts, name)
             if entries:
-                # Ask for the key type we already know, as OpenSSH does; otherwise a host with
-                # several keys could offer another type and look "unknown".
                 opts = transport.get_security_options()
-                known_types = [k.get_name() for _, k in entries]
-                preferred = [
-                    t for t in opts.key_types if any(t == kt or _rsa_alias(t, kt) for kt in known_types)
-                ]
-                opts.key_types = preferred + [t for t in opts.key_types if t not in preferred]
+                opts.key_types = prefer_known_types(opts.key_types, entries)
             try:
                 transport.start_client(timeout=left)
             except (paramiko.SSHException, EOFError, OSError) as exc:
-                if "banner" in str(exc):  # TCP accepted (a middlebox, a dying host) but no SSH server spoke
+                if not transport.remote_version:  # TCP accepted (a middlebox, a dying host), no SSH banner
                     raise ConnectError(
                         f"cannot reach {self.host}:{self.port} within {timeout:g}s: no SSH server answered"
                     ) from exc
@@ -286,7 +220,7 @@ class SSHTransport:
                     f"SSH handshake with {self.host}:{self.port} failed: {_one_line(exc)}"
                 ) from exc
             key = transport.get_remote_server_key()
-            self._verify_host_key(key, entries)
+            verify_host_key(self.known_hosts, self.policy, name, key, entries)
             self._authenticate(transport)
             transport.set_keepalive(30)
             ok = True
@@ -376,10 +310,6 @@ class SSHTransport:
     def close(self) -> None:
         with self._lock:
             self._close_locked()
-
-
-def _rsa_alias(offered: str, known: str) -> bool:
-    return known == "ssh-rsa" and offered in ("rsa-sha2-512", "rsa-sha2-256")
 
 
 def _one_line(exc: BaseException) -> str:
