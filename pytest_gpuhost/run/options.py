@@ -79,9 +79,10 @@ class Option:
 
     `name` is the ini name and, unless `dest` says otherwise, the attribute on `config.option`.
     `flag` None makes an ini-only option. `parse` turns the raw text (or the list, for kind
-    "list") into the value and raises `BadValue` saying what it expected (default: the text,
-    the list of texts, or `boolean` for a flag); a missing value is never parsed: `default` is used as it is.
-    `{default}` in `help` shows the default.
+    "list") into the value, checking it on the way, and raises `BadValue` saying what it
+    expected; without one the value is the text, the list of texts, or `boolean` for a flag.
+    A value given nowhere is never parsed: `default` is used as it is, and `{default}` in
+    `help` shows it.
     """
 
     name: str
