@@ -19,8 +19,10 @@ import pytest
 
 from pytest_gpuhost.errors import AgentError, AgentLost, ConnectError, GpuhostError, Unreachable
 from pytest_gpuhost.exec.agent_session import AgentConnection
-from pytest_gpuhost.exec.connection import Connection
+from pytest_gpuhost.exec.connect import connect
+from pytest_gpuhost.exec.connection import Connection, ConnectionOptions
 from pytest_gpuhost.exec.fallback import FallbackConnection
+from pytest_gpuhost.exec.launch import LocalLauncher
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url
 from tests.helpers.sshd import free_port, start_sshd
 
@@ -54,6 +56,14 @@ def test_kinds_are_picked_in_one_place(tmp_path):
     _tools(tmp_path / "bin", "sh", "cat", "timeout")
     with open_connection(parse_host_url(f"local://?path={tmp_path / 'bin'}")) as c:
         assert isinstance(c, FallbackConnection) and isinstance(c, Connection) and c.mode == "fallback"
+
+
+def test_fallback_can_be_refused(tmp_path):
+    _tools(tmp_path / "bin", "sh", "cat", "timeout")
+    launcher = LocalLauncher({"PATH": str(tmp_path / "bin")})
+    with pytest.raises(AgentError, match="no python3 on t and the fallback is disabled") as info:
+        connect("t", launcher, ConnectionOptions(allow_fallback=False))
+    assert not isinstance(info.value, Unreachable)
 
 
 def test_agent_killed_during_a_request_is_unreachable():
