@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuhost.exec.agent.probe_backup import bk_glob_compile, bk_glob_match
+from pytest_gpuhost.exec.agent.probe_backup import glob_compile, glob_match
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
 from pytest_gpuhost.modules.backup import Backup, Category, Manifest, ManifestError, load_manifest
 from pytest_gpuhost.modules.process import Selection
@@ -285,18 +285,18 @@ def test_manifest_problems_all_reported_one_line_each(tmp_path):
 
 def test_globs_are_linear_in_the_path_length():
     pattern = "**/" * 60 + "x"
-    globs = [bk_glob_compile(pattern), bk_glob_compile("a*a*a*a*a*a*b")]
+    globs = [glob_compile(pattern), glob_compile("a*a*a*a*a*a*b")]
     path = "/".join(["a"] * 2000) + "/y"
     started = time.monotonic()
-    assert not bk_glob_match(globs, path)
-    assert bk_glob_match(globs, path[:-1] + "x")
+    assert not glob_match(globs, path)
+    assert glob_match(globs, path[:-1] + "x")
     assert time.monotonic() - started < 2.0
-    assert bk_glob_match([bk_glob_compile("**/__pycache__/**")], "a/__pycache__/b.pyc")
-    assert bk_glob_match([bk_glob_compile("*.md")], "NOTES.md")
-    assert not bk_glob_match([bk_glob_compile("*.md")], "sub/NOTES.md")
-    assert bk_glob_match([bk_glob_compile("**/.*.sw?")], "a/b/.x.swp")
-    assert bk_glob_match([bk_glob_compile("f[!0-4].log")], "f7.log")
-    assert not bk_glob_match([bk_glob_compile("f[!0-4].log")], "f3.log")
+    assert glob_match([glob_compile("**/__pycache__/**")], "a/__pycache__/b.pyc")
+    assert glob_match([glob_compile("*.md")], "NOTES.md")
+    assert not glob_match([glob_compile("*.md")], "sub/NOTES.md")
+    assert glob_match([glob_compile("**/.*.sw?")], "a/b/.x.swp")
+    assert glob_match([glob_compile("f[!0-4].log")], "f7.log")
+    assert not glob_match([glob_compile("f[!0-4].log")], "f3.log")
 
 
 def test_mode_of_special_files_is_listed_not_read(conn, tmp_path):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from pytest_gpuhost.exec.agent.probe_backup import BK_NOT_REGULAR
+from pytest_gpuhost.exec.agent import probe_backup as wire
 from pytest_gpuhost.modules.manifest import BackupError, Manifest
 
 __all__ = ["Item", "Listing", "RemoteFile", "listing_from", "reason", "unname", "wire_name"]
@@ -38,7 +38,7 @@ def wire_name(raw: bytes) -> dict[str, str]:
 
 
 _REASONS = {
-    BK_NOT_REGULAR: "changed type since the listing: no longer a regular file",
+    wire.NOT_REGULAR: "changed type since the listing: no longer a regular file",
     errno.ELOOP: "changed type since the listing: now a symlink",
     errno.ENOTDIR: "changed type since the listing: a directory on its path is not one now",
     errno.ENOENT: "vanished since the listing",

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuhost.exec.agent.probe_backup import BK_MAGIC, BK_U32, BK_U64
+from pytest_gpuhost.exec.agent import probe_backup as wire
+from pytest_gpuhost.exec.agent import probe_program
 from pytest_gpuhost.modules.backup_listing import RemoteFile
 
 __all__ = ["PROBE_SOURCE", "ChannelIO", "StreamReader", "request", "sender_argv"]
@@ -22,16 +23,16 @@ PROBE_SOURCE = Path(__file__).resolve().parent.parent / "exec" / "agent" / "prob
 
 def request(files: Sequence[RemoteFile]) -> bytes:
     """Return the sender's request: which files, each with the length of its anchor."""
-    req = [BK_MAGIC]
+    req = [wire.MAGIC]
     for f in files:
-        req += (BK_U32.pack(len(f.path)), f.path, BK_U32.pack(f.anchor_len))
-    req.append(BK_U32.pack(0))
+        req += (wire.U32.pack(len(f.path)), f.path, wire.U32.pack(f.anchor_len))
+    req.append(wire.U32.pack(0))
     return b"".join(req)
 
 
 def sender_argv(stall_timeout: float = 120.0, python: str = "python3") -> list[str]:
-    """Return the argv that runs the bulk sender on the node (python3 -c <probe source>)."""
-    source = PROBE_SOURCE.read_text() + "\nbk_send_main()\n"
+    """Return the argv that runs the bulk sender on the node (python3 -c <core + probe_backup>)."""
+    source = probe_program("probe_backup", "send_main()")
     return ["env", f"GPUHOST_SEND_STALL={int(stall_timeout)}", python, "-c", source]
 
 
@@ -118,10 +119,10 @@ class StreamReader:
         return out
 
     def u32(self) -> int:
-        return int(BK_U32.unpack(self.exact(4))[0])
+        return int(wire.U32.unpack(self.exact(4))[0])
 
     def u64(self) -> int:
-        return int(BK_U64.unpack(self.exact(8))[0])
+        return int(wire.U64.unpack(self.exact(8))[0])
 
     def pipe(self, n: int, sinks: Sequence[Callable[[bytes], Any]]) -> None:
         """Pass the next n bytes to each sink in pieces, without joining or copying them twice."""

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuhost.exec.agent.probe_backup import BK_END, BK_HOLE, BK_MAGIC, BK_TRAILER
+from pytest_gpuhost.exec.agent import probe_backup as wire
 from pytest_gpuhost.modules.backup_listing import RemoteFile
 from pytest_gpuhost.modules.backup_state import Progress, TransferResult
 from pytest_gpuhost.modules.backup_stream import ChannelIO, StreamReader, request, sender_argv
@@ -94,11 +94,11 @@ def transfer(
     try:
         # the request goes from a thread: a long list must not deadlock against a full pipe
         threading.Thread(target=chan.write, args=(request(files),), daemon=True).start()
-        if reader.exact(4) != BK_MAGIC:
+        if reader.exact(4) != wire.MAGIC:
             raise BackupError("bulk sender did not start (is python3 on the node?)")
         while True:
             index = reader.u32()
-            if index == BK_END:
+            if index == wire.END:
                 reader.u32()
                 break
             if index >= len(files):
@@ -107,11 +107,11 @@ def transfer(
             if f.size <= SMALL:
                 pieces: list[Piece] = []
                 while n := reader.u32():
-                    if n == BK_HOLE:
+                    if n == wire.HOLE:
                         pieces.append(reader.u64())
                     else:
                         reader.pipe(n, (pieces.append,))
-                trailer = BK_TRAILER.unpack(reader.exact(BK_TRAILER.size))
+                trailer = wire.TRAILER.unpack(reader.exact(wire.TRAILER.size))
                 if not inflight.acquire(timeout=stall_timeout):
                     raise BackupError(f"local writes stalled for {stall_timeout:.0f} s")
                 pool.submit(small_job, f, index, pieces, trailer)
@@ -184,11 +184,11 @@ def _receive_big(reader: StreamReader, writer: LocalWriter, f: RemoteFile, tmp: 
     sink = _Sink(fd)
     try:
         while n := reader.u32():
-            if n == BK_HOLE:
+            if n == wire.HOLE:
                 sink.hole(reader.u64())
             else:
                 reader.pipe(n, (sink.data,))
-        trailer = BK_TRAILER.unpack(reader.exact(BK_TRAILER.size))
+        trailer = wire.TRAILER.unpack(reader.exact(wire.TRAILER.size))
     except BaseException:
         if fd is not None:
             os.close(fd)

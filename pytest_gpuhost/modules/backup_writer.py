@@ -15,14 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuhost.exec.agent.probe_backup import BK_CHUNK
+from pytest_gpuhost.exec.agent import probe_backup as wire
 from pytest_gpuhost.modules.backup_listing import RemoteFile, reason, wire_name
 from pytest_gpuhost.modules.backup_state import StateFile
 
 __all__ = ["LocalWriter", "Piece", "link_record"]
 
 Piece = bytes | int  # data, or the length of a hole (zero bytes not sent, not written)
-_ZERO = bytes(BK_CHUNK)
+_ZERO = bytes(wire.CHUNK)
 _PART_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
 
 
@@ -41,7 +41,7 @@ def link_record(f: RemoteFile) -> dict[str, Any]:
 def hash_zeros(digest: Any, n: int) -> None:
     """Feed n zero bytes (a hole) to a digest."""
     while n:
-        take = min(n, BK_CHUNK)
+        take = min(n, wire.CHUNK)
         digest.update(_ZERO[:take])
         n -= take
 

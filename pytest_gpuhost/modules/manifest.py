@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from pytest_gpuhost.errors import GpuhostError
-from pytest_gpuhost.exec.agent.probe_backup import bk_glob_compile
+from pytest_gpuhost.exec.agent.probe_backup import glob_compile
 from pytest_gpuhost.modules.process import Selection, parse_selection
 
 __all__ = ["Category", "Manifest", "ManifestError", "load_manifest", "parse_size"]
@@ -128,7 +128,7 @@ class _Checker:
                 self.bad(f"{key}[{i}]", pattern, "a glob relative to each root (no leading /)")
                 continue
             try:
-                bk_glob_compile(pattern)
+                glob_compile(pattern)
             except re.error as exc:
                 self.bad(f"{key}[{i}]", pattern, f"a valid glob ({exc})")
 

@@ -1,28 +1,29 @@
-# Agent probe: backup listing, hashing where files lie, and the bulk file sender.
-#
-# Stdlib only, Python 3.6 syntax, no imports from pytest_gpuhost.  The same source also runs on its
-# own as the bulk sender on a second raw channel (see pytest_gpuhost.modules.backup_stream), and
-# the controller imports it for the wire constants below: the wire format is defined here, once.
-#
-# File names travel as {"p": str} when they are valid UTF-8 and as {"pb": base64 of the bytes}
-# otherwise, so a name with newlines, quotes or non-UTF-8 bytes arrives unchanged.  A listed path
-# also carries "a": the length of its anchor, the directory the operator named (a category root,
-# or the parent of a root that is a file).  The anchor is opened following its own ancestors;
-# every component below it is opened with O_NOFOLLOW from the directory fd above it, so a
-# directory swapped for a symlink during the backup makes that file fail, never read elsewhere.
-#
-# Bulk wire format (all integers big-endian):
-#   controller -> node: BK_MAGIC, then per file u32 len + absolute path bytes + u32 anchor len,
-#   then u32 0.
-#   node -> controller: BK_MAGIC, then per file: u32 index, frames, u32 0, trailer; finally
-#   u32 BK_END and u32 count of files sent.  A frame is (u32 len, len bytes) for data, or
-#   (u32 BK_HOLE, u64 len) for a hole (that many zero bytes, not sent).  Trailer: BK_TRAILER =
-#   (i32 code, u64 apparent size, i64 mtime_ns, u32 mode, u8 changed, 32 bytes sha256); code 0
-#   is success, > 0 an errno, BK_NOT_REGULAR a path that is no longer a regular file.
-# ruff: noqa: UP004, UP031, B905  (Python 3.6 on the node: no zip(strict=), classes as written)
+"""Agent probe: backup listing, hashing where files lie, and the bulk file sender.
+
+Stdlib only, Python 3.6 syntax (see exec/agent/__init__.py).  The same probe also runs alone as
+the bulk sender on a second raw channel (`probe_program("probe_backup", "send_main()")`, see
+pytest_gpuhost.modules.backup_stream), and the controller imports it for the wire constants
+below: the wire format is defined here, once.
+
+File names travel as {"p": str} when they are valid UTF-8 and as {"pb": base64 of the bytes}
+otherwise, so a name with newlines, quotes or non-UTF-8 bytes arrives unchanged.  A listed path
+also carries "a": the length of its anchor, the directory the operator named (a category root,
+or the parent of a root that is a file).  The anchor is opened following its own ancestors;
+every component below it is opened with O_NOFOLLOW from the directory fd above it, so a
+directory swapped for a symlink during the backup makes that file fail, never read elsewhere.
+
+Bulk wire format (all integers big-endian):
+  controller -> node: MAGIC, then per file u32 len + absolute path bytes + u32 anchor len,
+  then u32 0.
+  node -> controller: MAGIC, then per file: u32 index, frames, u32 0, trailer; finally
+  u32 END and u32 count of files sent.  A frame is (u32 len, len bytes) for data, or
+  (u32 HOLE, u64 len) for a hole (that many zero bytes, not sent).  Trailer: TRAILER =
+  (i32 code, u64 apparent size, i64 mtime_ns, u32 mode, u8 changed, 32 bytes sha256); code 0
+  is success, > 0 an errno, NOT_REGULAR a path that is no longer a regular file.
+"""
 
 import base64
-import errno as _bk_errno
+import errno
 import hashlib
 import os
 import re
@@ -32,31 +33,24 @@ import sys
 import threading
 import time
 
-if "op" not in globals():  # imported by the controller, or running alone as the bulk sender
+from pytest_gpuhost.exec.agent.core import op
 
-    def op(name):
-        def register(func):
-            return func
+MAGIC = b"GHB2"
+CHUNK = 1 << 20
+TRAILER = struct.Struct(">iQqIB32s")
+U32 = struct.Struct(">I")
+U64 = struct.Struct(">Q")
+END = 0xFFFFFFFF
+HOLE = 0x80000000  # a frame length with this bit is a hole; data frames are at most CHUNK
+NOT_REGULAR = -1  # trailer code: the path is no longer a regular file (changed type)
 
-        return register
-
-
-BK_MAGIC = b"GHB2"
-BK_CHUNK = 1 << 20
-BK_TRAILER = struct.Struct(">iQqIB32s")
-BK_U32 = struct.Struct(">I")
-BK_U64 = struct.Struct(">Q")
-BK_END = 0xFFFFFFFF
-BK_HOLE = 0x80000000  # a frame length with this bit is a hole; data frames are at most BK_CHUNK
-BK_NOT_REGULAR = -1  # trailer code: the path is no longer a regular file (changed type)
-
-_BK_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 # O_NONBLOCK: a FIFO or device that replaced a file never blocks the open or a read
-_BK_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-_BK_ZERO = bytes(BK_CHUNK)
+_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_ZERO = bytes(CHUNK)
 
 
-def _bk_name(raw):
+def _name(raw):
     """Return the wire form of a path given as bytes."""
     try:
         return {"p": raw.decode("utf-8")}
@@ -64,7 +58,7 @@ def _bk_name(raw):
         return {"pb": base64.b64encode(raw).decode("ascii")}
 
 
-def _bk_unname(item):
+def _unname(item):
     """Return the path bytes of a wire name."""
     if "pb" in item:
         return base64.b64decode(item["pb"])
@@ -74,10 +68,10 @@ def _bk_unname(item):
 # ---------------------------------------------------------------- globs
 
 
-def bk_glob_compile(pattern):
+def glob_compile(pattern):
     """Compile a glob into per-segment matchers: None for a `**` segment, else a regex or a str.
 
-    Matching runs segment by segment over a set of states (bk_glob_step), so its cost is linear in
+    Matching runs segment by segment over a set of states (glob_step), so its cost is linear in
     the number of path segments whatever the number of `**` (a regex with many `(?:.*/)?` is not).
     """
     segs = []  # type: list
@@ -116,7 +110,7 @@ def bk_glob_compile(pattern):
     return segs
 
 
-def _bk_close(segs, state):
+def _close(segs, state):
     """Add the states reachable without consuming a segment (a `**` may match none)."""
     for j, seg in enumerate(segs):
         if seg is None and state >> j & 1:
@@ -124,12 +118,12 @@ def _bk_close(segs, state):
     return state
 
 
-def bk_glob_start(globs):
+def glob_start(globs):
     """Return the initial states of compiled globs (a tuple of bitsets, one per glob)."""
-    return tuple(_bk_close(segs, 1) for segs in globs)
+    return tuple(_close(segs, 1) for segs in globs)
 
 
-def bk_glob_step(globs, states, name):
+def glob_step(globs, states, name):
     """Return the states after one more path segment `name`."""
     out = []
     for segs, state in zip(globs, states):
@@ -143,11 +137,11 @@ def bk_glob_step(globs, states, name):
                 elif seg == name if isinstance(seg, str) else seg.match(name):
                     new |= 1 << (j + 1)
             j += 1
-        out.append(_bk_close(segs, new) if new else 0)
+        out.append(_close(segs, new) if new else 0)
     return tuple(out)
 
 
-def bk_glob_accepts(globs, states):
+def glob_accepts(globs, states):
     """Return True when any glob matched the whole path so far."""
     for segs, state in zip(globs, states):
         if state >> len(segs) & 1:
@@ -155,19 +149,19 @@ def bk_glob_accepts(globs, states):
     return False
 
 
-def bk_glob_match(globs, rel):
+def glob_match(globs, rel):
     """Return True when any glob matches the relative path `rel` (str, '/'-separated)."""
-    states = bk_glob_start(globs)
+    states = glob_start(globs)
     for name in rel.split("/"):
-        states = bk_glob_step(globs, states, name)
-    return bk_glob_accepts(globs, states)
+        states = glob_step(globs, states, name)
+    return glob_accepts(globs, states)
 
 
 # ---------------------------------------------------------------- listing
 
 
-def _bk_entry(path, st, kind, anchor):
-    entry = _bk_name(path)
+def _entry(path, st, kind, anchor):
+    entry = _name(path)
     entry["t"] = kind
     entry["s"] = st.st_size
     entry["m"] = st.st_mtime_ns
@@ -177,16 +171,16 @@ def _bk_entry(path, st, kind, anchor):
     return entry
 
 
-def _bk_error(path, exc, doing):
-    return dict(_bk_name(path), errno=exc.errno, error="%s: %s" % (doing, exc.strerror))
+def _error(path, exc, doing):
+    return dict(_name(path), errno=exc.errno, error=f"{doing}: {exc.strerror}")
 
 
-class _BkWalk(object):
+class _Walk:
     """List one category: fd-relative from each root down, never following a link."""
 
     def __init__(self, cat):
-        self.inc = [bk_glob_compile(p) for p in cat.get("include") or ["**"]]
-        self.exc = [bk_glob_compile(p) for p in cat.get("exclude") or []]
+        self.inc = [glob_compile(p) for p in cat.get("include") or ["**"]]
+        self.exc = [glob_compile(p) for p in cat.get("exclude") or []]
         self.max_size = cat.get("max_size")
         self.entries = []
         self.skipped = []
@@ -197,26 +191,26 @@ class _BkWalk(object):
         try:
             rst = os.lstat(rootb)
         except OSError as exc:
-            self.errors.append(_bk_error(rootb, exc, "cannot list"))
+            self.errors.append(_error(rootb, exc, "cannot list"))
             return
         if not stat.S_ISDIR(rst.st_mode):  # a single file (or link) named as a root
             name = os.fsdecode(os.path.basename(rootb))
             states = (
-                bk_glob_step(self.inc, bk_glob_start(self.inc), name),
-                bk_glob_step(self.exc, bk_glob_start(self.exc), name),
+                glob_step(self.inc, glob_start(self.inc), name),
+                glob_step(self.exc, glob_start(self.exc), name),
             )
             self.item(rootb, os.path.dirname(rootb), rst, None, None, states)
             return
         try:
-            fd = os.open(rootb, _BK_DIR)
+            fd = os.open(rootb, _DIR)
         except OSError as exc:
-            self.errors.append(_bk_error(rootb, exc, "cannot open the directory"))
+            self.errors.append(_error(rootb, exc, "cannot open the directory"))
             return
         self.tree(fd, rootb)
 
     def tree(self, fd, rootb):
         # frames: (fd, path, include states, exclude states, subdirectories still to enter)
-        start = (bk_glob_start(self.inc), bk_glob_start(self.exc))
+        start = (glob_start(self.inc), glob_start(self.exc))
         stack = [(fd, rootb, start[0], start[1], iter(self.listdir(fd, rootb, rootb, start)))]
         while stack:
             dfd, dpath, _inc, _exc, subdirs = stack[-1]
@@ -228,20 +222,20 @@ class _BkWalk(object):
             name, st, s_inc, s_exc = sub
             path = dpath + b"/" + os.fsencode(name)
             try:
-                cfd = os.open(name, _BK_DIR, dir_fd=dfd)
+                cfd = os.open(name, _DIR, dir_fd=dfd)
             except OSError as exc:
                 why = (
                     "changed type while listed"
-                    if exc.errno in (_bk_errno.ELOOP, _bk_errno.ENOTDIR)
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR)
                     else "cannot open the directory"
                 )
-                self.errors.append(_bk_error(path, exc, why))
+                self.errors.append(_error(path, exc, why))
                 continue
             cst = os.fstat(cfd)
             if (cst.st_dev, cst.st_ino) != (st.st_dev, st.st_ino):
                 os.close(cfd)
                 self.errors.append(
-                    dict(_bk_name(path), errno=None, error="changed while listed (another directory now)")
+                    dict(_name(path), errno=None, error="changed while listed (another directory now)")
                 )
                 continue
             stack.append((cfd, path, s_inc, s_exc, iter(self.listdir(cfd, path, rootb, (s_inc, s_exc)))))
@@ -251,7 +245,7 @@ class _BkWalk(object):
         try:
             names = sorted(os.listdir(fd))
         except OSError as exc:
-            self.errors.append(_bk_error(dpath, exc, "cannot list the directory"))
+            self.errors.append(_error(dpath, exc, "cannot list the directory"))
             return []
         subdirs = []
         for name in names:
@@ -260,18 +254,14 @@ class _BkWalk(object):
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError as exc:
                 self.errors.append(
-                    _bk_error(
-                        path, exc, "vanished while listed" if exc.errno == _bk_errno.ENOENT else "cannot stat"
-                    )
+                    _error(path, exc, "vanished while listed" if exc.errno == errno.ENOENT else "cannot stat")
                 )
                 continue
-            s_inc = bk_glob_step(self.inc, states[0], name)
-            s_exc = bk_glob_step(self.exc, states[1], name)
+            s_inc = glob_step(self.inc, states[0], name)
+            s_exc = glob_step(self.exc, states[1], name)
             if stat.S_ISDIR(st.st_mode):
                 # prune an excluded directory ("cache" or "cache/**"): it is never entered
-                if bk_glob_accepts(self.exc, s_exc) or bk_glob_accepts(
-                    self.exc, bk_glob_step(self.exc, s_exc, "")
-                ):
+                if glob_accepts(self.exc, s_exc) or glob_accepts(self.exc, glob_step(self.exc, s_exc, "")):
                     continue
                 subdirs.append((name, st, s_inc, s_exc))
             else:
@@ -279,25 +269,25 @@ class _BkWalk(object):
         return subdirs
 
     def item(self, path, anchor, st, dfd, name, states):
-        if bk_glob_accepts(self.exc, states[1]) or not bk_glob_accepts(self.inc, states[0]):
+        if glob_accepts(self.exc, states[1]) or not glob_accepts(self.inc, states[0]):
             return
         if stat.S_ISLNK(st.st_mode):
-            entry = _bk_entry(path, st, "l", anchor)
+            entry = _entry(path, st, "l", anchor)
             try:
                 target = os.readlink(name, dir_fd=dfd) if dfd is not None else os.readlink(path)
             except OSError as exc:
-                self.errors.append(_bk_error(path, exc, "cannot read the link"))
+                self.errors.append(_error(path, exc, "cannot read the link"))
                 return
-            tgt = _bk_name(os.fsencode(target))
+            tgt = _name(os.fsencode(target))
             entry["l" if "p" in tgt else "lb"] = tgt.get("p", tgt.get("pb"))
             self.entries.append(entry)
         elif stat.S_ISREG(st.st_mode):
             if self.max_size is not None and st.st_size > self.max_size:
-                self.skipped.append(dict(_bk_entry(path, st, "f", anchor), why="larger than max_size"))
+                self.skipped.append(dict(_entry(path, st, "f", anchor), why="larger than max_size"))
                 return
-            self.entries.append(_bk_entry(path, st, "f", anchor))
+            self.entries.append(_entry(path, st, "f", anchor))
         else:
-            self.skipped.append(dict(_bk_entry(path, st, "x", anchor), why="not a regular file or link"))
+            self.skipped.append(dict(_entry(path, st, "x", anchor), why="not a regular file or link"))
 
 
 @op("backup_walk")
@@ -306,7 +296,7 @@ def backup_walk(params):
     started = time.time()
     result = {}
     for cat in params["categories"]:
-        walk = _BkWalk(cat)
+        walk = _Walk(cat)
         for root in cat["roots"]:
             walk.root(root)
         result[cat["name"]] = {"entries": walk.entries, "skipped": walk.skipped, "errors": walk.errors}
@@ -316,7 +306,7 @@ def backup_walk(params):
 # ---------------------------------------------------------------- opening and reading
 
 
-class BkOpener(object):
+class Opener:
     """Open listed files below their anchors with O_NOFOLLOW per component, reusing directory fds."""
 
     def __init__(self):
@@ -335,15 +325,15 @@ class BkOpener(object):
         self.anchor = self.anchor_fd = None
 
     def open(self, path, anchor_len):
-        """Return (fd, fstat) of a regular file; raise OSError, or OSError(BK_NOT_REGULAR)."""
+        """Return (fd, fstat) of a regular file; raise OSError, or OSError(NOT_REGULAR)."""
         anchor = path[:anchor_len] or b"/"
         parts = [p for p in path[anchor_len:].split(b"/") if p]
         if not parts:
-            raise OSError(_bk_errno.EINVAL, "no file name below the anchor")
+            raise OSError(errno.EINVAL, "no file name below the anchor")
         if anchor != self.anchor:
             self.close()
             # the anchor is the operator's; only its own last component is not followed
-            self.anchor_fd = os.open(anchor, _BK_DIR)
+            self.anchor_fd = os.open(anchor, _DIR)
             self.anchor = anchor
         dirs = parts[:-1]
         keep = 0
@@ -352,23 +342,23 @@ class BkOpener(object):
         self._drop(keep)
         for d in dirs[keep:]:
             parent = self.chain[-1][1] if self.chain else self.anchor_fd
-            self.chain.append((d, os.open(d, _BK_DIR, dir_fd=parent)))
+            self.chain.append((d, os.open(d, _DIR, dir_fd=parent)))
         parent = self.chain[-1][1] if self.chain else self.anchor_fd
         # a stat first: a device that replaced the file is never opened (an open can rewind a tape)
         st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
         if stat.S_ISLNK(st.st_mode):
-            raise OSError(_bk_errno.ELOOP, "now a symlink")
+            raise OSError(errno.ELOOP, "now a symlink")
         if not stat.S_ISREG(st.st_mode):
-            raise OSError(BK_NOT_REGULAR, "no longer a regular file")
-        fd = os.open(parts[-1], _BK_FILE, dir_fd=parent)
+            raise OSError(NOT_REGULAR, "no longer a regular file")
+        fd = os.open(parts[-1], _FILE, dir_fd=parent)
         fst = os.fstat(fd)
         if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
             os.close(fd)
-            raise OSError(BK_NOT_REGULAR, "replaced while opened")
+            raise OSError(NOT_REGULAR, "replaced while opened")
         return fd, fst
 
 
-def bk_extents(fd, st):
+def extents(fd, st):
     """Yield (is_data, offset, length) for a file; holes only where the file is sparse."""
     size = st.st_size
     seek_data = getattr(os, "SEEK_DATA", None)
@@ -380,7 +370,7 @@ def bk_extents(fd, st):
         try:
             data = os.lseek(fd, pos, seek_data)
         except OSError as exc:
-            if exc.errno != _bk_errno.ENXIO:
+            if exc.errno != errno.ENXIO:
                 yield True, pos, None  # no hole support after all: read the rest
                 return
             data = size  # only a hole is left
@@ -394,23 +384,23 @@ def bk_extents(fd, st):
         pos = end
 
 
-def bk_read_file(fd, st, data_out, hole_out):
+def read_file(fd, st, data_out, hole_out):
     """Read a file's data extents into data_out(bytes) and holes into hole_out(n); return (size, sha256)."""
     digest = hashlib.sha256()
     size = 0
-    for is_data, offset, length in bk_extents(fd, st):
+    for is_data, offset, length in extents(fd, st):
         if not is_data:
             hole_out(length)
             left = length
             while left:
-                digest.update(_BK_ZERO[: min(left, BK_CHUNK)])
-                left -= min(left, BK_CHUNK)
+                digest.update(_ZERO[: min(left, CHUNK)])
+                left -= min(left, CHUNK)
             size += length
             continue
         os.lseek(fd, offset, os.SEEK_SET)
         left = length
         while left is None or left > 0:
-            block = os.read(fd, BK_CHUNK if left is None else min(left, BK_CHUNK))
+            block = os.read(fd, CHUNK if left is None else min(left, CHUNK))
             if not block:
                 break
             digest.update(block)
@@ -425,17 +415,17 @@ def bk_read_file(fd, st, data_out, hole_out):
 def backup_hash(params):
     """Hash files where they lie (SHA-256, streamed); one result per path, errors as errno."""
     out = []
-    opener = BkOpener()
+    opener = Opener()
     try:
         for item in params["paths"]:
-            path = _bk_unname(item)
+            path = _unname(item)
             try:
                 fd, st = opener.open(path, int(item.get("a", 0)))
             except OSError as exc:
                 out.append({"errno": exc.errno, "error": exc.strerror})
                 continue
             try:
-                size, digest = bk_read_file(fd, st, lambda b: None, lambda n: None)
+                size, digest = read_file(fd, st, lambda b: None, lambda n: None)
                 out.append({"sha256": digest.hex(), "s": size, "m": st.st_mtime_ns})
             except OSError as exc:
                 out.append({"errno": exc.errno, "error": exc.strerror})
@@ -449,7 +439,7 @@ def backup_hash(params):
 # ---------------------------------------------------------------- the bulk sender
 
 
-def _bk_read_exact(stream, n):
+def _read_exact(stream, n):
     buf = b""
     while len(buf) < n:
         block = stream.read(n - len(buf))
@@ -459,16 +449,16 @@ def _bk_read_exact(stream, n):
     return buf
 
 
-def bk_reader(files, queue_put):
+def reader_thread(files, queue_put):
     """Read and hash each (path, anchor length); hand framed bytes to the writer (runs in a thread).
 
     Small files are batched into blocks of about 1 MiB so that the writer makes few large
     writes; big reads travel as their own items without being copied again.
     """
     zero = b"\0" * 32
-    u32 = BK_U32.pack
+    u32 = U32.pack
     buf = bytearray()
-    opener = BkOpener()
+    opener = Opener()
 
     def data(block):
         if len(block) >= 65536:
@@ -481,54 +471,54 @@ def bk_reader(files, queue_put):
             buf.extend(block)
 
     def hole(n):
-        buf.extend(u32(BK_HOLE))
-        buf.extend(BK_U64.pack(n))
+        buf.extend(u32(HOLE))
+        buf.extend(U64.pack(n))
 
     for index, (path, anchor_len) in enumerate(files):
         buf += u32(index)
         try:
             fd, st = opener.open(path, anchor_len)
         except OSError as exc:
-            buf += u32(0) + BK_TRAILER.pack(exc.errno or _bk_errno.EIO, 0, 0, 0, 0, zero)
+            buf += u32(0) + TRAILER.pack(exc.errno or errno.EIO, 0, 0, 0, 0, zero)
             continue
         err = 0
         size, digest = 0, zero
         try:
-            size, digest = bk_read_file(fd, st, data, hole)
+            size, digest = read_file(fd, st, data, hole)
         except OSError as exc:
-            err = exc.errno or _bk_errno.EIO
+            err = exc.errno or errno.EIO
         after = os.fstat(fd)
         os.close(fd)
         changed = int(after.st_mtime_ns != st.st_mtime_ns or after.st_size != size)
         buf += u32(0)
-        buf += BK_TRAILER.pack(
+        buf += TRAILER.pack(
             err, size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), changed, digest if not err else zero
         )
-        if len(buf) >= BK_CHUNK:
+        if len(buf) >= CHUNK:
             queue_put(bytes(buf))
             del buf[:]
     opener.close()
-    buf += u32(BK_END) + u32(len(files))
+    buf += u32(END) + u32(len(files))
     queue_put(bytes(buf))
     queue_put(None)
 
 
-def bk_send_main():
+def send_main():
     """Bulk sender: read a framed path list on stdin, write a framed stream of contents on stdout."""
     import queue
 
     stdin = sys.stdin.buffer
     out = sys.stdout.buffer
-    if _bk_read_exact(stdin, 4) != BK_MAGIC:
+    if _read_exact(stdin, 4) != MAGIC:
         sys.stderr.write("backup sender: bad magic\n")
         sys.exit(2)
     files = []
     while True:
-        (n,) = BK_U32.unpack(_bk_read_exact(stdin, 4))
+        (n,) = U32.unpack(_read_exact(stdin, 4))
         if n == 0:
             break
-        path = _bk_read_exact(stdin, n)
-        (anchor_len,) = BK_U32.unpack(_bk_read_exact(stdin, 4))
+        path = _read_exact(stdin, n)
+        (anchor_len,) = U32.unpack(_read_exact(stdin, 4))
         files.append((path, anchor_len))
     q = queue.Queue(maxsize=64)  # type: queue.Queue
     last_write = [time.time()]
@@ -541,9 +531,9 @@ def bk_send_main():
                 os._exit(3)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    reader = threading.Thread(target=bk_reader, args=(files, q.put), daemon=True)
+    reader = threading.Thread(target=reader_thread, args=(files, q.put), daemon=True)
     reader.start()
-    out.write(BK_MAGIC)
+    out.write(MAGIC)
     while True:
         item = q.get()
         if item is None:
