@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.redact import redact, redact_obj
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.record import (
@@ -40,6 +41,7 @@ __all__ = [
     "TARGET_PARAM",
     "Action",
     "Check",
+    "NoFixKnown",
     "Outcome",
     "Remediation",
     "Remediator",
@@ -83,6 +85,10 @@ class Action:
     def __str__(self) -> str:
         where = f"[{self.target}] " if self.target else ""
         return f"{where}{self.description}: {self.command}"
+
+
+class NoFixKnown(GpuhostError):
+    """A remediation built without `fix=` was asked to fix (the engine reports it as a failed fix)."""
 
 
 class Remediation:
@@ -134,7 +140,7 @@ class _FunctionRemediation(Remediation):
 
     def fix(self, actions: list[Action], before: Check) -> None:
         if self._fix is None:
-            raise RuntimeError(f"{self.name}: no fix is known")
+            raise NoFixKnown(f"{self.name}: no fix is known")
         self._fix(actions, before)
 
     def verify(self) -> Check:
@@ -205,7 +211,11 @@ class Outcome:
 
 
 class WouldFix(pytest.fail.Exception):  # type: ignore[name-defined,misc]
-    """Raised by `remediate` under --check-only when a fix would run."""
+    """Raised by `remediate` under --check-only when a fix would run.
+
+    A test outcome, like pytest's own `Failed`, not a GpuhostError: it derives from
+    BaseException so that a suite's `except Exception` cannot swallow a test's verdict.
+    """
 
     # As pytest does for its own outcomes: summaries then read "WouldFix: ..." without a module path.
     __module__ = "builtins"
