@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.run import evidence as evidence_mod
-from pytest_gpuhost.run import remediation
-from pytest_gpuhost.run.settings import settings_key
+from pytest_gpuhost.run import remediation, settings
 from pytest_gpuhost.run.targets_stash import NO_TARGET_REASON, get_target
 
 
@@ -65,7 +64,7 @@ def gpus(_gpuhost_target: Any) -> Any:
 @pytest.fixture(scope="session")
 def check_only(pytestconfig: pytest.Config) -> bool:
     """True under --check-only: nothing may change a target."""
-    return pytestconfig.stash[settings_key].check_only
+    return settings.read(pytestconfig).check_only
 
 
 @pytest.fixture
