@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from pytest_gpuhost.errors import GpuhostError
-from pytest_gpuhost.exec.agent.probe_backup import glob_compile
+from pytest_gpuhost.exec.agent.probe_backup_walk import glob_compile
 from pytest_gpuhost.modules.process import Selection, parse_selection
 
 __all__ = ["Category", "Manifest", "ManifestError", "load_manifest", "parse_size"]

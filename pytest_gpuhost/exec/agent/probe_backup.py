@@ -1,9 +1,9 @@
-"""Agent probe: backup listing, hashing where files lie, and the bulk file sender.
+"""Agent probe: read backed-up files where they lie: hashing (`backup_hash`) and the bulk sender.
 
 Stdlib only, Python 3.6 syntax (see exec/agent/__init__.py).  The same probe also runs alone as
 the bulk sender on a second raw channel (`probe_program("probe_backup", "send_main()")`, see
 pytest_gpuhost.modules.backup_stream), and the controller imports it for the wire constants
-below: the wire format is defined here, once.
+below: the wire format is defined here, once.  The listing is probe_backup_walk.py.
 
 File names travel as {"p": str} when they are valid UTF-8 and as {"pb": base64 of the bytes}
 otherwise, so a name with newlines, quotes or non-UTF-8 bytes arrives unchanged.  A listed path
@@ -26,7 +26,6 @@ import base64
 import errno
 import hashlib
 import os
-import re
 import stat
 import struct
 import sys
@@ -50,257 +49,11 @@ _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0
 _ZERO = bytes(CHUNK)
 
 
-def _name(raw):
-    """Return the wire form of a path given as bytes."""
-    try:
-        return {"p": raw.decode("utf-8")}
-    except UnicodeDecodeError:
-        return {"pb": base64.b64encode(raw).decode("ascii")}
-
-
 def _unname(item):
     """Return the path bytes of a wire name."""
     if "pb" in item:
         return base64.b64decode(item["pb"])
     return item["p"].encode("utf-8")
-
-
-# ---------------------------------------------------------------- globs
-
-
-def glob_compile(pattern):
-    """Compile a glob into per-segment matchers: None for a `**` segment, else a regex or a str.
-
-    Matching runs segment by segment over a set of states (glob_step), so its cost is linear in
-    the number of path segments whatever the number of `**` (a regex with many `(?:.*/)?` is not).
-    """
-    segs = []  # type: list
-    for seg in pattern.split("/"):
-        if seg == "**":
-            if not segs or segs[-1] is not None:  # "**/**" is one "**"
-                segs.append(None)
-            continue
-        if not any(c in seg for c in "*?["):
-            segs.append(seg)
-            continue
-        out = []
-        i = 0
-        while i < len(seg):
-            c = seg[i]
-            if c == "*":
-                while i + 1 < len(seg) and seg[i + 1] == "*":
-                    i += 1
-                out.append(".*")
-            elif c == "?":
-                out.append(".")
-            elif c == "[":
-                j = seg.find("]", i + 2 if seg.startswith("[!", i) or seg.startswith("[]", i) else i + 1)
-                if j < 0:
-                    out.append(re.escape(c))
-                else:
-                    body = seg[i + 1 : j]
-                    if body.startswith("!"):
-                        body = "^" + body[1:]
-                    out.append("[" + body.replace("\\", "\\\\") + "]")
-                    i = j
-            else:
-                out.append(re.escape(c))
-            i += 1
-        segs.append(re.compile("(?s)" + "".join(out) + r"\Z"))
-    return segs
-
-
-def _close(segs, state):
-    """Add the states reachable without consuming a segment (a `**` may match none)."""
-    for j, seg in enumerate(segs):
-        if seg is None and state >> j & 1:
-            state |= 1 << (j + 1)
-    return state
-
-
-def glob_start(globs):
-    """Return the initial states of compiled globs (a tuple of bitsets, one per glob)."""
-    return tuple(_close(segs, 1) for segs in globs)
-
-
-def glob_step(globs, states, name):
-    """Return the states after one more path segment `name`."""
-    out = []
-    for segs, state in zip(globs, states):
-        new = 0
-        j = 0
-        while state >> j:
-            if state >> j & 1 and j < len(segs):
-                seg = segs[j]
-                if seg is None:
-                    new |= 1 << j
-                elif seg == name if isinstance(seg, str) else seg.match(name):
-                    new |= 1 << (j + 1)
-            j += 1
-        out.append(_close(segs, new) if new else 0)
-    return tuple(out)
-
-
-def glob_accepts(globs, states):
-    """Return True when any glob matched the whole path so far."""
-    for segs, state in zip(globs, states):
-        if state >> len(segs) & 1:
-            return True
-    return False
-
-
-def glob_match(globs, rel):
-    """Return True when any glob matches the relative path `rel` (str, '/'-separated)."""
-    states = glob_start(globs)
-    for name in rel.split("/"):
-        states = glob_step(globs, states, name)
-    return glob_accepts(globs, states)
-
-
-# ---------------------------------------------------------------- listing
-
-
-def _entry(path, st, kind, anchor):
-    entry = _name(path)
-    entry["t"] = kind
-    entry["s"] = st.st_size
-    entry["m"] = st.st_mtime_ns
-    entry["o"] = stat.S_IMODE(st.st_mode)
-    entry["b"] = st.st_blocks * 512
-    entry["a"] = len(anchor)
-    return entry
-
-
-def _error(path, exc, doing):
-    return dict(_name(path), errno=exc.errno, error=f"{doing}: {exc.strerror}")
-
-
-class _Walk:
-    """List one category: fd-relative from each root down, never following a link."""
-
-    def __init__(self, cat):
-        self.inc = [glob_compile(p) for p in cat.get("include") or ["**"]]
-        self.exc = [glob_compile(p) for p in cat.get("exclude") or []]
-        self.max_size = cat.get("max_size")
-        self.entries = []
-        self.skipped = []
-        self.errors = []
-
-    def root(self, root):
-        rootb = os.fsencode(os.path.normpath(root))
-        try:
-            rst = os.lstat(rootb)
-        except OSError as exc:
-            self.errors.append(_error(rootb, exc, "cannot list"))
-            return
-        if not stat.S_ISDIR(rst.st_mode):  # a single file (or link) named as a root
-            name = os.fsdecode(os.path.basename(rootb))
-            states = (
-                glob_step(self.inc, glob_start(self.inc), name),
-                glob_step(self.exc, glob_start(self.exc), name),
-            )
-            self.item(rootb, os.path.dirname(rootb), rst, None, None, states)
-            return
-        try:
-            fd = os.open(rootb, _DIR)
-        except OSError as exc:
-            self.errors.append(_error(rootb, exc, "cannot open the directory"))
-            return
-        self.tree(fd, rootb)
-
-    def tree(self, fd, rootb):
-        # frames: (fd, path, include states, exclude states, subdirectories still to enter)
-        start = (glob_start(self.inc), glob_start(self.exc))
-        stack = [(fd, rootb, start[0], start[1], iter(self.listdir(fd, rootb, rootb, start)))]
-        while stack:
-            dfd, dpath, _inc, _exc, subdirs = stack[-1]
-            sub = next(subdirs, None)
-            if sub is None:
-                os.close(dfd)
-                stack.pop()
-                continue
-            name, st, s_inc, s_exc = sub
-            path = dpath + b"/" + os.fsencode(name)
-            try:
-                cfd = os.open(name, _DIR, dir_fd=dfd)
-            except OSError as exc:
-                why = (
-                    "changed type while listed"
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR)
-                    else "cannot open the directory"
-                )
-                self.errors.append(_error(path, exc, why))
-                continue
-            cst = os.fstat(cfd)
-            if (cst.st_dev, cst.st_ino) != (st.st_dev, st.st_ino):
-                os.close(cfd)
-                self.errors.append(
-                    dict(_name(path), errno=None, error="changed while listed (another directory now)")
-                )
-                continue
-            stack.append((cfd, path, s_inc, s_exc, iter(self.listdir(cfd, path, rootb, (s_inc, s_exc)))))
-
-    def listdir(self, fd, dpath, rootb, states):
-        """List one directory: files and links are recorded now; return the subdirectories to enter."""
-        try:
-            names = sorted(os.listdir(fd))
-        except OSError as exc:
-            self.errors.append(_error(dpath, exc, "cannot list the directory"))
-            return []
-        subdirs = []
-        for name in names:
-            path = dpath + b"/" + os.fsencode(name)
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except OSError as exc:
-                self.errors.append(
-                    _error(path, exc, "vanished while listed" if exc.errno == errno.ENOENT else "cannot stat")
-                )
-                continue
-            s_inc = glob_step(self.inc, states[0], name)
-            s_exc = glob_step(self.exc, states[1], name)
-            if stat.S_ISDIR(st.st_mode):
-                # prune an excluded directory ("cache" or "cache/**"): it is never entered
-                if glob_accepts(self.exc, s_exc) or glob_accepts(self.exc, glob_step(self.exc, s_exc, "")):
-                    continue
-                subdirs.append((name, st, s_inc, s_exc))
-            else:
-                self.item(path, rootb, st, fd, name, (s_inc, s_exc))
-        return subdirs
-
-    def item(self, path, anchor, st, dfd, name, states):
-        if glob_accepts(self.exc, states[1]) or not glob_accepts(self.inc, states[0]):
-            return
-        if stat.S_ISLNK(st.st_mode):
-            entry = _entry(path, st, "l", anchor)
-            try:
-                target = os.readlink(name, dir_fd=dfd) if dfd is not None else os.readlink(path)
-            except OSError as exc:
-                self.errors.append(_error(path, exc, "cannot read the link"))
-                return
-            tgt = _name(os.fsencode(target))
-            entry["l" if "p" in tgt else "lb"] = tgt.get("p", tgt.get("pb"))
-            self.entries.append(entry)
-        elif stat.S_ISREG(st.st_mode):
-            if self.max_size is not None and st.st_size > self.max_size:
-                self.skipped.append(dict(_entry(path, st, "f", anchor), why="larger than max_size"))
-                return
-            self.entries.append(_entry(path, st, "f", anchor))
-        else:
-            self.skipped.append(dict(_entry(path, st, "x", anchor), why="not a regular file or link"))
-
-
-@op("backup_walk")
-def backup_walk(params):
-    """List the files of each manifest category: size, mtime, mode, link targets; never follow links."""
-    started = time.time()
-    result = {}
-    for cat in params["categories"]:
-        walk = _Walk(cat)
-        for root in cat["roots"]:
-            walk.root(root)
-        result[cat["name"]] = {"entries": walk.entries, "skipped": walk.skipped, "errors": walk.errors}
-    return {"categories": result, "duration": time.time() - started}
 
 
 # ---------------------------------------------------------------- opening and reading
