@@ -4,7 +4,7 @@
 function is bound to, each function's ``driver_override``, each IOMMU group's domain type, the
 nvidia minor numbers and legacy persistence mode, and it applies the errno rules of
 ``drivers/base/bus.c`` and ``drivers/iommu/iommu.c`` for the profile's kernel era (see
-``DESIGN.md``, "Facts"). An nvidia unbind waits, like the driver, until no process holds the
+``docs/FACTS.md``). An nvidia unbind waits, like the driver, until no process holds the
 GPU's ``/dev/nvidiaN`` and legacy persistence is off. Every write is appended to
 ``STATE/record.jsonl``.
 """

@@ -1,6 +1,6 @@
 """IOMMU groups: their type (DMA, DMA-FQ, identity, ...) and how to change it, per kernel era.
 
-Facts (DESIGN.md): `/sys/kernel/iommu_groups/N/type` exists since 5.11. From 6.4 a write while a
+Facts (docs/FACTS.md): `/sys/kernel/iommu_groups/N/type` exists since 5.11. From 6.4 a write while a
 device of the group has a driver gives EPERM and multi-device groups may change once every
 device is unbound; from 5.11 to 6.3 a bound device gives EBUSY and a group of more than one
 device gives EINVAL whatever is bound.

@@ -1,4 +1,4 @@
-"""PCI functions and driver binding through /sys/bus/pci (kernel semantics in DESIGN.md, Facts).
+"""PCI functions and driver binding through /sys/bus/pci (kernel semantics in docs/FACTS.md).
 
 Binding is done by writing the BDF to `drivers/X/unbind` and `drivers/X/bind` with the agent's
 watched write, so a write that blocks in the kernel (an nvidia unbind while the GPU is held)
