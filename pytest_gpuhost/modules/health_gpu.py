@@ -1,0 +1,299 @@
+"""Health checks judged from nvidia-smi: GPU count and model, versions, persistence, memory errors,
+throttling and temperature.
+
+Pure logic, no I/O (facts in, verdicts out). Temperature is judged with a noise band: a reading
+within `temperature_noise` of the limit asks for re-reads (`Verdict.reread`), and the median decides.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pytest_gpuhost.modules.health_thresholds import Thresholds
+from pytest_gpuhost.modules.health_verdict import (
+    Facts,
+    Verdict,
+    facts_gpus,
+    facts_part,
+    failed,
+    gpu_label,
+    median,
+    skipped,
+)
+
+_THROTTLE_BITS = (
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+)
+
+
+def check_gpu_count(facts: Facts, t: Thresholds) -> Verdict:
+    gpus, err = facts_gpus(facts)
+    if err:
+        return failed("gpu_count", f"nvidia-smi failed: {err}", [err])
+    names = [str(g.get("name") or "") for g in gpus]
+    models = sorted(set(names))
+    state: dict[str, Any] = {"count": len(gpus), "models": models}
+    reasons = []
+    want = t["gpu_count"]
+    if want is not None and len(gpus) != want:
+        reasons.append(f"nvidia-smi sees {len(gpus)} GPUs, the inventory expects {want}")
+    if want is None and not gpus:
+        reasons.append("nvidia-smi sees no GPU")
+    model = t["gpu_model"]
+    if model:
+        for g, n in zip(gpus, names, strict=True):
+            if model.lower() not in n.lower():
+                reasons.append(f"{gpu_label(g)} is {n!r}, expected {model!r}")
+    pci, _ = facts_part(facts, "pci")
+    if pci is not None:
+        bound = sorted(b for b, d in (pci.get("devices") or {}).items() if d.get("driver") == "nvidia")
+        seen = {g.get("bdf") for g in gpus}
+        lost = [b for b in bound if b not in seen]
+        state["nvidia_bound"] = len(bound)
+        for b in lost:
+            reasons.append(f"{b} is bound to nvidia but nvidia-smi does not list it (fallen off the bus?)")
+    desc = f"{len(gpus)} GPUs" + (f" ({', '.join(models)})" if gpus else "")
+    if reasons:
+        return failed("gpu_count", f"{desc}: {reasons[0]}", reasons, state=state)
+    return Verdict(
+        "gpu_count", True, desc + (f", as expected ({want})" if want is not None else ""), state=state
+    )
+
+
+def _version_check(check: str, found: Sequence[str | None], want: str | None, what: str) -> Verdict:
+    versions = sorted({v for v in found if v})
+    state = {"versions": versions, check: versions[0] if len(versions) == 1 else None}
+    if not versions:
+        return failed(check, f"{what} unknown: nvidia-smi did not report it", [], state=state)
+    if len(versions) > 1:
+        return failed(check, f"{what} differs between GPUs: {', '.join(versions)}", [], state=state)
+    if want is not None and versions[0] != want:
+        return failed(check, f"{what} {versions[0]}, the inventory expects {want}", [], state=state)
+    note = ", as expected" if want is not None else " (fleet uniformity is judged in the fleet summary)"
+    return Verdict(check, True, f"{what} {versions[0]}{note}", state=state)
+
+
+def check_driver_version(facts: Facts, t: Thresholds) -> Verdict:
+    gpus, err = facts_gpus(facts)
+    found = [g.get("driver_version") for g in gpus]
+    smi, _ = facts_part(facts, "smi")
+    if not found and smi is not None:
+        found = [smi.get("driver_version")]
+    if err and not found:
+        return failed("driver_version", f"nvidia-smi failed: {err}", [err])
+    return _version_check("driver_version", found, t["driver_version"], "driver")
+
+
+def check_cuda_version(facts: Facts, t: Thresholds) -> Verdict:
+    smi, err = facts_part(facts, "smi")
+    if smi is None:
+        return failed("cuda_version", f"nvidia-smi failed: {err}", [str(err)])
+    v = _version_check("cuda_version", [smi.get("cuda_version")], t["cuda_version"], "CUDA")
+    cached = smi.get("cached")
+    if isinstance(cached, dict):
+        # read from the health state: the same driver reported this CUDA version on an earlier run
+        when = cached.get("at")
+        stamp = (
+            time.strftime("%Y-%m-%d %H:%M", time.gmtime(when)) + " UTC"
+            if isinstance(when, int | float)
+            else "?"
+        )
+        v.state["source"] = f"cached for driver {cached.get('driver_version')} (nvidia-smi header, {stamp})"
+        v.reasons.append(
+            f"CUDA version cached: driver {cached.get('driver_version')} unchanged since {stamp}"
+        )
+    else:
+        v.state["source"] = "nvidia-smi header"
+    return v
+
+
+def check_persistence_mode(facts: Facts, t: Thresholds) -> Verdict:
+    if not t["persistence_mode"]:
+        return skipped("persistence_mode", "not required (persistence_mode: false)")
+    gpus, err = facts_gpus(facts)
+    if err:
+        return failed("persistence_mode", f"nvidia-smi failed: {err}", [err])
+    off = [g for g in gpus if g.get("persistence_mode") != 1]
+    state = {"off": [g.get("bdf") for g in off], "gpus": len(gpus)}
+    if off:
+        reasons = [
+            f"{gpu_label(g)}: persistence mode {g.get('raw', {}).get('persistence_mode', '?')}" for g in off
+        ]
+        return failed(
+            "persistence_mode",
+            f"persistence mode off on {len(off)} of {len(gpus)} GPUs",
+            reasons,
+            state=state,
+            fix="persistence",
+        )
+    return Verdict("persistence_mode", True, f"persistence mode on for all {len(gpus)} GPUs", state=state)
+
+
+def _per_gpu_counter(
+    check: str, facts: Facts, field_name: str, limit: int | None, what: str, na_skip: str
+) -> tuple[Verdict | None, list[str], dict[str, Any]]:
+    gpus, err = facts_gpus(facts)
+    if err:
+        return failed(check, f"nvidia-smi failed: {err}", [err]), [], {}
+    values = {str(g.get("bdf")): g.get(field_name) for g in gpus}
+    known = {k: v for k, v in values.items() if isinstance(v, int | float)}
+    if gpus and not known:
+        return skipped(check, na_skip), [], {}
+    reasons = []
+    if limit is not None:
+        for g in gpus:
+            v = g.get(field_name)
+            if isinstance(v, int | float) and v > limit:
+                reasons.append(f"{gpu_label(g)}: {what} {v:g} > {limit}")
+    return None, reasons, {field_name: values}
+
+
+def check_ecc(facts: Facts, t: Thresholds) -> Verdict:
+    done, reasons, state = _per_gpu_counter(
+        "ecc",
+        facts,
+        "ecc.errors.uncorrected.volatile.total",
+        t["ecc_uncorrected_max"],
+        "uncorrected ECC errors",
+        "ECC not enabled or not supported on these GPUs",
+    )
+    if done:
+        return done
+    done2, reasons2, state2 = _per_gpu_counter(
+        "ecc",
+        facts,
+        "ecc.errors.corrected.volatile.total",
+        t["ecc_corrected_max"],
+        "corrected ECC errors",
+        "",
+    )
+    reasons += reasons2 if not done2 else []
+    state.update(state2)
+    if reasons:
+        return failed("ecc", reasons[0], reasons, state=state)
+    total_unc = sum(v for v in state[next(iter(state))].values() if isinstance(v, int | float))
+    return Verdict(
+        "ecc",
+        True,
+        f"{total_unc:g} uncorrected ECC errors (limit {t['ecc_uncorrected_max']} per GPU)",
+        state=state,
+    )
+
+
+def check_retired_pages(facts: Facts, t: Thresholds) -> Verdict:
+    done, reasons, state = _per_gpu_counter(
+        "retired_pages",
+        facts,
+        "retired_pages.pending",
+        0,
+        "retired pages pending (reset needed)",
+        "GPUs do not retire pages (row remapping instead)",
+    )
+    if done:
+        return done
+    if reasons:
+        return failed("retired_pages", reasons[0], reasons, state=state)
+    return Verdict("retired_pages", True, "no retired pages pending", state=state)
+
+
+def check_remapped_rows(facts: Facts, t: Thresholds) -> Verdict:
+    done, reasons, state = _per_gpu_counter(
+        "remapped_rows",
+        facts,
+        "remapped_rows.failure",
+        0,
+        "row remapping failure",
+        "GPUs do not remap rows (page retirement instead)",
+    )
+    if done:
+        return done
+    if reasons:
+        return failed("remapped_rows", reasons[0], reasons, state=state)
+    return Verdict("remapped_rows", True, "no row remapping failure", state=state)
+
+
+def throttle_reason_names(mask: int) -> list[str]:
+    """Decode a clocks_throttle_reasons bitmask into nvidia-smi's reason names."""
+    return [name for bit, name in _THROTTLE_BITS if mask & bit]
+
+
+def check_throttle(facts: Facts, t: Thresholds) -> Verdict:
+    gpus, err = facts_gpus(facts)
+    if err:
+        return failed("throttle", f"nvidia-smi failed: {err}", [err])
+    fail_mask = int(t["throttle_fail_mask"])
+    reasons = []
+    masks = {}
+    for g in gpus:
+        v = g.get("clocks_throttle_reasons.active")
+        if not isinstance(v, int):
+            continue
+        masks[str(g.get("bdf"))] = f"0x{v:016x}"
+        bad = v & fail_mask
+        if bad:
+            reasons.append(f"{gpu_label(g)}: throttled by {', '.join(throttle_reason_names(bad))} (0x{v:x})")
+    state = {"reasons": masks, "fail_mask": f"0x{fail_mask:x}"}
+    if not masks:
+        return skipped("throttle", "GPUs do not report throttle reasons")
+    if reasons:
+        return failed("throttle", f"{len(reasons)} GPU(s) throttled", reasons, state=state)
+    return Verdict("throttle", True, f"no failing throttle reason on {len(masks)} GPUs", state=state)
+
+
+def check_temperature(facts: Facts, t: Thresholds, samples: Sequence[Facts] | None = None) -> Verdict:
+    gpus, err = facts_gpus(facts)
+    if err:
+        return failed("temperature", f"nvidia-smi failed: {err}", [err])
+    limit, band = float(t["temperature_max"]), float(t["temperature_noise"])
+    readings: dict[str, list[float]] = {}
+    labels = {}
+    for g in gpus:
+        v = g.get("temperature.gpu")
+        if isinstance(v, int | float):
+            readings.setdefault(str(g.get("bdf")), []).append(float(v))
+            labels[str(g.get("bdf"))] = gpu_label(g)
+    for s in samples or []:
+        for g in facts_gpus(s)[0]:
+            v = g.get("temperature.gpu")
+            if isinstance(v, int | float) and str(g.get("bdf")) in readings:
+                readings[str(g.get("bdf"))].append(float(v))
+    if not readings:
+        return skipped("temperature", "GPUs do not report a temperature")
+    near = [b for b, r in readings.items() if abs(r[0] - limit) <= band]
+    decided = {b: (median(r) if samples else r[0]) for b, r in readings.items()}
+    hot = sorted(b for b, v in decided.items() if v > limit)
+    state = {"readings": readings, "limit": limit, "noise_band": band}
+    reasons = []
+    for b in hot:
+        how = f"median of {len(readings[b])} readings {readings[b]}" if samples else "one reading"
+        reasons.append(f"{labels[b]}: {decided[b]:g} C > {limit:g} C ({how})")
+    if samples:
+        for b in near:
+            if b not in hot:
+                reasons.append(
+                    f"{labels[b]}: near the limit, readings {readings[b]}, median {decided[b]:g} C"
+                )
+    verdict = Verdict(
+        "temperature",
+        not hot,
+        (
+            f"{len(hot)} GPU(s) above {limit:g} C"
+            if hot
+            else f"hottest GPU {max(decided.values()):g} C (limit {limit:g} C)"
+        ),
+        reasons,
+        state=state,
+    )
+    if near and not samples and t["reread_count"] > 0:
+        verdict.reread = "gpus"
+    return verdict

@@ -1,0 +1,151 @@
+"""The health checks' thresholds: every inventory variable they read, its default and meaning.
+
+`THRESHOLDS` is the one source of the defaults and of their help text (docs/fleet.md shows it);
+`Thresholds.from_vars` overlays a host's inventory variables on it and checks their types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["THRESHOLDS", "Threshold", "ThresholdError", "Thresholds", "probe_params"]
+
+
+class ThresholdError(ValueError):
+    """An inventory variable has a value the health checks cannot use; the message names it."""
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """One inventory variable the checks read: its name, default and meaning."""
+
+    name: str
+    default: Any
+    kind: type | tuple[type, ...]
+    help: str
+
+
+THRESHOLDS: tuple[Threshold, ...] = (
+    Threshold("gpu_count", None, int, "GPUs nvidia-smi must see; unset: at least one"),
+    Threshold("gpu_model", None, str, "text every GPU's name must contain (case-insensitive); unset: any"),
+    Threshold("driver_version", None, str, "exact driver version expected; unset: fleet uniformity only"),
+    Threshold(
+        "cuda_version",
+        None,
+        str,
+        "exact CUDA version (nvidia-smi header) expected; unset: fleet uniformity only",
+    ),
+    Threshold("persistence_mode", True, bool, "persistence mode must be on for every GPU"),
+    Threshold("ecc_uncorrected_max", 0, int, "most volatile uncorrected ECC errors allowed per GPU"),
+    Threshold(
+        "ecc_corrected_max", None, int, "most volatile corrected ECC errors per GPU; unset: reported only"
+    ),
+    Threshold(
+        "xid_ignore", [13, 31, 43, 45], list, "Xid codes that do not fail the host (application faults)"
+    ),
+    Threshold("sxid_ignore", [], list, "SXid codes that do not fail the host"),
+    Threshold("pcie_gen_min", None, int, "lowest PCIe generation allowed; unset: the GPU's maximum"),
+    Threshold("pcie_width_min", None, int, "narrowest PCIe link width allowed; unset: the GPU's maximum"),
+    Threshold(
+        "nvlink_required", None, bool, "fail when no NVLink is reported; unset: skip hosts without NVLink"
+    ),
+    Threshold("iommu_group_types", ["identity"], list, "IOMMU group types allowed for GPUs on nvidia"),
+    Threshold(
+        "acs_redirect_allowed", False, bool, "allow ACS P2P request/completion redirect on GPU bridges"
+    ),
+    Threshold("p2p_required", True, bool, "every pair of GPUs on nvidia must report P2P OK"),
+    Threshold(
+        "throttle_fail_mask", 0xE8, int, "throttle reason bits that fail (HW slowdown, thermal, power brake)"
+    ),
+    Threshold("temperature_max", 85, (int, float), "hottest GPU temperature allowed, degrees C"),
+    Threshold(
+        "temperature_noise", 2, (int, float), "noise band around temperature_max that triggers re-reads"
+    ),
+    Threshold("data_paths", ["/"], list, "paths whose file system must have free space"),
+    Threshold("disk_free_min_pct", 10, (int, float), "least free space on each data path, percent"),
+    Threshold(
+        "disk_free_min_gib",
+        None,
+        (int, float),
+        "least free space on each data path, GiB; unset: percent only",
+    ),
+    Threshold(
+        "disk_free_noise_pct", 0.5, (int, float), "noise band around disk_free_min_pct that triggers re-reads"
+    ),
+    Threshold(
+        "service", None, (str, list), "systemd unit(s) of the inference service; unset: service checks skip"
+    ),
+    Threshold("service_port", None, int, "port of the service's HTTP health endpoint on localhost"),
+    Threshold("service_health_path", "/health", str, "path of the health endpoint"),
+    Threshold("service_health_timeout", 3, (int, float), "seconds to wait for the health endpoint"),
+    Threshold("reread_count", 3, int, "re-reads of a measurement inside its noise band"),
+    Threshold("reread_interval", 0.5, (int, float), "seconds between re-reads"),
+    Threshold("probe_timeout", 20, (int, float), "timeout of each command the health probe runs, seconds"),
+)
+_BY_NAME = {t.name: t for t in THRESHOLDS}
+
+
+@dataclass
+class Thresholds:
+    """The thresholds of one host: the documented defaults overlaid with its inventory vars."""
+
+    values: dict[str, Any]
+
+    @classmethod
+    def from_vars(cls, host_vars: Mapping[str, Any] | None) -> Thresholds:
+        """Pick the known variables out of a host's vars and check their types.
+
+        Unknown variables are ignored (inventories carry vars for other suites); a known one
+        with the wrong type raises ThresholdError naming it.
+        """
+        values = {t.name: t.default for t in THRESHOLDS}
+        for name, value in (host_vars or {}).items():
+            spec = _BY_NAME.get(name)
+            if spec is None or value is None:
+                continue
+            kinds = spec.kind if isinstance(spec.kind, tuple) else (spec.kind,)
+            if isinstance(value, str) and int in kinds and str not in kinds:
+                try:
+                    value = int(value, 0)
+                except ValueError:
+                    pass
+            if isinstance(value, str) and float in kinds and str not in kinds:
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+            if isinstance(value, str) and bool in kinds and value.lower() in ("true", "false", "yes", "no"):
+                value = value.lower() in ("true", "yes")
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+                raise ThresholdError(
+                    f"inventory variable {name}={value!r}: expected {_kind_names(kinds)} ({spec.help})"
+                )
+            values[name] = value
+        return cls(values)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    @property
+    def services(self) -> list[str]:
+        """Return the configured service units, each with a `.service` suffix."""
+        raw = self.values["service"]
+        names = [raw] if isinstance(raw, str) else list(raw or [])
+        return [n if "." in n else n + ".service" for n in names]
+
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def probe_params(t: Thresholds) -> dict[str, Any]:
+    """Return the `health` fact's params for a host with these thresholds."""
+    services = []
+    for i, unit in enumerate(t.services):
+        svc: dict[str, Any] = {"unit": unit, "timeout": t["service_health_timeout"]}
+        if t["service_port"] is not None and i == 0:
+            svc["url"] = f"http://127.0.0.1:{int(t['service_port'])}{t['service_health_path']}"
+        services.append(svc)
+    return {"data_paths": list(t["data_paths"]), "services": services, "timeout": t["probe_timeout"]}
