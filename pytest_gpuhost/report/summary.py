@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pytest_gpuhost.run.record import BAD, GOOD, RunRecord
+from pytest_gpuhost.run.record import BAD, GOOD, RunRecord, TestRecord
 
 __all__ = [
     "BAD",
@@ -37,19 +37,20 @@ LINES_PER_HOST = 6
 def build_summary(record: RunRecord, finished: float | None = None) -> dict[str, Any]:
     """Return the fleet summary of the tests that ran against a target."""
     finished = time.time() if finished is None else finished
-    checks = [c for c in record.checks() if any(t.check == c and t.target for t in record.decided())]
+    by_target: dict[str, list[TestRecord]] = {}
+    for t in record.decided():
+        if t.target:  # a test against no target has no row in a fleet
+            by_target.setdefault(t.target, []).append(t)
+    checks = list(dict.fromkeys(t.check for tests in by_target.values() for t in tests))
     cells = record.cells()
     hosts: dict[str, Any] = {}
-    for target in record.targets():
-        if not target:
-            continue  # a test against no target has no row in a fleet
+    for target, tests in by_target.items():
         row = {c: cells[(target, c)].as_cell() for c in checks if (target, c) in cells}
         hosts[target] = {"status": host_status(row), "checks": row}
         trips: dict[str, int] = {}
-        for t in record.decided():
-            if t.target == target:
-                for key, n in t.round_trips.items():
-                    trips[key] = max(trips.get(key, 0), n)
+        for t in tests:
+            for key, n in t.round_trips.items():
+                trips[key] = max(trips.get(key, 0), n)
         hosts[target].update(trips)
     return {
         "format": FORMAT,
