@@ -5,6 +5,13 @@ runs it (the host, or container ``ID`` for ``where: container:ID``), wanted by m
 when ``enabled``. Services with ``manager: none`` get no unit: the lab starts them by hand after
 boot, like the B200's SGLang servers. Every service process gets ``GPULAB_SERVICE=NAME`` in its
 environment so the in-host tools can tell which profile service they are.
+
+An SGLang server started by hand runs with ``--gpulab-workers orphans`` unless its argv says
+otherwise: it starts SGLang's renamed worker children (``sglang::scheduler_TP0``,
+``sglang::detokenizer``), and its schedulers outlive it. That is the data-parallel deployment
+of sgl-project/sglang#23627: servers in an operator's session, no unit whose cgroup systemd
+kills on stop, so workers reparented to PID 1 keep their GPUs (``gpulab/tools/sglang/workers.py``).
+Under systemd (``manager: systemd``) the stand-in keeps its default, ``off``.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ __all__ = ["service_argv", "unit_name", "unit_text"]
 DEFAULT_ARGV = {
     "persistenced": ("/usr/bin/nvidia-persistenced", "--verbose"),
 }
+BY_HAND_WORKERS = ("--gpulab-workers", "orphans")  # the stand-in's flag for hand-started servers
 
 
 def unit_name(service: Service) -> str:
@@ -29,7 +37,15 @@ def unit_name(service: Service) -> str:
 def service_argv(service: Service) -> list[str]:
     """Return the command line a service runs with (the profile's argv or the kind's default)."""
     if service.argv:
-        return list(service.argv)
+        argv = list(service.argv)
+        flag = BY_HAND_WORKERS[0]
+        if (
+            service.kind == "sglang"
+            and service.manager == "none"
+            and not any(a.startswith(flag) for a in argv)
+        ):
+            argv += BY_HAND_WORKERS
+        return argv
     if service.kind in DEFAULT_ARGV:
         return list(DEFAULT_ARGV[service.kind])
     raise ValueError(f"service {service.name}: no argv and no default for kind {service.kind}")

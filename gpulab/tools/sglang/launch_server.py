@@ -3,8 +3,10 @@
 So that ``ps`` shows exactly the real command line, the lab passes its settings in the
 environment: ``GPULAB_SERVICE`` (name, for the log path and the record), ``GPULAB_IGNORE_SIGTERM``
 (``0``: exit on SIGTERM; ``N``: exit N seconds after it; ``forever``: ignore it) and
-``GPULAB_GPUS`` (BDFs). Without ``GPULAB_GPUS`` the GPUs are ``--base-gpu-id`` .. +``--tp``-1 among
-those visible (on nvidia, with a device file). ``--ignore-sigterm`` overrides the environment.
+``GPULAB_GPUS`` (BDFs). Without ``GPULAB_GPUS`` the GPUs are ``--base-gpu-id`` .. +``--tp``x``--dp``-1
+among those visible (on nvidia, with a device file). ``--ignore-sigterm`` overrides the environment.
+``--gpulab-workers`` (or ``GPULAB_WORKERS``; default ``off``) starts SGLang's worker children,
+renamed with setproctitle and holding their GPUs, some surviving the server (``sglang/workers.py``).
 
 It opens ``/dev/nvidiactl``, ``/dev/nvidia-uvm`` and ``/dev/nvidiaN`` of each GPU and keeps them
 open; exits 1 with CUDA's error when a GPU is missing. It writes a log (``--log-file`` or
@@ -28,6 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn
 
 from gpulab_tools import Host, driver_of, load_profile, path, read, record
+
+from sglang import workers
 
 state: dict[str, Any] = {"ready": False, "stopping_at": None}
 LOG = None
@@ -54,6 +58,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--log-file", default=None)
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--ignore-sigterm", default=None, help="gpulab: 0 | seconds | forever")
+    ap.add_argument("--gpulab-workers", default=None, help="gpulab: " + " | ".join(workers.MODES))
     ap.add_argument(
         "--gpulab-load-seconds", type=float, default=float(os.environ.get("GPULAB_LOAD_SECONDS", "1.0"))
     )
@@ -76,7 +81,7 @@ def pick_gpus(args: argparse.Namespace) -> list[tuple[str, int]]:
             out.append((bdf, int(m) if m and m.isdigit() else int(spec["minor"])))
         return out
     visible = Host().gpus
-    want = list(range(args.base_gpu_id, args.base_gpu_id + max(args.tp, 1)))
+    want = list(range(args.base_gpu_id, args.base_gpu_id + max(args.tp, 1) * max(args.dp, 1)))
     if not visible or want[-1] >= len(visible):
         cuda_fail()
     return [(visible[i].bdf, visible[i].minor) for i in want]
@@ -189,6 +194,15 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, {"detail": "Not Found"})
 
 
+def _reap() -> None:
+    """Collect workers that exited, so none lingers as a zombie while the server runs."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     global LOG
     args = parse(sys.argv[1:] if argv is None else argv)
@@ -236,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{hostname}:{os.getpid()}:{os.getpid() + 100 + r} [{r}] NCCL INFO Channel 00/0 : {r}[{r}] -> {nxt}[{nxt}] via {via}"
             )
         log(f"{hostname}:{os.getpid()}:{os.getpid() + 100} [0] NCCL INFO Connected all rings")
+    # Workers fork before any thread starts (the HTTP server below), as SGLang's do before uvicorn.
+    mode = workers.mode(args.gpulab_workers)
+    for plan in workers.plans(mode, [m for _, m in gpus], args.tp, args.dp):
+        pid = workers.spawn(plan, lambda name: path("dev", name), record)
+        log(f"started {plan.title} (pid {pid}, gpulab workers {mode})")
     try:
         srv = ThreadingHTTPServer((args.host, args.port), Handler)
     except OSError as e:
@@ -256,8 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         stop_at = state["stopping_at"]
         if stop_at is not None and now >= stop_at:
             break
+        _reap()
         time.sleep(0.05)
     srv.shutdown()
+    killed = workers.kill_tree(mode)  # launch_server.py's finally: kill_process_tree(os.getpid(), ...)
+    if killed:
+        log(f"killed workers {killed}")
     for fd in fds:
         os.close(fd)
     log("Shutdown complete")
