@@ -109,6 +109,40 @@ def test_fixtures_per_target(pytester: pytest.Pytester) -> None:
     assert ev["teardown"]["notes"] == ["from teardown"]
 
 
+def test_targets_live_in_the_stash_one_object_per_name(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+        from pytest_gpuhost.errors import GpuhostError
+        from pytest_gpuhost.run import targets_stash
+        from pytest_gpuhost.run.settings import settings_key
+
+        def test_stash(target, pytestconfig):
+            assert targets_stash.get_target(pytestconfig, "local") is target
+            assert [s.name for s in pytestconfig.stash[targets_stash.targets_key]] == ["local"]
+            assert pytestconfig.stash[settings_key].hosts == ["local://"]
+            with pytest.raises(targets_stash.UnknownTarget, match="no target 'nope'.*its targets: local"):
+                targets_stash.get_target(pytestconfig, "nope")
+            assert issubclass(targets_stash.UnknownTarget, GpuhostError)
+            target.conn.run(["true"])
+            assert targets_stash.pool_key in pytestconfig.stash
+        """
+    )
+    pytester.makeconftest(
+        """
+        import pathlib
+        from pytest_gpuhost.run import targets_stash
+
+        def pytest_unconfigure(config):
+            # The plugin's sessionfinish closed the pool and took it out of the stash.
+            pathlib.Path("pool_left.txt").write_text(str(targets_stash.pool_key in config.stash))
+        """
+    )
+    result = pytester.runpytest("--host=local://", "--report-dir=none")
+    result.assert_outcomes(passed=1)
+    assert (pytester.path / "pool_left.txt").read_text() == "False"
+
+
 def test_container_fixture_over_its_own_ssh(pytester: pytest.Pytester, sshd: Any) -> None:
     pytester.makepyfile(
         """

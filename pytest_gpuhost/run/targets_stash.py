@@ -25,6 +25,7 @@ from pytest_gpuhost.run.settings import Settings, settings_key
 __all__ = [
     "NO_TARGET_REASON",
     "Target",
+    "UnknownTarget",
     "close_pool",
     "get_pool",
     "get_target",
@@ -37,6 +38,11 @@ __all__ = [
 NO_TARGET_REASON = (
     "no target: pass --host=URL (e.g. --host=local:// or --host=ssh://root@gpu-host) or --inventory=FILE"
 )
+
+
+class UnknownTarget(GpuhostError):
+    """A target name that is not one of this run's targets (after `pytest_gpuhost_targets`)."""
+
 
 #: The run's target specs, in order (after `pytest_gpuhost_targets`); the same in every process.
 targets_key = pytest.StashKey[list[Any]]()
@@ -133,7 +139,11 @@ def get_target(config: pytest.Config, name: str) -> Target:
     """Return the Target called `name` (one object per name and run)."""
     cache = config.stash.setdefault(_target_objects_key, {})
     if name not in cache:
-        spec = next(s for s in config.stash[targets_key] if s.name == name)
+        specs = config.stash.get(targets_key, [])
+        spec = next((s for s in specs if s.name == name), None)
+        if spec is None:
+            known = ", ".join(s.name for s in specs) or "none"
+            raise UnknownTarget(f"no target {name!r} in this run (its targets: {known})")
         cache[name] = Target(spec, get_pool(config), config)
     return cache[name]
 
