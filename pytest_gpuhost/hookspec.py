@@ -24,7 +24,10 @@ def pytest_gpuhost_targets(config: pytest.Config, targets: list[Any]) -> None:
     `--host` and `--inventory` are parsed into `TargetSpec`s. `targets` is the list itself: remove,
     reorder or append `TargetSpec`s in place (use `pytest_gpuhost.exec.targets.parse_host_url`). Every
     xdist worker must end with the same list in the same order, so decide from `config` and the
-    specs only, never from timing or randomness. The return value is ignored.
+    specs only, never from timing or randomness. `--limit` is applied after every implementation
+    (a hook wrapper in `pytest_gpuhost.report.fleet`), so it also filters the targets added here.
+    The final list is in `config.stash[pytest_gpuhost.run.targets_stash.targets_key]`. The return
+    value is ignored.
     """
 
 
