@@ -97,3 +97,31 @@ def test_local_copy_corrupted_after_verification_is_refused(aws_env, backed_up):
     assert [p for p, _ in res.failed] == [victim.rel]
     assert "no longer matches" in res.failed[0][1]
     assert [p for p, _ in up.verify(items)] == [victim.rel]
+
+
+def test_sparse_file_is_sparse_locally_and_whole_in_s3(aws_env, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "disk.img", "wb") as f:
+        f.truncate(12 * 1024 * 1024)
+        f.seek(6 * 1024 * 1024)
+        f.write(os.urandom(4096))
+    conn = open_connection(parse_host_url("local://"))
+    try:
+        m = Manifest("t", (Category("data", (str(src),), s3=True),), Selection())
+        b = Backup(conn, m, tmp_path / "dest")
+        listing = b.walk()
+        assert b.run(b.plan(listing)).ok
+    finally:
+        conn.close()
+    (f,) = listing.files
+    rec = b.state.items[f.key]
+    assert rec["s"] == 12 * 1024 * 1024 and rec["a"] < 1024 * 1024  # a hole here too
+    bucket = aws_env.make_bucket("sparse")
+    loc = parse_s3_url(f"s3://{bucket}/n")
+    up = S3Upload(b.dest, loc, endpoint=aws_env.url, part_size=5 * 1024 * 1024)
+    items, _ = items_from_backup(b, listing)
+    assert up.run(up.plan(items)).ok
+    body = aws_env.client().get_object(Bucket=bucket, Key=loc.key(key_for(f.key)))["Body"].read()
+    assert len(body) == 12 * 1024 * 1024 and body == (src / "disk.img").read_bytes()
+    assert hashlib.sha256(body).hexdigest() == rec["sha256"]

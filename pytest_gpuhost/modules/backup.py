@@ -38,7 +38,7 @@ from pytest_gpuhost.modules.backup_state import (
     TransferResult,
     stderr_progress,
 )
-from pytest_gpuhost.modules.backup_stream import PROBE_SOURCE, sender_argv
+from pytest_gpuhost.modules.backup_stream import sender_argv
 from pytest_gpuhost.modules.backup_transfer import transfer
 from pytest_gpuhost.modules.backup_verify import unverified, write_checksums
 from pytest_gpuhost.modules.backup_writer import LocalWriter, link_record
@@ -53,7 +53,6 @@ from pytest_gpuhost.modules.manifest import (
 )
 
 __all__ = [
-    "PROBE_SOURCE",
     "AgentConnection",
     "Backup",
     "BackupError",

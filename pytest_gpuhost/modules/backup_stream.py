@@ -9,16 +9,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from pytest_gpuhost.exec.agent import probe_backup as wire
 from pytest_gpuhost.exec.agent import probe_program
 from pytest_gpuhost.modules.backup_listing import RemoteFile
 
-__all__ = ["PROBE_SOURCE", "ChannelIO", "StreamReader", "request", "sender_argv"]
-
-PROBE_SOURCE = Path(__file__).resolve().parent.parent / "exec" / "agent" / "probe_backup.py"
+__all__ = ["ChannelIO", "StreamReader", "request", "sender_argv"]
 
 
 def request(files: Sequence[RemoteFile]) -> bytes:
