@@ -89,6 +89,19 @@ def test_orphans_holding_gpus_are_found_only_by_gpu_use() -> None:
     assert [p.pid for p, _ in t.select(by_title)] == [102, 103, 104, 105]
 
 
+def test_gpu_holders_are_workloads_not_the_drivers_daemons() -> None:
+    rows = [
+        row(10, 1, ("/usr/bin/nvidia-persistenced", "--verbose"), gpus=["/dev/nvidia0", "/dev/nvidiactl"]),
+        row(11, 1, ("/usr/bin/python3", "/usr/bin/nvidia-persistenced"), gpus=["/dev/nvidia0"]),  # a script
+        row(12, 1, ("/usr/bin/nv-fabricmanager", "-c", "fm.cfg"), gpus=["/dev/nvidia-nvswitchctl"]),
+        row(13, 1, ("python3", "train.py"), gpus=["/dev/nvidia1"]),
+    ]
+    t = table(*rows)
+    assert [p.pid for p, _ in t.select(Selection(gpu_holders=True))] == [13]
+    named = Selection(matchers=(Matcher(argv0="nvidia-persistenced"),), gpu_holders=True)
+    assert [p.pid for p, _ in t.select(named)] == [10, 13]  # a matcher still names it
+
+
 def test_a_reused_parent_pid_never_adopts_an_older_process() -> None:
     # PID 100 exited and was reused by a new server between two reads of /proc; 300 is older
     # than the process now called 100, so it cannot be its child

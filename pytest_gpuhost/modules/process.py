@@ -28,11 +28,13 @@ from fnmatch import fnmatchcase
 from typing import Any, Protocol
 
 __all__ = [
+    "DRIVER_DAEMONS",
     "Matcher",
     "Proc",
     "ProcessTable",
     "Selection",
     "StopResult",
+    "driver_daemon",
     "parse_selection",
     "stop_processes",
 ]
@@ -176,6 +178,18 @@ class Proc:
         }
 
 
+# The driver's own daemons keep every GPU open without a compute context (nvidia-smi lists no
+# process for them); "every process holding a GPU" means the workloads, so these are left out
+# unless a unit or a matcher names them.
+DRIVER_DAEMONS = ("nvidia-persistenced", "nv-fabricmanager", "nv-hostengine", "nvidia-fabricmanager")
+
+
+def driver_daemon(p: Proc) -> bool:
+    """Say whether `p` is one of the driver's daemons (by argv[0], exe or its 15-byte comm)."""
+    names = {p.comm, (p.exe or "").rsplit("/", 1)[-1], *(a.rsplit("/", 1)[-1] for a in p.argv[:2])}
+    return any(n == d or (len(n) == 15 and d.startswith(n)) for n in names if n for d in DRIVER_DAEMONS)
+
+
 def _argv(raw: Sequence[str]) -> tuple[str, ...]:
     """Return argv without the empty tail a renamed process leaves in /proc/PID/cmdline.
 
@@ -261,7 +275,7 @@ class ProcessTable:
         for m in sel.matchers:
             if m.matches(p):
                 return f"matcher {m.describe()}"
-        if sel.gpu_holders and p.gpus:
+        if sel.gpu_holders and p.gpus and not driver_daemon(p):
             return "holds " + ",".join(p.gpus)
         return None
 
