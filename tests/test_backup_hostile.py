@@ -134,6 +134,37 @@ def test_directory_swapped_for_symlink_reads_nothing_outside(conn, tmp_path):
     listing = b.walk()
     assert [f.kind for f in listing.files if f.display == str(src / "sub")] == ["l"]
     assert not any(f.display.startswith(str(src / "sub") + "/") for f in listing.files)
+    # put things back: a rerun copies only what failed, and then everything is verified
+    os.unlink(src / "sub")
+    os.rename(tmp_path / "sub-moved", src / "sub")
+    os.unlink(src / "file-then-link")
+    os.unlink(src / "file-then-fifo")
+    (src / "file-then-link").write_bytes(b"f")
+    (src / "file-then-fifo").write_bytes(b"f")
+    listing = b.walk()
+    res = b.run(b.plan(listing))
+    assert res.ok and res.copied_files == 4, res
+    assert b.verify(listing, rehash_local=True) == []
+
+
+def test_ancestors_of_a_root_are_followed_and_a_root_link_is_a_link(conn, tmp_path):
+    real = tmp_path / "real"
+    (real / "data").mkdir(parents=True)
+    (real / "data" / "x.txt").write_bytes(b"x")
+    os.symlink(real, tmp_path / "via")  # the operator's path to the data goes through a link
+    os.symlink(real / "data", tmp_path / "root-link")
+    m = Manifest(
+        "t",
+        (Category("a", (str(tmp_path / "via" / "data"),)), Category("b", (str(tmp_path / "root-link"),))),
+        Selection(),
+    )
+    b = Backup(conn, m, tmp_path / "dest")
+    listing = b.walk()
+    assert sorted((f.category, f.display, f.kind) for f in listing.files) == [
+        ("a", str(tmp_path / "via" / "data" / "x.txt"), "f"),
+        ("b", str(tmp_path / "root-link"), "l"),
+    ]
+    assert b.run(b.plan(listing)).ok and b.verify(listing) == []
 
 
 def test_rehash_of_a_file_that_became_a_fifo_does_not_block(conn, tmp_path):

@@ -237,6 +237,8 @@ class Backup:
                     changed.append(f)  # the local copy is gone meanwhile: copy it again
                     continue
                 self.state.record(f.key, dict(rec, m=f.mtime_ns))
+                with self._failures_lock:
+                    self.failures.pop(f.key, None)
                 result.rehashed_same += 1
             else:
                 changed.append(f)

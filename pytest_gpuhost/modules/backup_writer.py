@@ -22,7 +22,7 @@ from pytest_gpuhost.modules.backup_state import StateFile
 __all__ = ["LocalWriter", "Piece", "link_record"]
 
 Piece = bytes | int  # data, or the length of a hole (zero bytes not sent, not written)
-_ZERO = bytes(wire.CHUNK)
+_ZERO = memoryview(bytes(wire.CHUNK))  # slices of a memoryview are not copies
 _PART_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
 
 

@@ -124,6 +124,9 @@ class _Checker:
 
     def globs(self, key: str, v: Any) -> None:
         for i, pattern in enumerate(self.texts(key, v, "glob strings")):
+            if not pattern:
+                self.bad(f"{key}[{i}]", pattern, "a non-empty glob")
+                continue
             if pattern.startswith("/"):
                 self.bad(f"{key}[{i}]", pattern, "a glob relative to each root (no leading /)")
                 continue

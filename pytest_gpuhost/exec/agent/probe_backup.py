@@ -46,7 +46,7 @@ NOT_REGULAR = -1  # trailer code: the path is no longer a regular file (changed 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 # O_NONBLOCK: a FIFO or device that replaced a file never blocks the open or a read
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-_ZERO = bytes(CHUNK)
+_ZERO = memoryview(bytes(CHUNK))  # slices of a memoryview are not copies
 
 
 def _unname(item):
@@ -150,7 +150,8 @@ def read_file(fd, st, data_out, hole_out):
                 left -= min(left, CHUNK)
             size += length
             continue
-        os.lseek(fd, offset, os.SEEK_SET)
+        if offset or length is not None:  # a fresh fd read whole starts at 0 already
+            os.lseek(fd, offset, os.SEEK_SET)
         left = length
         while left is None or left > 0:
             block = os.read(fd, CHUNK if left is None else min(left, CHUNK))

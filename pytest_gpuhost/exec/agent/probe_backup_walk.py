@@ -190,7 +190,7 @@ class _Walk:
                 stack.pop()
                 continue
             name, st, s_inc, s_exc = sub
-            path = dpath + b"/" + os.fsencode(name)
+            path = dpath.rstrip(b"/") + b"/" + os.fsencode(name)
             try:
                 cfd = os.open(name, _DIR, dir_fd=dfd)
             except OSError as exc:
@@ -219,7 +219,7 @@ class _Walk:
             return []
         subdirs = []
         for name in names:
-            path = dpath + b"/" + os.fsencode(name)
+            path = dpath.rstrip(b"/") + b"/" + os.fsencode(name)
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError as exc:
