@@ -135,8 +135,24 @@ def test_zombies_cycles_and_deep_chains() -> None:
 def test_gpu_holders_key_is_parsed_and_strict() -> None:
     assert parse_selection({"gpu_holders": True}).gpu_holders
     assert not parse_selection({"match": [{"module": "m"}]}).gpu_holders
-    with pytest.raises(ValueError):
-        parse_selection({"gpu_holder": True})
+    bad = [
+        {"gpu_holder": True},
+        {"gpu_holders": "false"},
+        {"match": [{"module": "m", "args": "--port"}]},
+        {"match": [{"argv0": 3}]},
+        {"match": {"module": "m"}},
+        {"units": [1]},
+        {"term_timeout": float("nan")},
+        {"term_timeout": -1},
+        {"kill_timeout": 10**9},
+        {"kill_timeout": True},
+    ]
+    for doc in bad:
+        with pytest.raises(ValueError) as exc:
+            parse_selection(doc)
+        assert "\n" not in str(exc.value), doc
+    sel = parse_selection({"units": "sglang-*.service", "match": [{"module": "m", "args": ["--port", "1"]}]})
+    assert sel.units == ("sglang-*.service",) and sel.matchers[0].args == ("--port", "1")
 
 
 # ---------------------------------------------------------------- real processes over local://

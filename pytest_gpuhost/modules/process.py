@@ -99,19 +99,41 @@ class Selection:
         return not (self.units or self.matchers or self.gpu_holders)
 
 
+def _texts(key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{key} must be a list of strings, not {value!r}")
+    return tuple(value)
+
+
+def _seconds(key: str, value: Any) -> float:
+    # bool is an int: `term_timeout: yes` is a mistake, not one second
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
+        raise ValueError(f"{key} must be a number of seconds in (0, 3600], not {value!r}")
+    return float(value)
+
+
 def parse_selection(doc: dict[str, Any]) -> Selection:
-    """Build a Selection from a manifest's `stop:` mapping; raise ValueError naming the bad key."""
+    """Build a Selection from a manifest's `stop:` mapping; raise ValueError naming the bad key.
+
+    Types are checked, not coerced: `gpu_holders: "false"` or `args: "--port"` is an error.
+    """
     unknown = set(doc) - {"units", "match", "gpu_holders", "term_timeout", "kill_timeout"}
     if unknown:
-        raise ValueError(f"unknown keys {sorted(unknown)}")
+        raise ValueError(f"unknown keys {sorted(unknown, key=str)}")
     matchers = []
-    for i, m in enumerate(doc.get("match") or []):
+    match = doc.get("match") or []
+    if not isinstance(match, list):
+        raise ValueError(f"match must be a list of matchers, not {match!r}")
+    for i, m in enumerate(match):
         if (
             not isinstance(m, dict)
             or not set(m) <= {"argv0", "module", "args", "name"}
             or not ({"argv0", "module", "args"} & set(m))
         ):
             raise ValueError(f"match[{i}] needs argv0 (regex), module and/or args (list)")
+        for k in ("argv0", "module", "name"):
+            if m.get(k) is not None and not isinstance(m[k], str):
+                raise ValueError(f"match[{i}].{k} must be a string, not {m[k]!r}")
         if m.get("argv0") is not None:
             try:
                 re.compile(m["argv0"])
@@ -121,19 +143,21 @@ def parse_selection(doc: dict[str, Any]) -> Selection:
             Matcher(
                 argv0=m.get("argv0"),
                 module=m.get("module"),
-                args=tuple(m.get("args") or ()),
-                name=str(m.get("name", "")),
+                args=_texts(f"match[{i}].args", m["args"]) if m.get("args") is not None else (),
+                name=str(m.get("name") or ""),
             )
         )
     units = doc.get("units") or []
-    if isinstance(units, str):
-        units = [units]
+    units = _texts("units", [units] if isinstance(units, str) else units)
+    gpu_holders = doc.get("gpu_holders", False)
+    if not isinstance(gpu_holders, bool):
+        raise ValueError(f"gpu_holders must be true or false, not {gpu_holders!r}")
     return Selection(
-        units=tuple(str(u) for u in units),
+        units=units,
         matchers=tuple(matchers),
-        gpu_holders=bool(doc.get("gpu_holders", False)),
-        term_timeout=float(doc.get("term_timeout", 30.0)),
-        kill_timeout=float(doc.get("kill_timeout", 10.0)),
+        gpu_holders=gpu_holders,
+        term_timeout=_seconds("term_timeout", doc.get("term_timeout", 30.0)),
+        kill_timeout=_seconds("kill_timeout", doc.get("kill_timeout", 10.0)),
     )
 
 
