@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuhost.errors import AgentError, CommandTimeout, GpuhostError
-from pytest_gpuhost.exec.agent import BOOTSTRAP, _core, agent_source, core, probe_files, probe_program
+from pytest_gpuhost.exec.agent import (
+    BOOTSTRAP,
+    CORE_FILES,
+    _core,
+    agent_source,
+    core,
+    probe_files,
+    probe_program,
+)
 from pytest_gpuhost.exec.connection import CommandResult, Connection
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
 
@@ -101,6 +109,50 @@ def test_core_files_are_joined_without_their_imports_of_each_other():
         for alias in node.names
     ]
     assert imported and not [m for m in imported if (m or "").startswith("pytest_gpuhost")]
+
+
+def _top_level_names(path: Path) -> set[str]:
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return out
+
+
+def test_core_files_do_not_redefine_each_others_names():
+    """The core files share one namespace on the target: a clash would silently replace a function."""
+    here = Path(core.__file__).parent
+    owner: dict[str, str] = {}
+    for name in CORE_FILES:
+        for defined in _top_level_names(here / name):
+            assert defined not in owner, f"{name} redefines {defined} from {owner.get(defined)}"
+            owner[defined] = name
+    assert owner["__all__"] == "core.py" and owner["main"] == "agent.py"
+
+
+def test_read_str_and_link_name(tmp_path):
+    (tmp_path / "v").write_bytes(b" 0x10de\n")
+    (tmp_path / "bad").write_bytes(b"\xff1")
+    os.symlink("../../drivers/nvidia", tmp_path / "driver")
+    assert core.read_str(str(tmp_path / "v")) == "0x10de"
+    assert core.read_str(str(tmp_path / "bad")) == "\ufffd1"
+    assert core.read_str(str(tmp_path / "none"), "") == ""
+    assert core.link_name(str(tmp_path / "driver")) == "nvidia"
+    assert core.link_name(str(tmp_path / "v")) is None
+
+
+def test_a_core_import_under_another_name_is_refused(tmp_path):
+    """Joined into one namespace, `op as register` would leave `register` undefined."""
+    from pytest_gpuhost.exec.agent import _core_source
+
+    path = tmp_path / "part.py"
+    path.write_text("from pytest_gpuhost.exec.agent.registry import (\n    op as register,\n)\n")
+    with pytest.raises(ValueError, match="without `as`"):
+        _core_source(path)
+    path.write_text("from pytest_gpuhost.exec.agent.registry import op as op  # re-export\nX = 1\n")
+    assert _core_source(path) == "X = 1\n"
 
 
 def test_probe_program_runs_one_probe_alone():

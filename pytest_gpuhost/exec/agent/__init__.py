@@ -2,9 +2,16 @@
 
 The program is sent once per connection: a bootstrap (`python3 -u -c BOOTSTRAP`) reads a
 decimal length line and that many bytes of zlib-compressed source from stdin, then `exec`s it.
-The source is built once per process and cached.  On the target it runs the files of
-`CORE_FILES` as one namespace (their imports of each other removed), then loads every
-`probe_*.py` with `core.load_probe` into a module of its own, then calls `main()`.
+The source is built once per process and cached.  On the target it runs the core files
+(`CORE_FILES`, in that order, as one namespace, their imports of each other removed), loads
+every `probe_*.py` into a module of its own with `core.load_probe`, then calls `main()`:
+
+  registry.py  op/fact registry, OpError, reply encoding, one request's dispatch
+  runner.py    the `run` op: a command in its own session, process group killed at the timeout
+  files.py     bounded reads, writes in a forked child under a watchdog, stat/listdir/glob
+  facts.py     `facts`, `hello`, `batch`, and the kernel/hostname/os_release facts
+  agent.py     the protocol loop, `main()`
+  core.py      the API probes import, and `load_probe`
 
 Probe-author guide
 ------------------
@@ -13,8 +20,8 @@ picked up by its name; nothing else needs registering.
 
 * It runs ON the target: stdlib only, Python 3.6 syntax (f-strings yes; no walrus, no
   `from __future__ import annotations`, no annotations such as `list[str]` that 3.6 evaluates;
-  type comments where mypy needs a type).  Imports of optional libraries (cupy, pynvml) go inside the
-  function that needs them.
+  a type comment `x = {}  # type: dict` where mypy needs one).  Optional libraries (cupy,
+  pynvml) are imported inside the function that needs them.
 * It has a module of its own, so its private names need no prefix and cannot clash with
   another probe's.  It imports the core explicitly, from one module only::
 
@@ -41,6 +48,11 @@ picked up by its name; nothing else needs registering.
 
   Fail a request with `OSError` (its errno travels back) or `OpError("one line")`.  Nothing may
   wait without a bound: every command gets a timeout, every loop a deadline.
+* The facts of one `facts` request share one `params` dict: a probe may cache a costly read
+  there for the request's other facts, under a key named after the probe (`"_gpu_smi"`).
+* Converting an old probe: add the import line, delete the `if "op" not in globals()` fallback,
+  the hand prefixes (`_hl_`, `_bk_`) and private copies of core helpers (`read_str`,
+  `link_name`), the file-wide `# ruff: noqa`, and the file's entry in pyproject's mypy `exclude`.
 * A probe that also runs alone (the backup's bulk sender) is started with
   `probe_program("probe_x", "entry()")`: the core, that probe, then the call, no protocol loop.
 * Tests: import the probe as a normal module (`from pytest_gpuhost.exec.agent import probe_x`)
@@ -66,7 +78,7 @@ _CORE_IMPORT = re.compile(
 )
 
 # The core, in the order it runs on the target: each file uses only names defined above it.
-CORE_FILES = ("agent.py", "core.py")
+CORE_FILES = ("registry.py", "runner.py", "files.py", "facts.py", "agent.py", "core.py")
 
 # Reads with os.read (unbuffered) so no protocol byte is swallowed by a buffer before main()
 # takes fd 0 over.  Kept short: it travels on the command line of every agent start.
@@ -94,8 +106,8 @@ def probe_files() -> list[Path]:
 def _core_source(path: Path) -> str:
     text = _FUTURE.sub("", path.read_text(encoding="utf-8"))
     for found in _CORE_IMPORT.findall(text):
-        # Stripped, an alias would leave its name undefined on the target.
-        if " as " in found:
+        # Stripped, an alias would leave its name undefined on the target (`x as x` re-exports).
+        if any(a != b for a, b in re.findall(r"(\w+) as (\w+)", found)) or "*" in found:
             raise ValueError(f"{path.name}: core files import each other without `as`: {found.strip()}")
     return _CORE_IMPORT.sub("", text)
 

@@ -12,20 +12,17 @@ Target side: stdlib only, Python 3.6 syntax (see the package docstring).
 import sys
 import types
 
-from pytest_gpuhost.exec.agent.agent import (
+from pytest_gpuhost.exec.agent.files import link_name, read_str, read_text, write_file
+from pytest_gpuhost.exec.agent.registry import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_OUTPUT,
     OpError,
     b64d,
     b64e,
     fact,
-    link_name,
     op,
-    read_str,
-    read_text,
-    run_process,
-    write_file,
 )
+from pytest_gpuhost.exec.agent.runner import run_process
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -70,5 +67,5 @@ def load_probe(name, source):
     for attr in __all__:
         setattr(mod, attr, getattr(api, attr))
     sys.modules[mod.__name__] = mod
-    exec(compile(source, "<gpuhost-agent/%s.py>" % name, "exec"), mod.__dict__)  # noqa: UP031
+    exec(compile(source, f"<gpuhost-agent/{name}.py>", "exec"), mod.__dict__)
     return mod

@@ -1,13 +1,16 @@
-# Agent probe: NVIDIA GPUs, their PCI functions and IOMMU groups, GPU holders, persistence, P2P.
-#
-# Runs ON the target, concatenated after agent.py (which defines `op` and `fact`). Stdlib only;
-# Python 3.6 syntax. pynvml and cupy are imported only inside the P2P probe, where present.
-# ruff: noqa: F821
-import glob as _gpu_glob
-import os as _gpu_os
-import re as _gpu_re
-import subprocess as _gpu_subprocess
-import time as _gpu_time
+"""Agent probe: NVIDIA GPUs, their PCI functions and IOMMU groups, GPU holders, persistence, P2P.
+
+Runs on the target (stdlib only, Python 3.6 syntax; see the package docstring).  pynvml and
+cupy are imported only inside the P2P probe, where present.
+"""
+
+import glob
+import os
+import re
+import subprocess
+import time
+
+from pytest_gpuhost.exec.agent.core import fact, link_name, op, read_str
 
 _PCI = "/sys/bus/pci/devices"
 _GROUPS = "/sys/kernel/iommu_groups"
@@ -15,78 +18,63 @@ _NVIDIA_VENDOR = "0x10de"
 _GPU_CLASSES = ("0x0300", "0x0302")
 
 
-def _gpu_read(path, default=None):
-    try:
-        with open(path) as fh:
-            return fh.read().strip()
-    except OSError:
-        return default
-
-
-def _gpu_link_name(path):
-    try:
-        return _gpu_os.path.basename(_gpu_os.readlink(path))
-    except OSError:
-        return None
-
-
-def _gpu_int(text):
+def _int(text):
     try:
         return int(text)
     except (TypeError, ValueError):
         return None
 
 
-def _gpu_function(bdf):
-    base = _gpu_os.path.join(_PCI, bdf)
-    group = _gpu_link_name(base + "/iommu_group")
+def _function(bdf):
+    base = os.path.join(_PCI, bdf)
+    group = link_name(base + "/iommu_group")
     return {
         "bdf": bdf,
-        "vendor": _gpu_read(base + "/vendor"),
-        "device": _gpu_read(base + "/device"),
-        "class": _gpu_read(base + "/class"),
-        "driver": _gpu_link_name(base + "/driver"),
-        "driver_override": _gpu_read(base + "/driver_override"),
-        "iommu_group": _gpu_int(group),
-        "numa_node": _gpu_int(_gpu_read(base + "/numa_node")),
+        "vendor": read_str(base + "/vendor"),
+        "device": read_str(base + "/device"),
+        "class": read_str(base + "/class"),
+        "driver": link_name(base + "/driver"),
+        "driver_override": read_str(base + "/driver_override"),
+        "iommu_group": _int(group),
+        "numa_node": _int(read_str(base + "/numa_node")),
     }
 
 
-def _gpu_minor_from_proc(bdf):
-    info = _gpu_read(f"/proc/driver/nvidia/gpus/{bdf.lower()}/information")
+def _minor_from_proc(bdf):
+    info = read_str(f"/proc/driver/nvidia/gpus/{bdf.lower()}/information")
     if not info:
         return None
-    m = _gpu_re.search(r"Device Minor:\s*(\d+)", info)
+    m = re.search(r"Device Minor:\s*(\d+)", info)
     return int(m.group(1)) if m else None
 
 
-def _gpu_smi(args, timeout=20):
+def _smi(args, timeout=20):
     """Run nvidia-smi with args; return stdout, or None when it is missing or fails."""
     try:
-        proc = _gpu_subprocess.run(  # noqa: UP022 - capture_output/text need 3.7
+        proc = subprocess.run(  # noqa: UP022 - capture_output/text need 3.7
             ["nvidia-smi"] + list(args),
-            stdout=_gpu_subprocess.PIPE,
-            stderr=_gpu_subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             timeout=timeout,
             universal_newlines=True,  # noqa: UP021
         )
-    except (OSError, _gpu_subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired):
         return None
     return proc.stdout if proc.returncode == 0 else None
 
 
-def _gpu_norm_bdf(bus_id):
+def _norm_bdf(bus_id):
     # nvidia-smi prints 00000000:17:00.0; sysfs uses 0000:17:00.0
     bus_id = bus_id.strip().lower()
-    m = _gpu_re.match(r"^([0-9a-f]+):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$", bus_id)
+    m = re.match(r"^([0-9a-f]+):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$", bus_id)
     if not m:
         return bus_id
     return f"{int(m.group(1), 16) & 0xFFFF:04x}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
 
 
-def _gpu_smi_table(fields):
+def _smi_table(fields):
     """Query nvidia-smi --query-gpu; return {bdf: {field: value}} or None."""
-    out = _gpu_smi(["--query-gpu=pci.bus_id," + ",".join(fields), "--format=csv,noheader,nounits"])
+    out = _smi(["--query-gpu=pci.bus_id," + ",".join(fields), "--format=csv,noheader,nounits"])
     if out is None:
         return None
     table = {}
@@ -94,7 +82,7 @@ def _gpu_smi_table(fields):
         cells = [c.strip() for c in line.split(",")]
         if len(cells) != len(fields) + 1:
             continue
-        table[_gpu_norm_bdf(cells[0])] = dict(zip(fields, cells[1:]))  # noqa: B905 - runs on Python 3.6
+        table[_norm_bdf(cells[0])] = dict(zip(fields, cells[1:]))
     return table
 
 
@@ -103,10 +91,10 @@ def _gpu_smi_table(fields):
 _SMI_FIELDS = ["index", "minor_number", "name", "persistence_mode"]
 
 
-def _gpu_smi_shared(params):
+def _smi_shared(params):
     """Return the nvidia-smi table of this facts request (query it on first use)."""
     if "_gpu_smi" not in params:
-        params["_gpu_smi"] = _gpu_smi_table(_SMI_FIELDS)
+        params["_gpu_smi"] = _smi_table(_SMI_FIELDS)
     return params["_gpu_smi"]
 
 
@@ -116,59 +104,55 @@ def gpus_fact(params):
     result = []
     smi_minors = None
     want_minors = params.get("minors", True)
-    for path in sorted(_gpu_glob.glob(_PCI + "/*")):
-        bdf = _gpu_os.path.basename(path)
-        vendor = _gpu_read(path + "/vendor")
-        klass = _gpu_read(path + "/class") or ""
+    for path in sorted(glob.glob(_PCI + "/*")):
+        bdf = os.path.basename(path)
+        vendor = read_str(path + "/vendor")
+        klass = read_str(path + "/class") or ""
         if vendor != _NVIDIA_VENDOR or not klass.startswith(_GPU_CLASSES):
             continue
-        entry = _gpu_function(bdf)
+        entry = _function(bdf)
         entry["link"] = {
-            "speed": _gpu_read(path + "/current_link_speed"),
-            "width": _gpu_int(_gpu_read(path + "/current_link_width")),
-            "max_speed": _gpu_read(path + "/max_link_speed"),
-            "max_width": _gpu_int(_gpu_read(path + "/max_link_width")),
+            "speed": read_str(path + "/current_link_speed"),
+            "width": _int(read_str(path + "/current_link_width")),
+            "max_speed": read_str(path + "/max_link_speed"),
+            "max_width": _int(read_str(path + "/max_link_width")),
         }
         group = entry["iommu_group"]
         if group is not None:
             gbase = f"{_GROUPS}/{group}"
-            entry["group_type"] = _gpu_read(gbase + "/type")
-            members = (
-                sorted(_gpu_os.listdir(gbase + "/devices"))
-                if _gpu_os.path.isdir(gbase + "/devices")
-                else [bdf]
-            )
-            entry["group_members"] = [_gpu_function(m) for m in members]
+            entry["group_type"] = read_str(gbase + "/type")
+            members = sorted(os.listdir(gbase + "/devices")) if os.path.isdir(gbase + "/devices") else [bdf]
+            entry["group_members"] = [_function(m) for m in members]
         else:
             entry["group_type"] = None
-            entry["group_members"] = [_gpu_function(bdf)]
+            entry["group_members"] = [_function(bdf)]
         minor = None
         if entry["driver"] == "nvidia" and want_minors:
-            minor = _gpu_minor_from_proc(bdf)
+            minor = _minor_from_proc(bdf)
             if minor is None:
                 if smi_minors is None:
-                    smi_minors = _gpu_smi_shared(params) or {}
-                minor = _gpu_int((smi_minors.get(bdf) or {}).get("minor_number"))
+                    smi_minors = _smi_shared(params) or {}
+                minor = _int((smi_minors.get(bdf) or {}).get("minor_number"))
         entry["minor"] = minor
         result.append(entry)
     return result
 
 
-def _gpu_proc_holders(prefix="/dev/nvidia"):
+def _proc_holders(prefix="/dev/nvidia"):
     holders = []
-    me = _gpu_os.getpid()
-    for pid_dir in _gpu_glob.glob("/proc/[0-9]*"):
-        pid = int(_gpu_os.path.basename(pid_dir))
+    me = os.getpid()
+    for pid_dir in glob.glob("/proc/[0-9]*"):
+        pid = int(os.path.basename(pid_dir))
         if pid == me:
             continue
         files = set()
         try:
-            fds = _gpu_os.listdir(pid_dir + "/fd")
+            fds = os.listdir(pid_dir + "/fd")
         except OSError:
             continue
         for fd in fds:
             try:
-                target = _gpu_os.readlink(pid_dir + "/fd/" + fd)
+                target = os.readlink(pid_dir + "/fd/" + fd)
             except OSError:
                 continue
             if target.startswith(prefix):
@@ -184,10 +168,10 @@ def _gpu_proc_holders(prefix="/dev/nvidia"):
         holders.append(
             {
                 "pid": pid,
-                "comm": _gpu_read(pid_dir + "/comm", ""),
+                "comm": read_str(pid_dir + "/comm", ""),
                 "cmdline": cmdline,
                 "files": sorted(files),
-                "cgroup": ((_gpu_read(pid_dir + "/cgroup", "") or "").splitlines() or [""])[-1],
+                "cgroup": ((read_str(pid_dir + "/cgroup", "") or "").splitlines() or [""])[-1],
             }
         )
     return sorted(holders, key=lambda h: h["pid"])
@@ -196,40 +180,40 @@ def _gpu_proc_holders(prefix="/dev/nvidia"):
 @fact("gpu_holders")
 def gpu_holders_fact(params):
     """Processes with /dev/nvidia* open: pid, comm, cmdline, which files (scans /proc/*/fd)."""
-    return _gpu_proc_holders(params.get("prefix", "/dev/nvidia"))
+    return _proc_holders(params.get("prefix", "/dev/nvidia"))
 
 
-def _gpu_running(program):
+def _running(program):
     """PIDs whose comm (cut to 15 characters by the kernel) or argv[0..1] basename is `program`."""
     pids = []
-    for pid_dir in _gpu_glob.glob("/proc/[0-9]*"):
-        comm = _gpu_read(pid_dir + "/comm") or ""
+    for pid_dir in glob.glob("/proc/[0-9]*"):
+        comm = read_str(pid_dir + "/comm") or ""
         argv = []
         try:
             with open(pid_dir + "/cmdline", "rb") as fh:
                 argv = [a.decode("utf-8", "replace") for a in fh.read().split(b"\0")[:2]]
         except OSError:
             pass
-        names = {_gpu_os.path.basename(a) for a in argv if a}
+        names = {os.path.basename(a) for a in argv if a}
         if comm == program[:15] or program in names:
-            pids.append(int(_gpu_os.path.basename(pid_dir)))
+            pids.append(int(os.path.basename(pid_dir)))
     return sorted(pids)
 
 
 @fact("persistence")
 def persistence_fact(params):
     """nvidia-persistenced processes and legacy persistence mode per GPU (nvidia-smi)."""
-    table = _gpu_smi_shared(params)
+    table = _smi_shared(params)
     legacy = None
     if table is not None:
         legacy = {bdf: row.get("persistence_mode") for bdf, row in table.items()}
-    return {"persistenced_pids": _gpu_running("nvidia-persistenced"), "legacy": legacy}
+    return {"persistenced_pids": _running("nvidia-persistenced"), "legacy": legacy}
 
 
 @fact("nvidia_smi_gpus")
 def nvidia_smi_gpus_fact(params):
     """GPUs nvidia-smi lists: {bdf: {index, minor_number, name}}, or None if it cannot run."""
-    table = _gpu_smi_shared(params)
+    table = _smi_shared(params)
     if table is None:
         return None
     return {bdf: {k: row.get(k) for k in ("index", "minor_number", "name")} for bdf, row in table.items()}
@@ -240,10 +224,10 @@ def host_info_fact(params):
     """Kernel release, boot id and kernel command line: what picks the sysfs era and detects reboots."""
     return {
         # /proc/sys/kernel/osrelease is what uname reports (and what a container or lab can carry)
-        "kernel": _gpu_read("/proc/sys/kernel/osrelease") or _gpu_os.uname()[2],
-        "boot_id": _gpu_read("/proc/sys/kernel/random/boot_id"),
-        "cmdline": _gpu_read("/proc/cmdline"),
-        "time": _gpu_time.time(),
+        "kernel": read_str("/proc/sys/kernel/osrelease") or os.uname()[2],
+        "boot_id": read_str("/proc/sys/kernel/random/boot_id"),
+        "cmdline": read_str("/proc/cmdline"),
+        "time": time.time(),
     }
 
 
@@ -268,9 +252,9 @@ def p2p_probe(params):
     count = runtime.getDeviceCount()
     ordinals = {}
     for i in range(count):
-        ordinals[_gpu_norm_bdf(runtime.deviceGetPCIBusId(i))] = i
+        ordinals[_norm_bdf(runtime.deviceGetPCIBusId(i))] = i
     bdfs = [b for b in (want or sorted(ordinals)) if b in ordinals]
-    capability = {}
+    capability = {}  # type: dict
     try:
         import pynvml
 
@@ -284,7 +268,7 @@ def p2p_probe(params):
         pynvml.nvmlShutdown()
     except Exception as exc:
         capability = {"error": str(exc)}
-    bandwidth = {}
+    bandwidth = {}  # type: dict
     for a in bdfs:
         for b in bdfs:
             if a == b:

@@ -1,21 +1,17 @@
-# Agent probe: process table, GPU holders, and signals by exact PID with a start-time check.
-#
-# Concatenated into the agent (stdlib only, no __future__ imports, Python 3.6 syntax).  The agent
-# knows its own PID, its ancestors and its session, so the selection can never include them.
+"""Agent probe: process table, GPU holders, and signals by exact PID with a start-time check.
+
+The agent knows its own PID, its ancestors and its session, so the selection can never include
+them.  Runs on the target (stdlib only, Python 3.6 syntax; see the package docstring).
+"""
+
 import os
 import signal
 import time
 
-if "op" not in globals():
-
-    def op(name):
-        def register(func):
-            return func
-
-        return register
+from pytest_gpuhost.exec.agent.core import op, read_str
 
 
-def _pr_stat(pid):
+def _stat(pid):
     """Return (ppid, pgid, sid, starttime, state) from /proc/PID/stat, or None if gone."""
     try:
         with open("/proc/" + str(pid) + "/stat", "rb") as f:
@@ -33,16 +29,16 @@ def _pr_stat(pid):
     }
 
 
-def _pr_text(raw):
+def _text(raw):
     return raw.decode("utf-8", "surrogateescape").encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _pr_own_tree():
+def _own_tree():
     own = os.getpid()
     ancestors = []
     pid = own
     for _ in range(64):
-        st = _pr_stat(pid)
+        st = _stat(pid)
         if st is None or st["ppid"] <= 0:
             break
         pid = st["ppid"]
@@ -50,9 +46,9 @@ def _pr_own_tree():
     return {"pid": own, "ancestors": ancestors, "sid": os.getsid(0), "pgid": os.getpgid(0)}
 
 
-def _pr_gpu_holders():
+def _gpu_holders():
     """Map PID -> sorted /dev/nvidia* paths it holds open (what fuser/lsof would say)."""
-    holders = {}
+    holders = {}  # type: dict
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -74,13 +70,13 @@ def _pr_gpu_holders():
 @op("proc_list")
 def proc_list(params):
     """List processes: pid, ppid, sid, start time, argv, exe, unit cgroup, GPU devices held."""
-    holders = _pr_gpu_holders() if params.get("gpu_holders", True) else {}
+    holders = _gpu_holders() if params.get("gpu_holders", True) else {}
     procs = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         pid = int(name)
-        st = _pr_stat(pid)
+        st = _stat(pid)
         if st is None:
             continue
         try:
@@ -88,7 +84,7 @@ def proc_list(params):
                 raw = f.read()
         except OSError:
             continue
-        argv = [_pr_text(a) for a in raw.split(b"\0")[:-1]] if raw else []
+        argv = [_text(a) for a in raw.split(b"\0")[:-1]] if raw else []
         try:
             exe = os.readlink("/proc/" + str(pid) + "/exe")
         except OSError:
@@ -102,18 +98,14 @@ def proc_list(params):
                         cgroup = parts[2]
         except OSError:
             pass
-        try:
-            with open("/proc/" + str(pid) + "/comm") as f:
-                comm = f.read().strip()
-        except OSError:
-            comm = ""
+        comm = read_str("/proc/" + str(pid) + "/comm", "")
         st.update(pid=pid, argv=argv, exe=exe, cgroup=cgroup, comm=comm, gpus=holders.get(pid, []))
         procs.append(st)
-    return {"processes": procs, "self": _pr_own_tree(), "clk_tck": os.sysconf("SC_CLK_TCK")}
+    return {"processes": procs, "self": _own_tree(), "clk_tck": os.sysconf("SC_CLK_TCK")}
 
 
-def _pr_alive(pid, starttime):
-    st = _pr_stat(pid)
+def _alive(pid, starttime):
+    st = _stat(pid)
     return st is not None and st["starttime"] == starttime and st["state"] not in ("Z", "X")
 
 
@@ -121,13 +113,13 @@ def _pr_alive(pid, starttime):
 def proc_signal(params):
     """Send a signal to exact PIDs whose start time still matches; never to this agent's own tree."""
     sig = int(params["signal"])
-    own = _pr_own_tree()
+    own = _own_tree()
     protected = set([own["pid"]] + own["ancestors"])
     out = []
     for item in params["targets"]:
         pid = int(item["pid"])
-        res = {"pid": pid}
-        st = _pr_stat(pid)
+        res = {"pid": pid}  # type: dict
+        st = _stat(pid)
         if pid in protected or (st is not None and st["sid"] == own["sid"]):
             res["status"] = "refused"
         elif st is None or st["state"] in ("Z", "X"):
@@ -140,7 +132,7 @@ def proc_signal(params):
                 # a pidfd pins the process: the start-time check and the signal hit the same one
                 if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
                     pidfd = os.pidfd_open(pid)
-                    again = _pr_stat(pid)
+                    again = _stat(pid)
                     if again is None or again["starttime"] != int(item["starttime"]):
                         res["status"] = "reused"
                     else:
@@ -168,7 +160,7 @@ def proc_wait(params):
     deadline = time.time() + float(params["timeout"])
     targets = [(int(t["pid"]), int(t["starttime"])) for t in params["targets"]]
     while True:
-        alive = [pid for pid, start in targets if _pr_alive(pid, start)]
+        alive = [pid for pid, start in targets if _alive(pid, start)]
         if not alive or time.time() >= deadline:
             break
         time.sleep(0.05)

@@ -1,0 +1,81 @@
+"""The `facts`, `hello` and `batch` operations, and the facts every host has.
+
+Target side: stdlib only, Python 3.6 syntax (see the package docstring).
+"""
+
+import os
+import platform
+import socket
+
+from pytest_gpuhost.exec.agent.files import read_text
+from pytest_gpuhost.exec.agent.registry import AGENT_VERSION, FACTS, OPS, dispatch, fact, one_line, op
+
+
+@op("facts")
+def op_facts(params):
+    names = params.get("names") or sorted(FACTS)
+    fparams = params.get("params") or {}
+    out = {}  # type: dict
+    for name in names:
+        fn = FACTS.get(name)
+        if fn is None:
+            out[name] = {"error": f"unknown fact {name!r}"}
+            continue
+        try:
+            out[name] = fn(fparams)
+        except OSError as exc:
+            out[name] = {"error": f"{name}: {exc.strerror or exc}", "errno": exc.errno}
+        except Exception as exc:
+            out[name] = {"error": f"{name}: {type(exc).__name__}: {one_line(exc)}"}
+    return out
+
+
+@op("hello")
+def op_hello(params):
+    return {
+        "pid": os.getpid(),
+        "python": platform.python_version(),
+        "uid": os.getuid(),
+        "hostname": socket.gethostname(),
+        "kernel": platform.release(),
+        "version": AGENT_VERSION,
+        "ops": sorted(OPS),
+        "facts": sorted(FACTS),
+    }
+
+
+@op("batch")
+def op_batch(params):
+    replies = []
+    for req in params.get("requests") or []:
+        reply = dispatch(req, None)
+        reply.pop("id", None)
+        replies.append(reply)
+    return replies
+
+
+@fact("kernel")
+def fact_kernel(params):
+    u = os.uname()
+    return {"release": u.release, "version": u.version, "machine": u.machine}
+
+
+@fact("hostname")
+def fact_hostname(params):
+    return socket.gethostname()
+
+
+@fact("os_release")
+def fact_os_release(params):
+    out = {}
+    for path in ("/etc/os-release", "/usr/lib/os-release"):
+        try:
+            text = read_text(path, 65536).decode("utf-8", "replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            k, sep, v = line.partition("=")
+            if sep and k.strip():
+                out[k.strip()] = v.strip().strip("\"'")
+        break
+    return out
