@@ -143,6 +143,24 @@ def test_read_str_and_link_name(tmp_path):
     assert core.link_name(str(tmp_path / "v")) is None
 
 
+def test_run_recorded_keeps_a_trimmed_copy_for_the_evidence():
+    record: list[dict] = []
+    res = core.run_recorded(["sh", "-c", "printf 0123456789; echo err >&2; exit 3"], 5, record, keep=4)
+    assert (res["rc"], res["stdout"]) == (3, "0123456789")
+    assert record == [
+        {
+            "argv": ["sh", "-c", "printf 0123456789; echo err >&2; exit 3"],
+            "rc": 3,
+            "stdout": "0123",
+            "stderr": "err\n",
+            "duration": record[0]["duration"],
+            "timed_out": False,
+        }
+    ]
+    core.run_recorded(["sleep", "5"], 0.2, record)
+    assert record[1]["timed_out"] and record[1]["rc"] == -9
+
+
 def test_a_core_import_under_another_name_is_refused(tmp_path):
     """Joined into one namespace, `op as register` would leave `register` undefined."""
     from pytest_gpuhost.exec.agent import _core_source

@@ -29,7 +29,8 @@ picked up by its name; nothing else needs registering.
 
   Only names in `core.__all__` may be imported (a test checks it): `op`, `fact`, `OpError`,
   `run_process` (argv, timeout, ...; same dict as the `run` op, whole process group killed at
-  the timeout), `read_text(path, max_bytes)` -> bytes, `read_str(path, default)` -> stripped
+  the timeout), `run_recorded(argv, timeout, record)` (the same, and a copy trimmed for the
+  evidence appended to the list `record`), `read_text(path, max_bytes)` -> bytes, `read_str(path, default)` -> stripped
   text or `default`, `link_name(path)` -> basename of a symlink's target or None,
   `write_file(path, data, timeout)` (forked writer under a watchdog), `b64e`/`b64d`,
   `DEFAULT_MAX_BYTES`, `DEFAULT_MAX_OUTPUT`.  Nothing else from `pytest_gpuhost`: on the target

@@ -22,7 +22,7 @@ from pytest_gpuhost.exec.agent.registry import (
     fact,
     op,
 )
-from pytest_gpuhost.exec.agent.runner import run_process
+from pytest_gpuhost.exec.agent.runner import run_process, run_recorded
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -36,6 +36,7 @@ __all__ = [
     "read_str",
     "read_text",
     "run_process",
+    "run_recorded",
     "write_file",
 ]
 

@@ -208,6 +208,26 @@ def run_process(
     return result
 
 
+def run_recorded(argv, timeout, record, keep=8192):
+    """Run `argv` like `run_process`; append a copy for the evidence to `record`, return the result.
+
+    The copy holds argv, rc, duration, timed_out and the first `keep` characters of stdout and
+    stderr: enough to show what a probe saw without carrying whole outputs into every report.
+    """
+    res = run_process(argv=argv, timeout=timeout)
+    record.append(
+        {
+            "argv": list(argv),
+            "rc": res["rc"],
+            "stdout": res.get("stdout", "")[:keep],
+            "stderr": res.get("stderr", "")[:keep],
+            "duration": round(res.get("duration", 0.0), 4),
+            "timed_out": res.get("timed_out", False),
+        }
+    )
+    return res
+
+
 @op("run", stream=True)  # streams its output when asked ("stream": true)
 def op_run(params, emit=None):
     on_output = None
