@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
+from pytest_gpuhost.exec.agent import probe_health_pci
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
+from pytest_gpuhost.modules import health_facts
 
 CSV = """\
 0, 00000000:17:00.0, NVIDIA RTX PRO 6000 Blackwell Server Edition, GPU-aaaa, 570.133.07, Enabled, 41, 0, 0, [N/A], 0, 0x0000000000000000, 5, 5, 16, 16
@@ -70,12 +72,14 @@ def fake_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _facts(conn, tmp: Path, **extra):
+    """Read the health facts as suites/health does: the facts that hold the parts, one request."""
     params = {
         "state_path": str(tmp / "state" / "health-state.json"),
         "data_paths": [str(tmp), str(tmp / "nope")],
     }
     params.update(extra)
-    return conn.call("facts", names=["health"], params=params)["health"]
+    names = health_facts.fact_names(extra.get("parts"))
+    return health_facts.merge(conn.call("facts", names=names, params=params))
 
 
 def test_probe_parses_the_tools_and_keeps_a_kernel_log_cursor(fake_host: Path) -> None:
@@ -105,7 +109,9 @@ def test_probe_parses_the_tools_and_keeps_a_kernel_log_cursor(fake_host: Path) -
         )
         # Not committed: the next run sees the same Xid again.
         assert [x["code"] for x in _facts(conn, fake_host)["kernel_log"]["xid"]] == [79]
-        conn.call("health_commit", state=kl["cursor"], state_path=kl["state_path"], timeout=10)
+        conn.call(
+            "health_commit", state=health_facts.commit_state(f), state_path=kl["state_path"], timeout=10
+        )
         saved = json.loads(Path(kl["state_path"]).read_text())
         assert saved["last_ts"] == kl["cursor"]["last_ts"]
         again = _facts(conn, fake_host)["kernel_log"]
@@ -161,7 +167,8 @@ def test_cuda_version_is_cached_per_driver_version(fake_host: Path) -> None:
     try:
         first = _facts(conn, fake_host)
         assert header_runs(first) == 1 and "cached" not in first["smi"]
-        cursor = first["kernel_log"]["cursor"]
+        cursor = health_facts.commit_state(first)
+        assert cursor is not None
         assert cursor["cuda"]["driver_version"] == "570.133.07" and cursor["cuda"]["cuda_version"] == "12.8"
         # nothing committed yet: the header is read again
         assert header_runs(_facts(conn, fake_host)) == 1
@@ -172,7 +179,7 @@ def test_cuda_version_is_cached_per_driver_version(fake_host: Path) -> None:
             second["smi"]["cuda_version"] == "12.8"
             and second["smi"]["cached"]["driver_version"] == "570.133.07"
         )
-        assert second["kernel_log"]["cursor"]["cuda"] == cursor["cuda"]  # carried into the next commit
+        assert health_facts.commit_state(second)["cuda"] == cursor["cuda"]  # carried into the next commit
         # a new driver: the header is read again and reports the new CUDA version
         (fake_host / "csv").write_text(CSV.replace("570.133.07", "575.51.03"))
         (fake_host / "header").write_text(
@@ -181,7 +188,7 @@ def test_cuda_version_is_cached_per_driver_version(fake_host: Path) -> None:
         third = _facts(conn, fake_host)
         assert header_runs(third) == 1 and "cached" not in third["smi"]
         assert third["smi"]["cuda_version"] == "12.9"
-        assert third["kernel_log"]["cursor"]["cuda"]["driver_version"] == "575.51.03"
+        assert health_facts.commit_state(third)["cuda"]["driver_version"] == "575.51.03"
     finally:
         conn.close()
 
@@ -192,7 +199,7 @@ def test_health_url_get_over_a_plain_socket() -> None:
     import socket
     import threading
 
-    from pytest_gpuhost.exec.agent import probe_health
+    from pytest_gpuhost.exec.agent.probe_health_services import http_get
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
@@ -210,9 +217,9 @@ def test_health_url_get_over_a_plain_socket() -> None:
     port = srv.server_address[1]
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        ok = probe_health._hl_http(f"http://127.0.0.1:{port}/health", 5)
+        ok = http_get(f"http://127.0.0.1:{port}/health", 5)
         assert (ok["status"], ok["body"], ok["error"]) == (200, "ok", None)
-        bad = probe_health._hl_http(f"http://localhost:{port}/v1/models", 5)
+        bad = http_get(f"http://localhost:{port}/v1/models", 5)
         assert bad["status"] == 503 and bad["error"] == "HTTP 503 Service Unavailable"
         assert bad["body"] == "loading model"
     finally:
@@ -222,24 +229,15 @@ def test_health_url_get_over_a_plain_socket() -> None:
     s.bind(("127.0.0.1", 0))
     free = s.getsockname()[1]
     s.close()
-    refused = probe_health._hl_http(f"http://127.0.0.1:{free}/health", 5)
+    refused = http_get(f"http://127.0.0.1:{free}/health", 5)
     assert refused["status"] is None and refused["error"].startswith("ConnectionRefusedError:")
     assert "Connection refused" in refused["error"]
-    far = probe_health._hl_http("http://10.0.0.1:30000/health", 5)
+    far = http_get("http://10.0.0.1:30000/health", 5)
     assert far["error"] == "refusing a non-local health URL"
 
 
-@pytest.fixture
-def probe_health(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """probe_health imported on its own, with the agent core's read_text it runs beside."""
-    from pytest_gpuhost.exec.agent import agent, probe_health
-
-    monkeypatch.setattr(probe_health, "read_text", agent.read_text, raising=False)
-    return probe_health
-
-
 def test_upstream_bridges_from_the_sysfs_link_or_bus_ranges(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probe_health: Any
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One readlink gives the bridges above a GPU; a flat sysfs reads each bridge's bus range once."""
 
@@ -248,8 +246,8 @@ def test_upstream_bridges_from_the_sysfs_link_or_bus_ranges(
     (linked / "0000:03:00.0").symlink_to(
         "../../../devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0"
     )
-    monkeypatch.setattr(probe_health, "_HL_SYS_PCI", str(linked))
-    assert probe_health._hl_upstream("0000:03:00.0", set(), {}) == [
+    monkeypatch.setattr(probe_health_pci, "SYS_PCI", str(linked))
+    assert probe_health_pci.upstream("0000:03:00.0", set(), {}) == [
         "0000:02:00.0",
         "0000:01:00.0",
         "0000:00:01.0",
@@ -265,10 +263,10 @@ def test_upstream_bridges_from_the_sysfs_link_or_bus_ranges(
         (flat / bdf / "secondary_bus_number").write_text(f"{lo}\n")
         (flat / bdf / "subordinate_bus_number").write_text(f"{hi}\n")
     (flat / "0000:13:00.0").mkdir()
-    monkeypatch.setattr(probe_health, "_HL_SYS_PCI", str(flat))
+    monkeypatch.setattr(probe_health_pci, "SYS_PCI", str(flat))
     ranges: dict[str, Any] = {}
     bridges = {"0000:10:01.0", "0000:11:00.0", "0000:12:00.0"}
-    assert probe_health._hl_upstream("0000:13:00.0", bridges, ranges) == [
+    assert probe_health_pci.upstream("0000:13:00.0", bridges, ranges) == [
         "0000:12:00.0",
         "0000:11:00.0",
         "0000:10:01.0",
@@ -279,20 +277,20 @@ def test_upstream_bridges_from_the_sysfs_link_or_bus_ranges(
         "0000:12:00.0": (0x13, 0x13),
     }
     (flat / "0000:12:00.0" / "secondary_bus_number").unlink()  # read once: the cache answers now
-    assert probe_health._hl_upstream("0000:13:00.0", bridges, ranges)[0] == "0000:12:00.0"
+    assert probe_health_pci.upstream("0000:13:00.0", bridges, ranges)[0] == "0000:12:00.0"
 
 
-def test_pci_ids_from_uevent_or_the_single_files(tmp_path: Path, probe_health: Any) -> None:
+def test_pci_ids_from_uevent_or_the_single_files(tmp_path: Path) -> None:
     dev = tmp_path / "0000:13:00.0"
     dev.mkdir()
     (dev / "uevent").write_text(
         "DRIVER=nvidia\nPCI_CLASS=30200\nPCI_ID=10DE:2BB5\nPCI_SLOT_NAME=0000:13:00.0\n"
     )
-    assert probe_health._hl_ids(str(dev)) == ("0x030200", "0x10de", "nvidia")
+    assert probe_health_pci.pci_ids(str(dev)) == ("0x030200", "0x10de", "nvidia")
     (dev / "uevent").write_text("PCI_CLASS=60400\nPCI_ID=8086:352A\n")
-    assert probe_health._hl_ids(str(dev)) == ("0x060400", "0x8086", None)
+    assert probe_health_pci.pci_ids(str(dev)) == ("0x060400", "0x8086", None)
     (dev / "uevent").unlink()
     (dev / "class").write_text("0x030000\n")
     (dev / "vendor").write_text("0x10de\n")
     (dev / "driver").symlink_to("../../../bus/pci/drivers/vfio-pci")
-    assert probe_health._hl_ids(str(dev)) == ("0x030000", "0x10de", "vfio-pci")
+    assert probe_health_pci.pci_ids(str(dev)) == ("0x030000", "0x10de", "vfio-pci")

@@ -19,6 +19,7 @@ import pytest
 
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.modules import health as hm
+from pytest_gpuhost.modules import health_facts
 from pytest_gpuhost.run import evidence, scheduling
 from pytest_gpuhost.run.remediation import Action, Check
 from suites.health import options
@@ -60,17 +61,23 @@ class HostHealth:
     def _facts(self, **extra: Any) -> dict[str, Any]:
         conn = self.target.conn
         params = dict(self.params, **extra)
+        names = health_facts.fact_names(extra.get("parts"))
         n = int(extra.get("samples") or 1)
-        bound = (float(self.thresholds["probe_timeout"]) * 3 + 10) * n + float(extra.get("interval", 0)) * n
+        timeout = float(self.thresholds["probe_timeout"])
+        # The `health` fact bounds itself (its parts run in parallel); the others run after it,
+        # one command at a time (dmesg twice at most, systemctl per unit).
+        bound = (timeout * 3 + 10 + float(extra.get("interval", 0))) * n + (timeout * 4 + 10) * (
+            len(names) - 1
+        )
         with self._lock:
             self.round_trips += 1  # one request (the connection's own count adds the agent start)
-        result = conn.call("facts", names=["health"], params=params, reply_timeout=bound)
-        facts = result.get("health")
-        if not isinstance(facts, dict) or (
-            "error" in facts and "gpus" not in facts and "samples" not in facts
+        reply = conn.call("facts", names=names, params=params, reply_timeout=bound)
+        main = reply.get("health", {}) if "health" in names else {}
+        if not isinstance(main, dict) or (
+            "error" in main and "commands" not in main and "samples" not in main
         ):
-            raise hm.ThresholdError(f"{self.name}: health probe failed: {facts}")
-        return facts
+            raise hm.ThresholdError(f"{self.name}: health probe failed: {main}")
+        return health_facts.merge(reply)
 
     def gather(self) -> dict[str, Any]:
         """Return the host's facts, reading them on first use (one agent request)."""
@@ -111,16 +118,15 @@ class HostHealth:
         """
         if self._commit is not None or self.facts is None:
             return
-        part = self.facts.get("kernel_log") or {}
-        if not part.get("ok") or not part.get("cursor"):
+        state = health_facts.commit_state(self.facts)
+        if state is None:
             return
+        state_path = (self.facts.get("kernel_log") or {}).get("state_path")
         conn = self.target.conn
 
         def commit() -> None:
             try:
-                conn.call(
-                    "health_commit", state=part["cursor"], state_path=part.get("state_path"), timeout=10
-                )
+                conn.call("health_commit", state=state, state_path=state_path, timeout=10)
                 self.committed = True
             except GpuhostError as exc:
                 self.commit_error = f"{type(exc).__name__}: {exc}"

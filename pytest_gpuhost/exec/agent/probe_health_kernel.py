@@ -1,0 +1,183 @@
+"""Agent probe: the `health_kernel_log` fact (Xid/SXid since the last run) and `health_commit`.
+
+Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).  The kernel log
+is read with `dmesg --time-format iso` (plain `dmesg` plus /proc/stat's btime where that option
+is missing); only lines after the cursor of the last committed run count.  The cursor (last
+timestamp and the keys of the lines at it) lives in /var/lib/gpuhost/health-state.json, which
+`health_commit` writes after a successful run; nothing else here changes the host.
+"""
+
+import calendar
+import hashlib
+import json
+import os
+import re
+import time
+
+from pytest_gpuhost.exec.agent.core import OpError, fact, op, read_str, read_text, run_process
+
+STATE_PATH = "/var/lib/gpuhost/health-state.json"
+_ISO = re.compile(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:[,.](\d+))?(Z|[+-]\d\d:?\d\d)?\s+(.*)$")
+_RAW = re.compile(r"^\[\s*(\d+(?:\.\d+)?)\]\s?(.*)$")
+_XID = re.compile(r"\bXid \(PCI:([0-9A-Fa-f:.]+)\):\s*(\d+)\b,?\s*(.*)$")
+_SXID = re.compile(r"\bSXid \(PCI:([0-9A-Fa-f:.]+)\):\s*(\d+)\b,?\s*(.*)$")
+_KEEP = 8192  # bytes of each command's output kept in the evidence
+
+
+def read_state(path):
+    """Return the health state file as (state, error); a missing file is (None, None)."""
+    try:
+        data = read_text(path, 1 << 20)
+    except OSError as exc:
+        return None, (None if exc.errno == 2 else f"{path}: {exc.strerror}")
+    try:
+        state = json.loads(data.decode("utf-8"))
+    except ValueError as exc:
+        return None, f"{path}: not JSON ({exc}); treating as first run"
+    if not isinstance(state, dict):
+        return None, f"{path}: not an object; treating as first run"
+    return state, None
+
+
+def _run(argv, timeout, record):
+    res = run_process(argv=argv, timeout=timeout)
+    record.append(
+        {
+            "argv": list(argv),
+            "rc": res["rc"],
+            "stdout": res.get("stdout", "")[:_KEEP],
+            "stderr": res.get("stderr", "")[:_KEEP],
+            "duration": round(res.get("duration", 0.0), 4),
+            "timed_out": res.get("timed_out", False),
+        }
+    )
+    return res
+
+
+def _iso_epoch(m):
+    year, mon, day, hh, mm, ss = (int(m.group(i)) for i in range(1, 7))
+    frac = float("0." + m.group(7)) if m.group(7) else 0.0
+    epoch = calendar.timegm((year, mon, day, hh, mm, ss, 0, 0, 0)) + frac
+    tz = m.group(8)
+    if tz and tz != "Z":
+        sign = -1 if tz[0] == "-" else 1
+        digits = tz[1:].replace(":", "")
+        epoch -= sign * (int(digits[:2]) * 3600 + int(digits[2:4]) * 60)
+    return epoch
+
+
+def _btime():
+    for line in (read_str("/proc/stat", "", 1 << 20) or "").splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    return None
+
+
+def _line_key(ts, msg):
+    return hashlib.sha1(f"{ts:.6f} {msg}".encode("utf-8", "replace")).hexdigest()[:16]
+
+
+def _dmesg_lines(timeout, record):
+    """Return (lines as (epoch, message), mode, failed result or None)."""
+    res = _run(["dmesg", "--time-format", "iso"], timeout, record)
+    mode = "iso"
+    if res["rc"] != 0:
+        res = _run(["dmesg"], timeout, record)
+        mode = "raw"
+    if res["rc"] != 0:
+        return [], mode, res
+    btime = _btime() if mode == "raw" else None
+    lines = []
+    for text in res["stdout"].splitlines():
+        m = (_ISO if mode == "iso" else _RAW).match(text)
+        if not m:
+            continue  # continuation lines carry no timestamp; Xid lines always have one
+        if mode == "iso":
+            lines.append((_iso_epoch(m), m.group(9)))
+        else:
+            lines.append((float(m.group(1)) + (btime or 0.0), m.group(2)))
+    return lines, mode, None
+
+
+def _events(new):
+    xid, sxid = [], []
+    for ts, msg in new:
+        m = _SXID.search(msg)
+        if m:
+            sxid.append({"ts": ts, "bdf": m.group(1).lower(), "code": int(m.group(2)), "msg": msg})
+            continue
+        m = _XID.search(msg)
+        if m:
+            xid.append({"ts": ts, "bdf": m.group(1).lower(), "code": int(m.group(2)), "msg": msg})
+    return xid, sxid
+
+
+@fact("health_kernel_log")
+def fact_health_kernel_log(params):
+    """Return the Xid and SXid lines logged since the committed cursor, and the new cursor."""
+    timeout = float(params.get("timeout", 20))
+    path = params.get("state_path") or STATE_PATH
+    state, state_error = read_state(path)
+    record = []  # type: list
+    lines, mode, failed = _dmesg_lines(timeout, record)
+    if failed is not None:
+        if failed["timed_out"]:
+            why = "dmesg timed out"
+        elif failed["rc"] == 127:
+            why = "dmesg: command not found"
+        else:
+            err = (failed.get("stderr") or failed.get("stdout") or "").strip().splitlines()
+            why = "dmesg exited %d%s" % (failed["rc"], (": " + err[-1]) if err else "")  # noqa: UP031
+        return {"ok": False, "error": why, "state_path": path, "commands": record}
+    since = state.get("last_ts") if state is not None else None
+    seen = set(state.get("seen_at_last") or []) if state is not None else set()
+    new = [
+        (ts, msg)
+        for ts, msg in lines
+        if since is None or not (ts < since or (ts == since and _line_key(ts, msg) in seen))
+    ]
+    xid, sxid = _events(new)
+    last_ts = max([ts for ts, _ in lines] + ([since] if since is not None else []) or [0.0])
+    at_last = sorted(_line_key(ts, msg) for ts, msg in lines if ts == last_ts)
+    if since is not None and last_ts == since:
+        at_last = sorted(set(at_last) | seen)
+    return {
+        "ok": True,
+        "mode": mode,
+        "first_run": state is None,
+        "since": since,
+        "state_path": path,
+        "state_error": state_error,
+        "lines_total": len(lines),
+        "lines_new": len(new),
+        "xid": xid,
+        "sxid": sxid,
+        "cursor": {
+            "version": 1,
+            "last_ts": last_ts,
+            "seen_at_last": at_last,
+            "boot_id": read_str("/proc/sys/kernel/random/boot_id", None, 256),
+        },
+        "commands": record,
+    }
+
+
+@op("health_commit")
+def op_health_commit(params):
+    """Record the kernel-log cursor of a successful run (atomically: temp file, rename)."""
+    path = params.get("state_path") or STATE_PATH
+    state = params.get("state")
+    if not isinstance(state, dict):
+        raise OpError("health_commit: state must be an object")
+    state = dict(state)
+    state["committed"] = time.time()
+    d = os.path.dirname(path)
+    if d and not os.path.isdir(d):
+        os.makedirs(d, 0o755)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(state, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+    return {"path": path, "last_ts": state.get("last_ts")}

@@ -1,0 +1,174 @@
+"""Agent probe: the `health_pci` fact, the GPUs' PCI functions, IOMMU groups and upstream ACS.
+
+Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).  Read-only: sysfs
+files and links, config space where it is readable, `lspci -vvv` for a bridge whose extended
+config space is not (only root sees it).  suites/health asks for it in the same request as the
+`health` fact (modules/health_facts.py merges the two).
+"""
+
+import os
+import re
+
+from pytest_gpuhost.exec.agent.core import fact, link_name, read_str, read_text, run_process
+
+SYS_PCI = "/sys/bus/pci/devices"
+ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
+_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+_KEEP = 8192  # bytes of each command's output kept in the evidence
+
+
+def _acs_from_config(bdf):
+    """Return the ACS control bits from config space, None when it cannot be read in full."""
+    try:
+        data = read_text(os.path.join(SYS_PCI, bdf, "config"), 4096)
+    except OSError:
+        return None
+    if len(data) < 0x104:
+        return None  # only root sees extended config space
+    off = 0x100
+    for _ in range(64):
+        if off < 0x100 or off + 8 > len(data):
+            break
+        header = int.from_bytes(data[off : off + 4], "little")
+        if header in (0, 0xFFFFFFFF):
+            break
+        if header & 0xFFFF == 0x000D:
+            ctl = int.from_bytes(data[off + 6 : off + 8], "little")
+            return {
+                "source": "config",
+                "present": True,
+                "ctl": {n: bool(ctl >> i & 1) for i, n in enumerate(ACS_BITS)},
+            }
+        off = header >> 20
+        if off == 0:
+            break
+    return {"source": "config", "present": False, "ctl": {}}
+
+
+def _acs_from_lspci(bdf, timeout, record):
+    res = run_process(argv=["lspci", "-vvv", "-s", bdf], timeout=timeout)
+    record.append(
+        {
+            "argv": ["lspci", "-vvv", "-s", bdf],
+            "rc": res["rc"],
+            "stdout": res.get("stdout", "")[:_KEEP],
+            "stderr": res.get("stderr", "")[:_KEEP],
+            "duration": round(res.get("duration", 0.0), 4),
+            "timed_out": res.get("timed_out", False),
+        }
+    )
+    if res["rc"] != 0 or not res["stdout"].strip():
+        return None
+    out = res["stdout"]
+    m = re.search(r"ACSCtl:\s*(.*)", out)
+    if m:
+        ctl = {}
+        for tok in m.group(1).split():
+            if tok[-1:] in "+-" and tok[:-1] in ACS_BITS:
+                ctl[tok[:-1]] = tok[-1] == "+"
+        return {"source": "lspci", "present": True, "ctl": ctl}
+    if "<access denied>" in out:
+        return None
+    if re.search(r"Capabilities: \[[1-9a-f][0-9a-f]{2} v", out):
+        return {"source": "lspci", "present": False, "ctl": {}}  # extended caps listed, no ACS
+    return None
+
+
+def upstream(bdf, bridges, ranges):
+    """Return the BDFs of the bridges above `bdf`, nearest first.
+
+    sysfs's /sys/bus/pci/devices/BDF is a link into the device hierarchy: one readlink gives
+    every bridge on the way. A flat sysfs (plain directories, as in some containers) falls back
+    to the bridges whose secondary..subordinate bus range holds the device's bus; `ranges`
+    caches those per bridge, so each is read once for all GPUs.
+    """
+    try:
+        link = os.readlink(os.path.join(SYS_PCI, bdf))
+    except OSError:
+        link = ""
+    parts = [p for p in link.split("/") if _BDF.match(p)]
+    if len(parts) > 1 and parts[-1] == bdf:
+        return list(reversed(parts[:-1]))
+    out = []
+    dom, bus = bdf[:4], int(bdf[5:7], 16)
+    for b in sorted(bridges):
+        if b == bdf or b[:4] != dom:
+            continue
+        if b not in ranges:
+            lo = read_str(os.path.join(SYS_PCI, b, "secondary_bus_number"))
+            hi = read_str(os.path.join(SYS_PCI, b, "subordinate_bus_number"))
+            try:
+                ranges[b] = (int(lo or ""), int(hi or ""))
+            except ValueError:
+                ranges[b] = None
+        r = ranges[b]
+        if r is not None and r[0] <= bus <= r[1]:
+            out.append((r[1] - r[0], b))
+    return [b for _, b in sorted(out)]
+
+
+def pci_ids(base):
+    """Return (class, vendor, driver) of a PCI device: one read of `uevent` where it exists."""
+    text = read_str(os.path.join(base, "uevent"))
+    if text:
+        ev = dict(line.partition("=")[::2] for line in text.splitlines())
+        try:
+            cls = "0x%06x" % int(ev.get("PCI_CLASS", ""), 16)  # noqa: UP031 - a hex field width
+            vendor = "0x" + ev["PCI_ID"].split(":")[0].lower()
+            return cls, vendor, ev.get("DRIVER") or None
+        except (KeyError, ValueError):
+            pass
+    return (
+        read_str(os.path.join(base, "class"), ""),
+        read_str(os.path.join(base, "vendor")),
+        link_name(os.path.join(base, "driver")),
+    )
+
+
+@fact("health_pci")
+def fact_health_pci(params):
+    """Read the NVIDIA GPUs' driver, IOMMU group and type, PCIe link and upstream bridges' ACS."""
+    timeout = float(params.get("timeout", 20))
+    record = []  # type: list
+    try:
+        all_bdfs = sorted(os.listdir(SYS_PCI))
+    except OSError as exc:
+        return {"ok": False, "error": f"{SYS_PCI}: {exc.strerror}", "devices": {}, "commands": record}
+    ids = {b: pci_ids(os.path.join(SYS_PCI, b)) for b in all_bdfs}
+    bridges = set(b for b in all_bdfs if ids[b][0].startswith("0x0604"))
+    devices = {}
+    acs_cache = {}  # type: dict
+    ranges = {}  # type: dict
+    for b in all_bdfs:
+        base = os.path.join(SYS_PCI, b)
+        cls, vendor, driver = ids[b]
+        if vendor != "0x10de" or cls[:6] not in ("0x0300", "0x0302"):
+            continue
+        group = link_name(os.path.join(base, "iommu_group"))
+        dev = {
+            "driver": driver,
+            "class": cls,
+            "iommu_group": group,
+            "iommu_type": read_str(f"/sys/kernel/iommu_groups/{group}/type") if group else None,
+            "link": {
+                "speed": read_str(os.path.join(base, "current_link_speed")),
+                "width": read_str(os.path.join(base, "current_link_width")),
+                "max_speed": read_str(os.path.join(base, "max_link_speed")),
+                "max_width": read_str(os.path.join(base, "max_link_width")),
+            },
+            "bridges": [],
+        }  # type: dict
+        for up in upstream(b, bridges, ranges):
+            if up not in acs_cache:
+                acs = _acs_from_config(up)
+                if acs is None:
+                    acs = _acs_from_lspci(up, timeout, record)
+                acs_cache[up] = acs or {"source": "unknown", "present": None, "ctl": {}}
+            dev["bridges"].append({"bdf": up, "acs": acs_cache[up]})
+        devices[b] = dev
+    return {
+        "ok": True,
+        "devices": devices,
+        "iommu_groups_present": os.path.isdir("/sys/kernel/iommu_groups"),
+        "commands": record,
+    }
