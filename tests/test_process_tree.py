@@ -135,7 +135,7 @@ def test_zombies_cycles_and_deep_chains() -> None:
 def test_gpu_holders_key_is_parsed_and_strict() -> None:
     assert parse_selection({"gpu_holders": True}).gpu_holders
     assert not parse_selection({"match": [{"module": "m"}]}).gpu_holders
-    bad = [
+    bad: list[dict[str, Any]] = [
         {"gpu_holder": True},
         {"gpu_holders": "false"},
         {"match": [{"module": "m", "args": "--port"}]},
