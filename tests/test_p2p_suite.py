@@ -324,6 +324,51 @@ def test_blocked_unbind_is_reported_rolled_back_and_completed_next_run(host: Any
     assert_repaired(host)
 
 
+CT_STOP_PLUGIN = '''
+"""Right before step 4 unbinds, stop the service's container as `pct stop` would: kill its init."""
+import os
+import signal
+
+
+def pytest_gpuhost_before_fix(item, target, remediation, actions, check_only):
+    if remediation.name == "iommu groups identity" and not check_only:
+        os.kill(int(os.environ["P2P_CT_INIT"]), signal.SIGKILL)
+    return None
+'''
+
+
+def test_stopped_container_is_not_a_lost_host(host: Any, tmp_path: Path) -> None:
+    """The container stops mid-run (issue 12 item 6): the host's steps go on, the host's undo (start
+    nvidia-persistenced) still runs at the end, the report names the container as unreachable, and the
+    journal stays for the run that will start the service."""
+    host.reset()
+    run = run_suite(host, tmp_path, plugin=CT_STOP_PLUGIN, env={"P2P_CT_INIT": str(host.init_pid(101))})
+    assert run.rc != 0
+    for step in ("test_iommu_groups_identity", "test_drivers_bound", "test_persisted"):
+        assert run.outcomes[step] == "fixed", run.outcomes  # the host is not lost
+    assert run.outcomes["test_p2p_bandwidth"] == "passed", run.outcomes
+    assert run.outcomes["test_service_restored"] == "failed", run.outcomes
+    assert f"{host.address}/101 unreachable" in run.output, run.output[-3000:]
+    st = host_state(host)
+    assert [st["groups"][g] for g in GROUPS] == ["identity"] * 4, st["groups"]
+    assert all(st["drivers"][b] == "nvidia" for b in NVIDIA), st["drivers"]
+    assert sh(host, "systemctl is-active nvidia-persistenced.service") == "active"
+    teardown = run.tests["test_service_restored"]["evidence"]["teardown"]
+    notes = "\n".join(teardown["notes"])
+    assert f"undo [{host.address}] start nvidia-persistenced.service: done" in notes, notes
+    assert (
+        f"undo [{host.address}/101] start sglang-qwen.service: not done: {host.address}/101 unreachable"
+        in notes
+    )
+    reach = {s["label"]: s["value"] for s in teardown["states"]}["reachability"]
+    assert reach[host.address] == "reachable" and reach[f"{host.address}/101"].startswith("unreachable"), (
+        reach
+    )
+    journal = json.loads(sh(host, "cat /var/lib/gpuhost/journal/p2p.json"))
+    assert journal["service_stopped"] is True  # the next run starts it
+    assert_vfio_untouched(run)
+
+
 def test_old_kernel_is_refused_before_anything_is_touched(lab: Any, tmp_path: Path) -> None:
     """Kernel 6.1: groups of GPU + audio cannot change type; the run says so and changes nothing."""
     from gpulab.profile import load_profile
