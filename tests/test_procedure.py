@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -230,3 +231,34 @@ def test_undo_stack_reverse_order_and_lost_links() -> None:
     host2.mark_lost(ConnectError("no route to host"))
     with pytest.raises(LinkLost, match="g/101 unreachable since: through g: no route to host"):
         inner.connection()
+
+
+def test_only_unreachable_loses_a_link() -> None:
+    """An operation failing on a target that answers leaves the link up; Unreachable from a raw
+    connection inside a step is charged to the step's link."""
+    from pytest_gpuhost.errors import AgentError, AgentLost, GpuhostError
+    from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url
+    from pytest_gpuhost.run.procedure import Link, LinkLost, Procedure
+
+    conn = open_connection(parse_host_url("local://"), TargetOptions(command_timeout=10))
+    try:
+        link = Link("local", lambda: conn)
+        with pytest.raises(AgentError):
+            link.call("no_such_op")
+        with pytest.raises(GpuhostError):
+            link.run(["false"], check=True)
+        assert link.lost is None and link.run(["true"]).rc == 0
+    finally:
+        conn.close()
+
+    host = Link("h", lambda: "host connection")
+    proc = Procedure(host, check_only=False)
+
+    def check() -> Any:
+        raise AgentLost("agent on h died during backup_send")
+
+    with pytest.raises(AgentLost):
+        proc.step("artifacts backed up", check).check()
+    assert host.lost == "agent on h died during backup_send"
+    with pytest.raises(LinkLost, match="h unreachable since: agent on h died"):
+        host.call("hello")
