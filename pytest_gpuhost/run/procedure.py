@@ -18,7 +18,7 @@ A suite that changes a host in several ordered steps (suites/p2p, suites/decommi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,7 +214,6 @@ class Procedure:
         self.check_only = check_only
         self.journal = journal
         self._undo: list[Undo] = []
-        self.undone: list[tuple[str, str]] = []  # (what, how it ended), for the report
 
     @staticmethod
     def links_of(target: Any) -> tuple[Link, Link | None]:
@@ -292,7 +291,6 @@ class Procedure:
                     how = f"not done: {u.link.name} unreachable ({u.link.lost or exc})"
                 except Exception as exc:  # noqa: BLE001 - one failed undo must not stop the others
                     how = f"failed: {type(exc).__name__}: {exc}"
-            self.undone.append((u.what, how))
             evidence.current().note(f"undo [{u.link.name}] {u.what}: {how}")
             if how != "done":
                 problems.append(f"{u.what}: {how}")
@@ -333,7 +331,3 @@ class Procedure:
         for p in problems:
             ev.note(f"finish: {p}")
         return problems
-
-    def lost_links(self) -> Iterator[Link]:
-        """The links lost so far."""
-        return (x for x in self.links if x.lost is not None)
