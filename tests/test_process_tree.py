@@ -236,3 +236,51 @@ def test_stop_takes_the_whole_tree_and_late_children_not_lookalikes(conn) -> Non
                 pass
         server.wait(5)
         lookalike.wait(5)
+
+
+# Ignores SIGTERM and answers it by forking a new worker: the one SIGKILL must take it too.
+RESPAWNER = """
+import signal, subprocess, sys, time
+def respawn(*_):
+    subprocess.Popen([sys.argv[1] + "respawned", "-c", "import time; time.sleep(600)"], executable=sys.executable)
+signal.signal(signal.SIGTERM, respawn)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_children_forked_while_sigterm_is_ignored_are_killed_with_their_parent(conn) -> None:
+    mod = f"fake_sglang_{uuid.uuid4().hex[:8]}.launch_server"
+    title = f"t{uuid.uuid4().hex[:6]}::"
+    server = subprocess.Popen([sys.executable, "-c", RESPAWNER, title, "-m", mod], start_new_session=True)
+    tree: set[int] = set()
+    try:
+        time.sleep(0.3)
+        chosen = ProcessTable.read(conn).select(Selection(matchers=(Matcher(module=mod),)))
+        assert [p.pid for p, _ in chosen] == [server.pid]
+        recorded: list[Any] = []
+        res = stop_processes(
+            conn,
+            [p for p, _ in chosen],
+            term_timeout=1,
+            kill_timeout=5,
+            record=lambda k, v: recorded.append((k, v)),
+        )
+        added = dict(recorded).get("added before SIGKILL")
+        assert added and added[0]["cmdline"].startswith(title + "respawned"), recorded
+        tree = {server.pid, *(r["pid"] for r in added)}
+        assert res.ok and set(res.killed) == tree and server.wait(5) == -signal.SIGKILL
+        assert [r["pid"] for r in res.selected] == [server.pid, *(r["pid"] for r in added)]
+        for pid in tree - {server.pid}:  # gone, or a zombie until its new parent reaps it
+            try:
+                state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+            except FileNotFoundError:
+                continue
+            assert state == b"Z", pid
+    finally:
+        for pid in [*tree, server.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.wait(5)

@@ -366,6 +366,7 @@ def stop_processes(
     With `tree`, the process table is read once more just before the first signal and every
     descendant of a chosen process (same PID and start time) that appeared since the selection
     is added: a worker forked while the operator read the plan is stopped with its parent.
+    Once more before SIGKILL, for the children the survivors of SIGTERM forked meanwhile.
     `record(label, value)` is called with the selection before any signal is sent (the evidence).
     `run(argv)` runs a command on the node; when units are given, `systemctl stop --no-block`
     goes first so that systemd does not restart what we kill.
@@ -393,8 +394,18 @@ def stop_processes(
     live = [t for t in targets if t["pid"] in result.termed]
     alive = conn.call("proc_wait", targets=live, timeout=term_timeout)["alive"] if live else []
     if alive:
-        result.timeline.append(("SIGKILL", time.time()))
         left = [t for t in live if t["pid"] in alive]
+        if tree:
+            # a survivor may have forked while it ignored SIGTERM: its new children go with it,
+            # or they outlive it as orphans
+            extra = _late_children(conn, [p for p in chosen if p.pid in alive])
+            extra = [p for p in extra if p.pid not in {t["pid"] for t in targets}]
+            if extra:
+                result.selected += [p.record() for p in extra]
+                if record is not None:
+                    record("added before SIGKILL", [p.record() for p in extra])
+                left += [{"pid": p.pid, "starttime": p.starttime} for p in extra]
+        result.timeline.append(("SIGKILL", time.time()))
         for r in conn.call("proc_signal", targets=left, signal=int(signal.SIGKILL)):
             if r["status"] == "sent":
                 result.killed.append(r["pid"])
