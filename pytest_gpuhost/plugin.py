@@ -107,6 +107,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     targets_stash.parametrize_targets(metafunc)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # trylast: after -k/-m deselection, so a run that deselected every target test is not refused.
+    targets_stash.require_targets(config, items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    targets_stash.require_targets_xdist(node.config, ids)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # Before fixtures, like skip marks: a blocked procedure step does not touch its host.

@@ -124,7 +124,24 @@ def test_ini_twins_are_read_and_named_in_errors(pytester: pytest.Pytester) -> No
     result.stderr.fnmatch_lines(["ERROR: gpuhost: --command-timeout='x': *"])
 
 
-def test_without_target_tests_skip_with_reason(pytester: pytest.Pytester) -> None:
+NO_TARGET = "ERROR: gpuhost: * test(s) need one (first: *); pass --host=URL *or --inventory=FILE"
+
+
+@pytest.mark.parametrize(
+    ("args", "first"),
+    [
+        ([], "ERROR: gpuhost: no target, and 2 test(s) need one *"),
+        (["--inventory=empty.yaml"], "ERROR: gpuhost: --inventory='empty.yaml' lists no host, *"),
+        (["--inventory=empty.ini"], "ERROR: gpuhost: --inventory='empty.ini' lists no host, *"),
+        (["--host=local://", "--limit=nothing"], "ERROR: --limit='nothing' matches none of the 1 targets"),
+        (["-n", "2"], "ERROR: gpuhost: no target, and 2 test(s) need one *"),
+    ],
+)
+def test_a_run_without_target_is_a_usage_error(
+    pytester: pytest.Pytester, args: list[str], first: str
+) -> None:
+    pytester.makefile(".yaml", empty="all:\n  hosts: {}\n")
+    pytester.makefile(".ini", empty="[gpus]\n")
     pytester.makepyfile(
         """
         def test_needs_host(host): pass
@@ -132,9 +149,77 @@ def test_without_target_tests_skip_with_reason(pytester: pytest.Pytester) -> Non
         def test_plain(check_only): assert check_only is False
         """
     )
-    result = pytester.runpytest("-rs", "--report-dir=none")
-    result.assert_outcomes(passed=1, skipped=2)
-    result.stdout.fnmatch_lines(["*no target: pass --host=URL*"])
+    result = pytester.runpytest_subprocess("--report-dir=none", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([first])
+    assert [line for line in result.stderr.lines if line.strip()] == [result.stderr.lines[0]], "one line"
+    result.stdout.no_fnmatch_line("*passed*")
+    result.stdout.no_fnmatch_line("*skipped*")
+
+
+def test_without_target_collect_only_and_unrelated_runs_pass(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_gpu="def test_needs_host(host): pass\n", test_other="def test_x(): pass\n")
+    result = pytester.runpytest("--report-dir=none", "--co", "-q")
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(["test_gpu.py::test_needs_host[no-target]", "test_other.py::test_x"])
+    pytester.runpytest("--report-dir=none", "test_other.py").assert_outcomes(passed=1)
+    # -k deselected every test that needs a target: nothing is refused.
+    pytester.runpytest("--report-dir=none", "-k", "test_x").assert_outcomes(passed=1)
+
+
+def test_testinfra_options_are_aliases(pytester: pytest.Pytester) -> None:
+    pytester.makefile(".yaml", fleet="all:\n  hosts:\n    n1: {gpuhost_url: 'local://'}\n")
+    pytester.makepyfile(
+        """
+        def test_t(target, pytestconfig):
+            print("URL", target.spec.url, pytestconfig.getoption("gpuhost_ssh_identity"))
+        """
+    )
+    key = pytester.makefile("", id_test="not a key")
+    result = pytester.runpytest("-s", "-v", "--report-dir=none", "--hosts=local://,docker://box", "--co")
+    result.stdout.fnmatch_lines(["*test_t[[]local[]]*", "*test_t[[]box[]]*"])
+    result = pytester.runpytest("-s", "--report-dir=none", "--hosts=local://", f"--ssh-identity-file={key}")
+    result.stdout.fnmatch_lines([f"*URL local:// {key}"])
+    result.assert_outcomes(passed=1)
+    # testinfra's --connection names the scheme of --hosts entries without one.
+    result = pytester.runpytest(
+        "-v", "--report-dir=none", "--hosts=box1,ssh://u@h2", "--connection=docker", "--co"
+    )
+    result.stdout.fnmatch_lines(["*test_t[[]box1[]]*", "*test_t[[]h2[]]*"])
+    result = pytester.runpytest("-s", "--report-dir=none", "--ansible-inventory=fleet.yaml")
+    result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--ssh-config=/etc/ssh/ssh_config"],
+            "*testinfra's --ssh-config='/etc/ssh/ssh_config' is not supported: *--host=ssh://*",
+        ),
+        (["--ssh-extra-args=-v"], "*testinfra's --ssh-extra-args='-v' is not supported: *"),
+        (["--sudo-user=bob"], "*testinfra's --sudo-user='bob' is not supported: *--sudo*"),
+        (["--force-ansible"], "*testinfra's --force-ansible is not supported: *"),
+        (["--nagios"], "*testinfra's --nagios is not supported: *--fleet-json*"),
+        (["--connection=ssh"], "*testinfra's --connection='ssh' needs --hosts; *--host=ssh://HOST"),
+        (["--host=local://", "--hosts=ssh://other"], "*both --host and testinfra's --hosts='ssh://other'*"),
+        (
+            ["--ssh-identity-file=/nonexistent"],
+            "*testinfra's --ssh-identity-file='/nonexistent': no such file",
+        ),
+        (
+            ["--ansible-inventory=/nonexistent"],
+            "*testinfra's --ansible-inventory='/nonexistent': no such file",
+        ),
+    ],
+)
+def test_testinfra_options_we_cannot_honour_are_refused(
+    pytester: pytest.Pytester, args: list[str], message: str
+) -> None:
+    pytester.makepyfile("def test_x(): pass\n")
+    result = pytester.runpytest("--report-dir=none", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: gpuhost: " + message.lstrip("*")])
 
 
 def test_targets_hook_filters_and_extends(pytester: pytest.Pytester) -> None:

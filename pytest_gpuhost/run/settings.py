@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.exec.targets import TargetOptions
+from pytest_gpuhost.run import testinfra_compat
 from pytest_gpuhost.run.options import (
     GROUP,
     BadValue,
@@ -271,6 +272,7 @@ def read_settings(config: pytest.Config) -> Settings:
         values[_key(opt)] = list(value) if opt.kind == "list" else value
         sources[_key(opt)] = source
     s = Settings(**values, sources=sources)
+    testinfra_compat.apply(config, s)
     if s.known_hosts is not None:
         kh = Path(s.known_hosts).expanduser()
         if s.host_key_policy == "strict" and not kh.is_file():

@@ -32,6 +32,8 @@ __all__ = [
     "load_targets",
     "parametrize_targets",
     "pool_key",
+    "require_targets",
+    "require_targets_xdist",
     "targets_key",
 ]
 
@@ -165,5 +167,48 @@ def parametrize_targets(metafunc: pytest.Metafunc) -> None:
     if names:
         metafunc.parametrize(TARGET_PARAM, names, ids=names, indirect=True, scope="module")
     else:
-        params = [pytest.param(None, id="no-target", marks=pytest.mark.skip(reason=NO_TARGET_REASON))]
+        params = [pytest.param(None, id=NO_TARGET_ID, marks=pytest.mark.skip(reason=NO_TARGET_REASON))]
         metafunc.parametrize(TARGET_PARAM, params, indirect=True, scope="module")
+
+
+NO_TARGET_ID = "no-target"
+
+
+def require_targets(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse a run whose tests need a target when it has none (collect-only is let through).
+
+    Skipping them instead would let CI pass with nothing checked. Tests that use none of the
+    plugin's target fixtures (an unrelated test run in the same virtualenv) are not concerned.
+    An xdist worker leaves it to the controller (`require_targets_xdist`): a usage error raised
+    in a worker's collection crashes the worker instead of ending the run.
+    """
+    if hasattr(config, "workerinput"):
+        return
+    needing = [item.nodeid for item in items if TARGET_PARAM in getattr(item, "fixturenames", ())]
+    _refuse_without_targets(config, needing)
+
+
+def require_targets_xdist(config: pytest.Config, ids: list[str]) -> None:
+    """The controller's `require_targets` under xdist: it sees the workers' node ids only."""
+    needing = [nodeid for nodeid in ids if NO_TARGET_ID in _param_parts(nodeid)]
+    _refuse_without_targets(config, needing)
+
+
+def _param_parts(nodeid: str) -> str:
+    head, bracket, params = nodeid.rpartition("::")[2].partition("[")
+    return params if bracket else ""
+
+
+def _refuse_without_targets(config: pytest.Config, needing: list[str]) -> None:
+    if not needing or config.stash.get(targets_key, []) or config.option.collectonly:
+        return
+    s = config.stash[settings_key]
+    why = "no target"
+    if s.inventory:
+        why = f"{s.sources['inventory']}={s.inventory!r} lists no host"
+    elif s.hosts:
+        why = "the pytest_gpuhost_targets hook removed every target"
+    raise pytest.UsageError(
+        f"gpuhost: {why}, and {len(needing)} test(s) need one (first: {needing[0]}); "
+        "pass --host=URL (e.g. --host=local:// or --host=ssh://root@gpu-host) or --inventory=FILE"
+    )
