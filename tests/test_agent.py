@@ -420,7 +420,8 @@ def test_fallback_without_python(tmp_path):
         (tmp_path / "f").write_text("data")
         got = c.read_files([str(tmp_path / "f"), str(tmp_path / "nope")])
         assert got[str(tmp_path / "f")] == "data"
-        assert isinstance(got[str(tmp_path / "nope")], OSError) and got[str(tmp_path / "nope")].errno == 2
+        nope = got[str(tmp_path / "nope")]
+        assert isinstance(nope, OSError) and nope.errno == 2
         assert c.write_file(str(tmp_path / "w"), "v\n", timeout=5).ok
         assert (tmp_path / "w").read_text() == "v\n"
         with pytest.raises(AgentError, match="needs python3"):
