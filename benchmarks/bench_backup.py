@@ -158,8 +158,15 @@ def main() -> int:
         # The copy's correctness check (every file verified) needs data that does not change under it:
         # stop the node's servers first, as the decommission suite does, so no log grows while it is
         # copied (with them running, a smoke run once reported `missing: 3`). The pattern is anchored
-        # on the servers' argv[0] so it cannot match the remote shell that runs pkill.
-        h.ssh(["sh", "-c", "pkill -KILL -f '^python3 -m sglang[.]launch_server'; pkill -KILL -x tail; true"])
+        # on the servers' argv[0] so it cannot match the remote shell that runs pkill; their renamed
+        # worker children (`sglang::scheduler_TP0`, ...) go too.
+        h.ssh(
+            [
+                "sh",
+                "-c",
+                "pkill -KILL -f '^(python3 -m sglang[.]launch_server|sglang::)'; pkill -KILL -x tail; true",
+            ]
+        )
         # warm the node's page cache equally for both tools
         h.ssh("find /data -type f -exec cat {} + >/dev/null")
         # the machine is shared: alternate the tools, round after round, and compare medians
