@@ -15,6 +15,13 @@ round trips per host for our facts (and for the connection as a whole, agent sta
 and commands per host for testinfra. Goals (issue 6): <= 2 round trips
 per host for the facts; 16 hosts >= 5x faster than testinfra; 16 hosts <= 3x the time of 1.
 
+Every run also gets a CPU account (the machine has few cores, so CPU decides the wall time of a
+large run): CPU seconds of the pytest processes (controller and workers), of the lab hosts (their
+cgroups: sshd, the agent or testinfra's commands, the emulated nvidia-smi and dmesg, systemd),
+of the lab's FUSE sysfs daemons, and of this script (the user-space delay proxy, when used).
+Both suites run from compiled bytecode, as installed packages do, even where the environment sets
+PYTHONDONTWRITEBYTECODE (`--no-bytecode-cache` keeps the environment's setting).
+
     sudo python benchmarks/bench_health.py             # 1, 4, 16 hosts, -n 2, one run each
     sudo python benchmarks/bench_health.py --repeat 3  # medians of 3 alternating rounds
     sudo python benchmarks/bench_health.py --smoke     # CI: 1 and 2 hosts, seconds
@@ -26,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -202,10 +210,86 @@ def write_inventory(path: Path, hosts: list[Endpoint]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 900) -> tuple[float, str, int]:
+CGROUP_ROOTS = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))  # cgroup v1+v2 hybrid, pure v2
+
+
+def _cgroup_cpu(host: LabHost) -> float | None:
+    """Return the CPU seconds a lab host's cgroup used so far (cgroup v2 `cpu.stat`), None if unknown."""
+    for root in CGROUP_ROOTS:
+        try:
+            text = (root / host.cgroup / "cpu.stat").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) / 1e6
+    return None
+
+
+def _daemon_cpu(host: LabHost) -> float | None:
+    """Return the CPU seconds of the host's FUSE sysfs daemon so far, None if unknown."""
+    try:
+        pid = int((host.dir / "pids" / "sysfs").read_text())
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class CpuAccount:
+    """CPU seconds one run cost, by who spent them."""
+
+    pytest: float  # the suite's pytest processes (controller and xdist workers)
+    lab: float | None  # the lab hosts' cgroups (sshd, agent or commands, emulated tools, systemd)
+    sysfs: float | None  # the lab's FUSE sysfs daemons
+    bench: float  # this script (the delay proxy's thread, when used)
+
+    def line(self) -> str:
+        def f(v: float | None) -> str:
+            return "?" if v is None else f"{v:.2f}"
+
+        return f"pytest {f(self.pytest)} + lab {f(self.lab)} + sysfs {f(self.sysfs)} + proxy {f(self.bench)}"
+
+
+def _sum(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
+def _cpu_now(hosts: list[LabHost]) -> tuple[float, float | None, float | None, float]:
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return (
+        kids.ru_utime + kids.ru_stime,
+        _sum([_cgroup_cpu(h) for h in hosts]),
+        _sum([_daemon_cpu(h) for h in hosts]),
+        me.ru_utime + me.ru_stime,
+    )
+
+
+def _cpu_since(before: tuple[float, float | None, float | None, float], hosts: list[LabHost]) -> CpuAccount:
+    after = _cpu_now(hosts)
+
+    def d(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else b - a
+
+    return CpuAccount(
+        after[0] - before[0], d(before[1], after[1]), d(before[2], after[2]), after[3] - before[3]
+    )
+
+
+def run(
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+    hosts: list[LabHost] | None = None,
+) -> tuple[float, str, int, CpuAccount]:
+    """Run a suite; return its wall time, output, exit code and CPU account (over `hosts`)."""
+    before = _cpu_now(hosts or [])
     t0 = time.monotonic()
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-    return time.monotonic() - t0, p.stdout + p.stderr, p.returncode
+    took = time.monotonic() - t0
+    return took, p.stdout + p.stderr, p.returncode, _cpu_since(before, hosts or [])
 
 
 def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: bool) -> dict[str, Any]:
@@ -213,12 +297,13 @@ def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: b
     write_inventory(inv, hosts)
     summary = tmp / f"ours-{len(hosts)}-{reports}.json"
     report_dir = str(tmp) if reports else "none"
-    took, out, rc = run(
+    took, out, rc, cpu = run(
         [
             sys.executable, "-m", "pytest", "suites/health", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
             f"--inventory={inv}", f"--ssh-identity={CLIENT_KEY}", f"--known-hosts={known}", "--check-only",
             "-n", str(workers), f"--report-dir={report_dir}", f"--fleet-json={summary}",
-        ]
+        ],
+        hosts=[e.host for e in hosts],
     )  # fmt: skip
     data = json.loads(summary.read_text())
     bad = {h: v["status"] for h, v in data["hosts"].items() if v["status"] != "ok"}
@@ -227,7 +312,7 @@ def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: b
         raise SystemExit(f"suites/health did not pass on healthy lab hosts: rc={rc} {bad}")
     facts = [v["round_trips"] for v in data["hosts"].values()]
     conn = [v["conn_round_trips"] for v in data["hosts"].values()]
-    return {"wall": took, "facts_rt": max(facts), "conn_rt": max(conn)}
+    return {"wall": took, "facts_rt": max(facts), "conn_rt": max(conn), "cpu": cpu}
 
 
 def baseline(tmp: Path, hosts: list[Endpoint], workers: int) -> dict[str, Any]:
@@ -235,19 +320,20 @@ def baseline(tmp: Path, hosts: list[Endpoint], workers: int) -> dict[str, Any]:
     log.unlink(missing_ok=True)  # a log per run: commands per host are counted for this run only
     env = dict(os.environ, TESTINFRA_CMD_LOG=str(log))
     urls = ",".join(f"paramiko://root@{e.address}:{e.port}" for e in hosts)
-    took, out, rc = run(
+    took, out, rc, cpu = run(
         [
             sys.executable, "-m", "pytest", "benchmarks/testinfra_health", "-q", "-p", "no:cacheprovider",
             "-p", "no:gpuhost", "-o", "addopts=", "-W", "ignore", f"--hosts={urls}",
             f"--ssh-identity-file={CLIENT_KEY}", "-n", str(workers),
         ],
         env=env,
+        hosts=[e.host for e in hosts],
     )  # fmt: skip
     if rc != 0:
         print(out[-3000:], file=sys.stderr)
         raise SystemExit(f"the testinfra suite did not pass on healthy lab hosts: rc={rc}")
     per_host = Counter(json.loads(line)["host"] for line in log.read_text().splitlines())
-    return {"wall": took, "cmds": max(per_host.values())}
+    return {"wall": took, "cmds": max(per_host.values()), "cpu": cpu}
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -274,6 +360,11 @@ def main() -> int:
     ap.add_argument("--profile", default="health-ok")
     ap.add_argument(
         "--repeat", type=int, default=1, help="rounds per size, medians reported (default 1: one run each)"
+    )
+    ap.add_argument(
+        "--no-bytecode-cache",
+        action="store_true",
+        help="keep PYTHONDONTWRITEBYTECODE from the environment (every pytest process compiles its modules)",
     )
     args = ap.parse_args()
     sizes = [1, 2] if args.smoke else sorted({int(s) for s in args.sizes.split(",")})
@@ -322,6 +413,19 @@ def main() -> int:
             # The previous night: one untimed run of ours over every host leaves what each
             # nightly run finds from the second night on (the kernel-log cursor, the CUDA version
             # cached for the driver). Its time is the first night's, printed on its own.
+            bytecode = "as found in the environment"
+            if not args.no_bytecode_cache:
+                # An installed suite runs from compiled bytecode (pip compiles it; Python caches it
+                # on first import). A sandbox that sets PYTHONDONTWRITEBYTECODE makes every pytest
+                # process compile every module and re-run pytest's assertion rewriting of every
+                # plugin instead: ~0.2 CPU-s per process for testinfra's suite, more for ours.
+                # Both suites get the cache, in a directory of this run (warmed by the untimed
+                # runs below).
+                os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+                os.environ["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
+                bytecode = "compiled bytecode cached (--no-bytecode-cache: as found in the environment)"
+            print(f"bytecode: {bytecode}")
+            baseline(tmp, eps[:1], workers)  # untimed: compiles the testinfra suite's modules
             first_night = ours(tmp, eps, known, workers, reports=False)
             print(
                 f"first night (no gpuhost state on the hosts yet), {len(eps)} hosts: {first_night['wall']:.2f} s"
@@ -346,6 +450,10 @@ def main() -> int:
                     f"hosts={n:<3} ours {o['wall']:6.2f} s ({r['wall']:.2f} s with reports; {o['facts_rt']} round trips/host "
                     f"for the facts, {o['conn_rt']} with the agent start) | testinfra {b['wall']:6.2f} s "
                     f"({b['cmds']} commands/host, a channel each) | {b['wall'] / o['wall']:.1f}x",
+                    flush=True,
+                )
+                print(
+                    f"          CPU s (median runs): ours {o['cpu'].line()} | testinfra {b['cpu'].line()}",
                     flush=True,
                 )
                 if args.repeat > 1:
