@@ -524,3 +524,21 @@ def test_stream_left_early_keeps_connection_usable(conn):
     with pytest.raises(AgentError, match="unknown op"):
         list(conn.stream("no_such_stream"))
     assert conn.run(["true"]).ok
+
+
+def test_state_dir_comes_from_the_agents_environment(tmp_path, monkeypatch) -> None:
+    """hello reports $GPUHOST_STATE_DIR (inherited by a local:// agent), else /var/lib/gpuhost."""
+    from pytest_gpuhost.exec.targets import open_connection, parse_host_url
+
+    monkeypatch.setenv("GPUHOST_STATE_DIR", str(tmp_path / "state"))
+    conn = open_connection(parse_host_url("local://"))
+    try:
+        assert conn.call("hello")["state_dir"] == str(tmp_path / "state")
+    finally:
+        conn.close()
+    monkeypatch.delenv("GPUHOST_STATE_DIR")
+    conn = open_connection(parse_host_url("local://"))
+    try:
+        assert conn.call("hello")["state_dir"] == "/var/lib/gpuhost"
+    finally:
+        conn.close()

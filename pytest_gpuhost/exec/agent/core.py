@@ -12,7 +12,7 @@ Target side: stdlib only, Python 3.6 syntax (see the package docstring).
 import sys
 import types
 
-from pytest_gpuhost.exec.agent.files import link_name, read_str, read_text, write_file
+from pytest_gpuhost.exec.agent.files import link_name, read_str, read_text, state_path, write_file
 from pytest_gpuhost.exec.agent.registry import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_OUTPUT,
@@ -37,6 +37,7 @@ __all__ = [
     "read_text",
     "run_process",
     "run_recorded",
+    "state_path",
     "write_file",
 ]
 

@@ -7,7 +7,7 @@ import os
 import platform
 import socket
 
-from pytest_gpuhost.exec.agent.files import read_text
+from pytest_gpuhost.exec.agent.files import read_text, state_path
 from pytest_gpuhost.exec.agent.registry import AGENT_VERSION, FACTS, OPS, dispatch, fact, one_line, op
 
 
@@ -41,6 +41,7 @@ def op_hello(params):
         "version": AGENT_VERSION,
         "ops": sorted(OPS),
         "facts": sorted(FACTS),
+        "state_dir": state_path(),
     }
 
 

@@ -21,6 +21,21 @@ from pytest_gpuhost.exec.agent.registry import (
     text_into,
 )
 
+# The plugin's state on a target (journals, run locks, the health suite's kernel-log cursor) lives
+# under one directory: $GPUHOST_STATE_DIR in the agent's environment, else /var/lib/gpuhost. A
+# `local://` agent inherits the controller's environment, which is how the plugin's own tests keep
+# the machine that runs them clean; on an SSH target the variable is the target's own.
+STATE_DIR_ENV = "GPUHOST_STATE_DIR"
+DEFAULT_STATE_DIR = "/var/lib/gpuhost"
+
+
+def state_path(rel=""):
+    """Return `rel` under the agent's state directory (an absolute `rel` is returned as is)."""
+    if rel.startswith("/"):
+        return rel
+    base = os.environ.get(STATE_DIR_ENV) or DEFAULT_STATE_DIR
+    return os.path.join(base, rel) if rel else base
+
 
 def read_text(path, max_bytes=DEFAULT_MAX_BYTES):
     """Read up to `max_bytes` of a file; raise OSError."""
