@@ -1,5 +1,32 @@
-"""Fixtures shared by the plugin's own tests."""
+"""Fixtures shared by the plugin's own tests, and the state directory they use.
+
+The plugin keeps state on its targets (journals, run locks, the health cursor) under
+$GPUHOST_STATE_DIR, default /var/lib/gpuhost. A `local://` agent inherits this process's
+environment, so pointing the variable at a temporary directory for the session keeps every
+`local://` run of the tests (in-process or in a pytester subprocess) off this machine's own
+/var/lib/gpuhost. Lab hosts are reached over SSH and keep theirs inside their overlay root.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
+import pytest
+
 pytest_plugins = ["pytester", "tests.helpers.sshd", "tests.helpers.s3server", "gpulab.pytest_fixtures"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("GPUHOST_STATE_DIR"):
+        return
+    state = tempfile.mkdtemp(prefix="gpuhost-test-state-")
+    os.environ["GPUHOST_STATE_DIR"] = state
+
+    def cleanup() -> None:
+        if os.environ.get("GPUHOST_STATE_DIR") == state:
+            del os.environ["GPUHOST_STATE_DIR"]
+        shutil.rmtree(state, ignore_errors=True)
+
+    config.add_cleanup(cleanup)
