@@ -1,0 +1,517 @@
+"""The lab's nvidia-smi (the program; gpulab/tools/nvidia-smi starts it): the real tool's output formats over the lab host's sysfs, /proc and profile.
+
+Supports: the default table, ``-L``, ``--query-gpu=...``/``--query-compute-apps=...`` with
+``--format=csv[,noheader][,nounits]``, ``-i``, ``-pm 0|1``, ``-q``, ``topo -m``, ``topo -p2p r|w|n|a|p``
+and ``nvlink -s``. A GPU that is not bound to nvidia (or whose /dev/nvidiaN is absent, as in a
+container without it) is invisible; with none visible it prints "No devices were found" (exit 6).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from gpulab_tools import GpuView, Host, now_stamp, path, speed_gen
+
+W = 91
+LINE = "+" + "-" * (W - 2) + "+"
+SPLIT = "|" + "-" * 41 + "+" + "-" * 24 + "+" + "-" * 22 + "+"
+SPLIT_END = "+" + "-" * 41 + "+" + "-" * 24 + "+" + "-" * 22 + "+"
+DOUBLE = "|" + "=" * 41 + "+" + "=" * 24 + "+" + "=" * 22 + "|"
+
+
+def die(msg: str, code: int) -> None:
+    sys.stdout.write(msg)
+    sys.stdout.flush()
+    raise SystemExit(code)
+
+
+def no_devices() -> None:
+    die("No devices were found\n", 6)
+
+
+def select(host: Host, ids: str | None) -> list[GpuView]:
+    if not host.gpus:
+        no_devices()
+    if ids is None:
+        return host.gpus
+    out = []
+    for ident in ids.split(","):
+        ident = ident.strip()
+        hit = [
+            g
+            for g in host.gpus
+            if ident == str(g.index)
+            or ident.upper() in (g.bus_id, g.bus_id[4:], g.bdf.upper())
+            or ident == g.spec["uuid"]
+            or ident == str(g.spec["serial"])
+        ]
+        if not hit:
+            die("No devices were found\n", 6)
+        out.extend(hit)
+    return out
+
+
+# ------------------------------------------------------------------ queries
+
+
+def _yesno(v: object) -> str:
+    return "No" if not v else "Yes"
+
+
+_FIELDS: dict[int, dict[str, tuple[str, str]]] = {}
+
+
+def gpu_field(host: Host, g: GpuView, name: str) -> tuple[str, str] | None:
+    """Return (value, unit) for a --query-gpu field, None when unknown."""
+    # One table per GPU and run, as the driver answers one sample: a query of 16 fields on 4 GPUs
+    # built it 80 times (half of this tool's own CPU time).
+    fields = _FIELDS.get(id(g))
+    if fields is None:
+        fields = _FIELDS[id(g)] = _gpu_fields(host, g)
+    return fields.get(name)
+
+
+def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
+    h = g.health
+    lk = g.link
+    pstate = "P0" if g.holders else "P8"
+    fields: dict[str, tuple[str, str]] = {
+        "timestamp": (__import__("time").strftime("%Y/%m/%d %H:%M:%S.000"), ""),
+        "driver_version": (host.driver_version, ""),
+        "count": (str(len(host.gpus)), ""),
+        "index": (str(g.index), ""),
+        "name": (g.name, ""),
+        "gpu_name": (g.name, ""),
+        "serial": (str(g.spec["serial"]), ""),
+        "gpu_serial": (str(g.spec["serial"]), ""),
+        "uuid": (str(g.spec["uuid"]), ""),
+        "gpu_uuid": (str(g.spec["uuid"]), ""),
+        "pci.bus_id": (g.bus_id, ""),
+        "gpu_bus_id": (g.bus_id, ""),
+        "pci.domain": ("0x" + g.bdf.split(":")[0].upper(), ""),
+        "pci.bus": ("0x" + g.bdf.split(":")[1].upper(), ""),
+        "pci.device": ("0x" + g.bdf.split(":")[2].split(".")[0].upper(), ""),
+        "pci.device_id": (
+            "0x" + g.func.get("device", "0x0000")[2:].upper() + g.func.get("vendor", "0x10de")[2:].upper(),
+            "",
+        ),
+        "pci.sub_device_id": (
+            "0x"
+            + g.func.get("subsystem_device", "0x0000")[2:].upper()
+            + g.func.get("subsystem_vendor", "0x10de")[2:].upper(),
+            "",
+        ),
+        "memory.total": (str(g.memory_total), "MiB"),
+        "memory.used": (str(g.memory_used), "MiB"),
+        "memory.free": (str(g.memory_total - g.memory_used), "MiB"),
+        "persistence_mode": ("Enabled" if g.persistence else "Disabled", ""),
+        "temperature.gpu": (str(h.get("temperature", 35)), ""),
+        "ecc.mode.current": ("Enabled", ""),
+        "ecc.errors.corrected.volatile.total": (str(h.get("ecc_corrected", 0)), ""),
+        "ecc.errors.uncorrected.volatile.total": (str(h.get("ecc_uncorrected", 0)), ""),
+        "ecc.errors.corrected.aggregate.total": (str(h.get("ecc_corrected", 0)), ""),
+        "ecc.errors.uncorrected.aggregate.total": (str(h.get("ecc_uncorrected", 0)), ""),
+        "retired_pages.pending": (_yesno(h.get("retired_pages_pending", 0)), ""),
+        "remapped_rows.failure": (_yesno(h.get("remapped_rows_failure", 0)), ""),
+        "remapped_rows.pending": ("No", ""),
+        "clocks_throttle_reasons.active": (str(h.get("throttle_reasons", "0x0000000000000000")), ""),
+        "clocks_event_reasons.active": (str(h.get("throttle_reasons", "0x0000000000000000")), ""),
+        "pcie.link.gen.current": (str(speed_gen(lk.get("speed", ""))), ""),
+        "pcie.link.gen.max": (str(speed_gen(lk.get("max_speed", lk.get("speed", "")))), ""),
+        "pcie.link.gen.gpucurrent": (str(speed_gen(lk.get("speed", ""))), ""),
+        "pcie.link.width.current": (str(lk.get("width", 16)), ""),
+        "pcie.link.width.max": (str(lk.get("max_width", lk.get("width", 16))), ""),
+        "power.draw": (f"{float(h.get('power_draw', 60.0)) + (40.0 if g.holders else 0.0):.2f}", "W"),
+        "power.limit": (f"{float(g.spec.get('power_limit', 600.0)):.2f}", "W"),
+        "enforced.power.limit": (f"{float(g.spec.get('power_limit', 600.0)):.2f}", "W"),
+        "utilization.gpu": ("0", "%"),
+        "utilization.memory": ("0", "%"),
+        "compute_mode": ("Default", ""),
+        "pstate": (pstate, ""),
+        "fan.speed": ("[N/A]", "%"),
+        "mig.mode.current": ("[N/A]", ""),
+        "display_mode": ("Disabled", ""),
+        "vbios_version": ("98.02.2E.00.04", ""),
+        "minor_number": (str(g.minor), ""),
+    }
+    return fields
+
+
+def parse_format(fmt: str | None) -> tuple[bool, bool]:
+    opts = [o.strip() for o in (fmt or "").split(",") if o.strip()]
+    if "csv" not in opts or any(o not in ("csv", "noheader", "nounits") for o in opts):
+        usage_error()
+    return "noheader" in opts, "nounits" in opts
+
+
+def query_gpu(host: Host, fields: str, fmt: str | None, ids: str | None) -> None:
+    names = [f.strip() for f in fields.split(",") if f.strip()]
+    noheader, nounits = parse_format(fmt)
+    gpus = select(host, ids)
+    probe = gpus[0]
+    for n in names:
+        if gpu_field(host, probe, n) is None:
+            die(f'Field "{n}" is not a valid field to query.\n\n', 2)
+    out = []
+    if not noheader:
+        hdr = []
+        for n in names:
+            _, unit = gpu_field(host, probe, n) or ("", "")
+            # the header keeps its units with nounits; only the values lose them
+            hdr.append(f"{n} [{unit}]" if unit else n)
+        out.append(", ".join(hdr))
+    for g in gpus:
+        row = []
+        for n in names:
+            v, unit = gpu_field(host, g, n) or ("", "")
+            row.append(v if nounits or not unit or v.startswith("[") else f"{v} {unit}")
+        out.append(", ".join(row))
+    sys.stdout.write("\n".join(out) + "\n")
+
+
+APP_FIELDS = {
+    "pid": ("pid", ""),
+    "process_name": ("process_name", ""),
+    "name": ("process_name", ""),
+    "used_memory": ("used_gpu_memory", "MiB"),
+    "used_gpu_memory": ("used_gpu_memory", "MiB"),
+    "gpu_bus_id": ("gpu_bus_id", ""),
+    "gpu_uuid": ("gpu_uuid", ""),
+    "gpu_serial": ("gpu_serial", ""),
+    "gpu_name": ("gpu_name", ""),
+    "timestamp": ("timestamp", ""),
+}
+
+
+def query_apps(host: Host, fields: str, fmt: str | None, ids: str | None) -> None:
+    names = [f.strip() for f in fields.split(",") if f.strip()]
+    for n in names:
+        if n not in APP_FIELDS:
+            die(f'Field "{n}" is not a valid field to query.\n\n', 2)
+    noheader, nounits = parse_format(fmt)
+    gpus = select(host, ids)
+    out = []
+    if not noheader:
+        out.append(
+            ", ".join(
+                f"{APP_FIELDS[n][0]} [{APP_FIELDS[n][1]}]" if APP_FIELDS[n][1] else APP_FIELDS[n][0]
+                for n in names
+            )
+        )
+    for g in gpus:
+        for h in g.holders:
+            if h.kind != "C":
+                continue
+            vals = {
+                "pid": str(h.pid),
+                "process_name": h.name,
+                "name": h.name,
+                "used_memory": str(h.mem_mib) if nounits else f"{h.mem_mib} MiB",
+                "used_gpu_memory": str(h.mem_mib) if nounits else f"{h.mem_mib} MiB",
+                "gpu_bus_id": g.bus_id,
+                "gpu_uuid": str(g.spec["uuid"]),
+                "gpu_serial": str(g.spec["serial"]),
+                "gpu_name": g.name,
+                "timestamp": __import__("time").strftime("%Y/%m/%d %H:%M:%S.000"),
+            }
+            out.append(", ".join(vals[n] for n in names))
+    if out:
+        sys.stdout.write("\n".join(out) + "\n")
+
+
+# ------------------------------------------------------------------ table
+
+
+def short_name(name: str) -> str:
+    return name if len(name) <= 28 else name[:24] + "..."
+
+
+def table(host: Host, ids: str | None) -> None:
+    gpus = select(host, ids)
+    o = [now_stamp() + "       ", LINE]
+    o.append(
+        f"| NVIDIA-SMI {host.driver_version:<23}Driver Version: {host.driver_version:<15}CUDA Version: {host.cuda_version:<9}|"
+    )
+    o.append(SPLIT)
+    o.append("| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |")
+    o.append("| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |")
+    o.append("|                                         |                        |               MIG M. |")
+    o.append(DOUBLE)
+    for g in gpus:
+        h = g.health
+        pm = "On" if g.persistence else "Off"
+        ecc = str(h.get("ecc_uncorrected", 0))
+        o.append(f"|{g.index:>4}  {short_name(g.name):<31}{pm:<3} |{g.bus_id:>19} {'Off':>3} |{ecc:>21} |")
+        pw, _ = gpu_field(host, g, "power.draw") or ("0", "")
+        perf = "P0" if g.holders else "P8"
+        cap = int(float(g.spec.get("power_limit", 600.0)))
+        o.append(
+            f"|{'N/A':>4}{h.get('temperature', 35):>5}C{perf:>6}{int(float(pw)):>15}W / {cap:>4}W "
+            f"|{g.memory_used:>8}MiB / {g.memory_total:>6}MiB |{0:>7}%{'Default':>13} |"
+        )
+        o.append(f"|{'':41}|{'':24}|{'Disabled':>21} |")
+        o.append(SPLIT_END)
+    o.append(" " * 89)
+    o.append(LINE)
+    o.append("| Processes:" + " " * 78 + "|")
+    o.append("|  GPU   GI   CI              PID   Type   Process name                        GPU Memory |")
+    o.append("|        ID   ID                                                               Usage      |")
+    o.append("|" + "=" * 89 + "|")
+    rows = 0
+    for g in gpus:
+        for h in g.holders:
+            if h.kind != "C":
+                continue
+            name = h.name if len(h.name) <= 36 else "..." + h.name[-33:]
+            o.append(
+                f"|{g.index:>5}{'N/A':>6}{'N/A':>5}{h.pid:>16}{h.kind:>7}   {name:<36}{str(h.mem_mib) + 'MiB':>10} |"
+            )
+            rows += 1
+    if not rows:
+        o.append("|  No running processes found" + " " * 61 + "|")
+    o.append(LINE)
+    sys.stdout.write("\n".join(o) + "\n")
+
+
+def list_gpus(host: Host, ids: str | None) -> None:
+    for g in select(host, ids):
+        sys.stdout.write(f"GPU {g.index}: {g.name} (UUID: {g.spec['uuid']})\n")
+
+
+def query_all(host: Host, ids: str | None) -> None:
+    gpus = select(host, ids)
+    o = ["", "==============NVSMI LOG==============", ""]
+    o.append(f"{'Timestamp':<36}: {now_stamp()}")
+    o.append(f"{'Driver Version':<36}: {host.driver_version}")
+    o.append(f"{'CUDA Version':<36}: {host.cuda_version}")
+    o.append("")
+    o.append(f"{'Attached GPUs':<36}: {len(host.gpus)}")
+    for g in gpus:
+        h = g.health
+        lk = g.link
+
+        def kv(k: str, v: object, ind: int = 4) -> None:
+            o.append(f"{' ' * ind}{k:<{36 - ind}}: {v}")
+
+        o.append(f"GPU {g.bus_id}")
+        kv("Product Name", g.name)
+        kv("Persistence Mode", "Enabled" if g.persistence else "Disabled")
+        kv("Serial Number", g.spec["serial"])
+        kv("GPU UUID", g.spec["uuid"])
+        kv("Minor Number", g.minor)
+        o.append("    PCI")
+        kv("Bus", "0x" + g.bdf.split(":")[1].upper(), 8)
+        kv("Device", "0x" + g.bdf.split(":")[2].split(".")[0].upper(), 8)
+        kv("Domain", "0x" + g.bdf.split(":")[0].upper(), 8)
+        kv("Bus Id", g.bus_id, 8)
+        o.append("        GPU Link Info")
+        o.append("            PCIe Generation")
+        kv("Max", speed_gen(lk.get("max_speed", "")), 16)
+        kv("Current", speed_gen(lk.get("speed", "")), 16)
+        o.append("            Link Width")
+        kv("Max", f"{lk.get('max_width', 16)}x", 16)
+        kv("Current", f"{lk.get('width', 16)}x", 16)
+        o.append("    FB Memory Usage")
+        kv("Total", f"{g.memory_total} MiB", 8)
+        kv("Used", f"{g.memory_used} MiB", 8)
+        kv("Free", f"{g.memory_total - g.memory_used} MiB", 8)
+        o.append("    ECC Errors")
+        o.append("        Volatile")
+        kv("DRAM Correctable", h.get("ecc_corrected", 0), 12)
+        kv("DRAM Uncorrectable", h.get("ecc_uncorrected", 0), 12)
+        o.append("    Remapped Rows")
+        kv("Remapping Failure Occurred", "Yes" if h.get("remapped_rows_failure") else "No", 8)
+        o.append("    Temperature")
+        kv("GPU Current Temp", f"{h.get('temperature', 35)} C", 8)
+        o.append("    Processes")
+        for p in g.holders:
+            if p.kind != "C":
+                continue
+            kv("Process ID", p.pid, 8)
+            kv("Type", "C", 12)
+            kv("Name", p.name, 12)
+            kv("Used GPU Memory", f"{p.mem_mib} MiB", 12)
+        o.append("")
+    sys.stdout.write("\n".join(o) + "\n")
+
+
+def set_persistence(host: Host, value: str, ids: str | None) -> None:
+    if value not in ("0", "1", "ENABLED", "DISABLED"):
+        die("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n", 2)
+    on = value in ("1", "ENABLED")
+    for g in select(host, ids):
+        try:
+            with open(path("var/lib/gpulab/ctl/persistence", g.bdf), "w") as f:
+                f.write("1" if on else "0")
+        except OSError:
+            die(
+                f"Unable to set persistence mode for GPU {g.bus_id}: Insufficient Permissions\nTerminating early due to previous errors.\n",
+                4,
+            )
+        word = "Enabled" if on else "Disabled"
+        sys.stdout.write(f"{word} persistence mode for GPU {g.bus_id}.\n")
+    sys.stdout.write("All done.\n")
+
+
+# ------------------------------------------------------------------ topo
+
+TOPO_LEGEND = """
+Legend:
+
+  X    = Self
+  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)
+  NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node
+  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)
+  PXB  = Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)
+  PIX  = Connection traversing at most a single PCIe bridge
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+
+P2P_LEGEND = """
+Legend:
+
+  X    = Self
+  OK   = Status Ok
+  CNS  = Chipset not supported
+  GNS  = GPU not supported
+  TNS  = Topology not supported
+  NS   = Not supported
+  DR   = Disabled by regkey
+  U    = Unknown
+"""
+
+
+def cpu_affinity(node: int) -> str:
+    if node < 0:
+        return "N/A"
+    return f"{node * 32}-{node * 32 + 31},{64 + node * 32}-{64 + node * 32 + 31}"
+
+
+def topo_cell(host: Host, a: GpuView, b: GpuView) -> str:
+    if a is b:
+        return " X "
+    lk = host.link(a.bdf, b.bdf) or {}
+    t = lk.get("type")
+    if t == "nvlink":
+        n = len(a.health.get("nvlinks") or []) or 18
+        return f"NV{n}"
+    return {"pcie-switch": "PIX", "host-bridge": "NODE", "numa": "SYS"}.get(str(t), "SYS")
+
+
+def topo_m(host: Host) -> None:
+    gpus = select(host, None)
+    o = ["\t" + "\t".join(f"GPU{g.index}" for g in gpus) + "\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID"]
+    for a in gpus:
+        node = int(a.func.get("numa_node", -1))
+        cells = [topo_cell(host, a, b) for b in gpus]
+        o.append(f"GPU{a.index}\t" + "\t".join(cells) + f"\t{cpu_affinity(node)}\t{max(node, 0)}\t\tN/A")
+    sys.stdout.write("\n".join(o) + "\n" + TOPO_LEGEND + "\n")
+
+
+def topo_p2p(host: Host, mode: str) -> None:
+    if mode not in ("r", "w", "n", "a", "p"):
+        die("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n", 2)
+    gpus = select(host, None)
+    o = [" \t" + "".join(f"GPU{g.index}\t" for g in gpus)]
+    for a in gpus:
+        cells = []
+        for b in gpus:
+            if a is b:
+                cells.append("X")
+                continue
+            lk = host.link(a.bdf, b.bdf) or {}
+            if mode == "n":
+                cells.append("OK" if lk.get("type") == "nvlink" else "NS")
+            elif host.p2p_ok(a, b):
+                cells.append("OK")
+            else:
+                cells.append("NS")
+        o.append(f" GPU{a.index}\t" + "".join(c + "\t" for c in cells))
+    sys.stdout.write("\n".join(o) + "\n" + P2P_LEGEND + "\n")
+
+
+def nvlink_status(host: Host, ids: str | None) -> None:
+    for g in select(host, ids):
+        sys.stdout.write(f"GPU {g.index}: {g.name} (UUID: {g.spec['uuid']})\n")
+        for i, bw in enumerate(g.health.get("nvlinks") or []):
+            sys.stdout.write(f"\t Link {i}: {float(bw):g} GB/s\n")
+
+
+# ------------------------------------------------------------------ main
+
+
+def usage_error() -> None:
+    die("Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.\n\n", 2)
+
+
+def main(argv: list[str]) -> int:
+    ids = None
+    fmt = None
+    qgpu = qapps = pm = None
+    mode = "table"
+    sub: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if a in ("topo", "nvlink") and i == 0:
+            mode, sub = a, argv[1:]
+            break
+        if a in ("-L", "--list-gpus"):
+            mode = "list"
+        elif a in ("-q", "--query"):
+            mode = "query"
+        elif a.startswith("--query-gpu="):
+            qgpu = a.split("=", 1)[1]
+        elif a == "--query-gpu" and nxt:
+            qgpu, i = nxt, i + 1
+        elif a.startswith("--query-compute-apps="):
+            qapps = a.split("=", 1)[1]
+        elif a == "--query-compute-apps" and nxt:
+            qapps, i = nxt, i + 1
+        elif a.startswith("--format="):
+            fmt = a.split("=", 1)[1]
+        elif a == "--format" and nxt:
+            fmt, i = nxt, i + 1
+        elif a.startswith("--id="):
+            ids = a.split("=", 1)[1]
+        elif a in ("-i", "--id") and nxt:
+            ids, i = nxt, i + 1
+        elif a.startswith("--persistence-mode="):
+            pm = a.split("=", 1)[1]
+        elif a in ("-pm", "--persistence-mode") and nxt:
+            pm, i = nxt, i + 1
+        elif a in ("-h", "--help"):
+            sys.stdout.write("NVIDIA System Management Interface -- v" + Host().driver_version + "\n")
+            return 0
+        else:
+            usage_error()
+        i += 1
+    host = Host()
+    if mode == "topo":
+        if "-m" in sub or "--matrix" in sub:
+            topo_m(host)
+        elif "-p2p" in sub and sub.index("-p2p") + 1 < len(sub):
+            topo_p2p(host, sub[sub.index("-p2p") + 1])
+        else:
+            usage_error()
+        return 0
+    if mode == "nvlink":
+        if "-s" in sub or "--status" in sub:
+            nid = sub[sub.index("-i") + 1] if "-i" in sub and sub.index("-i") + 1 < len(sub) else None
+            nvlink_status(host, nid)
+            return 0
+        usage_error()
+    if qgpu is not None:
+        query_gpu(host, qgpu, fmt, ids)
+    elif qapps is not None:
+        query_apps(host, qapps, fmt, ids)
+    elif pm is not None:
+        set_persistence(host, pm, ids)
+    elif mode == "list":
+        list_gpus(host, ids)
+    elif mode == "query":
+        query_all(host, ids)
+    else:
+        table(host, ids)
+    return 0
