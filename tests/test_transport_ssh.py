@@ -1,4 +1,8 @@
-"""SSH targets against OpenSSH's sshd on loopback: host keys, auth, reachability, agent, fallback."""
+"""SSH targets against OpenSSH's sshd on loopback: host keys, auth, reachability, agent, fallback.
+
+Tests taking `ssh_client_kind` run twice: through the OpenSSH client, and through paramiko with
+no `ssh` on PATH.  The OpenSSH client's refusals carry ssh's own words after ours.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuhost.errors import AgentError, ConnectError
+from pytest_gpuhost.exec.connect import connect
+from pytest_gpuhost.exec.ssh import SSHLauncher, SSHTransport
 from pytest_gpuhost.exec.targets import TargetOptions, TargetPool, open_connection, parse_host_url
 from tests.helpers.sshd import keygen, start_sshd
 
@@ -65,21 +71,43 @@ def test_raw_channel_beside_agent(conn):
     assert conn.run(["true"]).ok
 
 
-def test_unknown_host_key_refused_by_default(sshd, tmp_path):
+_REFUSED = {
+    "unknown": {
+        "paramiko": r"not in .*known_hosts.*refusing under the strict policy",
+        "openssh": r"^ssh to root@127\.0\.0\.1:\d+ failed \(exit status 255\): .*No ED25519 host key is known",
+    },
+    "auth": {
+        "paramiko": r"SSH authentication as root@127\.0\.0\.1:\d+ failed .*permission denied",
+        "openssh": r"^ssh to root@127\.0\.0\.1:\d+ failed \(exit status 255\): .*Permission denied \(publickey\)",
+    },
+    "refused": {
+        "paramiko": "cannot reach 127.0.0.1:[0-9]+: Connection refused",
+        "openssh": "ssh: connect to host 127.0.0.1 port [0-9]+: Connection refused",
+    },
+}
+
+
+def test_unknown_host_key_refused_by_default(sshd, tmp_path, ssh_client_kind):
     empty = tmp_path / "known_hosts"
     empty.write_text("")
-    with pytest.raises(ConnectError, match=r"not in .*known_hosts.*refusing under the strict policy"):
+    with pytest.raises(ConnectError, match=_REFUSED["unknown"][ssh_client_kind]) as info:
         open_connection(parse_host_url(sshd.url), opts(sshd, known_hosts=str(empty)))
+    assert "\n" not in str(info.value)
     assert empty.read_text() == ""
 
 
-def test_accept_new_records_key_then_strict_accepts(sshd, tmp_path):
+def test_accept_new_records_key_then_strict_accepts(sshd, tmp_path, ssh_client_kind):
     kh = tmp_path / "sub" / "known_hosts"
+    kh.parent.mkdir()
     c = open_connection(
         parse_host_url(sshd.url), opts(sshd, known_hosts=str(kh), host_key_policy="accept-new")
     )
     c.close()
-    assert kh.read_text() == sshd.known_hosts_line()
+    if ssh_client_kind == "paramiko":
+        assert kh.read_text() == sshd.known_hosts_line()
+    else:  # ssh writes the line itself, hashed where ssh_config says HashKnownHosts (Debian's does)
+        line = kh.read_text()
+        assert line.count("\n") == 1 and line.rstrip().endswith(sshd.host_key_line)
     c = open_connection(parse_host_url(sshd.url), opts(sshd, known_hosts=str(kh)))
     assert c.run(["true"]).ok
     c.close()
@@ -96,7 +124,7 @@ def test_hashed_known_hosts_entry_accepted(sshd, tmp_path):
     c.close()
 
 
-def test_changed_host_key_refused_under_every_policy(sshd, tmp_path):
+def test_changed_host_key_refused_under_every_policy(sshd, tmp_path, ssh_client_kind):
     other = start_sshd(tmp_path / "other", identity=Path(sshd.identity), client_pubkey=_pub(sshd))
     try:
         kh = tmp_path / "known_hosts"
@@ -110,9 +138,13 @@ def test_changed_host_key_refused_under_every_policy(sshd, tmp_path):
                     parse_host_url(other.url), opts(sshd, known_hosts=str(kh), host_key_policy=policy)
                 )
             msg = str(exc.value)
-            assert msg.startswith(
-                f"host key for [127.0.0.1]:{other.port} does not match {kh} line 3: refusing"
-            )
+            if ssh_client_kind == "paramiko":
+                assert msg.startswith(
+                    f"host key for [127.0.0.1]:{other.port} does not match {kh} line 3: refusing"
+                )
+            else:
+                assert msg.startswith(f"ssh to root@127.0.0.1:{other.port} failed (exit status 255): ")
+                assert f"Host key for [127.0.0.1]:{other.port} has changed" in msg
             assert "\n" not in msg
         assert kh.read_text().count("\n") == 3
     finally:
@@ -123,15 +155,14 @@ def _pub(sshd) -> str:
     return Path(sshd.identity + ".pub").read_text().strip()
 
 
-def test_authentication_failure(sshd, tmp_path):
+def test_authentication_failure(sshd, tmp_path, ssh_client_kind):
     wrong = tmp_path / "wrong_key"
     keygen(wrong)
-    with pytest.raises(
-        ConnectError, match=r"SSH authentication as root@127\.0\.0\.1:\d+ failed .*permission denied"
-    ):
+    with pytest.raises(ConnectError, match=_REFUSED["auth"][ssh_client_kind]):
         open_connection(parse_host_url(sshd.url), opts(sshd, identity=str(wrong)))
-    with pytest.raises(ConnectError, match="identity file .* not found"):
-        open_connection(parse_host_url(sshd.url), opts(sshd, identity=str(tmp_path / "missing")))
+    if ssh_client_kind == "paramiko":  # ssh warns about a missing -i file and goes on with the agent
+        with pytest.raises(ConnectError, match="identity file .* not found"):
+            open_connection(parse_host_url(sshd.url), opts(sshd, identity=str(tmp_path / "missing")))
 
 
 @pytest.fixture
@@ -159,9 +190,13 @@ def black_hole():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def test_unreachable_within_connect_timeout(tmp_path, black_hole):
+def test_unreachable_within_connect_timeout(tmp_path, black_hole, ssh_client_kind):
     t0 = time.monotonic()
-    with pytest.raises(ConnectError, match=r"cannot reach 198\.18\.254\.2:22"):
+    where = {
+        "paramiko": r"cannot reach 198\.18\.254\.2:22",
+        "openssh": r"connect to host 198\.18\.254\.2 port 22",
+    }
+    with pytest.raises(ConnectError, match=where[ssh_client_kind]):
         open_connection(
             parse_host_url(f"ssh://root@{black_hole}"),
             TargetOptions(connect_timeout=1.0, known_hosts=str(tmp_path / "kh")),
@@ -169,10 +204,10 @@ def test_unreachable_within_connect_timeout(tmp_path, black_hole):
     assert time.monotonic() - t0 < 2.5
 
 
-def test_refused_port(sshd, tmp_path):
+def test_refused_port(sshd, tmp_path, ssh_client_kind):
     from tests.helpers.sshd import free_port
 
-    with pytest.raises(ConnectError, match="cannot reach 127.0.0.1:[0-9]+: Connection refused"):
+    with pytest.raises(ConnectError, match=_REFUSED["refused"][ssh_client_kind]):
         open_connection(parse_host_url(f"ssh://root@127.0.0.1:{free_port()}"), opts(sshd))
 
 
@@ -241,7 +276,8 @@ def _ssh_client_port(text: str) -> str:
 
 
 def test_bulk_channel_runs_under_the_openssh_client(conn):
-    """Bulk bytes travel on a connection of their own, made by the OpenSSH client (C crypto)."""
+    """Bulk bytes travel on the OpenSSH master's connection (C crypto), beside the agent's channel."""
+    assert conn.launcher.client == "openssh"
     agent_port = _ssh_client_port(conn.run("echo $SSH_CLIENT").stdout)
     with conn.open_channel(["sh", "-c", 'echo "$SSH_CLIENT"; head -c 3000000 /dev/zero']) as ch:
         first = b""
@@ -249,8 +285,27 @@ def test_bulk_channel_runs_under_the_openssh_client(conn):
             first += ch.read_exact(1, 10)
         assert ch.read_exact(3_000_000, 10) == b"\0" * 3_000_000
         assert ch.exit_status(5) == 0
-    assert _ssh_client_port(first.decode()) != agent_port
-    assert conn.launcher.transport.bulk_fallback == ""
+    assert _ssh_client_port(first.decode()) == agent_port  # one login: the master's
+
+
+def _paramiko(sshd) -> SSHLauncher:
+    """A paramiko launcher, as the fallback builds it, whose bulk channels try `ssh` first."""
+    return SSHLauncher(
+        SSHTransport(sshd.host, sshd.port, identity=sshd.identity, known_hosts=sshd.known_hosts)
+    )
+
+
+def test_paramiko_bulk_channel_runs_under_the_openssh_client(sshd):
+    """A paramiko transport built by hand still sends bulk bytes through `ssh` on a login of its own."""
+    c = connect("t", _paramiko(sshd))
+    try:
+        agent_port = _ssh_client_port(c.run("echo $SSH_CLIENT").stdout)
+        with c.open_channel(["sh", "-c", 'echo "$SSH_CLIENT"']) as ch:
+            bulk_port = _ssh_client_port(ch.read_exact(100, 10).decode())
+        assert bulk_port != agent_port
+        assert c.launcher.transport.bulk_fallback == ""
+    finally:
+        c.close()
 
 
 def test_bulk_channel_falls_back_to_paramiko_when_ssh_cannot_log_in(sshd, tmp_path, monkeypatch):
@@ -264,7 +319,7 @@ def test_bulk_channel_falls_back_to_paramiko_when_ssh_cannot_log_in(sshd, tmp_pa
     )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    c = open_connection(parse_host_url(sshd.url), opts(sshd))
+    c = connect("t", _paramiko(sshd))
     try:
         for round_ in (1, 2):
             with c.open_channel(["sh", "-c", "cat; echo done >&2"]) as ch:

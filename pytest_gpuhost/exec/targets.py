@@ -26,6 +26,7 @@ from pytest_gpuhost.errors import TargetError
 from pytest_gpuhost.exec.connect import connect
 from pytest_gpuhost.exec.connection import Connection, ConnectionOptions
 from pytest_gpuhost.exec.launch import Launcher, LocalLauncher, PrefixLauncher
+from pytest_gpuhost.exec.openssh_mux import OpenSSHLauncher, OpenSSHTransport, ssh_client
 from pytest_gpuhost.exec.ssh import HOST_KEY_POLICIES, SSHLauncher, SSHTransport
 
 __all__ = [
@@ -88,7 +89,11 @@ class TargetSpec:
 
 @dataclass
 class TargetOptions:
-    """Connection settings shared by every target of a run (the plugin fills it from options)."""
+    """Connection settings shared by every target of a run (the plugin fills it from options).
+
+    SSH targets go through the system's OpenSSH client where `ssh` is on PATH (openssh_mux.py),
+    else through paramiko (ssh.py); both read `ssh_config` (None: the user's and the system's).
+    """
 
     command_timeout: float = 60.0
     connect_timeout: float = 10.0
@@ -96,6 +101,7 @@ class TargetOptions:
     known_hosts: str | None = None
     host_key_policy: str = "strict"
     sudo: bool = False
+    ssh_config: str | None = None
 
 
 def _bad(url: str, why: str) -> TargetError:
@@ -225,14 +231,33 @@ def _launcher(spec: TargetSpec, options: TargetOptions) -> Launcher:
             raise TargetError(
                 f"unknown host key policy {policy!r}: use one of {', '.join(HOST_KEY_POLICIES)}"
             )
+        port = spec.port if _explicit_port(spec) else None  # else ssh_config's Port (or 22)
+        user = spec.user or spec.vars.get("ansible_user")
+        identity = q.get("identity") or options.identity
+        ssh = ssh_client()
+        if ssh is not None:
+            return OpenSSHLauncher(
+                OpenSSHTransport(
+                    spec.hostname,
+                    port,
+                    user,
+                    identity=identity,
+                    known_hosts=options.known_hosts,
+                    host_key_policy=policy,
+                    connect_timeout=float(options.connect_timeout),
+                    ssh_config=options.ssh_config,
+                    ssh=ssh,
+                )
+            )
         transport = SSHTransport(
             spec.hostname,
-            spec.port or 22,
-            spec.user or spec.vars.get("ansible_user"),
-            identity=q.get("identity") or options.identity,
+            port,
+            user,
+            identity=identity,
             known_hosts=options.known_hosts,
             host_key_policy=policy,
             connect_timeout=float(options.connect_timeout),
+            ssh_config=options.ssh_config,
         )
         return SSHLauncher(transport)
     local = LocalLauncher({"PATH": q["path"]} if "path" in q else None)
@@ -293,6 +318,16 @@ def open_container(
     conn = connect(f"{host.name}/{cs.name}", launcher, dataclasses.replace(host.opts))
     conn.container_opener = lambda inner, spec: open_container(inner, spec, options)
     return conn
+
+
+def _explicit_port(spec: TargetSpec) -> bool:
+    """Whether the port was written (the URL's, or a spec built by hand), not parse_host_url's 22."""
+    if spec.port not in (None, 22):
+        return True
+    try:
+        return urllib.parse.urlsplit(spec.url).port is not None
+    except ValueError:
+        return False
 
 
 def _truthy(value: str | None) -> bool:
