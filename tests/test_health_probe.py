@@ -276,6 +276,11 @@ def test_upstream_bridges_from_the_sysfs_link_or_bus_ranges(
         "0000:11:00.0": (0x12, 0x14),
         "0000:12:00.0": (0x13, 0x13),
     }
+    # the bridge set may come from a function: it is listed only for a flat sysfs
+    assert probe_health_pci.upstream("0000:13:00.0", lambda: bridges, {})[0] == "0000:12:00.0"
+    monkeypatch.setattr(probe_health_pci, "SYS_PCI", str(linked))
+    assert probe_health_pci.upstream("0000:03:00.0", lambda: pytest.fail("listed"), {})[0] == "0000:02:00.0"
+    monkeypatch.setattr(probe_health_pci, "SYS_PCI", str(flat))
     (flat / "0000:12:00.0" / "secondary_bus_number").unlink()  # read once: the cache answers now
     assert probe_health_pci.upstream("0000:13:00.0", bridges, ranges)[0] == "0000:12:00.0"
 

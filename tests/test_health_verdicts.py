@@ -233,13 +233,22 @@ def test_degraded_pcie_link() -> None:
             "pcie.link.width.max",
         ):
             g[k] = None
-    facts["pci"]["devices"][BDFS[0]]["link"] = {
+    facts["gpus"]["gpus"][0]["sysfs_link"] = {
         "speed": "16.0 GT/s PCIe",
         "max_speed": "32.0 GT/s PCIe",
         "width": "16",
         "max_width": "16",
     }
     assert "Gen4, below Gen5" in judge("pcie_link", facts).summary
+    # facts of an older probe kept sysfs's link with the PCI part
+    del facts["gpus"]["gpus"][0]["sysfs_link"]
+    facts["pci"]["devices"][BDFS[0]]["link"] = {
+        "speed": "16.0 GT/s PCIe",
+        "max_speed": "32.0 GT/s PCIe",
+        "width": "8",
+        "max_width": "16",
+    }
+    assert f"GPU 0 ({BDFS[0]}): PCIe x8, below x16 (max x16)" in judge("pcie_link", facts).reasons
 
 
 def test_nvlink_down() -> None:

@@ -53,7 +53,8 @@ def check_pcie_link(facts: Facts, t: Thresholds) -> Verdict:
     for g in gpus:
         gen, gen_max = g.get("pcie.link.gen.current"), g.get("pcie.link.gen.max")
         width, width_max = g.get("pcie.link.width.current"), g.get("pcie.link.width.max")
-        sys_link = (devices.get(str(g.get("bdf"))) or {}).get("link") or {}
+        # sysfs where the driver does not report the link (older facts kept it with the PCI part)
+        sys_link = g.get("sysfs_link") or (devices.get(str(g.get("bdf"))) or {}).get("link") or {}
         if not isinstance(gen, int):
             gen, gen_max = _sysfs_gen(sys_link.get("speed")), _sysfs_gen(sys_link.get("max_speed"))
         if not isinstance(width, int):

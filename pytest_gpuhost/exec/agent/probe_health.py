@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 
-from pytest_gpuhost.exec.agent.core import fact, read_text, run_process
+from pytest_gpuhost.exec.agent.core import fact, read_str, read_text, run_process
 
 STATE_PATH = "/var/lib/gpuhost/health-state.json"  # written by health_commit (probe_health_kernel)
 PARTS = ("gpus", "smi", "nvlink", "p2p", "disk")
@@ -37,6 +37,13 @@ QUERY_FIELDS = (
     "pcie.link.width.max",
 )
 TEXT_FIELDS = ("pci.bus_id", "name", "uuid", "driver_version")
+LINK_FIELDS = ("pcie.link.gen.current", "pcie.link.gen.max", "pcie.link.width.current", "pcie.link.width.max")
+SYSFS_LINK = (
+    ("speed", "current_link_speed"),
+    ("width", "current_link_width"),
+    ("max_speed", "max_link_speed"),
+    ("max_width", "max_link_width"),
+)
 _BAD_FIELD = re.compile(r'Field "([^"]+)" is not a valid field to query')
 _BUS_ID = re.compile(r"^([0-9a-f]+):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
 _KEEP = 8192  # bytes of each command's output kept in the evidence
@@ -131,6 +138,10 @@ def part_gpus(params, record):
                 row[key] = csv_cell(cell)
         for key in ("name", "uuid", "driver_version"):
             row[key] = raw.get(key)
+        if not all(isinstance(row.get(f), int) for f in LINK_FIELDS):
+            # This driver does not report the PCIe link: sysfs does (speeds in GT/s, widths).
+            base = "/sys/bus/pci/devices/" + row["bdf"]
+            row["sysfs_link"] = {key: read_str(base + "/" + name) for key, name in SYSFS_LINK}
         gpus.append(row)
     return {"ok": True, "gpus": gpus, "dropped": dropped}
 

@@ -6,12 +6,14 @@ config space is not (only root sees it).  suites/health asks for it in the same 
 `health` fact (modules/health_facts.py merges the two).
 """
 
+import errno
 import os
 import re
 
 from pytest_gpuhost.exec.agent.core import fact, link_name, read_str, read_text, run_process
 
 SYS_PCI = "/sys/bus/pci/devices"
+NVIDIA_DRIVER = "/sys/bus/pci/drivers/nvidia"  # a link per function bound to nvidia
 ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 _KEEP = 8192  # bytes of each command's output kept in the evidence
@@ -80,7 +82,8 @@ def upstream(bdf, bridges, ranges):
     sysfs's /sys/bus/pci/devices/BDF is a link into the device hierarchy: one readlink gives
     every bridge on the way. A flat sysfs (plain directories, as in some containers) falls back
     to the bridges whose secondary..subordinate bus range holds the device's bus; `ranges`
-    caches those per bridge, so each is read once for all GPUs.
+    caches those per bridge, so each is read once for all GPUs. `bridges` is the set of bridge
+    BDFs, or a function that returns it (called only for a flat sysfs).
     """
     try:
         link = os.readlink(os.path.join(SYS_PCI, bdf))
@@ -89,6 +92,8 @@ def upstream(bdf, bridges, ranges):
     parts = [p for p in link.split("/") if _BDF.match(p)]
     if len(parts) > 1 and parts[-1] == bdf:
         return list(reversed(parts[:-1]))
+    if callable(bridges):
+        bridges = bridges()
     out = []
     dom, bus = bdf[:4], int(bdf[5:7], 16)
     for b in sorted(bridges):
@@ -125,37 +130,57 @@ def pci_ids(base):
     )
 
 
+def _all_bridges():
+    """Return the BDFs of every PCI bridge (class 0x0604): one `uevent` read per function."""
+    try:
+        names = os.listdir(SYS_PCI)
+    except OSError:
+        return set()
+    return set(b for b in names if pci_ids(os.path.join(SYS_PCI, b))[0].startswith("0x0604"))
+
+
 @fact("health_pci")
 def fact_health_pci(params):
-    """Read the NVIDIA GPUs' driver, IOMMU group and type, PCIe link and upstream bridges' ACS."""
+    """Read the GPUs bound to nvidia: IOMMU group and its type, and their upstream bridges' ACS.
+
+    Only functions bound to nvidia are judged (a GPU on vfio-pci belongs to a VM), so they are
+    listed from the driver's directory rather than by reading every function of the machine;
+    the PCIe link speeds come with the `health` fact (nvidia-smi, sysfs where it says nothing).
+    """
     timeout = float(params.get("timeout", 20))
     record = []  # type: list
     try:
-        all_bdfs = sorted(os.listdir(SYS_PCI))
+        bound = sorted(n for n in os.listdir(NVIDIA_DRIVER) if _BDF.match(n))
     except OSError as exc:
-        return {"ok": False, "error": f"{SYS_PCI}: {exc.strerror}", "devices": {}, "commands": record}
-    ids = {b: pci_ids(os.path.join(SYS_PCI, b)) for b in all_bdfs}
-    bridges = set(b for b in all_bdfs if ids[b][0].startswith("0x0604"))
+        if exc.errno != errno.ENOENT:
+            return {
+                "ok": False,
+                "error": f"{NVIDIA_DRIVER}: {exc.strerror}",
+                "devices": {},
+                "commands": record,
+            }
+        bound = []  # the driver is not loaded: no GPU on nvidia
+    found = {}  # type: dict
     devices = {}
     acs_cache = {}  # type: dict
     ranges = {}  # type: dict
-    for b in all_bdfs:
+
+    def bridges():
+        if "all" not in found:
+            found["all"] = _all_bridges()
+        return found["all"]
+
+    for b in bound:
         base = os.path.join(SYS_PCI, b)
-        cls, vendor, driver = ids[b]
+        cls, vendor, driver = pci_ids(base)
         if vendor != "0x10de" or cls[:6] not in ("0x0300", "0x0302"):
-            continue
+            continue  # an NVSwitch, also on nvidia
         group = link_name(os.path.join(base, "iommu_group"))
         dev = {
-            "driver": driver,
+            "driver": driver or "nvidia",
             "class": cls,
             "iommu_group": group,
             "iommu_type": read_str(f"/sys/kernel/iommu_groups/{group}/type") if group else None,
-            "link": {
-                "speed": read_str(os.path.join(base, "current_link_speed")),
-                "width": read_str(os.path.join(base, "current_link_width")),
-                "max_speed": read_str(os.path.join(base, "max_link_speed")),
-                "max_width": read_str(os.path.join(base, "max_link_width")),
-            },
             "bridges": [],
         }  # type: dict
         for up in upstream(b, bridges, ranges):
