@@ -18,6 +18,7 @@ import pytest
 from pytest_gpuhost import hookspec, redact
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.report import html as html_report
+from pytest_gpuhost.report.outputs import configure_outputs
 from pytest_gpuhost.run import evidence, fixtures, remediation, settings, targets_stash
 from pytest_gpuhost.run.settings import Settings, settings_key
 from pytest_gpuhost.run.targets_stash import (
@@ -75,15 +76,22 @@ def pytest_configure(config: pytest.Config) -> None:
     controller = not hasattr(config, "workerinput")
     if controller:
         config.pluginmanager.register(html_report.HtmlCustomisation(), "gpuhost-html")
-    if s.report_dir is not None and controller:
-        s.report_name = s.report_name or settings.default_report_name(config)
-        html_report.configure_outputs(config, Path(s.report_dir), s.report_name)
     settings.publish(config, s)
     if s.hosts or s.inventory:
         config.stash[targets_key] = targets_stash.load_targets(config, s)
     else:
         config.stash[targets_key] = []
         config.hook.pytest_gpuhost_targets(config=config, targets=config.stash[targets_key])
+    # Reports only for runs that check targets: never for --co, nor an unrelated test run.
+    if (
+        s.report_dir is not None
+        and controller
+        and config.stash[targets_key]
+        and not config.option.collectonly
+    ):
+        s.report_name = s.report_name or settings.default_report_name(config)
+        configure_outputs(config, Path(s.report_dir), s.report_name)
+        settings.publish(config, s)  # the report name, for xdist workers
     # Registered now, after every entry-point plugin (testinfra included), so that our `host`
     # fixture is the one tests get, whichever order pytest loaded the plugins in.
     if not config.pluginmanager.has_plugin("gpuhost-fixtures"):

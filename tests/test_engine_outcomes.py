@@ -51,7 +51,8 @@ def engine(pytester: pytest.Pytester) -> pytest.Pytester:
 
 
 def _summary(result: pytest.RunResult) -> str:
-    return result.outlines[-1]
+    """Return pytest's final counts line (report paths may follow it)."""
+    return next(line for line in reversed(result.outlines) if line.startswith("=") and " in " in line)
 
 
 def test_outcomes_and_terminal_summary(engine: pytest.Pytester) -> None:
@@ -210,14 +211,14 @@ def test_worst_outcome_of_several_and_report_attributes(pytester: pytest.Pyteste
         from pytest_gpuhost.run.remediation import Check
         state = {"x": False}
 
-        def test_two(remediate, evidence):
+        def test_two(target, remediate, evidence):
             remediate(name="holds", check=lambda: Check(True, "fine"))
             out = remediate(name="x", check=lambda: Check(state["x"], "x"), fix=lambda a, b: state.update(x=True))
             assert out.outcome == "fixed" and out
             evidence.measure("bandwidth", 24.5, "GB/s")
         """
     )
-    result = pytester.runpytest("-n", "2", "--report-name=run1")
+    result = pytester.runpytest("-n", "2", "--report-name=run1", "--host=local://")
     assert "1 fixed" in _summary(result)
     data = json.loads(Path(pytester.path / "reports" / "run1.json").read_text())
     (test,) = data["tests"]

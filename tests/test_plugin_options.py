@@ -238,19 +238,44 @@ def test_targets_hook_filters_and_extends(pytester: pytest.Pytester) -> None:
 
 
 def test_reports_default_names_and_user_paths_win(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_mysuite="def test_a(): pass\n")
-    pytester.runpytest("test_mysuite.py").assert_outcomes(passed=1)
-    files = sorted(p.name for p in (pytester.path / "reports").iterdir())
+    pytester.makepyfile(test_mysuite="def test_a(target): pass\n")
+    pytester.runpytest("test_mysuite.py", "--host=local://").assert_outcomes(passed=1)
+    files = sorted(p.name for p in (pytester.path / "reports").iterdir() if p.name != "fleet-summary.json")
     assert len(files) == 3, files
     stem = files[0].rsplit(".", 1)[0]
     assert stem.startswith("mysuite-") and stem.endswith("Z")
     assert {f.rsplit(".", 1)[1] for f in files} == {"html", "json", "xml"}
     assert json.loads((pytester.path / "reports" / f"{stem}.json").read_text())["summary"] == {"passed": 1}
 
-    result = pytester.runpytest("--report-dir=out", "--report-name=nightly", "--html=mine.html")
+    result = pytester.runpytest(
+        "--host=local://", "--report-dir=out", "--report-name=nightly", "--html=mine.html"
+    )
     assert (pytester.path / "mine.html").is_file()
-    assert sorted(p.name for p in (pytester.path / "out").iterdir()) == ["nightly.json", "nightly.xml"]
+    assert sorted(p.name for p in (pytester.path / "out").iterdir()) == [
+        "fleet-summary.json",
+        "nightly.json",
+        "nightly.xml",
+    ]
     result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param([], id="unrelated run"),
+        pytest.param(["--host=local://", "test_other.py"], id="target given, not used"),
+        pytest.param(["--host=local://", "--co"], id="collect only"),
+        pytest.param(["--host=local://", "-p", "xdist", "-n", "2", "test_other.py"], id="xdist, not used"),
+        pytest.param(["--host=local://", "nonexistent.py"], id="file not found"),
+        pytest.param(["--host=local://", "-k", "nothing"], id="all deselected"),
+    ],
+)
+def test_runs_that_check_no_target_write_no_report(pytester: pytest.Pytester, args: list[str]) -> None:
+    pytester.makepyfile(test_gpu="def test_a(target): pass\n", test_other="def test_b(): pass\n")
+    result = pytester.runpytest_subprocess(*args)
+    assert not (pytester.path / "reports").exists(), result.stdout.str()
+    result.stdout.no_fnmatch_line("*gpuhost evidence:*")
+    result.stdout.no_fnmatch_line("*Generated html report*")
 
 
 def test_inventory_targets_and_bad_inventory(pytester: pytest.Pytester) -> None:

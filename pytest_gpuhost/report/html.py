@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.report.jsonfile import JsonWriter
-from pytest_gpuhost.run.record import check_name, install, phase_result, record_key
+from pytest_gpuhost.report.outputs import configure_outputs
+from pytest_gpuhost.run.record import check_name, phase_result, record_key
 
 __all__ = [
     "HtmlCustomisation",
@@ -52,22 +52,6 @@ def _css_class(outcome: str) -> str:
 def outcome_badge(outcome: str) -> str:
     """Return the styled HTML label of a gpuhost outcome."""
     return f'<span class="gh-outcome {_css_class(outcome)}">{html.escape(outcome)}</span>'
-
-
-# --- output paths ---------------------------------------------------------------------------
-
-
-def configure_outputs(config: pytest.Config, report_dir: Path, name: str) -> None:
-    """Send HTML, JUnit XML and JSON to `<dir>/<name>.*` unless the user chose paths."""
-    base = report_dir if report_dir.is_absolute() else config.invocation_params.dir / report_dir
-    if getattr(config.option, "htmlpath", "unset") is None:
-        config.option.htmlpath = str(base / f"{name}.html")
-        config.option.self_contained_html = True
-    if getattr(config.option, "xmlpath", "unset") is None:
-        config.option.xmlpath = str(base / f"{name}.xml")
-    run_record = install(config)
-    if run_record is not None:
-        config.pluginmanager.register(JsonWriter(base / f"{name}.json", config, run_record), "gpuhost-json")
 
 
 # --- evidence as HTML -----------------------------------------------------------------------

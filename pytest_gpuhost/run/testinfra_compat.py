@@ -10,12 +10,9 @@ check nothing and pass. `--sudo` needs nothing here: both plugins read the same 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pytest
-
-if TYPE_CHECKING:
-    from pytest_gpuhost.run.settings import Settings
 
 __all__ = ["REFUSED", "apply"]
 
@@ -34,6 +31,14 @@ REFUSED: dict[str, tuple[str, str]] = {
     "force_ansible": ("--force-ansible", "gpuhost runs commands through its own agent; drop --force-ansible"),
     "nagios": ("--nagios", "gpuhost has no Nagios output; read the fleet summary (--fleet-json) instead"),
 }
+
+
+class _Where(Protocol):
+    """The settings this module fills in (`run.settings.Settings`, which imports this module)."""
+
+    hosts: list[str]
+    ssh_identity: str | None
+    inventory: str | None
 
 
 def _given(config: pytest.Config, dest: str) -> Any:
@@ -57,7 +62,7 @@ def _must_exist(flag: str, path: Any) -> None:
         raise pytest.UsageError(f"gpuhost: testinfra's {flag}={str(path)!r}: no such file")
 
 
-def apply(config: pytest.Config, s: Settings) -> None:
+def apply(config: pytest.Config, s: _Where) -> None:
     """Fold testinfra's options into `s`, or raise UsageError (one line) for one we cannot honour."""
     for dest, (flag, instead) in REFUSED.items():
         value = _given(config, dest)
