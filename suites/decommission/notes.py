@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping, Sequence
 
 from pytest_gpuhost.modules.backup import Listing
 from pytest_gpuhost.modules.process import ProcessTable
@@ -12,9 +13,42 @@ from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 from suites.decommission.state import DecommissionState
 
-__all__ = ["STEPS", "NotesSteps"]
+__all__ = ["STEPS", "NotesSteps", "verdict"]
 
 STEPS = ("inventory", "servers stopped", "gpus idle", "artifacts backed up", "data in s3", "notes saved")
+
+
+def verdict(
+    outcomes: Mapping[str, str],
+    *,
+    running: Sequence[str],
+    local_missing: Sequence[tuple[str, str]],
+    s3_categories: Sequence[str] = (),
+    s3_configured: bool = True,
+    s3_missing: Sequence[tuple[str, str]] = (),
+    open_uploads: Sequence[str] = (),
+) -> list[str]:
+    """Return why the node is not safe to terminate; an empty list is the only "safe".
+
+    Pure: the step reads the node, the backup and the bucket, then asks this. Safe means every
+    step passed or was fixed (the S3 step may be skipped when no category is marked s3), no
+    process the manifest selects still runs, and every in-scope path (`(path, why)` items, as
+    `Backup.verify` and the S3 verify return them) is verified in every destination.
+    """
+    problems: list[str] = []
+    for step in STEPS:
+        outcome = outcomes.get(step)
+        if step == "data in s3" and outcome == "skipped":
+            continue
+        if outcome not in ("passed", "fixed"):
+            problems.append(f"step {step!r}: {outcome or 'not run'}")
+    problems += [f"still running: {p}" for p in running]
+    problems += [f"not in the local backup: {p} ({why})" for p, why in local_missing]
+    if s3_categories and not s3_configured:
+        problems.append(f"categories {', '.join(s3_categories)} marked s3 but no --backup-to")
+    problems += [f"not in S3: {p} ({why})" for p, why in s3_missing]
+    problems += [f"open multipart upload: {k}" for k in open_uploads]
+    return problems
 
 
 class NotesSteps(DecommissionState):
@@ -122,27 +156,24 @@ class NotesSteps(DecommissionState):
         """Step 7, the verdict: every step passed or was fixed and every byte is verified at its destination."""
 
         def check() -> Check:
-            problems: list[str] = []
-            for step in STEPS:
-                outcome = self.outcomes.get(step)
-                if step == "data in s3" and outcome == "skipped":
-                    continue
-                if outcome not in ("passed", "fixed"):
-                    problems.append(f"step {step!r}: {outcome or 'not run'}")
             table = ProcessTable.read(self.conn, gpu_holders=self.manifest.stop.gpu_holders)
-            running = table.select(self.manifest.stop)
-            problems += [f"still running: PID {p.pid} {p.cmdline}" for p, _ in running]
+            running = [f"PID {p.pid} {p.cmdline}" for p, _ in table.select(self.manifest.stop)]
             listing = self.backup.walk()
-            missing = self.backup.verify(listing)
-            problems += [f"not in the local backup: {p} ({why})" for p, why in missing]
-            if self.s3_cats():
-                if self.s3 is None:
-                    problems.append(f"categories {', '.join(self.s3_cats())} marked s3 but no --backup-to")
-                else:
-                    items, unverified = items_from_backup(self.backup, listing)
-                    problems += [f"not in S3: {p} ({why})" for p, why in unverified]
-                    problems += [f"not in S3: {p} ({why})" for p, why in self.s3_upload.verify(items)]
-                    problems += [f"open multipart upload: {k}" for k, _ in self.s3_upload.open_uploads()]
+            s3_missing: list[tuple[str, str]] = []
+            open_uploads: list[str] = []
+            if self.s3_cats() and self.s3 is not None:
+                items, unverified = items_from_backup(self.backup, listing)
+                s3_missing = [*unverified, *self.s3_upload.verify(items)]
+                open_uploads = [k for k, _ in self.s3_upload.open_uploads()]
+            problems = verdict(
+                self.outcomes,
+                running=running,
+                local_missing=self.backup.verify(listing),
+                s3_categories=self.s3_cats(),
+                s3_configured=self.s3 is not None,
+                s3_missing=s3_missing,
+                open_uploads=open_uploads,
+            )
             state = {"problems": problems, "files": len(listing.files)}
             if problems:
                 head = "\n  ".join(problems[:30])
