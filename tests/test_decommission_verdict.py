@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 from suites.decommission.notes import STEPS, verdict
 
+ROOT = Path(__file__).resolve().parent.parent
 ALL_PASSED = dict.fromkeys(STEPS, "passed")
 
 
@@ -36,3 +41,34 @@ def test_each_thing_left_is_one_problem() -> None:
     ]
     missing = {k: v for k, v in ALL_PASSED.items() if k != "gpus idle"}
     assert verdict(missing, running=[], local_missing=[]) == ["step 'gpus idle': not run"]
+
+
+def test_two_nodes_sharing_one_backup_dir_are_refused_before_anything_stops(tmp_path: Path) -> None:
+    """--backup-dir without {host} and two targets: every step errors with the fix, nothing runs."""
+    (tmp_path / "fleet.yaml").write_text(
+        "all:\n  vars: {ansible_connection: local}\n  hosts:\n    node-a: {}\n    node-b: {}\n"
+    )
+    manifest = ROOT / "fixtures" / "manifests" / "b200-node-backup.yaml"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(ROOT / "suites" / "decommission"),
+            f"--inventory={tmp_path / 'fleet.yaml'}",
+            f"--manifest={manifest}",
+            f"--backup-dir={tmp_path / 'backup'}",
+            "--report-dir=none",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+        ],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert "has no {host} but the run has 2 targets" in r.stdout, r.stdout[-3000:]
+    assert "passed" not in r.stdout.splitlines()[-1] and "fixed" not in r.stdout.splitlines()[-1], r.stdout
+    assert not (tmp_path / "backup").exists()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,9 +10,11 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.modules.backup import Progress, load_manifest
+from pytest_gpuhost.modules.destination import DestinationError, per_target
 from pytest_gpuhost.modules.s3 import parse_s3_url
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Remediation, WouldFix
+from pytest_gpuhost.run.targets_stash import targets_key
 from suites.decommission import options
 from suites.decommission.node import Decommission
 
@@ -36,8 +37,21 @@ def _progress_sink(config: pytest.Config) -> Any:
     return sink
 
 
-def _safe_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.@-]+", "_", name) or "host"
+def destinations(config: pytest.Config, target_name: str) -> tuple[str, str | None]:
+    """Return this target's backup directory and S3 URL, one place per target by construction.
+
+    Refused with one line (before anything is stopped) when several targets would share a place:
+    see pytest_gpuhost/modules/destination.py.
+    """
+    names = [str(t.name) for t in config.stash.get(targets_key, [])] or [target_name]
+    backup_dir, _ = options.get(config, "backup_dir")
+    backup_to, _ = options.get(config, "backup_to")
+    try:
+        dest = per_target(backup_dir or "backups/{host}", names, option="--backup-dir")[target_name]
+        url = per_target(backup_to, names, option="--backup-to")[target_name] if backup_to else None
+    except DestinationError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return dest, url
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +61,17 @@ def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterato
     if not manifest_path:
         pytest.fail("no manifest: pass --manifest=PATH (see fixtures/manifests/README.md)", pytrace=False)
     manifest = load_manifest(manifest_path)
-    name = _safe_name(target.name)
-    backup_dir, _ = options.get(pytestconfig, "backup_dir")
-    dest = Path((backup_dir or "backups/{host}").replace("{host}", name))
+    backup_dir, backup_to = destinations(pytestconfig, target.name)
+    dest = Path(backup_dir)
     if not dest.is_absolute():
         dest = Path(pytestconfig.invocation_params.dir) / dest
-    backup_to, _ = options.get(pytestconfig, "backup_to")
     endpoint, _ = options.get(pytestconfig, "s3_endpoint")
     d = Decommission(
         target,
         manifest=manifest,
         dest=dest,
         check_only=check_only,
-        s3=parse_s3_url(backup_to.replace("{host}", name)) if backup_to else None,
+        s3=parse_s3_url(backup_to) if backup_to else None,
         endpoint=endpoint,
         progress=_progress_sink(pytestconfig),
         record=lambda label, value: evidence.current().state(label, value, target=target.name),
