@@ -50,6 +50,10 @@ sys.path.insert(0, str(ROOT))
 from gpulab.lab import CLIENT_KEY, Lab, LabError, LabHost  # noqa: E402
 
 CHECKS = 19
+# Plugins neither suite uses, blocked for both: the cache writes .pytest_cache, and Hypothesis's
+# plugin (in the development environment, when installed) imports hypothesis in every pytest
+# process at the terminal summary, about 0.5 CPU-s each.
+UNRELATED = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
 
 
 def netem_available() -> bool:
@@ -299,7 +303,7 @@ def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: b
     report_dir = str(tmp) if reports else "none"
     took, out, rc, cpu = run(
         [
-            sys.executable, "-m", "pytest", "suites/health", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+            sys.executable, "-m", "pytest", "suites/health", "-q", *UNRELATED, "-o", "addopts=",
             f"--inventory={inv}", f"--ssh-identity={CLIENT_KEY}", f"--known-hosts={known}", "--check-only",
             "-n", str(workers), f"--report-dir={report_dir}", f"--fleet-json={summary}",
         ],
@@ -322,7 +326,7 @@ def baseline(tmp: Path, hosts: list[Endpoint], workers: int) -> dict[str, Any]:
     urls = ",".join(f"paramiko://root@{e.address}:{e.port}" for e in hosts)
     took, out, rc, cpu = run(
         [
-            sys.executable, "-m", "pytest", "benchmarks/testinfra_health", "-q", "-p", "no:cacheprovider",
+            sys.executable, "-m", "pytest", "benchmarks/testinfra_health", "-q", *UNRELATED,
             "-p", "no:gpuhost", "-o", "addopts=", "-W", "ignore", f"--hosts={urls}",
             f"--ssh-identity-file={CLIENT_KEY}", "-n", str(workers),
         ],
