@@ -4,9 +4,11 @@
 function is bound to, each function's ``driver_override``, each IOMMU group's domain type, the
 nvidia minor numbers and legacy persistence mode, and it applies the errno rules of
 ``drivers/base/bus.c`` and ``drivers/iommu/iommu.c`` for the profile's kernel era (see
-``docs/FACTS.md``). An nvidia unbind waits, like the driver, until no process holds the
-GPU's ``/dev/nvidiaN`` and legacy persistence is off. Every write is appended to
-``STATE/record.jsonl``.
+``docs/FACTS.md`` and ``docs/LAB-SOURCES.md``). An nvidia unbind waits, like the driver's
+nv_pci_remove(), until the GPU's usage count is zero: no process holds its ``/dev/nvidiaN`` and
+no kernel module (nvidia-uvm, nvidia-modeset, nvidia-drm) holds it. Legacy persistence mode does
+not hold it: nv_pci_remove() tears it down (rm_disable_gpu_state_persistence()). Every write is
+appended to ``STATE/record.jsonl``; kernel messages go to ``STATE/kmsg`` (the lab's dmesg).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpulab import realkernel
 from gpulab.profile import ACS_BITS, PciFunction, Profile
 
 __all__ = ["HostModel", "SysfsError", "find_holders", "DOMAIN_WRITE_VALUES"]
@@ -36,6 +39,10 @@ _MATCHERS: dict[str, Callable[[PciFunction], bool]] = {
 }
 # Probe order: vfio-pci is loaded first (initramfs softdep), so its ids= win over nvidia.
 _PROBE_ORDER = ("vfio-pci", "pcieport", "snd_hda_intel", "nvidia")
+# Drivers with .driver_managed_dma = true never call iommu_device_use_default_domain(), so from
+# 6.4 they do not count in group->owner_cnt (drivers/base/dd.c really_probe() -> dma_configure();
+# drivers/vfio/pci/vfio_pci.c, drivers/pci/pci-stub.c, drivers/pci/pcie/portdrv.c).
+DRIVER_MANAGED_DMA = frozenset({"vfio-pci", "pci-stub", "pcieport"})
 
 
 class SysfsError(OSError):
@@ -139,6 +146,13 @@ class HostModel:
             self.gtype: dict[int, str] = dict(self.boot.gtype)
             self.minor: dict[str, int] = dict(self.boot.minor)
             self.persistence: dict[str, int] = {b: 0 for b in self.gpu_bdfs}
+            self.kholders: dict[str, list[str]] = {b: [] for b in self.gpu_bdfs}
+            for kh in self.profile.kernel_holders:
+                if self.driver.get(kh.bdf) == "nvidia":
+                    self.kholders[kh.bdf].append(kh.module)
+            # GPUs bound at boot were opened by nvidia-persistenced: their firmware runs.
+            self.gsp_ready: dict[str, bool] = {b: self.driver.get(b) == "nvidia" for b in self.gpu_bdfs}
+            self.dma_broken: set[int] = set()
             self.dyn_ids: dict[str, list[tuple[str, str]]] = {d: [] for d in self.drivers}
             self.config: dict[str, bytearray] = {b: self._boot_config(b) for b in self.functions}
 
@@ -200,10 +214,11 @@ class HostModel:
         if f.link is not None:
             put(0x4C, _speed_code(f.link.max_speed) | (f.link.max_width << 4), 4)
             put(0x52, _speed_code(f.link.speed) | (f.link.width << 4), 2)
-        if ptype in (4, 6) or f.acs:
+        cap = realkernel.acs_cap(self.profile, f)
+        if cap:
             put(0x100, 0x000D | (1 << 16), 4)  # ACS extended capability, version 1, last
-            put(0x104, 0x005F, 2)  # supported: SV TB RR CR UF DT
-            put(0x106, sum(1 << ACS_BITS.index(b) for b in f.acs), 2)
+            put(0x104, sum(1 << ACS_BITS.index(b) for b in cap), 2)
+            put(0x106, sum(1 << ACS_BITS.index(b) for b in realkernel.boot_acs_ctl(self.profile, f)), 2)
         return c
 
     def config_write(self, bdf: str, offset: int, data: bytes) -> None:
@@ -234,6 +249,9 @@ class HostModel:
                 "iommu_groups": {str(g): t for g, t in self.gtype.items()},
                 "minors": dict(self.minor),
                 "persistence": dict(self.persistence),
+                "kernel_holders": {b: list(v) for b, v in self.kholders.items() if v},
+                "gsp_ready": dict(self.gsp_ready),
+                "dma_broken_groups": sorted(self.dma_broken),
             }
 
     def group_of(self, bdf: str) -> int | None:
@@ -304,6 +322,7 @@ class HostModel:
     def _attach(self, driver: str, bdf: str) -> None:
         self.driver[bdf] = driver
         if driver == "nvidia" and bdf in self.gpu_bdfs:
+            self.gsp_ready[bdf] = False
             used = set(self.minor.values())
             n = 0
             while n in used:
@@ -313,6 +332,10 @@ class HostModel:
     def _detach(self, bdf: str) -> None:
         self.driver[bdf] = None
         self.minor.pop(bdf, None)
+        # nv_pci_remove(): rm_disable_gpu_state_persistence() and nv_shutdown_adapter()
+        if bdf in self.persistence:
+            self.persistence[bdf] = 0
+            self.gsp_ready[bdf] = False
 
     # ----------------------------------------------------------------- writes
 
@@ -335,8 +358,9 @@ class HostModel:
         """``echo BDF > drivers/DRIVER/unbind``; returns seconds it blocked.
 
         ENODEV when the function is not bound to DRIVER. For nvidia it waits (polling every 50 ms,
-        without a bound, like the driver) until no process holds the GPU and legacy persistence
-        is off; ``on_wait`` is called once when it starts waiting.
+        without a bound, like the driver's 500 ms os_delay() loop) until no process and no kernel
+        module holds the GPU; ``on_wait`` is called once when it starts waiting. Legacy
+        persistence does not hold it (cleared on detach).
         """
         if bdf not in self.functions:
             raise SysfsError(errno.ENODEV)
@@ -352,11 +376,14 @@ class HostModel:
                     # Scan /proc outside the lock: it takes milliseconds and reads must not wait.
                     held = bool(self.holders(bdf))
                     with self.lock:
-                        if not held and self.persistence.get(bdf, 0) == 0:
+                        if not held and not self.kholders.get(bdf):
                             self._detach(bdf)
                             break
-                    if not told and on_wait is not None:
-                        on_wait()
+                    if not told:
+                        # kernel-open/nvidia/nv-pci.c nv_pci_remove_helper()
+                        self.kmsg(f"NVRM: Attempting to remove device {bdf} with non-zero usage count!")
+                        if on_wait is not None:
+                            on_wait()
                         told = True
                     if self.stopping.wait(POLL_S) or self.generation != gen:
                         raise SysfsError(errno.EINTR)
@@ -413,9 +440,17 @@ class HostModel:
             self.dyn_ids[driver].remove(ids)
 
     def set_group_type(self, group: int, value: str) -> None:
-        """Write ``iommu_groups/N/type`` with the kernel era's rules (see module docstring)."""
+        """Write ``iommu_groups/N/type`` with the kernel era's rules (see module docstring).
+
+        6.4+: iommu_group_store_type() refuses with EPERM while ``group->owner_cnt`` is non-zero:
+        a driver that uses the kernel DMA API is bound (not one in DRIVER_MANAGED_DMA), or a user
+        claimed the group (a running VM holds its vfio group: iommu_group_claim_dma_owner()). On
+        an SNP-enabled AMD IOMMU an identity request then fails or is accepted per
+        ``Profile.snp_identity``; an accepted one breaks the group's DMA.
+        """
         era = self.profile.type_era
-        if era == "none":
+        if era in ("none", "readonly"):
+            # kernfs_fop_open(): a 0444 attribute without store opened for write is EACCES
             raise SysfsError(errno.EACCES)
         if value not in DOMAIN_WRITE_VALUES:
             raise SysfsError(errno.EINVAL)
@@ -428,12 +463,14 @@ class HostModel:
             new = self.profile.default_domain if value == "auto" else value
             if era == "eperm":
                 # 6.4+: a flush queue can be brought up under a bound driver; anything else
-                # needs every device of the group unbound (owner_cnt == 0).
+                # needs group->owner_cnt == 0.
                 if value == "DMA-FQ" and cur == "DMA":
                     self.gtype[group] = "DMA-FQ"
                     return
-                if bound:
+                if self.owner_cnt(group):
                     raise SysfsError(errno.EPERM)
+                if new == "identity" and self.profile.snp_enabled:
+                    self._snp_identity(group)
                 self.gtype[group] = new
                 return
             # 5.11 .. 6.3
@@ -442,6 +479,118 @@ class HostModel:
             if bound and not (value == "DMA-FQ" and cur == "DMA"):
                 raise SysfsError(errno.EBUSY, "Device is still bound to driver")
             self.gtype[group] = new
+
+    def owner_cnt(self, group: int) -> int:
+        """Return the group's ``owner_cnt`` (6.4+): DMA-API drivers bound plus a claiming VM."""
+        with self.lock:
+            n = 0
+            for b in self.group_members(group):
+                d = self.driver[b]
+                if d is None:
+                    continue
+                if d not in DRIVER_MANAGED_DMA:
+                    n += 1
+                elif d == "vfio-pci" and self.profile.vfio_claimed:
+                    n += 1
+            return n
+
+    def _snp_identity(self, group: int) -> None:
+        """Apply the SNP rule for an identity request on ``group`` (called with the lock held)."""
+        how = self.profile.snp_identity
+        if how == "accept":
+            # 6.13 .. 7.0: the static identity domain attaches; DTE[Mode]=0 is then refused by
+            # the SNP IOMMU on the first DMA (commit ba17de98545d's log).
+            self.dma_broken.add(group)
+            return
+        raise SysfsError({"ENOMEM": errno.ENOMEM, "EINVAL": errno.EINVAL}.get(how, errno.ENODEV))
+
+    def kmsg(self, msg: str) -> None:
+        """Append a kernel message to ``STATE/kmsg`` (printed by the lab's dmesg)."""
+        if self.state_dir is None:
+            return
+        data = (json.dumps({"epoch": round(time.time(), 6), "msg": msg}) + "\n").encode()
+        fd = os.open(self.state_dir / "kmsg", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    def set_kernel_holders(self, bdf: str, value: str) -> None:
+        """Write ``ctl/kernel_holders/BDF``: ``MODULE`` adds a kernel-side holder, ``-MODULE``
+        drops it, empty drops all (a fault option: what nvidia-uvm/-modeset/-drm do, issues
+        #1119 and #1374). ENODEV unless the GPU is bound to nvidia; EINVAL for other names."""
+        from gpulab.profile import KERNEL_HOLDER_MODULES
+
+        name = value.lstrip("-")
+        if name and name not in KERNEL_HOLDER_MODULES:
+            raise SysfsError(errno.EINVAL)
+        with self.lock:
+            if self.driver.get(bdf) != "nvidia":
+                raise SysfsError(errno.ENODEV)
+            cur = self.kholders[bdf]
+            if not value:
+                cur.clear()
+            elif value.startswith("-"):
+                if name in cur:
+                    cur.remove(name)
+            elif name not in cur:
+                cur.append(name)
+
+    def first_open(self, bdf: str) -> float:
+        """Open the GPU like a first client does: start its GSP firmware if it is not running.
+
+        nv_open_device() -> nv_start_device() -> rm_init_adapter() boots GSP-RM on the first open
+        after a bind (or after the last client left, without persistence); this takes
+        ``profile.gsp_boot_s`` seconds. In a group whose identity domain an SNP IOMMU refuses,
+        the firmware's DMA faults and the open fails with EIO. Returns the seconds it took.
+        """
+        with self.lock:
+            if self.driver.get(bdf) != "nvidia":
+                raise SysfsError(errno.ENODEV)
+            if self.gsp_ready[bdf]:
+                return 0.0
+            group = self.group_of(bdf)
+            broken = group in self.dma_broken
+        if broken:
+            # the event format of drivers/iommu/amd/iommu.c iommu_print_event(), as quoted in
+            # commit ba17de98545d; the NVRM line is reconstructed (docs/LAB-SOURCES.md)
+            self.kmsg(
+                f"iommu ivhd0: AMD-Vi: Event logged [ILLEGAL_DEV_TABLE_ENTRY device={bdf[5:]} "
+                "pasid=0x00000 address=0x3737b01000 flags=0x0020]"
+            )
+            self.kmsg(f"NVRM: GPU {bdf}: RmInitAdapter failed!")
+            raise SysfsError(errno.EIO)
+        start = time.monotonic()
+        if self.stopping.wait(self.profile.gsp_boot_s):
+            raise SysfsError(errno.EINTR)
+        with self.lock:
+            if self.driver.get(bdf) == "nvidia":
+                self.gsp_ready[bdf] = True
+        return time.monotonic() - start
+
+    def module_refcnt(self) -> dict[str, int]:
+        """Return the use count of each NVIDIA module (``/sys/module/M/refcnt``, /proc/modules).
+
+        nvidia_uvm: kernel-side retains plus processes holding ``/dev/nvidia-uvm``; nvidia_drm:
+        GPUs it holds (fbdev/KMS clients); nvidia_modeset: nvidia_drm plus its own holds;
+        nvidia: its two dependent modules plus processes holding any ``/dev/nvidiaN``.
+        """
+        with self.lock:
+            held = {
+                m: sum(m in v for v in self.kholders.values())
+                for m in ("nvidia_uvm", "nvidia_drm", "nvidia_modeset")
+            }
+            paths = [p for b in self.gpu_bdfs if (p := self.dev_path(b)) is not None]
+        uvm = [self.devdir / "nvidia-uvm"] if self.devdir is not None else []
+        found = find_holders([*paths, *uvm], self.proc)
+        uvm_users = len(found.get(str(uvm[0]), [])) if uvm else 0
+        gpu_users = sum(len(v) for k, v in found.items() if not k.endswith("nvidia-uvm"))
+        return {
+            "nvidia_uvm": held["nvidia_uvm"] + uvm_users,
+            "nvidia_drm": held["nvidia_drm"],
+            "nvidia_modeset": 1 + held["nvidia_modeset"],
+            "nvidia": 2 + gpu_users,
+        }
 
     def set_persistence(self, bdf: str, value: str) -> None:
         """Write ``ctl/persistence/BDF`` (legacy persistence mode): 0 or 1; EINVAL else."""

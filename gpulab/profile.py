@@ -26,6 +26,8 @@ __all__ = [
     "Gpu",
     "GpuHealth",
     "GpuLink",
+    "IommuInfo",
+    "KernelHolder",
     "KernelLogLine",
     "LinkState",
     "PciFunction",
@@ -49,6 +51,11 @@ SERVICE_KINDS = ("sglang", "persistenced", "decoy")
 MANAGERS = ("systemd", "none")
 CONTAINER_KINDS = ("pct", "lxc")
 GENERATORS = ("b200-data",)
+IOMMU_VENDORS = ("intel", "amd")
+# Modules that take a GPU's usage count without any open file (open-gpu-kernel-modules
+# kernel-open/nvidia/nv.c nv_open_device() callers other than the char device: nvidia-uvm retains
+# GPUs it registered, nvidia-modeset/nvidia-drm keep a GPU open for KMS and fbdev; issues #1119, #1374).
+KERNEL_HOLDER_MODULES = ("nvidia_uvm", "nvidia_modeset", "nvidia_drm")
 
 
 class ProfileError(ValueError):
@@ -80,12 +87,29 @@ class PciFunction:
     link: LinkState | None
     subsystem_vendor: str
     subsystem_device: str
-    acs: tuple[str, ...] = ()
+    acs: tuple[str, ...] | None = None
+    acs_cap: tuple[str, ...] | None = None
 
     @property
     def is_gpu(self) -> bool:
         """Say whether this is a display-class function (VGA or 3D controller)."""
         return self.klass.startswith("0x0300") or self.klass.startswith("0x0302")
+
+
+@dataclass(frozen=True)
+class IommuInfo:
+    """The host's IOMMU: ``intel`` (VT-d) or ``amd`` (AMD-Vi), and whether the AMD IOMMU runs SEV-SNP."""
+
+    vendor: str = "intel"
+    snp: bool = False
+
+
+@dataclass(frozen=True)
+class KernelHolder:
+    """A kernel module that holds a GPU's usage count at boot without an open file."""
+
+    bdf: str
+    module: str
 
 
 @dataclass(frozen=True)
@@ -196,6 +220,12 @@ class Profile:
     services: tuple[Service, ...]
     files: tuple[FileTree, ...]
     raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    iommu: IommuInfo = field(default_factory=IommuInfo)
+    kernel_enables_acs: bool = False
+    vfio_claimed: bool = True
+    kernel_holders: tuple[KernelHolder, ...] = ()
+    module_params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    gsp_boot_s: float = 0.0
 
     @property
     def kernel_version(self) -> tuple[int, int]:
@@ -206,13 +236,60 @@ class Profile:
 
     @property
     def type_era(self) -> str:
-        """Return ``"eperm"`` (6.4+), ``"ebusy"`` (5.11..6.3) or ``"none"`` (no ``type`` file)."""
+        """Return ``"eperm"`` (6.4+), ``"ebusy"`` (5.11..6.3), ``"readonly"`` (5.2..5.10) or ``"none"``.
+
+        5.2 added ``type`` as a 0444 attribute without a store (drivers/iommu/iommu.c:
+        ``IOMMU_GROUP_ATTR(type, 0444, iommu_group_show_type, NULL)``); 5.11 made it writable
+        (commit 08a27c1c3ecf "iommu: Add support to change default domain of an iommu group").
+        """
         v = self.kernel_version
         if v >= (6, 4):
             return "eperm"
         if v >= (5, 11):
             return "ebusy"
+        if v >= (5, 2):
+            return "readonly"
         return "none"
+
+    @property
+    def snp_enabled(self) -> bool:
+        """Say whether the AMD IOMMU runs with SEV-SNP (``amd_iommu_snp_en``).
+
+        ``iommu=pt`` turns it off: drivers/iommu/amd/init.c iommu_snp_enable() refuses SNP when
+        ``iommu_default_passthrough()`` ("SNP: IOMMU disabled or configured in passthrough mode,
+        SNP cannot be supported.").
+        """
+        return self.iommu.vendor == "amd" and self.iommu.snp and self.default_domain != "identity"
+
+    @property
+    def snp_identity(self) -> str:
+        """Return what writing ``identity`` to a group's ``type`` does on this SNP kernel.
+
+        ``"ENODEV"``: the AMD driver refuses to allocate an identity domain under SNP (commit
+        8388f7df936b, drivers/iommu/amd/iommu.c amd_iommu_domain_alloc() returns NULL) and 6.6-6.8's
+        iommu_setup_default_domain() turns the NULL domain into -ENODEV. ``"ENOMEM"``: once the
+        core passes allocation errors through as ERR_PTR, the same refusal reads "Cannot allocate
+        memory" (quoted in commit ba17de98545d); the lab starts that at 6.11, a boundary NOT
+        verified against the tree. ``"accept"``: 6.13 (commit 4402f2627d30 "iommu/amd: Implement
+        global identity domain") hands out a static identity domain that skips the SNP check; the
+        write succeeds and DMA then fails with ILLEGAL_DEV_TABLE_ENTRY. ``"EINVAL"``: commit
+        ba17de98545d "iommu/amd: Block identity domain when SNP enabled" (7.0, stable 6.19.y)
+        refuses the attach. ``profile.raw["snp_identity"]`` overrides (a distribution kernel
+        may carry the fix, or not). Empty when SNP is off.
+        """
+        if not self.snp_enabled:
+            return ""
+        forced = self.raw.get("snp_identity")
+        if isinstance(forced, str) and forced:
+            return forced
+        v = self.kernel_version
+        if v >= (7, 0):
+            return "EINVAL"
+        if v >= (6, 13):
+            return "accept"
+        if v >= (6, 11):
+            return "ENOMEM"
+        return "ENODEV"
 
     def function(self, bdf: str) -> PciFunction:
         """Return the PCI function at ``bdf`` (KeyError when the profile has none)."""
@@ -313,6 +390,24 @@ def load_profile(name_or_path: str | Path, overrides: Mapping[str, Any] | None =
     return parse_profile(data, source=path.name)
 
 
+def _param(val: Any) -> str:
+    """Return a module parameter as /sys/module/M/parameters/P prints it (bools as Y/N)."""
+    if isinstance(val, bool):
+        return "Y" if val else "N"
+    return str(val)
+
+
+def _iommu(v: _V, data: Mapping[str, Any]) -> IommuInfo:
+    d = v.get(data, "iommu", "", dict, {})
+    vendor = v.get(d, "vendor", "iommu.", str, "intel")
+    if vendor not in IOMMU_VENDORS:
+        raise v.fail("iommu.vendor", f"{vendor!r} is not one of {', '.join(IOMMU_VENDORS)}")
+    snp = v.get(d, "snp", "iommu.", bool, False)
+    if snp and vendor != "amd":
+        raise v.fail("iommu.snp", "SEV-SNP needs the AMD IOMMU (vendor: amd)")
+    return IommuInfo(vendor, snp)
+
+
 class _V:
     """Field accessors that raise one-line ProfileErrors naming the field."""
 
@@ -348,13 +443,15 @@ class _V:
 ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
 
 
-def _acs(v: _V, f: Mapping[str, Any], w: str) -> tuple[str, ...]:
-    bits = v.get(f, "acs", w, list, [])
+def _acs(v: _V, f: Mapping[str, Any], w: str, key: str = "acs") -> tuple[str, ...] | None:
+    if f.get(key) is None:
+        return None
+    bits = v.get(f, key, w, list, [])
     for b in bits:
         if b not in ACS_BITS:
-            raise v.fail(f"{w}acs", f"{b!r} is not one of {', '.join(ACS_BITS)}")
+            raise v.fail(f"{w}{key}", f"{b!r} is not one of {', '.join(ACS_BITS)}")
     if bits and not str(f.get("class", "")).lower().startswith("0x0604"):
-        raise v.fail(f"{w}acs", "only bridges (class 0x0604xx) have ACS control")
+        raise v.fail(f"{w}{key}", "only bridges (class 0x0604xx) have ACS control")
     return tuple(bits)
 
 
@@ -424,6 +521,7 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
                 subsystem_vendor=v.get(f, "subsystem_vendor", w, str, vendor).lower(),
                 subsystem_device=v.get(f, "subsystem_device", w, str, "0x0000").lower(),
                 acs=_acs(v, f, w),
+                acs_cap=_acs(v, f, w, "acs_cap"),
             )
         )
     for i, f in enumerate(pci):
@@ -559,7 +657,36 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
             raise v.fail(f"files[{i}].generator", f"{gen!r} is not one of {', '.join(GENERATORS)}")
         files.append(FileTree(v.get(t, "root", f"files[{i}].", str), gen))
 
-    return Profile(
+    iommu = _iommu(v, data)
+    holders: list[KernelHolder] = []
+    for i, kh in enumerate(_seq(v, data, "kernel_holders")):
+        w = f"kernel_holders[{i}]."
+        bdf = v.bdf(kh.get("bdf"), f"{w}bdf")
+        if bdf not in gpu_bdfs:
+            raise v.fail(f"{w}bdf", f"{bdf} is not a GPU")
+        mod = v.get(kh, "module", w, str)
+        if mod not in KERNEL_HOLDER_MODULES:
+            raise v.fail(f"{w}module", f"{mod!r} is not one of {', '.join(KERNEL_HOLDER_MODULES)}")
+        holders.append(KernelHolder(bdf, mod))
+    params: dict[str, dict[str, str]] = {}
+    for mod, kv in v.get(data, "module_params", "", dict, {}).items():
+        if not isinstance(kv, dict):
+            raise v.fail(f"module_params.{mod}", f"expected a mapping, got {kv!r}")
+        params[str(mod)] = {str(k): _param(val) for k, val in kv.items()}
+    snp_identity = v.get(data, "snp_identity", "", str, "")
+    if snp_identity and snp_identity not in ("ENODEV", "ENOMEM", "EINVAL", "accept"):
+        raise v.fail("snp_identity", f"{snp_identity!r} is not one of ENODEV, ENOMEM, EINVAL, accept")
+    gsp = v.get(data, "gsp_boot_s", "", float, 0.0)
+    if gsp < 0:
+        raise v.fail("gsp_boot_s", f"{gsp!r} is negative")
+
+    prof = Profile(
+        iommu=iommu,
+        kernel_enables_acs=v.get(data, "kernel_enables_acs", "", bool, False),
+        vfio_claimed=v.get(data, "vfio_claimed", "", bool, True),
+        kernel_holders=tuple(holders),
+        module_params=params,
+        gsp_boot_s=gsp,
         name=name,
         hostname=hostname,
         kernel=kernel,
@@ -577,3 +704,12 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
         files=tuple(files),
         raw=json.loads(json.dumps(dict(data), default=str)),
     )
+    if prof.kernel_enables_acs:
+        # groups follow ACS (drivers/iommu/iommu.c pci_device_group()); a profile must not claim
+        # an isolation its ports cannot give
+        from gpulab import realkernel
+
+        why = realkernel.check_groups(prof)
+        if why:
+            raise v.fail("pci", why)
+    return prof

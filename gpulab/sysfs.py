@@ -8,7 +8,16 @@ Symlinks are relative like the kernel's and resolve inside the host (``devices/B
 the kernel's errno and are recorded with the host path in ``STATE/record.jsonl``.
 
 ``ctl/``: ``persistence/BDF`` (legacy persistence mode, 0/1), ``minor/BDF`` (current nvidia minor),
-``state.json`` (the whole model), ``reset`` (write 1: back to the profile's boot state).
+``kernel_holders/BDF`` (kernel modules holding the GPU: write ``nvidia_uvm`` to add, ``-nvidia_uvm``
+to drop, empty to clear), ``gsp/BDF`` (1 when the GPU's firmware runs; write ``open`` to open the
+GPU as a first client does, which waits for the firmware to boot), ``state.json`` (the whole
+model), ``reset`` (write 1: back to the profile's boot state).
+
+Two more subtrees are for the lab to bind over the host's own: ``module/`` over ``/sys/module``
+(the NVIDIA modules with ``refcnt``, ``initstate``, ``holders/`` and ``parameters/``, plus any module
+of the profile's ``module_params``, e.g. ``kvm_amd/parameters/sev_snp``) and ``proc/modules`` over
+``/proc/modules``. GPUs bound to nvidia show ``drm/cardN`` and ``drm/renderD(128+N)`` when
+nvidia_drm has ``modeset=Y``, as drm_dev_register() makes them.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from typing import Any
 
 import mfusepy
 
+from gpulab import realkernel
 from gpulab.model import HostModel, SysfsError
 from gpulab.profile import ProfileError, default_domain_for, load_profile
 
@@ -38,7 +48,12 @@ HOST_PREFIX = {
     "pci": "/sys/bus/pci",
     "iommu_groups": "/sys/kernel/iommu_groups",
     "ctl": "/var/lib/gpulab/ctl",
+    "module": "/sys/module",
+    "proc": "/proc",
 }
+NVIDIA_MODULES = ("nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_drm")
+# who uses whom, as /sys/module/M/holders/ and /proc/modules list it
+MODULE_USERS = {"nvidia": ["nvidia_uvm", "nvidia_modeset"], "nvidia_modeset": ["nvidia_drm"]}
 SYS = (
     "../../../.."  # from /sys/bus/pci/devices/BDF, /sys/bus/pci/drivers/X, /sys/kernel/iommu_groups/N/devices
 )
@@ -115,7 +130,7 @@ class SysfsOps(mfusepy.Operations):
     def _lookup(self, p: list[str]) -> Node | None:
         m = self.model
         if not p:
-            return _dir(lambda: ["pci", "iommu_groups", "ctl"])
+            return _dir(lambda: ["pci", "iommu_groups", "ctl", "module", "proc"])
         top, rest = p[0], p[1:]
         if top == "pci":
             return self._pci(rest)
@@ -123,7 +138,46 @@ class SysfsOps(mfusepy.Operations):
             return self._groups(rest)
         if top == "ctl":
             return self._ctl(rest)
-        del m
+        if top == "module":
+            return self._modules(rest)
+        if top == "proc":
+            if not rest:
+                return _dir(lambda: ["modules"])
+            if rest == ["modules"]:
+                return _ro(lambda: realkernel.proc_modules(m.module_refcnt(), MODULE_USERS))
+        return None
+
+    def _module_names(self) -> list[str]:
+        return sorted({*NVIDIA_MODULES, *self.model.profile.module_params})
+
+    def _modules(self, p: list[str]) -> Node | None:
+        m = self.model
+        if not p:
+            return _dir(self._module_names)
+        name, rest = p[0], p[1:]
+        if name not in self._module_names():
+            return None
+        params = dict(m.profile.module_params.get(name, {}))
+        if not rest:
+            kids = ["parameters"] if params else []
+            if name in NVIDIA_MODULES:
+                kids += ["refcnt", "initstate", "holders"]
+            return _dir(lambda: kids)
+        if len(rest) == 1 and name in NVIDIA_MODULES:
+            if rest[0] == "refcnt":
+                return _ro(lambda: f"{m.module_refcnt()[name]}\n")
+            if rest[0] == "initstate":
+                return _ro(lambda: "live\n")
+            if rest[0] == "holders":
+                return _dir(lambda: list(MODULE_USERS.get(name, [])))
+        if rest[0] == "holders" and len(rest) == 2 and rest[1] in MODULE_USERS.get(name, []):
+            return _link(f"../../{rest[1]}")
+        if rest[0] == "parameters" and params:
+            if len(rest) == 1:
+                return _dir(lambda: sorted(params))
+            if len(rest) == 2 and rest[1] in params:
+                val = params[rest[1]]
+                return _ro(lambda: val + "\n")
         return None
 
     def _pci(self, p: list[str]) -> Node | None:
@@ -218,11 +272,31 @@ class SysfsOps(mfusepy.Operations):
         drv = m.driver.get(bdf)
         if drv:
             attrs["driver"] = _link(f"{SYS}/bus/pci/drivers/{drv}")
+        drm = self._drm_nodes(bdf)
+        if drm:
+            attrs["drm"] = _dir(lambda: drm)
         if not p:
             return _dir(lambda: sorted(self._device_names(bdf)))
         if len(p) == 1:
             return attrs.get(p[0])
+        if len(p) == 2 and p[0] == "drm" and p[1] in drm:
+            return _dir(lambda: ["dev", "uevent"])
+        if len(p) == 3 and p[0] == "drm" and p[1] in drm and p[2] in ("dev", "uevent"):
+            major_minor = f"226:{int(p[1].removeprefix('card').removeprefix('renderD'))}"
+            if p[2] == "dev":
+                return _ro(lambda: major_minor + "\n")
+            return _ro(lambda: f"MAJOR=226\nMINOR={major_minor[4:]}\nDEVNAME=dri/{p[1]}\nDEVTYPE=drm_minor\n")
         return None
+
+    def _drm_nodes(self, bdf: str) -> list[str]:
+        """Return ``cardN``/``renderD(128+N)`` of a GPU that nvidia-drm registered (modeset=Y)."""
+        m = self.model
+        if m.profile.module_params.get("nvidia_drm", {}).get("modeset") != "Y":
+            return []
+        n = m.minor.get(bdf)
+        if n is None or m.driver.get(bdf) != "nvidia":
+            return []
+        return [f"card{n}", f"renderD{128 + n}"]
 
     def _device_names(self, bdf: str) -> list[str]:
         node_names = [
@@ -251,6 +325,8 @@ class SysfsOps(mfusepy.Operations):
             node_names.append("iommu_group")
         if self.model.driver.get(bdf):
             node_names.append("driver")
+        if self._drm_nodes(bdf):
+            node_names.append("drm")
         return node_names
 
     def _uevent(self, bdf: str) -> str:
@@ -329,8 +405,15 @@ class SysfsOps(mfusepy.Operations):
             return None
         rest = p[1:]
         if not rest:
-            return _dir(lambda: ["devices", "reserved_regions", "type"])
+            names = ["devices", "reserved_regions"] + ([] if m.profile.type_era == "none" else ["type"])
+            return _dir(lambda: names)
         if rest[0] == "type" and len(rest) == 1:
+            era = m.profile.type_era
+            if era == "none":
+                return None  # before 5.2 there is no type attribute
+            if era == "readonly":
+                # 5.2..5.10: IOMMU_GROUP_ATTR(type, 0444, iommu_group_show_type, NULL); no DMA-FQ yet
+                return _ro(lambda: ("DMA" if m.gtype[g] == "DMA-FQ" else m.gtype[g]) + "\n")
             return _rw(lambda: m.gtype[g] + "\n", lambda v: m.set_group_type(g, v))
         if rest[0] == "reserved_regions" and len(rest) == 1:
             return _ro(lambda: "0x00000000fee00000 0x00000000feefffff msi\n")
@@ -344,8 +427,17 @@ class SysfsOps(mfusepy.Operations):
     def _ctl(self, p: list[str]) -> Node | None:
         m = self.model
         if not p:
-            return _dir(lambda: ["minor", "persistence", "reset", "state.json"])
+            return _dir(lambda: ["gsp", "kernel_holders", "minor", "persistence", "reset", "state.json"])
         name, rest = p[0], p[1:]
+        if name in ("kernel_holders", "gsp"):
+            if not rest:
+                return _dir(lambda: list(m.gpu_bdfs))
+            b = rest[0]
+            if len(rest) != 1 or b not in m.gpu_bdfs:
+                return None
+            if name == "kernel_holders":
+                return _rw(lambda: " ".join(m.kholders[b]) + "\n", lambda v: m.set_kernel_holders(b, v))
+            return _rw(lambda: f"{int(m.gsp_ready[b])}\n", lambda v: self._gsp_open(b, v))
         if name == "persistence":
             if not rest:
                 return _dir(lambda: list(m.gpu_bdfs))
@@ -367,6 +459,11 @@ class SysfsOps(mfusepy.Operations):
         if name == "state.json":
             return _ro(lambda: json.dumps(m.snapshot(), indent=1) + "\n")
         return None
+
+    def _gsp_open(self, bdf: str, v: str) -> None:
+        if v != "open":
+            raise SysfsError(errno.EINVAL)
+        self.model.first_open(bdf)
 
     def _reset(self, v: str) -> None:
         if v != "1":

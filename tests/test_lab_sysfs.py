@@ -277,16 +277,17 @@ def test_nvidia_unbind_blocks_while_a_process_holds_the_gpu(m: StandaloneMount) 
     assert recs[1]["path"] == "/sys/bus/pci/drivers/nvidia/unbind" and float(str(recs[1]["blocked_s"])) >= 0.3
 
 
-def test_legacy_persistence_blocks_unbind_until_off(m: StandaloneMount) -> None:
+def test_legacy_persistence_does_not_block_unbind(m: StandaloneMount) -> None:
+    """nv_pci_remove() tears legacy persistence down (rm_disable_gpu_state_persistence())."""
     pers = P(m, f"ctl/persistence/{GPU1}")
     sysw(pers, "1")
     assert rd(pers) == "1"
     th, out = _unbind_in_thread(P(m, "pci/drivers/nvidia/unbind"), GPU1)
-    time.sleep(0.3)
-    assert th.is_alive()
-    sysw(pers, "0")
     th.join(3)
-    assert out["rc"] == 0
+    assert not th.is_alive() and out["rc"] == 0
+    assert rd(pers) == "0"
+    assert errno_of(pers, "1") == errno.ENODEV  # no longer bound to nvidia
+    sysw(P(m, "pci/drivers/nvidia/bind"), GPU1)
     assert errno_of(pers, "2") == errno.EINVAL
 
 
