@@ -137,7 +137,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     remediation.annotate_report(item, call, report)
     if call.excinfo is not None and isinstance(call.excinfo.value, GpuhostError):
-        report.longrepr = f"{type(call.excinfo.value).__name__}: {call.excinfo.value}"
+        report.longrepr = redact.printable(f"{type(call.excinfo.value).__name__}: {call.excinfo.value}")
     evidence.attach(item, report)
     html_report.add_extras(report)
     return report

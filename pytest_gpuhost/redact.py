@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "MASK",
+    "printable",
     "redact",
     "redact_argv",
     "redact_env",
@@ -172,3 +173,18 @@ def redact_obj(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [redact_obj(v) for v in obj]
     return obj
+
+
+_KEEP = frozenset("\n\t")
+
+
+def printable(text: str) -> str:
+    """Return `text` with control characters and escape sequences shown, not obeyed (`\\x1b`).
+
+    For every line the plugin prints to a terminal: a host name, command output or summary
+    holding `ESC [2J` or `ESC ] 0; title BEL` would otherwise clear or retitle the operator's
+    terminal, or hide a line with `\\r`. Newlines and tabs are kept.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in _KEEP else repr(c)[1:-1] for c in text)

@@ -267,3 +267,47 @@ def test_final_step_runs_after_a_failed_step(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--report-dir=none", "-rs")
     result.assert_outcomes(failed=1, skipped=1, passed=1)
     result.stdout.fnmatch_lines(["*blocked: step test_one failed*"])
+
+
+def test_action_status_says_what_happened_to_each_planned_action(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        from pytest_gpuhost.run.remediation import Action, Check
+
+        def plan(before):
+            return [Action("restart", "systemctl restart x")]
+
+        def test_fixed(target, remediate):
+            state = {"ok": False}
+            remediate(name="a", check=lambda: Check(state["ok"], "a"), plan=plan,
+                      fix=lambda actions, before: state.update(ok=True))
+
+        def test_not_verified(target, remediate):
+            remediate(name="b", check=lambda: Check(False, "b"), plan=plan, fix=lambda actions, before: None)
+
+        def test_fix_raised(target, remediate):
+            def fix(actions, before):
+                raise OSError("no")
+            remediate(name="c", check=lambda: Check(False, "c"), plan=plan, fix=fix)
+
+        def test_check_only(target, remediate):
+            remediate(name="d", check=lambda: Check(False, "d"), plan=plan, fix=lambda actions, before: None)
+        """
+    )
+    pytester.runpytest(
+        "--host=local://",
+        "--report-name=s",
+        "--deselect=test_action_status_says_what_happened_to_each_planned_action.py::test_check_only[local]",
+    )
+    pytester.runpytest("--host=local://", "--report-name=c", "--check-only", "-k", "check_only")
+    statuses = {}
+    for name in ("s", "c"):
+        data = json.loads((pytester.path / "reports" / f"{name}.json").read_text())
+        for t in data["tests"]:
+            statuses[t["check"]] = [a["status"] for a in t["evidence"]["call"]["actions"]]
+    assert statuses == {
+        "fixed": ["done"],
+        "not_verified": ["ran, not verified"],
+        "fix_raised": ["failed"],
+        "check_only": ["planned"],
+    }

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.report.files import load_summary, write_summary
 from pytest_gpuhost.report.limit import LimitError, Matcher, compile_limit, spec_groups
 from pytest_gpuhost.report.prometheus import prometheus_text, write_prometheus
@@ -190,7 +191,7 @@ class FleetReport:
         if self.summary is None:
             return
         for line in summary_lines(self.summary) + self.outputs:
-            terminalreporter.write_line(line)
+            terminalreporter.write_line(printable(redact(line)))
 
 
 #: The name this class had when it collected the results itself.

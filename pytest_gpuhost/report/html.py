@@ -227,6 +227,12 @@ class HtmlCustomisation:
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_html_results_table_row(self, report: pytest.TestReport, cells: list[str]) -> None:
+        # pytest-html writes the test id into the row raw and its page inserts the row as HTML:
+        # a node id holding markup (a target or parameter named `<img onerror=...>`) would run.
+        test_id = report.nodeid if report.when == "call" else f"{report.nodeid}::{report.when}"
+        for i, cell in enumerate(cells):
+            if cell.startswith('<td class="col-testId">'):
+                cells[i] = f'<td class="col-testId">{html.escape(test_id)}</td>'
         outcome = phase_result(report) or report.outcome
         target = getattr(report, "gpuhost_target", "") or ""
         cells.insert(1, f'<td class="col-gpuhostOutcome">{outcome_badge(outcome)}</td>')

@@ -145,7 +145,7 @@ class Evidence:
         self.notes.append(redact(str(text)))
 
     def action(self, action: Any, status: str) -> None:
-        """Record an `Action` with its status: planned, done, failed, vetoed."""
+        """Record an `Action` with its status: planned, done, ran, not verified, failed, vetoed."""
         data = jsonable(action)
         if not isinstance(data, dict):
             data = {"description": str(data)}

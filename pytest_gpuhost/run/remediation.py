@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.errors import GpuhostError
-from pytest_gpuhost.redact import redact, redact_obj
+from pytest_gpuhost.redact import printable, redact, redact_obj
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.record import (
     FAILED,
@@ -207,7 +207,7 @@ class Outcome:
         if self.actions:
             lines.append("  actions:" if self.outcome != WOULD_FIX else "  actions that would run:")
             lines.extend(f"    - {a}" for a in self.actions)
-        return redact("\n".join(lines))
+        return printable(redact("\n".join(lines)))
 
 
 class WouldFix(pytest.fail.Exception):  # type: ignore[name-defined,misc]
@@ -311,6 +311,7 @@ class Remediator:
             reason = f"fix raised {type(exc).__name__}: {exc}"
             for action in actions:
                 ev.action(action, "failed")
+        fix_ran = not reason
         try:
             after = remediation.verify()
         except Exception as exc:
@@ -321,9 +322,10 @@ class Remediator:
         if not reason and after is not None and not after.ok:
             reason = "fix did not verify"
         result = FAILED if reason else FIXED
-        if result == FIXED:
+        if fix_ran:
+            # The fix returned: its actions ran, whatever the re-check says; never left as "planned".
             for action in actions:
-                ev.action(action, "done")
+                ev.action(action, "done" if result == FIXED else "ran, not verified")
         hook.pytest_gpuhost_after_fix(
             item=self.item,
             target=self.target,
@@ -409,21 +411,23 @@ def report_teststatus(report: pytest.TestReport) -> tuple[str, str, tuple[str, d
 
 def terminal_summary(terminalreporter: Any) -> None:
     """Print what was fixed and what would be fixed, with the actions, after the test run."""
+
+    def line(text: str) -> None:
+        terminalreporter.write_line(printable(redact(text)))
+
     for category, title in ((WOULD_FIX, "would fix (check-only)"), (FIXED, "fixed")):
         reports = terminalreporter.stats.get(category, [])
         if not reports:
             continue
         terminalreporter.write_sep("=", title, yellow=category == WOULD_FIX, green=category == FIXED)
         for rep in reports[:SUMMARY_LIMIT]:
-            terminalreporter.write_line(f"{rep.nodeid}")
+            line(rep.nodeid)
             for rem in getattr(rep, "gpuhost_remediations", []):
                 if rem["outcome"] != category:
                     continue
-                terminalreporter.write_line(f"  {rem['name']}: {rem['before'].get('summary', '')}")
+                line(f"  {rem['name']}: {rem['before'].get('summary', '')}")
                 for action in rem["actions"]:
                     where = f"[{action['target']}] " if action.get("target") else ""
-                    terminalreporter.write_line(f"    - {where}{action['description']}: {action['command']}")
+                    line(f"    - {where}{action['description']}: {action['command']}")
         if len(reports) > SUMMARY_LIMIT:
-            terminalreporter.write_line(
-                f"... and {len(reports) - SUMMARY_LIMIT} more: see the HTML and JSON reports"
-            )
+            line(f"... and {len(reports) - SUMMARY_LIMIT} more: see the HTML and JSON reports")
