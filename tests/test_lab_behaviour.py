@@ -190,3 +190,24 @@ def test_nvbandwidth_na_until_identity_and_rebind(host):
         40 < float(after[(0, 1)]) < 60 and 40 < float(after[(1, 0)]) < 60
     )  # the profile: pcie-switch 52 GB/s
     assert after[(0, 2)] == "N/A"  # GPU 2's group is still DMA-FQ
+
+
+def test_amd_snp_host_shows_snp_and_6_14_accepts_identity_then_dma_fails(lab):
+    """The seed's machine (AMD EPYC, SEV-SNP, kernel 6.14): the facts a suite gathers show SNP, and
+    a group type write to identity is accepted (commit 4402f2627d30) while the GPU's first DMA
+    then faults (ILLEGAL_DEV_TABLE_ENTRY, commit ba17de98545d's log). docs/LAB-SOURCES.md."""
+    host = lab.host("proxmox-epyc-snp", pristine=True)
+    log = host.ssh("dmesg").stdout
+    assert "AMD-Vi: IOMMU SNP support enabled." in log and "kvm_amd: SEV-SNP enabled" in log
+    assert "DMAR" not in log
+    cmdline = host.ssh("cat /proc/cmdline").stdout
+    assert "iommu=pt" not in cmdline and "mem_encrypt=on" in cmdline
+    stop_gpu_holders(host)
+    unbind(host, GPU0, "nvidia")
+    unbind(host, AUDIO0, "snd_hda_intel")
+    w = host.ssh(f"echo identity > /sys/kernel/iommu_groups/{GROUP0}/type")
+    assert w.returncode == 0, w.stderr
+    assert host.ssh(f"echo {GPU0} > /sys/bus/pci/drivers/nvidia/bind").returncode == 0
+    first_open = host.ssh(f"echo open > /var/lib/gpulab/ctl/gsp/{GPU0}")
+    assert first_open.returncode != 0 and "Input/output error" in first_open.stderr
+    assert "ILLEGAL_DEV_TABLE_ENTRY device=17:00.0" in host.ssh("dmesg").stdout
