@@ -90,14 +90,17 @@ class Model:
         g = self.group(group, where)
         own: dict[str, Any] = {}
         self.set_vars(own, hvars, where, f"host {key!r}")
-        count, names, port = expand_host_key(key, where, MAX_HOSTS - len(self.hosts))
+        _, names, port = expand_host_key(key, where)
         if port is not None:
             own["ansible_port"] = port
         for name in names:
             hv = self.hosts.get(name)
             if hv is None:
-                if len(self.hosts) >= MAX_HOSTS:  # a key repeating known names is not counted ahead
-                    raise TargetError(f"{where}: more than {MAX_HOSTS:,} hosts in one inventory")
+                if len(self.hosts) >= MAX_HOSTS:  # counted as made: a key may repeat known names
+                    raise TargetError(
+                        f"{where}: host key {key!r} brings the inventory over {MAX_HOSTS:,} hosts"
+                        " (split the fleet into several inventories)"
+                    )
                 hv = self.hosts[name] = {}
                 self.host_groups[name] = {}
             hv.update(own)

@@ -118,11 +118,11 @@ def _split_port(key: str) -> tuple[str, int | None]:
     return key, None
 
 
-def expand_host_key(key: str, where: str, room: int = MAX_HOSTS) -> tuple[int, Iterator[str], int | None]:
+def expand_host_key(key: str, where: str) -> tuple[int, Iterator[str], int | None]:
     """Return (count, names, port) for an inventory host key; raise TargetError if it is bad.
 
-    `room` is how many hosts the inventory may still take; a key giving more is refused before
-    any name is made. Each name is checked with `valid_host_name` as it is made.
+    A key giving more than `MAX_HOSTS` names is refused before any is made; each name is
+    checked with `valid_host_name` as it is made.
     """
     if len(key) > 1000:
         raise TargetError(f"{where}: host name {key[:40]!r}... is longer than 1000 characters")
@@ -139,10 +139,9 @@ def expand_host_key(key: str, where: str, room: int = MAX_HOSTS) -> tuple[int, I
     count = 1
     for piece in pieces:
         count *= len(piece)
-    if count > room:
-        limit = "the inventory's limit" if room < MAX_HOSTS else "the limit"
+    if count > MAX_HOSTS:
         raise TargetError(
-            f"{where}: host range {key!r} gives {count:,} hosts, over {limit} of {MAX_HOSTS:,} hosts"
+            f"{where}: host range {key!r} gives {count:,} hosts, over the limit of {MAX_HOSTS:,} hosts"
             " (split the fleet into several inventories)"
         )
 
