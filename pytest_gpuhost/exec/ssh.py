@@ -1,14 +1,15 @@
-"""SSH to a target with paramiko (the fallback where no OpenSSH client exists): transport, channels, launcher.
+"""SSH with paramiko, the fallback where no OpenSSH client exists: the transport and its launcher.
 
-Where `ssh` is installed, targets.py uses the OpenSSH client instead (openssh_master.py).  This
+Where `ssh` is installed, targets.py uses the OpenSSH client instead (openssh_mux.py).  This
 transport reads ssh_config through sshconfig.py (`HostName`, `User`, `Port`, `IdentityFile`,
 `ProxyJump`, `UserKnownHostsFile`), takes keys from ssh-agent (a passphrase-protected identity is
 used through the agent key that matches its `.pub`), and logs nothing through paramiko's own
 loggers: a hung server is one `ConnectError` line, not paramiko's traceback per attempt.
 
-`SSHLauncher` starts programs over one paramiko `Transport` per target, one exec channel per
-program, so an agent and a bulk tar stream share the connection.  `open_bulk` runs a program
-under the OpenSSH client instead where it can (openssh.py says why and how it falls back); the
+`SSHLauncher` starts programs over one paramiko `Transport` per target, one exec channel
+(ssh_channel.py) per program, so an agent and a bulk tar stream share the connection.  For a
+transport built by hand on a machine that has `ssh`, `open_bulk` runs a program under the
+OpenSSH client instead where it can (openssh.py says why and how it falls back); the
 reason bulk channels stay on paramiko, once decided, is kept in `SSHTransport.bulk_fallback`.
 
 Host keys are checked against known_hosts by hostkeys.py, not by paramiko's policies.  Every
@@ -25,7 +26,6 @@ import shlex
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,7 @@ from pytest_gpuhost.exec.hostkeys import (
 )
 from pytest_gpuhost.exec.launch import Launcher
 from pytest_gpuhost.exec.openssh import OpenSSHChannel, openssh_argv
+from pytest_gpuhost.exec.ssh_channel import SSHChannel
 from pytest_gpuhost.exec.sshconfig import Hop, resolve
 
 if TYPE_CHECKING:
@@ -65,67 +66,6 @@ __all__ = ["HOST_KEY_POLICIES", "SSHChannel", "SSHLauncher", "SSHTransport"]
 # ERROR; our ConnectError already says what failed in one line.  Lower this logger's level to see them.
 PARAMIKO_LOG = "pytest_gpuhost.paramiko"
 logging.getLogger(PARAMIKO_LOG).setLevel(logging.CRITICAL)
-
-
-class SSHChannel(RawChannel):
-    """One exec channel on an SSH transport."""
-
-    def __init__(self, chan: paramiko.Channel, label: str) -> None:
-        self.chan = chan
-        self.label = label
-        self._stderr: deque[bytes] = deque()
-        self._stderr_len = 0
-
-    def send(self, data: bytes) -> None:
-        try:
-            self.chan.sendall(data)
-        except OSError:
-            pass  # closed: the reader sees EOF
-
-    def close_stdin(self) -> None:
-        try:
-            self.chan.shutdown_write()
-        except (OSError, EOFError):
-            pass
-
-    def _drain_stderr(self) -> None:
-        while self.chan.recv_stderr_ready():
-            chunk = self.chan.recv_stderr(65536)
-            if not chunk:
-                break
-            self._keep_stderr(chunk)
-
-    def recv(self, timeout: float | None) -> bytes:
-        if self._pushback:
-            data, self._pushback = self._pushback, b""
-            return data
-        self.chan.settimeout(timeout)
-        try:
-            data = self.chan.recv(65536)
-        except TimeoutError as exc:  # socket.timeout is TimeoutError
-            self._drain_stderr()
-            raise TimeoutError("no data within %.1fs" % (timeout or 0)) from exc
-        self._drain_stderr()
-        return data
-
-    def stderr_text(self) -> str:
-        self._drain_stderr()
-        return b"".join(self._stderr).decode("utf-8", "replace")
-
-    def exit_status(self, timeout: float = 0.0) -> int | None:
-        if self.chan.status_event.wait(timeout) if timeout > 0 else self.chan.exit_status_ready():
-            return self.chan.recv_exit_status()
-        return None
-
-    def lost(self) -> bool:
-        # paramiko leaves -1 when the channel closed without an exit status (a program killed
-        # by a signal also sends none): only a transport that is gone means the link went.
-        transport = self.chan.get_transport()
-        return self.chan.exit_status == -1 and (transport is None or not transport.is_active())
-
-    def close(self) -> None:
-        self.close_stdin()
-        self.chan.close()
 
 
 class SSHTransport:
