@@ -1,7 +1,7 @@
 """Health verdicts: one host's `health` facts and its thresholds -> one verdict per check.
 
-Pure logic, no I/O: the facts come from the agent's `health` fact (agent/probe_health.py, one
-request per host), the thresholds from the inventory's host and group variables (`THRESHOLDS`
+Pure logic, no I/O: the facts come from the agent's `health` facts (exec/agent/probe_health*.py,
+one request per host, merged by `health_facts.merge`), the thresholds from the inventory's host and group variables (`THRESHOLDS`
 lists every variable with its default and meaning; docs/fleet.md shows them). Every verdict says
 why, in one summary line plus one reason per offending GPU, line or path.
 
