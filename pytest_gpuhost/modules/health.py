@@ -1,9 +1,10 @@
 """Health verdicts: one host's `health` facts and its thresholds -> one verdict per check.
 
 Pure logic, no I/O: the facts come from the agent's `health` facts (exec/agent/probe_health*.py,
-one request per host, merged by `health_facts.merge`), the thresholds from the inventory's host and group variables (`THRESHOLDS`
-lists every variable with its default and meaning; docs/fleet.md shows them). Every verdict says
-why, in one summary line plus one reason per offending GPU, line or path.
+one request per host, merged by `health_facts.merge`), the thresholds from the inventory's host
+and group variables (`THRESHOLDS` lists every variable with its default and meaning;
+docs/fleet.md shows them). Every verdict says why, in one summary line plus one reason per
+offending GPU, line or path.
 
 Measurements that jitter (temperature, free disk) are judged with a noise band: a value within
 the band of its limit is not trusted on one reading. `evaluate` then returns `reread` naming the
