@@ -44,11 +44,18 @@ def _config(path: Path, text: str) -> str:
 
 
 def test_ssh_config_alias(client, sshd, tmp_path):
-    """`Host` alias with HostName, Port, User, IdentityFile, UserKnownHostsFile from the config."""
+    """`Host` alias with HostName, Port, User, IdentityFile, UserKnownHostsFile from the config.
+
+    The config's RemoteCommand and RequestTTY would break our programs: ours win over them.  A
+    port written in the URL wins over the config's, as `ssh -p` does.
+    """
     cfg = _config(
         tmp_path / "ssh_config",
-        f"Host gpu-alias\n  HostName {sshd.host}\n  Port {sshd.port}\n  User {sshd.user}\n"
-        f"  IdentityFile {sshd.identity}\n  UserKnownHostsFile {sshd.known_hosts}\n",
+        f"Host gpu-alias gpu-misported\n  HostName {sshd.host}\n  User {sshd.user}\n"
+        f"  IdentityFile {sshd.identity}\n  UserKnownHostsFile {sshd.known_hosts}\n"
+        "  RemoteCommand echo hijacked\n  RequestTTY yes\n"
+        f"Host gpu-alias\n  Port {sshd.port}\n"
+        "Host gpu-misported\n  Port 1\n",
     )
     spec = parse_host_url("ssh://gpu-alias")
     with open_connection(spec, TargetOptions(ssh_config=cfg, connect_timeout=5)) as c:
@@ -56,6 +63,10 @@ def test_ssh_config_alias(client, sshd, tmp_path):
         assert c.run(["echo", "$SSH_CONNECTION"]).stdout == "$SSH_CONNECTION\n"
         assert c.run("echo $SSH_CONNECTION").stdout.split()[3] == str(sshd.port)
         assert f"{sshd.user}@{sshd.host}:{sshd.port}" in c.launcher.description
+    with open_connection(
+        parse_host_url(f"ssh://gpu-misported:{sshd.port}"), TargetOptions(ssh_config=cfg)
+    ) as c:
+        assert c.run(["echo", "explicit port"]).stdout == "explicit port\n"
     with pytest.raises(ConnectError, match="ssh config file .* not found"):
         open_connection(spec, TargetOptions(ssh_config=str(tmp_path / "missing"), connect_timeout=5))
 

@@ -14,7 +14,9 @@ pays no login.  `close` asks the master to exit and removes the directory.
 Our options are passed on the command line, so they win over ssh_config as `-o` does:
 `BatchMode=yes` (nothing prompts), `StrictHostKeyChecking=yes` (`accept-new` only with
 `--host-key-policy=accept-new`), `UpdateHostKeys=no`, `ClearAllForwardings=yes` (forwards from
-the config would collide between parallel masters), `ConnectTimeout`.  `--known-hosts FILE`
+the config would collide between parallel masters), `RemoteCommand=none` and
+`PermitLocalCommand=no` (we run our own programs), `ConnectTimeout`.  OpenSSH 7.6 or later
+(`accept-new`, `RemoteCommand`); an older client fails at `ssh -G`, in one line.  `--known-hosts FILE`
 means exactly the keys in FILE (`UserKnownHostsFile=FILE`, `GlobalKnownHostsFile=/dev/null`);
 without it ssh uses its own files, as plain `ssh` does.  `--ssh-identity` is `-i` with
 `IdentitiesOnly=yes` (an agent key matching its `.pub` is used for a protected file).  As with
@@ -135,6 +137,8 @@ class OpenSSHTransport:
             "-o", f"StrictHostKeyChecking={strict}",
             "-o", "UpdateHostKeys=no",
             "-o", "ClearAllForwardings=yes",
+            "-o", "RemoteCommand=none",
+            "-o", "PermitLocalCommand=no",
             "-o", f"ConnectTimeout={max(1, math.ceil(self.connect_timeout))}",
             "-o", "ServerAliveInterval=15",
             "-o", "ServerAliveCountMax=4",
