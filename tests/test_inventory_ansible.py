@@ -260,3 +260,31 @@ def test_host_port_keys_and_ipv6(tmp_path: Path) -> None:
     assert [(s.hostname, s.port) for s in specs.values()] == [
         ("gpu-01", 2222), ("fe80::1", 2200), ("2001:db8::7", 22), ("node1", 2300), ("node2", 2300)
     ]  # fmt: skip
+
+
+def test_markup_host_name_stops_the_run_with_one_line(pytester: pytest.Pytester) -> None:
+    # issue 13: this name became live HTML in the report's test-id column; now it never gets there
+    pytester.makefile(
+        ".yaml", fleet='all:\n  hosts:\n    "<img src=x onerror=alert(1)>": {gpuhost_url: "local://"}\n'
+    )
+    pytester.makepyfile("def test_t(target):\n    pass\n")
+    result = pytester.runpytest("--inventory=fleet.yaml", "--report-dir=none", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: gpuhost: --inventory='fleet.yaml': bad inventory: *host name '<img src=x onerror=alert(1)>' is not a host name*"
+        ]
+    )
+    assert "Traceback" not in result.stderr.str() + result.stdout.str()
+
+
+def test_files_without_a_telling_suffix(tmp_path: Path) -> None:
+    (tmp_path / "a").write_text("# plain list of hosts, Ansible INI\ngpu-01\ngpu-02:2222\n")
+    assert [(s.name, s.port) for s in read_inventory(tmp_path / "a").specs] == [
+        ("gpu-01", 22),
+        ("gpu-02", 2222),
+    ]
+    (tmp_path / "b").write_text("---\nall:\n  hosts:\n    gpu-01:\n")
+    assert [s.name for s in read_inventory(tmp_path / "b").specs] == ["gpu-01"]
+    (tmp_path / "c").write_text('{"_meta": {"hostvars": {"gpu-01": {}}}}')
+    assert [s.name for s in read_inventory(tmp_path / "c").specs] == ["gpu-01"]

@@ -103,7 +103,7 @@ def _looks_ini(text: str) -> bool:
         s = line.strip()
         if not s or s.startswith(("#", ";")):
             continue
-        return not (s.startswith(("{", "---")) or _YAML_KEY.match(s))
+        return not (s.startswith(("{", "---", "- ")) or _YAML_KEY.match(s))
     return False
 
 
