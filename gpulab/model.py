@@ -18,12 +18,14 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpulab import realkernel
-from gpulab.profile import ACS_BITS, PciFunction, Profile
+from gpulab.configspace import ConfigSpaceMixin
+from gpulab.kernelio import SysfsError, find_holders
+from gpulab.nvdriver import NvidiaDriverMixin
+from gpulab.profile import PciFunction, Profile
 
 __all__ = ["HostModel", "SysfsError", "find_holders", "DOMAIN_WRITE_VALUES"]
 
@@ -45,52 +47,6 @@ _PROBE_ORDER = ("vfio-pci", "pcieport", "snd_hda_intel", "nvidia")
 DRIVER_MANAGED_DMA = frozenset({"vfio-pci", "pci-stub", "pcieport"})
 
 
-class SysfsError(OSError):
-    """A sysfs write failed with the errno the kernel would return."""
-
-    def __init__(self, err: int, why: str = "") -> None:
-        super().__init__(err, os.strerror(err) + (f" ({why})" if why else ""))
-
-
-def find_holders(paths: Iterable[str | os.PathLike[str]], proc: str = "/proc") -> dict[str, list[int]]:
-    """Return path -> PIDs holding that file open, found through ``/proc/*/fd`` by st_dev/st_ino.
-
-    Paths that do not exist are left out. Processes that vanish mid-scan are skipped.
-    """
-    keys: dict[tuple[int, int], str] = {}
-    for p in paths:
-        try:
-            st = os.stat(p)
-        except OSError:
-            continue
-        keys[(st.st_dev, st.st_ino)] = str(p)
-    out: dict[str, list[int]] = {v: [] for v in keys.values()}
-    if not keys:
-        return out
-    me = os.getpid()
-    try:
-        pids = [int(d) for d in os.listdir(proc) if d.isdigit()]
-    except OSError:
-        return out
-    for pid in pids:
-        if pid == me:
-            continue
-        fd_dir = f"{proc}/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                st = os.stat(f"{fd_dir}/{fd}")
-            except OSError:
-                continue
-            hit = keys.get((st.st_dev, st.st_ino))
-            if hit is not None and pid not in out[hit]:
-                out[hit].append(pid)
-    return out
-
-
 @dataclass
 class _Boot:
     driver: dict[str, str | None]
@@ -99,7 +55,7 @@ class _Boot:
     minor: dict[str, int]
 
 
-class HostModel:
+class HostModel(ConfigSpaceMixin, NvidiaDriverMixin):
     """PCI/IOMMU state of one lab host and the kernel rules for changing it."""
 
     def __init__(
@@ -157,87 +113,6 @@ class HostModel:
             self.config: dict[str, bytearray] = {b: self._boot_config(b) for b in self.functions}
 
     # ----------------------------------------------------------------- config space
-
-    def bus_range(self, bdf: str) -> tuple[int, int]:
-        """Return (secondary, subordinate) bus numbers of a bridge, from the profile's tree."""
-        kids = [f for f in self.profile.pci if f.parent == bdf]
-        own = int(bdf[5:7], 16)
-        if not kids:
-            return own + 1, own + 1
-        lo = min(int(k.bdf[5:7], 16) for k in kids)
-        hi = lo
-        todo = list(kids)
-        while todo:
-            f = todo.pop()
-            hi = max(hi, int(f.bdf[5:7], 16))
-            todo += [g for g in self.profile.pci if g.parent == f.bdf]
-        return lo, hi
-
-    def port_type(self, bdf: str) -> int:
-        """Return the PCIe device/port type: 0 endpoint, 4 root port, 5 upstream, 6 downstream."""
-        f = self.functions[bdf]
-        if not f.klass.startswith("0x0604"):
-            return 0
-        if f.parent is None:
-            return 4
-        if any(k.klass.startswith("0x0604") for k in self.profile.pci if k.parent == bdf):
-            return 5
-        return 6
-
-    def _boot_config(self, bdf: str) -> bytearray:
-        """Build the function's 4 KiB config space: header, PCIe capability, ACS on ports."""
-        f = self.functions[bdf]
-        c = bytearray(4096)
-
-        def put(off: int, value: int, size: int) -> None:
-            c[off : off + size] = value.to_bytes(size, "little")
-
-        put(0x00, int(f.vendor, 16), 2)
-        put(0x02, int(f.device, 16), 2)
-        put(0x04, 0x0406 if f.driver else 0x0000, 2)
-        put(0x06, 0x0010, 2)  # capabilities list
-        put(0x08, 0xA1, 1)
-        put(0x09, int(f.klass, 16), 3)  # prog-if, subclass, class
-        ptype = self.port_type(bdf)
-        put(0x0E, 0x01 if ptype else 0x00, 1)
-        if ptype:
-            sec, sub = self.bus_range(bdf)
-            put(0x18, int(bdf[5:7], 16), 1)
-            put(0x19, sec, 1)
-            put(0x1A, sub, 1)
-        else:
-            put(0x2C, int(f.subsystem_vendor, 16), 2)
-            put(0x2E, int(f.subsystem_device, 16), 2)
-        put(0x34, 0x40, 1)
-        put(0x40, 0x10, 1)  # PCI Express capability, last in the list
-        put(0x42, 0x2 | (ptype << 4), 2)
-        if f.link is not None:
-            put(0x4C, _speed_code(f.link.max_speed) | (f.link.max_width << 4), 4)
-            put(0x52, _speed_code(f.link.speed) | (f.link.width << 4), 2)
-        cap = realkernel.acs_cap(self.profile, f)
-        if cap:
-            put(0x100, 0x000D | (1 << 16), 4)  # ACS extended capability, version 1, last
-            put(0x104, sum(1 << ACS_BITS.index(b) for b in cap), 2)
-            put(0x106, sum(1 << ACS_BITS.index(b) for b in realkernel.boot_acs_ctl(self.profile, f)), 2)
-        return c
-
-    def config_write(self, bdf: str, offset: int, data: bytes) -> None:
-        """Write config space like setpci: only the command register and ACS control take it."""
-        writable = set(range(0x04, 0x06))
-        if self.config[bdf][0x100:0x102] == b"\x0d\x00":
-            writable |= set(range(0x106, 0x108))
-        with self.lock:
-            for i, byte in enumerate(data):
-                if offset + i in writable:
-                    self.config[bdf][offset + i] = byte
-
-    def acs_ctl(self, bdf: str) -> list[str]:
-        """Return the names of the ACS control bits set on a function."""
-        c = self.config[bdf]
-        if c[0x100:0x102] != b"\x0d\x00":
-            return []
-        ctl = int.from_bytes(c[0x106:0x108], "little")
-        return [n for i, n in enumerate(ACS_BITS) if ctl >> i & 1]
 
     def snapshot(self) -> dict[str, object]:
         """Return the current state as plain data (served as ``ctl/state.json``)."""
@@ -504,94 +379,6 @@ class HostModel:
             return
         raise SysfsError({"ENOMEM": errno.ENOMEM, "EINVAL": errno.EINVAL}.get(how, errno.ENODEV))
 
-    def kmsg(self, msg: str) -> None:
-        """Append a kernel message to ``STATE/kmsg`` (printed by the lab's dmesg)."""
-        if self.state_dir is None:
-            return
-        data = (json.dumps({"epoch": round(time.time(), 6), "msg": msg}) + "\n").encode()
-        fd = os.open(self.state_dir / "kmsg", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-
-    def set_kernel_holders(self, bdf: str, value: str) -> None:
-        """Write ``ctl/kernel_holders/BDF``: ``MODULE`` adds a kernel-side holder, ``-MODULE``
-        drops it, empty drops all (a fault option: what nvidia-uvm/-modeset/-drm do, issues
-        #1119 and #1374). ENODEV unless the GPU is bound to nvidia; EINVAL for other names."""
-        from gpulab.profile import KERNEL_HOLDER_MODULES
-
-        name = value.lstrip("-")
-        if name and name not in KERNEL_HOLDER_MODULES:
-            raise SysfsError(errno.EINVAL)
-        with self.lock:
-            if self.driver.get(bdf) != "nvidia":
-                raise SysfsError(errno.ENODEV)
-            cur = self.kholders[bdf]
-            if not value:
-                cur.clear()
-            elif value.startswith("-"):
-                if name in cur:
-                    cur.remove(name)
-            elif name not in cur:
-                cur.append(name)
-
-    def first_open(self, bdf: str) -> float:
-        """Open the GPU like a first client does: start its GSP firmware if it is not running.
-
-        nv_open_device() -> nv_start_device() -> rm_init_adapter() boots GSP-RM on the first open
-        after a bind (or after the last client left, without persistence); this takes
-        ``profile.gsp_boot_s`` seconds. In a group whose identity domain an SNP IOMMU refuses,
-        the firmware's DMA faults and the open fails with EIO. Returns the seconds it took.
-        """
-        with self.lock:
-            if self.driver.get(bdf) != "nvidia":
-                raise SysfsError(errno.ENODEV)
-            if self.gsp_ready[bdf]:
-                return 0.0
-            group = self.group_of(bdf)
-            broken = group in self.dma_broken
-        if broken:
-            # the event format of drivers/iommu/amd/iommu.c iommu_print_event(), as quoted in
-            # commit ba17de98545d; the NVRM line is reconstructed (docs/LAB-SOURCES.md)
-            self.kmsg(
-                f"iommu ivhd0: AMD-Vi: Event logged [ILLEGAL_DEV_TABLE_ENTRY device={bdf[5:]} "
-                "pasid=0x00000 address=0x3737b01000 flags=0x0020]"
-            )
-            self.kmsg(f"NVRM: GPU {bdf}: RmInitAdapter failed!")
-            raise SysfsError(errno.EIO)
-        start = time.monotonic()
-        if self.stopping.wait(self.profile.gsp_boot_s):
-            raise SysfsError(errno.EINTR)
-        with self.lock:
-            if self.driver.get(bdf) == "nvidia":
-                self.gsp_ready[bdf] = True
-        return time.monotonic() - start
-
-    def module_refcnt(self) -> dict[str, int]:
-        """Return the use count of each NVIDIA module (``/sys/module/M/refcnt``, /proc/modules).
-
-        nvidia_uvm: kernel-side retains plus processes holding ``/dev/nvidia-uvm``; nvidia_drm:
-        GPUs it holds (fbdev/KMS clients); nvidia_modeset: nvidia_drm plus its own holds;
-        nvidia: its two dependent modules plus processes holding any ``/dev/nvidiaN``.
-        """
-        with self.lock:
-            held = {
-                m: sum(m in v for v in self.kholders.values())
-                for m in ("nvidia_uvm", "nvidia_drm", "nvidia_modeset")
-            }
-            paths = [p for b in self.gpu_bdfs if (p := self.dev_path(b)) is not None]
-        uvm = [self.devdir / "nvidia-uvm"] if self.devdir is not None else []
-        found = find_holders([*paths, *uvm], self.proc)
-        uvm_users = len(found.get(str(uvm[0]), [])) if uvm else 0
-        gpu_users = sum(len(v) for k, v in found.items() if not k.endswith("nvidia-uvm"))
-        return {
-            "nvidia_uvm": held["nvidia_uvm"] + uvm_users,
-            "nvidia_drm": held["nvidia_drm"],
-            "nvidia_modeset": 1 + held["nvidia_modeset"],
-            "nvidia": 2 + gpu_users,
-        }
-
     def set_persistence(self, bdf: str, value: str) -> None:
         """Write ``ctl/persistence/BDF`` (legacy persistence mode): 0 or 1; EINVAL else."""
         if value not in ("0", "1"):
@@ -600,18 +387,6 @@ class HostModel:
             if self.driver.get(bdf) != "nvidia":
                 raise SysfsError(errno.ENODEV)
             self.persistence[bdf] = int(value)
-
-
-def _speed_code(speed: str) -> int:
-    """Return the PCIe Link Speed field for a sysfs speed string (``32.0 GT/s PCIe`` -> 5)."""
-    try:
-        gts = float(speed.split()[0])
-    except (ValueError, IndexError):
-        return 0
-    for code, v in ((6, 64.0), (5, 32.0), (4, 16.0), (3, 8.0), (2, 5.0), (1, 2.5)):
-        if gts >= v:
-            return code
-    return 0
 
 
 def _is_hex(s: str) -> bool:

@@ -1,0 +1,291 @@
+"""The dataclasses a validated lab profile is made of (built by ``gpulab.profile.parse_profile``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Container",
+    "FileTree",
+    "Gpu",
+    "GpuHealth",
+    "GpuLink",
+    "IommuInfo",
+    "KernelHolder",
+    "KernelLogLine",
+    "LinkState",
+    "PciFunction",
+    "Profile",
+    "Service",
+]
+
+KERNEL_RE = re.compile(r"^(\d+)\.(\d+)")
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """PCIe link of a function, as sysfs spells it (``32.0 GT/s PCIe``, width 16)."""
+
+    speed: str
+    width: int
+    max_speed: str
+    max_width: int
+
+
+@dataclass(frozen=True)
+class PciFunction:
+    """One PCI function the lab's ``/sys/bus/pci`` shows."""
+
+    bdf: str
+    vendor: str
+    device: str
+    klass: str
+    driver: str | None
+    iommu_group: int | None
+    numa_node: int
+    parent: str | None
+    link: LinkState | None
+    subsystem_vendor: str
+    subsystem_device: str
+    acs: tuple[str, ...] | None = None
+    acs_cap: tuple[str, ...] | None = None
+
+    @property
+    def is_gpu(self) -> bool:
+        """Say whether this is a display-class function (VGA or 3D controller)."""
+        return self.klass.startswith("0x0300") or self.klass.startswith("0x0302")
+
+
+@dataclass(frozen=True)
+class IommuInfo:
+    """The host's IOMMU: ``intel`` (VT-d) or ``amd`` (AMD-Vi), and whether the AMD IOMMU runs SEV-SNP."""
+
+    vendor: str = "intel"
+    snp: bool = False
+
+
+@dataclass(frozen=True)
+class KernelHolder:
+    """A kernel module that holds a GPU's usage count at boot without an open file."""
+
+    bdf: str
+    module: str
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """Health figures nvidia-smi reports for one GPU."""
+
+    temperature: int = 35
+    ecc_uncorrected: int = 0
+    ecc_corrected: int = 0
+    retired_pages_pending: int = 0
+    remapped_rows_failure: int = 0
+    throttle_reasons: str = "0x0000000000000000"
+    power_draw: float = 60.0
+    nvlinks: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU: the function at ``bdf`` and what the driver reports about it."""
+
+    bdf: str
+    minor: int
+    model: str
+    memory_mib: int
+    uuid: str
+    serial: str
+    power_limit: float
+    health: GpuHealth
+
+
+@dataclass(frozen=True)
+class GpuLink:
+    """The path between two GPUs: its type and one-direction bandwidth in GB/s."""
+
+    a: str
+    b: str
+    type: str
+    gbps: float
+
+
+@dataclass(frozen=True)
+class KernelLogLine:
+    """One line of the boot kernel log, ``t`` seconds after boot."""
+
+    t: float
+    msg: str
+
+
+@dataclass(frozen=True)
+class Container:
+    """A container inside the host (Proxmox ``pct`` or plain ``lxc``)."""
+
+    id: int
+    kind: str
+    name: str
+    hostname: str
+
+
+@dataclass(frozen=True)
+class Service:
+    """A process the host or one of its containers runs."""
+
+    name: str
+    where: str
+    kind: str
+    manager: str
+    argv: tuple[str, ...]
+    gpus: tuple[str, ...]
+    port: int | None
+    ignore_sigterm: str
+    unit: Mapping[str, Any]
+    enabled: bool
+    log_file: str | None
+
+    @property
+    def container_id(self) -> int | None:
+        """Return the container's id for ``where: container:ID``, None on the host."""
+        if self.where.startswith("container:"):
+            return int(self.where.split(":", 1)[1])
+        return None
+
+
+@dataclass(frozen=True)
+class FileTree:
+    """A tree the lab creates on the host with a generator from ``gpulab.files``."""
+
+    root: str
+    generator: str
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A validated lab host profile; ``raw`` is the plain dict (what ``profile.json`` holds)."""
+
+    name: str
+    hostname: str
+    kernel: str
+    cmdline: str
+    default_domain: str
+    driver_version: str
+    cuda_version: str
+    pci: tuple[PciFunction, ...]
+    gpus: tuple[Gpu, ...]
+    links: tuple[GpuLink, ...]
+    link_default: GpuLink | None
+    kernel_log: tuple[KernelLogLine, ...]
+    containers: tuple[Container, ...]
+    services: tuple[Service, ...]
+    files: tuple[FileTree, ...]
+    raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    iommu: IommuInfo = field(default_factory=IommuInfo)
+    kernel_enables_acs: bool = False
+    vfio_claimed: bool = True
+    kernel_holders: tuple[KernelHolder, ...] = ()
+    module_params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    gsp_boot_s: float = 0.0
+
+    @property
+    def kernel_version(self) -> tuple[int, int]:
+        """Return (major, minor) of the kernel release."""
+        m = KERNEL_RE.match(self.kernel)
+        assert m is not None  # validated on load
+        return int(m.group(1)), int(m.group(2))
+
+    @property
+    def type_era(self) -> str:
+        """Return ``"eperm"`` (6.4+), ``"ebusy"`` (5.11..6.3), ``"readonly"`` (5.2..5.10) or ``"none"``.
+
+        5.2 added ``type`` as a 0444 attribute without a store (drivers/iommu/iommu.c:
+        ``IOMMU_GROUP_ATTR(type, 0444, iommu_group_show_type, NULL)``); 5.11 made it writable
+        (commit 08a27c1c3ecf "iommu: Add support to change default domain of an iommu group").
+        """
+        v = self.kernel_version
+        if v >= (6, 4):
+            return "eperm"
+        if v >= (5, 11):
+            return "ebusy"
+        if v >= (5, 2):
+            return "readonly"
+        return "none"
+
+    @property
+    def snp_enabled(self) -> bool:
+        """Say whether the AMD IOMMU runs with SEV-SNP (``amd_iommu_snp_en``).
+
+        ``iommu=pt`` turns it off: drivers/iommu/amd/init.c iommu_snp_enable() refuses SNP when
+        ``iommu_default_passthrough()`` ("SNP: IOMMU disabled or configured in passthrough mode,
+        SNP cannot be supported.").
+        """
+        return self.iommu.vendor == "amd" and self.iommu.snp and self.default_domain != "identity"
+
+    @property
+    def snp_identity(self) -> str:
+        """Return what writing ``identity`` to a group's ``type`` does on this SNP kernel.
+
+        ``"ENODEV"``: the AMD driver refuses to allocate an identity domain under SNP (commit
+        8388f7df936b, drivers/iommu/amd/iommu.c amd_iommu_domain_alloc() returns NULL) and 6.6-6.8's
+        iommu_setup_default_domain() turns the NULL domain into -ENODEV. ``"ENOMEM"``: once the
+        core passes allocation errors through as ERR_PTR, the same refusal reads "Cannot allocate
+        memory" (quoted in commit ba17de98545d); the lab starts that at 6.11, a boundary NOT
+        verified against the tree. ``"accept"``: 6.13 (commit 4402f2627d30 "iommu/amd: Implement
+        global identity domain") hands out a static identity domain that skips the SNP check; the
+        write succeeds and DMA then fails with ILLEGAL_DEV_TABLE_ENTRY. ``"EINVAL"``: commit
+        ba17de98545d "iommu/amd: Block identity domain when SNP enabled" (7.0, stable 6.19.y)
+        refuses the attach. ``profile.raw["snp_identity"]`` overrides (a distribution kernel
+        may carry the fix, or not). Empty when SNP is off.
+        """
+        if not self.snp_enabled:
+            return ""
+        forced = self.raw.get("snp_identity")
+        if isinstance(forced, str) and forced:
+            return forced
+        v = self.kernel_version
+        if v >= (7, 0):
+            return "EINVAL"
+        if v >= (6, 13):
+            return "accept"
+        if v >= (6, 11):
+            return "ENOMEM"
+        return "ENODEV"
+
+    def function(self, bdf: str) -> PciFunction:
+        """Return the PCI function at ``bdf`` (KeyError when the profile has none)."""
+        for f in self.pci:
+            if f.bdf == bdf:
+                return f
+        raise KeyError(bdf)
+
+    def gpu(self, bdf: str) -> Gpu:
+        """Return the GPU at ``bdf`` (KeyError when it is not a GPU)."""
+        for g in self.gpus:
+            if g.bdf == bdf:
+                return g
+        raise KeyError(bdf)
+
+    def link(self, a: str, b: str) -> GpuLink | None:
+        """Return the link model between two GPUs (either order), or the default."""
+        for lk in self.links:
+            if {lk.a, lk.b} == {a, b}:
+                return lk
+        if self.link_default is not None:
+            return GpuLink(a, b, self.link_default.type, self.link_default.gbps)
+        return None
+
+    def groups(self) -> dict[int, list[str]]:
+        """Return IOMMU group number -> BDFs of its members, in profile order."""
+        out: dict[int, list[str]] = {}
+        for f in self.pci:
+            if f.iommu_group is not None:
+                out.setdefault(f.iommu_group, []).append(f.bdf)
+        return out
+
+    def to_json(self) -> str:
+        """Return the profile as JSON (what lab hosts read from ``profile.json``)."""
+        return json.dumps(self.raw, indent=2, sort_keys=False)
