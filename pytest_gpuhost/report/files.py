@@ -12,6 +12,7 @@ from typing import Any
 
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.exec.s3io import S3Store
+from pytest_gpuhost.redact import redact_obj
 from pytest_gpuhost.report.summary import FORMAT
 
 __all__ = ["SummaryError", "atomic_write", "load_summary", "write_summary"]
@@ -45,7 +46,7 @@ def write_summary(summary: Mapping[str, Any], dest: str, store: S3Store | None =
 
     An s3:// prefix ending in `/` gets `<node name>.json`, so the nodes of one job can share it.
     """
-    text = json.dumps(summary, indent=1, sort_keys=False, default=str)
+    text = json.dumps(redact_obj(summary), indent=1, sort_keys=False, default=str)
     if dest.startswith("s3://"):
         if dest.endswith("/"):
             dest = dest + socket.gethostname() + ".json"

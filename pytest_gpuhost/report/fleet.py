@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.errors import GpuhostError
-from pytest_gpuhost.redact import printable, redact
+from pytest_gpuhost.redact import printable, redact, redact_argv, redact_obj
 from pytest_gpuhost.report.files import load_summary, write_summary
 from pytest_gpuhost.report.limit import LimitError, Matcher, compile_limit, spec_groups
 from pytest_gpuhost.report.prometheus import prometheus_text, write_prometheus
@@ -132,7 +132,10 @@ class FleetReport:
         """Build the summary (with the comparison) once; None when no test named a target."""
         if self.summary is not None:
             return self.summary
+        # Redacted once here: the JSON, Prometheus, HTML Fleet section and terminal all read it.
         summary = build_summary(self.record)
+        summary["run"]["argv"] = redact_argv(summary["run"]["argv"])  # `--password VALUE` is two items
+        summary = redact_obj(summary)
         if not summary["hosts"]:
             return None
         prev_path, _ = _opt(self.config, "gpuhost_previous")

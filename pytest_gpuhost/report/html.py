@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from pytest_gpuhost.redact import redact
 from pytest_gpuhost.report.outputs import configure_outputs
 from pytest_gpuhost.run.record import check_name, phase_result, record_key
 
@@ -232,11 +233,11 @@ class HtmlCustomisation:
         test_id = report.nodeid if report.when == "call" else f"{report.nodeid}::{report.when}"
         for i, cell in enumerate(cells):
             if cell.startswith('<td class="col-testId">'):
-                cells[i] = f'<td class="col-testId">{html.escape(test_id)}</td>'
+                cells[i] = f'<td class="col-testId">{html.escape(redact(test_id))}</td>'
         outcome = phase_result(report) or report.outcome
         target = getattr(report, "gpuhost_target", "") or ""
         cells.insert(1, f'<td class="col-gpuhostOutcome">{outcome_badge(outcome)}</td>')
-        cells.insert(3, f'<td class="col-gpuhostTarget">{html.escape(target)}</td>')
+        cells.insert(3, f'<td class="col-gpuhostTarget">{html.escape(redact(target))}</td>')
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_html_results_summary(
@@ -259,10 +260,10 @@ class HtmlCustomisation:
         )
         checks = run_record.checks()
         rows = ['<h3>Targets x checks</h3><table class="gh-matrix" id="gpuhost-matrix"><tr><th>target</th>']
-        rows += [f"<th>{html.escape(c)}</th>" for c in checks]
+        rows += [f"<th>{html.escape(redact(c))}</th>" for c in checks]
         rows.append("</tr>")
         for target in run_record.targets():
-            rows.append(f"<tr><th>{html.escape(target or '(no target)')}</th>")
+            rows.append(f"<tr><th>{html.escape(redact(target or '(no target)'))}</th>")
             for check in checks:
                 cell = cells.get((target, check))
                 rows.append(f"<td>{outcome_badge(cell) if cell else ''}</td>")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.redact import redact
+from pytest_gpuhost.redact import redact_argv, redact_obj
 from pytest_gpuhost.run.evidence import session_evidence
 from pytest_gpuhost.run.record import RunRecord
 
@@ -34,7 +34,7 @@ class JsonWriter:
             "name": self.path.stem,
             "started": self.record.started,
             "finished": time.time(),
-            "args": [redact(a) for a in self.config.invocation_params.args],
+            "args": redact_argv([str(a) for a in self.config.invocation_params.args]),
             "exitstatus": exitstatus,
             "check_only": bool(self.config.getoption("gpuhost_check_only", default=False)),
             "targets": sorted({t["target"] for t in tests if t["target"]}),
@@ -45,7 +45,7 @@ class JsonWriter:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        data = self.document(int(session.exitstatus))
+        data = redact_obj(self.document(int(session.exitstatus)))  # the one pass, as every output
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=1, default=str))

@@ -28,6 +28,7 @@ from typing import Any
 
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.exec.s3io import S3Store
+from pytest_gpuhost.redact import printable, redact_obj
 from pytest_gpuhost.report.files import load_summary
 from pytest_gpuhost.report.prometheus import write_prometheus
 from pytest_gpuhost.report.summary import BAD, FORMAT, compare, fleet_judgements, iter_cells, summary_lines
@@ -209,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = S3Store(args.endpoint_url)
     try:
         summaries = load_sources(args.sources, store)
-        merged = merge(summaries)
+        merged = redact_obj(merge(summaries))  # summaries of older versions were not redacted
         if args.previous:
             previous = load_summary(args.previous, store)
             merged["comparison"] = {"previous": args.previous, **compare(previous, merged)}
@@ -224,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prometheus_textfile:
         write_prometheus(merged, args.prometheus_textfile)
     for line in summary_lines(merged)[1:]:
-        print(line)
+        print(printable(line))
     print(f"merged {len(summaries)} summaries: {out} {json_path}")
     return 1 if any(h.get("status") != "ok" for h in merged["hosts"].values()) else 0
 

@@ -6,6 +6,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from pytest_gpuhost.redact import redact
 from pytest_gpuhost.report.files import atomic_write
 from pytest_gpuhost.run.record import BAD, GOOD
 
@@ -13,6 +14,7 @@ __all__ = ["prometheus_text", "write_prometheus"]
 
 
 def _label(value: str) -> str:
+    value = redact(value)
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 

@@ -279,3 +279,5 @@ def scrub(report: pytest.TestReport) -> None:
             else:
                 report.longrepr = hidden
     report.sections = [(title, redact(content)) for title, content in report.sections]
+    # JUnit XML writes these as <property> values; the record and the fleet summary read them.
+    report.user_properties = [(name, redact_obj(value)) for name, value in report.user_properties]
