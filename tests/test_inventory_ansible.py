@@ -288,3 +288,15 @@ def test_files_without_a_telling_suffix(tmp_path: Path) -> None:
     assert [s.name for s in read_inventory(tmp_path / "b").specs] == ["gpu-01"]
     (tmp_path / "c").write_text('{"_meta": {"hostvars": {"gpu-01": {}}}}')
     assert [s.name for s in read_inventory(tmp_path / "c").specs] == ["gpu-01"]
+
+
+def test_group_cycles_and_deep_nesting_are_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "hosts"
+    path.write_text("[a]\nh1\n[b]\nh2\n[a:children]\nb\n[b:children]\na\n")
+    with pytest.raises(TargetError, match=r"^inventory .*hosts: group '[ab]' is its own ancestor"):
+        read_inventory(path)
+    path = tmp_path / "deep.json"
+    groups = {f"g{i}": {"children": [f"g{i + 1}"]} for i in range(5000)}
+    path.write_text(json.dumps({"_meta": {"hostvars": {}}, **groups, "g5000": ["h"]}))
+    with pytest.raises(TargetError, match=r"^inventory .*deep\.json: .*nested too deeply$"):
+        read_inventory(path)

@@ -117,8 +117,13 @@ def read_inventory(path: str | Path, known_vars: Iterable[str] = ()) -> Inventor
     compared with.
     """
     p = Path(path)
-    text = _read_text(p)
-    check = KeyCheck(known_vars)
+    try:
+        return _read(p, _read_text(p), KeyCheck(known_vars))
+    except RecursionError:  # a hostile file nesting groups thousands deep
+        raise TargetError(f"inventory {p}: groups or values are nested too deeply") from None
+
+
+def _read(p: Path, text: str, check: KeyCheck) -> Inventory:
     model = Model(f"inventory {p}", check)
     suffix = p.suffix.lower()
     if suffix in (".ini", ".cfg", ".hosts") or (

@@ -211,7 +211,9 @@ def make_spec(name: str, hv: dict[str, Any], source: str) -> TargetSpec:
     if given:
         url = _text(given, "gpuhost_url", where)
         have = urllib.parse.urlsplit(url).query if "?" in url else ""
-        query = {k: v for k, v in query.items() if k in ("sudo", "identity") and f"{k}=" not in have}
+        query = {
+            k: v for k, v in query.items() if k in ("sudo", "identity", "python") and f"{k}=" not in have
+        }
     if query:
         url += ("&" if "?" in url else "?") + urllib.parse.urlencode(query, safe="/")
     try:
