@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuhost.errors import ConnectError
+from pytest_gpuhost.exec.launch import PrefixLauncher
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url
 from tests.helpers.sshd import add_key, keygen, ssh_agent, start_sshd
 
@@ -200,6 +201,11 @@ def test_master_is_shared_and_closed(sshd, tmp_path):
         with c.open_channel(["sh", "-c", 'echo "$SSH_CONNECTION"']) as ch:
             bulk_conn = ch.read_exact(200, 10).decode().split()[1]
         assert bulk_conn == agent_conn  # the same TCP connection: the master's
+        inner = PrefixLauncher(c.launcher, ["env", "IN_CONTAINER=1"], "a container through the host")
+        assert inner.client == "openssh"
+        with inner.open(["sh", "-c", 'echo "$IN_CONTAINER $SSH_CONNECTION"']) as ch:
+            flag, _, conn_port, *_ = ch.read_exact(200, 10).decode().split()
+        assert (flag, conn_port) == ("1", agent_conn)
     finally:
         c.close()
     assert not os.path.exists(os.path.dirname(sock)) and not transport.alive()

@@ -19,6 +19,8 @@ class Launcher:
     """Starts programs on one target; see the module docstring."""
 
     description: str = ""
+    #: what carries the programs: "local", "openssh" (the system's ssh client), "paramiko"
+    client: str = "local"
 
     def open(self, argv: Sequence[str]) -> RawChannel:
         raise NotImplementedError
@@ -57,6 +59,10 @@ class PrefixLauncher(Launcher):
         # True when nothing else closes `base` (sudo over SSH); False for a container reached
         # through its host's launcher, which the host's connection closes.
         self.owns_base = owns_base
+
+    @property
+    def client(self) -> str:  # type: ignore[override]  # a prefix runs on its base's client
+        return self.base.client
 
     def open(self, argv: Sequence[str]) -> RawChannel:
         return self.base.open(self.prefix + list(argv))
