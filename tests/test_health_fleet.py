@@ -117,7 +117,7 @@ def test_summary_prometheus_and_comparison_with_the_previous_run(
     r.stdout.fnmatch_lines(
         [
             "*gpuhost fleet*",
-            "4 hosts x 2 checks: 3 ok, 1 failed",
+            "4 hosts x 2 checks = 8 results: * failed*; hosts: 3 ok, 1 failed",
             "  gpu-02 alpha: failed: *alpha broke*",
             "driver_version: NOT uniform across the fleet: 570.0 on gpu-01, gpu-02, gpu-03; 570.1 on gpu-04",
         ]

@@ -179,9 +179,97 @@ def test_report_renders_in_headless_chromium(report: Path) -> None:
     rows = [r for r in dom.split('<tbody class="results-table-row')[1:] if 'class="col-gpuhostOutcome"' in r]
     assert len(rows) == 3, len(rows)
     fixme = next(r for r in rows if "test_fixme" in r)
+    # What the fix changed is in the result row itself, shown while pytest-html collapses the row.
     assert re.search(
-        r'<td class="col-gpuhostOutcome"><span class="gh-outcome gh-fixed">fixed</span></td>', fixme
-    )
+        r'<tr class="collapsible"[^>]*>\s*<td class="col-result[^>]*>[^<]*</td>\s*'
+        r'<td class="col-gpuhostOutcome"><span class="gh-outcome gh-fixed">fixed</span>'
+        r'<div class="gh-changed">p2p identity: DMA-FQ',
+        fixme,
+    ), fixme[:600]
     assert '<td class="col-gpuhostTarget">local</td>' in fixme
     assert 'class="extraHTML"' in fixme and "echo fixing-now" in fixme and "gh-heat" in fixme
     assert 'id="gpuhost-matrix"' in dom
+
+
+def test_fixed_rows_say_what_changed_and_pytest_html_counts_agree(report: Path) -> None:
+    data = _report_data(report)
+    rows = {nodeid.split("::")[1]: entries[0] for nodeid, entries in data["tests"].items()}
+    fixme = rows["test_fixme[local]"]
+    cells = html.unescape("".join(fixme["resultsTableRow"]))
+    # In the row itself: pytest-html collapses passed rows, and a fixed test is one of them.
+    assert 'class="gh-changed"' in cells
+    assert "p2p identity: DMA-FQ \u2192 fixed" in cells
+    assert "done: set identity: echo identity > /sys/kernel/iommu_groups/12/type" in cells
+    # The before/after states as a unified diff, as Ansible's --check --diff.
+    extras = html.unescape("".join(e["content"] for e in fixme["extras"] if e["format_type"] == "html"))
+    diff = extras[extras.index('<pre class="gh-diff">') :]
+    diff = re.sub(r"<[^>]+>", "", diff[: diff.index("</pre>")])
+    assert diff.splitlines() == ["--- before: type", "+++ after: type", "@@ -1 +1 @@", "-DMA-FQ", "+identity"]
+    text = report.read_text()
+    # pytest-html's filter says what the badges say: 1 failed, 1 passed, 1 fixed.
+    assert "2 Passed (1 fixed)," in text and "1 Failed," in text
+    assert ".gh-fleet{white-space:pre-wrap" in text, "the Fleet text wraps"
+
+
+def test_heatmap_colours_are_relative_to_the_threshold() -> None:
+    table = heatmap(
+        {
+            "name": "bw",
+            "labels": ["0", "1", "2"],
+            "values": [[None, 21.0, 40.0], [5.0, None, 19.0], [20.0, 30.0, None]],
+            "threshold": 20,
+        }
+    )
+    hues = [int(h) for h in re.findall(r"background:hsl\((\d+),", table)]
+    values = [21.0, 40.0, 5.0, 19.0, 20.0, 30.0]
+    for value, hue in zip(values, hues, strict=True):
+        if value >= 20:
+            assert hue >= 75, (value, hue, "at or above the threshold is never red")
+        else:
+            assert hue <= 30, (value, hue, "below the threshold is red to orange")
+    # 21 is the lowest value above the threshold in this matrix, and still green-ish, not red.
+    assert hues[values.index(40.0)] == 120 and hues[values.index(5.0)] == 0
+
+
+def test_state_diff_is_a_unified_diff_per_changed_key() -> None:
+    from pytest_gpuhost.report.diff import state_diff
+
+    before = {"/etc/modprobe.d/nvidia.conf": "options a=1\noptions b=2\n", "mode": "off", "same": 1}
+    after = {"/etc/modprobe.d/nvidia.conf": "options a=1\noptions b=3\n", "mode": "on", "same": 1}
+    assert state_diff(before, after) == [
+        "--- before: /etc/modprobe.d/nvidia.conf",
+        "+++ after: /etc/modprobe.d/nvidia.conf",
+        "@@ -1,2 +1,2 @@",
+        " options a=1",
+        "-options b=2",
+        "+options b=3",
+        "--- before: mode",
+        "+++ after: mode",
+        "@@ -1 +1 @@",
+        "-off",
+        "+on",
+    ]
+    assert state_diff(before, before) == []
+
+
+def test_fleet_count_line_counts_hosts_and_results_apart() -> None:
+    from pytest_gpuhost.report.summary import count_line
+
+    one = {
+        "checks": ["a", "b", "c", "d"],
+        "hosts": {
+            "gpu-1": {
+                "status": "failed",
+                "checks": {
+                    "a": {"outcome": "passed"},
+                    "b": {"outcome": "fixed"},
+                    "c": {"outcome": "would fix"},
+                    "d": {"outcome": "skipped"},
+                },
+            }
+        },
+    }
+    assert (
+        count_line(one)
+        == "1 host x 4 checks = 4 results: 1 passed, 1 fixed, 1 would fix, 1 skipped; hosts: 0 ok, 1 failed"
+    )

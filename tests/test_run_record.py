@@ -152,3 +152,24 @@ def test_check_name_is_shared_by_html_and_fleet() -> None:
 
     assert html_report.check_name is check_name
     assert check_name("suites/health/test_health.py::test_xid[gpu-1]", "gpu-1") == "xid"
+
+
+def test_fleet_line_of_an_engine_failure_says_the_outcome_once(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        from pytest_gpuhost.run.remediation import Action, Check
+
+        def test_persistence(target, remediate):
+            remediate(name="persistence", check=lambda: Check(False, "persistence mode off"),
+                      plan=lambda b: [Action("enable", "nvidia-smi -pm 1")], fix=lambda a, b: None)
+        """
+    )
+    result = pytester.runpytest("--host=local://", "--check-only", "--report-dir=none")
+    result.stdout.fnmatch_lines(
+        [
+            "1 host x 1 check = 1 result: 1 would fix; hosts: 0 ok, 1 failed",
+            "  local persistence: would fix: persistence: persistence mode off",
+        ]
+    )
+    result = pytester.runpytest("--host=local://", "--report-dir=none")
+    result.stdout.fnmatch_lines(["  local persistence: failed: persistence: fix did not verify"])

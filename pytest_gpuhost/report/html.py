@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.redact import redact
+from pytest_gpuhost.report.diff import render_diff, state_diff
 from pytest_gpuhost.report.outputs import configure_outputs
-from pytest_gpuhost.run.record import check_name, phase_result, record_key
+from pytest_gpuhost.run.record import FIXED, WOULD_FIX, check_name, phase_result, record_key
 
 __all__ = [
     "HtmlCustomisation",
@@ -43,6 +44,9 @@ OUTCOME_CSS = """
 .gh-heat .gh-below{outline:2px solid #c62828;outline-offset:-2px}
 .gh-heat-pair{display:flex;gap:24px;flex-wrap:wrap}
 .gh-matrix td,.gh-matrix th{border:1px solid #ccc;padding:2px 6px}
+.gh-fleet{white-space:pre-wrap;overflow-wrap:anywhere}
+.gh-changed{font-size:12px;margin-top:3px;white-space:normal}
+.gh-diff .gh-add{background:#e6ffec}.gh-diff .gh-del{background:#ffebe9}.gh-diff .gh-hunk{color:#6a737d}
 """
 
 
@@ -68,10 +72,23 @@ def _json_pre(value: Any) -> str:
     return _pre(json.dumps(value, indent=1, default=str))
 
 
-def _heat_colour(value: float, low: float, high: float) -> str:
-    # Red (low) through yellow to green (high), light enough for black text.
-    frac = 0.5 if high <= low else max(0.0, min(1.0, (value - low) / (high - low)))
-    hue = int(120 * frac)
+def _frac(value: float, low: float, high: float) -> float:
+    return 0.5 if high <= low else max(0.0, min(1.0, (value - low) / (high - low)))
+
+
+def _heat_colour(value: float, low: float, high: float, threshold: float | None = None) -> str:
+    """Colour a cell, light enough for black text.
+
+    With a threshold the colour says which side of it a value is on: below is red to orange,
+    at or above is yellow-green to green (never red, however it compares with the rest).
+    Without one: red for the lowest value through yellow to green for the highest.
+    """
+    if threshold is None:
+        hue = int(120 * _frac(value, low, high))
+    elif value < threshold:
+        hue = int(30 * _frac(value, low, threshold))
+    else:
+        hue = 75 + int(45 * _frac(value, threshold, high))
     return f"hsl({hue},70%,75%)"
 
 
@@ -99,7 +116,8 @@ def heatmap(matrix: dict[str, Any], scale: tuple[float, float] | None = None) ->
                 continue
             below = threshold is not None and value < threshold
             cls = ' class="gh-below"' if below else ""
-            out.append(f'<td{cls} style="background:{_heat_colour(value, low, high)}">{value:.2f}</td>')
+            colour = _heat_colour(value, low, high, threshold if isinstance(threshold, int | float) else None)
+            out.append(f'<td{cls} style="background:{colour}">{value:.2f}</td>')
         out.append("</tr>")
     out.append("</table>")
     return "".join(out)
@@ -125,6 +143,22 @@ def _heatmaps(matrices: list[dict[str, Any]]) -> str:
         ]
         scale = (min(flat), max(flat)) if flat else None
         out.append('<div class="gh-heat-pair">' + "".join(heatmap(m, scale) for m in group) + "</div>")
+    return "".join(out)
+
+
+def _state_diffs(states: list[dict[str, Any]]) -> str:
+    """Show what changed between each target's `before` and `after` state as a unified diff."""
+    by_target: dict[str, dict[str, Any]] = {}
+    for s in states:
+        if s.get("label") in ("before", "after"):
+            by_target.setdefault(str(s.get("target", "")), {})[s["label"]] = s.get("value")
+    out = []
+    for target, pair in by_target.items():
+        if "before" in pair and "after" in pair:
+            lines = state_diff(pair["before"], pair["after"])
+            if lines:
+                where = f" on {html.escape(target)}" if target else ""
+                out.append(f"<h4>changed{where}</h4>" + render_diff(lines))
     return "".join(out)
 
 
@@ -157,6 +191,7 @@ def render_evidence(when: str, ev: dict[str, Any], remediations: list[dict[str, 
         for states in by_label.values():
             out.append("<td>" + "".join(_json_pre(s["value"]) for s in states) + "</td>")
         out.append("</tr></table>")
+        out.append(_state_diffs(ev["states"]))
     if ev.get("commands"):
         out.append(
             "<table><tr><th>target</th><th>command</th><th>rc</th><th>duration</th><th>stdout</th><th>stderr</th></tr>"
@@ -210,6 +245,23 @@ def add_extras(report: pytest.TestReport) -> None:
 # --- pytest-html hooks (controller only) ----------------------------------------------------
 
 
+def _what_changed(report: pytest.TestReport) -> str:
+    """Say what a fix did, in the row itself: pytest-html collapses passed rows, fixed ones included."""
+    lines = []
+    for rem in getattr(report, "gpuhost_remediations", None) or []:
+        after = rem.get("after") or {}
+        if rem.get("outcome") == FIXED and after:
+            before = (rem.get("before") or {}).get("summary", "")
+            lines.append(f"{rem.get('name')}: {before} \u2192 {after.get('summary', '')}")
+    ev = getattr(report, "gpuhost_evidence", None) or {}
+    for action in ev.get("actions") or []:
+        if action.get("status") in ("done", "ran, not verified", "failed"):
+            lines.append(f"{action['status']}: {action.get('description', '')}: {action.get('command', '')}")
+    if not lines:
+        return ""
+    return '<div class="gh-changed">' + "<br>".join(html.escape(redact(line)) for line in lines) + "</div>"
+
+
 class HtmlCustomisation:
     """pytest-html hooks: Outcome and Target columns, the targets x checks matrix, the CSS.
 
@@ -217,8 +269,12 @@ class HtmlCustomisation:
     fleet summary's.
     """
 
+    def __init__(self) -> None:
+        self.report_data: Any = None
+
     @pytest.hookimpl(optionalhook=True)
     def pytest_html_report_title(self, report: Any) -> None:
+        self.report_data = report  # pytest-html's ReportData: its outcome labels are relabelled below
         report.title = f"gpuhost: {Path(report.title).stem}"
 
     @pytest.hookimpl(optionalhook=True)
@@ -236,7 +292,8 @@ class HtmlCustomisation:
                 cells[i] = f'<td class="col-testId">{html.escape(redact(test_id))}</td>'
         outcome = phase_result(report) or report.outcome
         target = getattr(report, "gpuhost_target", "") or ""
-        cells.insert(1, f'<td class="col-gpuhostOutcome">{outcome_badge(outcome)}</td>')
+        changed = _what_changed(report) if report.when == "call" else ""
+        cells.insert(1, f'<td class="col-gpuhostOutcome">{outcome_badge(outcome)}{changed}</td>')
         cells.insert(3, f'<td class="col-gpuhostTarget">{html.escape(redact(target))}</td>')
 
     @pytest.hookimpl(optionalhook=True)
@@ -253,6 +310,7 @@ class HtmlCustomisation:
             counts[outcome] = counts.get(outcome, 0) + 1
         if not counts:
             return
+        self._relabel(counts)
         prefix.append(
             '<p class="gh-counts">'
             + " ".join(f"{outcome_badge(k)} {v}" for k, v in sorted(counts.items()))
@@ -270,3 +328,16 @@ class HtmlCustomisation:
             rows.append("</tr>")
         rows.append("</table>")
         summary.append("".join(rows))
+
+    def _relabel(self, counts: dict[str, int]) -> None:
+        """Make pytest-html's filter counts say what our badges say: fixed and would-fix among them.
+
+        pytest-html's categories are fixed (its page filters on them), so a fixed test stays in
+        "Passed" and a would-fix in "Failed"; their labels say how many of those they are.
+        """
+        outcomes = getattr(self.report_data, "outcomes", None)
+        if not isinstance(outcomes, dict):
+            return
+        for category, ours in (("passed", FIXED), ("failed", WOULD_FIX)):
+            if counts.get(ours) and category in outcomes:
+                outcomes[category]["label"] = f"{outcomes[category]['label']} ({counts[ours]} {ours})"

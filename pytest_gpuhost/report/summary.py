@@ -23,6 +23,7 @@ __all__ = [
     "GOOD",
     "build_summary",
     "compare",
+    "count_line",
     "fleet_judgements",
     "host_status",
     "iter_cells",
@@ -128,10 +129,7 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     for host, h in sorted(hosts.items()):
         by_status.setdefault(h.get("status", "?"), []).append(host)
     lines = ["", "=" * 20 + " gpuhost fleet " + "=" * 20]
-    n_checks = len(summary.get("checks") or [])
-    parts = [f"{len(hosts)} hosts x {n_checks} checks: {len(by_status.get('ok', []))} ok"]
-    parts += [f"{len(by_status[s])} {s}" for s in ("failed", "error") if by_status.get(s)]
-    lines.append(", ".join(parts))
+    lines.append(count_line(summary))
     for host in by_status.get("failed", []) + by_status.get("error", []):
         bad = [(c, cell) for c, cell in hosts[host]["checks"].items() if cell.get("outcome") in BAD]
         for check, cell in bad[:LINES_PER_HOST]:
@@ -141,6 +139,34 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     lines += _uniformity_lines(summary.get("fleet") or {})
     lines += _comparison_lines(summary.get("comparison"))
     return lines
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def count_line(summary: Mapping[str, Any]) -> str:
+    """Return `2 hosts x 4 checks = 8 results: 7 passed, 1 failed; hosts: 1 ok, 1 failed`.
+
+    Results are counted as results and hosts as hosts (a host is failed when one check is).
+    """
+    hosts = summary.get("hosts") or {}
+    results: dict[str, int] = {}
+    for _, _, cell in iter_cells(summary):
+        outcome = str(cell.get("outcome"))
+        results[outcome] = results.get(outcome, 0) + 1
+    order = [*GOOD, *BAD, "skipped"]
+    shown = [f"{results[o]} {o}" for o in order if results.get(o)]
+    shown += [f"{n} {o}" for o, n in results.items() if o not in order]
+    statuses: dict[str, int] = {}
+    for h in hosts.values():
+        statuses[h.get("status", "?")] = statuses.get(h.get("status", "?"), 0) + 1
+    host_parts = [f"{statuses.get('ok', 0)} ok"] + [
+        f"{statuses[s]} {s}" for s in ("failed", "error") if statuses.get(s)
+    ]
+    n_checks = len(summary.get("checks") or [])
+    head = f"{_n(len(hosts), 'host')} x {_n(n_checks, 'check')} = {_n(sum(results.values()), 'result')}"
+    return f"{head}: {', '.join(shown) or 'none'}; hosts: {', '.join(host_parts)}"
 
 
 def _uniformity_lines(judgements: Mapping[str, Any]) -> list[str]:

@@ -139,6 +139,19 @@ def one_line(report: pytest.TestReport) -> str:
     return redact(" ".join(text.split())[:MESSAGE_LIMIT])
 
 
+def _remediation_line(report: pytest.TestReport, outcome: str | None) -> str:
+    """Say why the engine failed a test, from its record rather than the exception's text.
+
+    The exception reads `WouldFix: would fix: name: why`; beside the result it would say
+    "would fix" three times.
+    """
+    for rem in getattr(report, "gpuhost_remediations", None) or []:
+        if rem.get("outcome") == outcome and outcome in (WOULD_FIX, FAILED):
+            why = rem.get("reason") or (rem.get("before") or {}).get("summary", "")
+            return redact(" ".join(f"{rem.get('name')}: {why}".split())[:MESSAGE_LIMIT])
+    return ""
+
+
 # ---------------------------------------------------------------- the running side
 
 
@@ -213,7 +226,7 @@ class TestRecord:
                 self.outcome = report.outcome
                 self.gpuhost_outcome = gpuhost_outcome or report.outcome
         if report.failed or report.skipped:
-            self.message = one_line(report)
+            self.message = _remediation_line(report, gpuhost_outcome) or one_line(report)
         result = combine(self.result, report)
         if result != self.result:
             self.result, self.result_phase = result, report.when
