@@ -126,6 +126,10 @@ class SysfsTree:
         if name not in self._module_names():
             return None
         params = dict(m.profile.module_params.get(name, {}))
+        if name == "kvm_amd" and m.profile.kernel_version < (6, 11):
+            # KVM's SEV-SNP host support (and its sev_snp parameter) arrived in 6.11 (from memory,
+            # not verified); an older kernel can still run the IOMMU with SNP on.
+            params.pop("sev_snp", None)
         if not rest:
             kids = ["parameters"] if params else []
             if name in NVIDIA_MODULES:

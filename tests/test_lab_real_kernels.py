@@ -115,6 +115,9 @@ def _free_group(m: StandaloneMount) -> Path:
 )
 def test_snp_refuses_identity_per_series(tmp_path: Path, kernel: str, expect: int) -> None:
     with StandaloneMount(AMD, tmp_path, kernel=kernel) as m:
+        # no KVM SNP host support before 6.11: the SNP fact to rely on is the AMD-Vi boot line
+        kvm_snp = load_profile(AMD, {"kernel": kernel}).kernel_version >= (6, 11)
+        assert P(m, "module/kvm_amd/parameters/sev_snp").exists() == kvm_snp
         t = _free_group(m)
         assert errno_of(t, "identity") == expect
         assert rd(t) == "DMA-FQ"  # nothing changed
