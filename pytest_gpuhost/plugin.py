@@ -82,6 +82,10 @@ def pytest_configure(config: pytest.Config) -> None:
     else:
         config.stash[targets_key] = []
         config.hook.pytest_gpuhost_targets(config=config, targets=config.stash[targets_key])
+    # Through the plugin manager: importing scheduling here would keep pytest from rewriting it.
+    scheduling = config.pluginmanager.get_plugin("pytest_gpuhost.run.scheduling")
+    if scheduling is not None:
+        scheduling.fit_workers(config, len(config.stash[targets_key]))
     # Reports only for runs that check targets: never for --co, nor an unrelated test run.
     if (
         s.report_dir is not None
@@ -139,6 +143,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.excinfo is not None and isinstance(call.excinfo.value, GpuhostError):
         report.longrepr = redact.printable(f"{type(call.excinfo.value).__name__}: {call.excinfo.value}")
     evidence.attach(item, report)
+    hint = targets_stash.sudo_hint(item, report, call.excinfo.value if call.excinfo else None)
+    if hint:
+        report.sections.append(("gpuhost hint", hint))
     html_report.add_extras(report)
     return report
 

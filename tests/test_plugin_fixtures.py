@@ -292,3 +292,41 @@ def test_sudo_runs_the_agent_through_sudo(pytester: pytest.Pytester) -> None:
         result.stdout.fnmatch_lines(["ConnectError: cannot start the agent on local: *sudo*"])
     else:
         result.assert_outcomes(passed=1)
+
+
+SUDO_TESTS = """
+def test_missing_program(target):
+    assert target.conn.run(["no-such-program-here"]).rc == 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("sudo_script", "flags", "hint"),
+    [
+        pytest.param(None, ["--sudo"], True, id="no sudo on the target"),
+        pytest.param('#!/bin/sh\nshift 2\nexec "$@"\n', ["--sudo"], True, id="sudo, program missing"),
+        pytest.param('#!/bin/sh\nshift 2\nexec "$@"\n', [], False, id="without --sudo"),
+    ],
+)
+def test_sudo_failures_carry_a_hint(
+    pytester: pytest.Pytester, sudo_script: str | None, flags: list[str], hint: bool
+) -> None:
+    import sys
+
+    bindir = pytester.path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").symlink_to(sys.executable)
+    if sudo_script is not None:
+        (bindir / "sudo").write_text(sudo_script)
+        (bindir / "sudo").chmod(0o755)
+    pytester.makepyfile(test_sudo=SUDO_TESTS)
+    result = pytester.runpytest_subprocess(f"--host=local://?path={bindir}", "--report-dir=none", *flags)
+    result.assert_outcomes(failed=1)
+    lines = [
+        "*- gpuhost hint -*",
+        "local runs commands through sudo (--sudo) and something could not be run*",
+    ]
+    if hint:
+        result.stdout.fnmatch_lines(lines)
+    else:
+        result.stdout.no_fnmatch_line(lines[0])

@@ -149,3 +149,38 @@ def test_p(i):
     result.assert_outcomes(passed=8)
     workers = log.read_text().split()
     assert set(workers) == {"gw0", "gw1"}
+
+
+@pytest.mark.parametrize(
+    ("hosts", "extra", "workers", "header"),
+    [
+        (1, [], {"gw0"}, "gpuhost: -n 4 with 1 target: starting 1 worker (*"),
+        (2, [], {"gw0", "gw1"}, "gpuhost: -n 4 with 2 targets: starting 2 workers (*"),
+        (1, ["--gpuhost-scheduling=xdist"], None, None),
+    ],
+)
+def test_no_more_workers_than_targets(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    hosts: int,
+    extra: list[str],
+    workers: set[str] | None,
+    header: str | None,
+) -> None:
+    log = pytester.path / "sched.log"
+    monkeypatch.setenv("SCHED_LOG", str(log))
+    pytester.makefile(
+        ".ini", fleet="[all]\n" + "".join(f"h{i} ansible_connection=local\n" for i in range(hosts))
+    )
+    pytester.makepyfile(test_steps=STEPS)
+    result = pytester.runpytest_subprocess(
+        "--inventory=fleet.ini", "-n", "4", "-p", "no:cacheprovider", "--report-dir=none", *extra
+    )
+    result.assert_outcomes(passed=hosts * 4 + 1)
+    if header is None:
+        result.stdout.no_fnmatch_line("gpuhost: -n *")
+        result.stdout.fnmatch_lines(["created: 4/4 workers"])
+        return
+    result.stdout.fnmatch_lines([header, f"created: {len(workers or ())}/{len(workers or ())} worker*"])
+    used = {line.split()[0] for line in log.read_text().splitlines()}
+    assert used == workers

@@ -32,6 +32,7 @@ __all__ = [
     "TARGET_NAMES",
     "HostScheduling",
     "assign_units",
+    "fit_workers",
     "host_of_nodeid",
     "hosts_for_worker",
     "param_id",
@@ -175,6 +176,37 @@ class HostScheduling(LoadScopeScheduling):
         if not self.workqueue:
             for node in nodes:
                 node.shutdown()  # everything is sent: each worker leaves after its queue
+
+
+_FIT_NOTE = pytest.StashKey[str]()
+
+
+def fit_workers(config: pytest.Config, n_targets: int) -> None:
+    """Start no more xdist workers than there are targets when the host scheduler is used.
+
+    The host scheduler gives each target's tests to one worker, in order; with `-n 4` and one
+    target, three workers would start (a Python process, a collection, plugins) for nothing.
+    N targets start N workers (one target: one worker, the same path as -n 1). Called at configure
+    time, before xdist starts its workers; `--gpuhost-scheduling=xdist` leaves `-n` alone. Said
+    in the report header.
+    """
+    if hasattr(config, "workerinput") or n_targets < 1 or config.option.collectonly:
+        return
+    tx = list(getattr(config.option, "tx", None) or [])
+    if not static_assignment(config) or len(tx) <= n_targets or any(spec != "popen" for spec in tx):
+        return  # remote or special workers (--tx ssh=...) are the user's explicit choice
+    asked = len(tx)
+    config.option.numprocesses = n_targets
+    config.option.tx = tx[:n_targets]
+    config.stash[_FIT_NOTE] = (
+        f"gpuhost: -n {asked} with {n_targets} target{'s' if n_targets > 1 else ''}: "
+        f"starting {n_targets} worker{'s' if n_targets > 1 else ''} (the host scheduler runs each "
+        "target's tests in order on one worker; --gpuhost-scheduling=xdist keeps -n)"
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    return config.stash.get(_FIT_NOTE, None)
 
 
 def _worker_index(node: Any) -> tuple[int, str]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.errors import AgentError, GpuhostError, Unreachable
 from pytest_gpuhost.exec.targets import (
     TargetOptions,
     TargetPool,
@@ -19,6 +19,7 @@ from pytest_gpuhost.exec.targets import (
     parse_container,
     parse_host_url,
 )
+from pytest_gpuhost.run.record import target_name
 from pytest_gpuhost.run.remediation import TARGET_PARAM
 from pytest_gpuhost.run.settings import Settings, settings_key
 
@@ -33,6 +34,7 @@ __all__ = [
     "parametrize_targets",
     "pool_key",
     "require_targets",
+    "sudo_hint",
     "require_targets_xdist",
     "targets_key",
 ]
@@ -211,4 +213,37 @@ def _refuse_without_targets(config: pytest.Config, needing: list[str]) -> None:
     raise pytest.UsageError(
         f"gpuhost: {why}, and {len(needing)} test(s) need one (first: {needing[0]}); "
         "pass --host=URL (e.g. --host=local:// or --host=ssh://root@gpu-host) or --inventory=FILE"
+    )
+
+
+#: Exit statuses of a command that could not be run (`sudo` itself, or the program it was given).
+NOT_RUN = (126, 127)
+
+
+def sudo_hint(item: pytest.Item, report: pytest.TestReport, exc: BaseException | None) -> str | None:
+    """Return a hint when a failed test ran through sudo and something could not be run.
+
+    "Could not be run": a command exited 126/127, or the agent did not start (`exc` is one of the
+    execution layer's errors). Over SSH, `sudo -n -- python3 ...` on a host without sudo exits
+    127 exactly as a missing program would; only the operator can tell which, so the hint names both.
+    """
+    if not report.failed:
+        return None
+    name = target_name(item)
+    spec = next((s for s in item.config.stash.get(targets_key, []) if s.name == name), None)
+    if spec is None:
+        return None
+    s = item.config.stash[settings_key]
+    query = getattr(spec, "query", None) or {}
+    if not (s.sudo or str(query.get("sudo", "")).lower() in ("1", "true", "yes", "on")):
+        return None
+    commands = (getattr(report, "gpuhost_evidence", None) or {}).get("commands") or []
+    not_run = any(c.get("rc") in NOT_RUN for c in commands)
+    if not not_run and not isinstance(exc, Unreachable | AgentError):
+        return None
+    how = "--sudo" if s.sudo else "?sudo=1 in its URL"
+    return (
+        f"{name} runs commands through sudo ({how}) and something could not be run (exit status "
+        f"126/127, or the agent did not start): if sudo is not installed there, connect as root and "
+        f"drop {how}; otherwise install the missing program (or give ?python=PATH for the agent)"
     )
