@@ -6,11 +6,14 @@ held by sglang-qwen in container 101 and by nvidia-persistenced, GPUs 4-7 on vfi
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
 
 import pytest
+
+from gpulab.profile import load_profile
 
 PROFILE = "proxmox-rtx6000"
 GPU0, AUDIO0, GPU1, AUDIO1 = "0000:17:00.0", "0000:17:00.1", "0000:18:00.0", "0000:18:00.1"
@@ -211,3 +214,19 @@ def test_amd_snp_host_shows_snp_and_6_14_accepts_identity_then_dma_fails(lab):
     first_open = host.ssh(f"echo open > /var/lib/gpulab/ctl/gsp/{GPU0}")
     assert first_open.returncode != 0 and "Input/output error" in first_open.stderr
     assert "ILLEGAL_DEV_TABLE_ENTRY device=17:00.0" in host.ssh("dmesg").stdout
+
+
+def test_amd_snp_host_on_6_8_refuses_identity_with_enodev(lab):
+    """Kernel 6.8 (Proxmox VE 8): amd_iommu_domain_alloc() returns NULL for an identity domain
+    under SNP and iommu_setup_default_domain() answers -ENODEV; the group keeps its type."""
+    prof = load_profile("proxmox-epyc-snp", {"kernel": "6.8.12-4-pve"})
+    host = lab.host(prof, name=f"e68-{os.getpid()}", pristine=True)
+    assert host.ssh("uname -r").stdout.strip() == "6.8.12-4-pve"
+    stop_gpu_holders(host)
+    unbind(host, GPU0, "nvidia")
+    unbind(host, AUDIO0, "snd_hda_intel")
+    w = host.ssh(f"echo identity > /sys/kernel/iommu_groups/{GROUP0}/type")
+    assert w.returncode != 0 and "No such device" in w.stderr, w.stderr
+    assert host.ssh(f"cat /sys/kernel/iommu_groups/{GROUP0}/type").stdout == "DMA-FQ\n"
+    rec = [r for r in host.record() if r.get("path") == f"/sys/kernel/iommu_groups/{GROUP0}/type"]
+    assert [r["result"] for r in rec] == ["ENODEV"]
