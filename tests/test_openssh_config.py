@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -209,3 +210,17 @@ def test_master_is_shared_and_closed(sshd, tmp_path):
     finally:
         c.close()
     assert not os.path.exists(os.path.dirname(sock)) and not transport.alive()
+
+
+def test_operators_algorithms_are_left_alone(tmp_path):
+    """curve25519/AES-GCM go first only where ssh_config leaves ssh's defaults."""
+    if shutil.which("ssh") is None:
+        pytest.skip("no OpenSSH client (ssh) installed")
+    from pytest_gpuhost.exec.openssh_mux import OpenSSHTransport
+
+    cfg = _config(tmp_path / "ssh_config", "Host pq\n  KexAlgorithms sntrup761x25519-sha512@openssh.com\n")
+    mine = OpenSSHTransport("pq", ssh_config=cfg)
+    other = OpenSSHTransport("elsewhere", ssh_config=cfg)
+    assert not any(o.startswith("KexAlgorithms=") for o in mine._opts)
+    assert any(o.startswith("Ciphers=^aes128-gcm") for o in mine._opts)
+    assert any(o.startswith("KexAlgorithms=^curve25519-sha256") for o in other._opts)
