@@ -1,6 +1,8 @@
-"""Bulk channels under the OpenSSH client, with a transparent fallback to paramiko.
+"""Bulk channels of a paramiko transport under the OpenSSH client, with a fallback to paramiko.
 
-A program that moves many megabytes (the backup stream) runs under the OpenSSH client when `ssh`
+Targets are reached through the OpenSSH client wherever `ssh` exists (openssh_mux.py, where bulk
+channels ride the ControlMaster); this module serves a paramiko `SSHTransport` built by hand on
+a machine that has `ssh` (benchmarks, tests).  A program that moves many megabytes (the backup stream) runs under the OpenSSH client when `ssh`
 is installed, with the same identity, the same known_hosts file under StrictHostKeyChecking=yes,
 and no user config: OpenSSH's C transport moved 839 MB in about 2 s here (AES-GCM), where
 paramiko took about 7 s.  A bulk channel on which the client cannot log in (ssh exits 255 before
