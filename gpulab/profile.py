@@ -135,8 +135,22 @@ def load_profile(name_or_path: str | Path, overrides: Mapping[str, Any] | None =
         raise ProfileError(f"{path.name}: top level must be a mapping")
     data = copy.deepcopy(data)
     if overrides:
+        was = str(data.get("kernel", ""))
         data.update(copy.deepcopy(dict(overrides)))
+        now = str(data.get("kernel", ""))
+        if was and now != was:
+            _retag_kernel(data, was, now, cmdline_given="cmdline" in overrides)
     return parse_profile(data, source=path.name)
+
+
+def _retag_kernel(data: dict[str, Any], was: str, now: str, cmdline_given: bool) -> None:
+    """Make the boot log and command line name the overriding kernel release (uname -r, dmesg
+    and /proc/cmdline of one boot agree on a real host)."""
+    if not cmdline_given and isinstance(data.get("cmdline"), str):
+        data["cmdline"] = data["cmdline"].replace(was, now)
+    for line in data.get("kernel_log") or []:
+        if isinstance(line, dict) and isinstance(line.get("msg"), str):
+            line["msg"] = line["msg"].replace(was, now)
 
 
 def _param(val: Any) -> str:
