@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from health_cpu import CpuAccount, cpu_now, cpu_since  # noqa: E402  (beside this file)
 
 from gpulab.lab import CLIENT_KEY, Lab, LabError, LabHost  # noqa: E402
 
@@ -214,74 +215,6 @@ def write_inventory(path: Path, hosts: list[Endpoint]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-CGROUP_ROOTS = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))  # cgroup v1+v2 hybrid, pure v2
-
-
-def _cgroup_cpu(host: LabHost) -> float | None:
-    """Return the CPU seconds a lab host's cgroup used so far (cgroup v2 `cpu.stat`), None if unknown."""
-    for root in CGROUP_ROOTS:
-        try:
-            text = (root / host.cgroup / "cpu.stat").read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("usage_usec "):
-                return int(line.split()[1]) / 1e6
-    return None
-
-
-def _daemon_cpu(host: LabHost) -> float | None:
-    """Return the CPU seconds of the host's FUSE sysfs daemon so far, None if unknown."""
-    try:
-        pid = int((host.dir / "pids" / "sysfs").read_text())
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, ValueError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@dataclass
-class CpuAccount:
-    """CPU seconds one run cost, by who spent them."""
-
-    pytest: float  # the suite's pytest processes (controller and xdist workers)
-    lab: float | None  # the lab hosts' cgroups (sshd, agent or commands, emulated tools, systemd)
-    sysfs: float | None  # the lab's FUSE sysfs daemons
-    bench: float  # this script (the delay proxy's thread, when used)
-
-    def line(self) -> str:
-        def f(v: float | None) -> str:
-            return "?" if v is None else f"{v:.2f}"
-
-        return f"pytest {f(self.pytest)} + lab {f(self.lab)} + sysfs {f(self.sysfs)} + proxy {f(self.bench)}"
-
-
-def _sum(values: list[float | None]) -> float | None:
-    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
-
-
-def _cpu_now(hosts: list[LabHost]) -> tuple[float, float | None, float | None, float]:
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    return (
-        kids.ru_utime + kids.ru_stime,
-        _sum([_cgroup_cpu(h) for h in hosts]),
-        _sum([_daemon_cpu(h) for h in hosts]),
-        me.ru_utime + me.ru_stime,
-    )
-
-
-def _cpu_since(before: tuple[float, float | None, float | None, float], hosts: list[LabHost]) -> CpuAccount:
-    after = _cpu_now(hosts)
-
-    def d(a: float | None, b: float | None) -> float | None:
-        return None if a is None or b is None else b - a
-
-    return CpuAccount(
-        after[0] - before[0], d(before[1], after[1]), d(before[2], after[2]), after[3] - before[3]
-    )
-
-
 def run(
     argv: list[str],
     env: dict[str, str] | None = None,
@@ -289,11 +222,11 @@ def run(
     hosts: list[LabHost] | None = None,
 ) -> tuple[float, str, int, CpuAccount]:
     """Run a suite; return its wall time, output, exit code and CPU account (over `hosts`)."""
-    before = _cpu_now(hosts or [])
+    before = cpu_now(hosts or [])
     t0 = time.monotonic()
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     took = time.monotonic() - t0
-    return took, p.stdout + p.stderr, p.returncode, _cpu_since(before, hosts or [])
+    return took, p.stdout + p.stderr, p.returncode, cpu_since(before, hosts or [])
 
 
 def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: bool) -> dict[str, Any]:
