@@ -33,6 +33,7 @@ class NvidiaDriverMixin:
     kholders: dict[str, list[str]]
     gsp_ready: dict[str, bool]
     dma_broken: set[int]
+    minor: dict[str, int]
 
     def dev_path(self, bdf: str) -> Path | None:  # provided by HostModel
         raise NotImplementedError
@@ -87,12 +88,15 @@ class NvidiaDriverMixin:
             broken = group in self.dma_broken
         if broken:
             # the event format of drivers/iommu/amd/iommu.c iommu_print_event(), as quoted in
-            # commit ba17de98545d; the NVRM line is reconstructed (docs/LAB-SOURCES.md)
+            # commit ba17de98545d; then nv_start_device(): rm_init_adapter() fails and the open
+            # returns -EIO with "rm_init_adapter failed, device minor number %d" (kernel-open/
+            # nvidia/nv.c; the "NVRM: GPU BDF: " prefix of NV_DEV_PRINTF is from memory)
             self.kmsg(
                 f"iommu ivhd0: AMD-Vi: Event logged [ILLEGAL_DEV_TABLE_ENTRY device={bdf[5:]} "
                 "pasid=0x00000 address=0x3737b01000 flags=0x0020]"
             )
-            self.kmsg(f"NVRM: GPU {bdf}: RmInitAdapter failed!")
+            minor = self.minor.get(bdf, 0)
+            self.kmsg(f"NVRM: GPU {bdf}: rm_init_adapter failed, device minor number {minor}")
             raise SysfsError(errno.EIO)
         start = time.monotonic()
         if self.stopping.wait(self.profile.gsp_boot_s):

@@ -135,6 +135,7 @@ def test_snp_6_14_accepts_identity_then_dma_fails(a: StandaloneMount) -> None:
     assert errno_of(P(a, f"ctl/gsp/{GPU0}"), "open") == errno.EIO
     lines = kmsg(a)
     assert any("AMD-Vi: Event logged [ILLEGAL_DEV_TABLE_ENTRY device=17:00.0" in x for x in lines), lines
+    assert f"NVRM: GPU {GPU0}: rm_init_adapter failed, device minor number 0" in lines
     state = json.loads(rd(P(a, "ctl/state.json")))
     assert state["dma_broken_groups"] == [30]
 
