@@ -5,13 +5,12 @@ non-UTF-8 bytes, 255-byte names) and faults: an unreadable directory or file (th
 `nobody`, as in test_backup_hostile), a directory swapped for a link out of the tree after the
 listing, a file vanished or turned into a FIFO after the listing, a file growing while it is
 copied, a local path too long, and two nodes whose destinations come from one template.  The
-verdict is the one safe-to-terminate decides from the backup: a fresh listing, `Backup.verify`
-empty, and for S3 the local items, `S3Upload.verify` and no open multipart upload
-(`suites/decommission/notes.py` holds it inside the step, so `verdict()` below repeats its
-backup part).  The ground truth is the test's own: it reads the source tree and the backup
-directory with directory fds and O_NOFOLLOW and compares bytes, and reads S3 objects back with
-boto3.  Each case runs the backup twice, as an operator rerunning the suite would, and the
-property must hold after each run.
+verdict is the suite's own (`suites.decommission.notes.verdict`, a pure function) fed as its
+safe-to-terminate step feeds it: a fresh listing, `Backup.verify`, and for S3 the local items,
+`S3Upload.verify` and the open multipart uploads.  The ground truth is the test's own: it reads
+the source tree and the backup directory with directory fds and O_NOFOLLOW and compares bytes,
+and reads S3 objects back with boto3.  Each case runs the backup twice, as an operator rerunning
+the suite would, and the property must hold after each run.
 
 GPUHOST_PROPERTY_EXAMPLES sets the number of cases (200 by default, and 1/25 of it per template
 for two nodes); GPUHOST_PROPERTY_SHRINK=1 shrinks a failing case before printing it.
@@ -40,6 +39,8 @@ from pytest_gpuhost.modules.backup import Backup, Category, Manifest, RemoteFile
 from pytest_gpuhost.modules.destination import DestinationError, per_target  # noqa: E402
 from pytest_gpuhost.modules.process import Selection  # noqa: E402
 from pytest_gpuhost.modules.s3 import S3Upload, items_from_backup, parse_s3_url  # noqa: E402
+from suites.decommission.notes import STEPS  # noqa: E402
+from suites.decommission.notes import verdict as suite_verdict  # noqa: E402
 from tests.helpers.hostile_tree import (  # noqa: E402
     Spec,
     build,
@@ -194,15 +195,15 @@ def cases(draw: st.DrawFn) -> Case:
     files = draw(st.permutations(files))
     dirs = draw(st.permutations(dirs))
 
-    def take(pool: list[bytes]) -> list[bytes]:
-        return [pool.pop()] if pool and draw(one_in(4)) else []
+    def take(pool: list[bytes], wanted: bool) -> list[bytes]:
+        return [pool.pop()] if pool and wanted else []
 
-    case.unreadable_dirs = take(dirs)
-    case.swapped = take(dirs)
-    case.unreadable_files = take(files)
-    case.vanished = take(files)
-    case.fifos = take(files)
-    case.grown = take(files)
+    case.unreadable_dirs = take(dirs, draw(one_in(4)))
+    case.swapped = take(dirs, draw(one_in(4)))
+    case.unreadable_files = take(files, draw(one_in(4)))
+    case.vanished = take(files, draw(one_in(4)))
+    case.fifos = take(files, draw(one_in(4)))
+    case.grown = take(files, draw(one_in(4)))
     return case
 
 
@@ -210,15 +211,28 @@ def cases(draw: st.DrawFn) -> Case:
 
 
 def verdict(backup: Backup, up: S3Upload | None) -> list[str]:
-    """Return what safe-to-terminate would list against the backup (empty: safe); see notes.py."""
+    """Return what the suite's safe-to-terminate would list (empty: safe), read as its step reads.
+
+    The steps before the verdict are taken as passed and no server as running: what varies here
+    is the backup, gathered as `step_safe_to_terminate` gathers it and judged by the suite's own
+    pure `verdict()`.
+    """
     listing = backup.walk()
-    problems = [f"not in the local backup: {p} ({why})" for p, why in backup.verify(listing)]
+    s3_missing: list[tuple[str, str]] = []
+    open_uploads: list[str] = []
     if up is not None:
         items, unverified = items_from_backup(backup, listing)
-        problems += [f"not in S3: {p} ({why})" for p, why in unverified]
-        problems += [f"not in S3: {p} ({why})" for p, why in up.verify(items)]
-        problems += [f"open multipart upload: {k}" for k, _ in up.open_uploads()]
-    return problems
+        s3_missing = [*unverified, *up.verify(items)]
+        open_uploads = [k for k, _ in up.open_uploads()]
+    return suite_verdict(
+        dict.fromkeys(STEPS, "passed") | ({} if up is not None else {"data in s3": "skipped"}),
+        running=[],
+        local_missing=backup.verify(listing),
+        s3_categories=[CATEGORY] if up is not None else [],
+        s3_configured=up is not None,
+        s3_missing=s3_missing,
+        open_uploads=open_uploads,
+    )
 
 
 @dataclass
