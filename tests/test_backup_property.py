@@ -158,7 +158,7 @@ def _chain(levels: int = 9, width: int = 200) -> tuple[bytes, Spec]:
 
 def one_in(n: int) -> st.SearchStrategy[bool]:
     """Draw True about once in n (st.integers favours its bounds, sampled_from does not)."""
-    return st.sampled_from([True] + [False] * (n - 1))
+    return st.sampled_from([False] * (n - 1) + [True])  # False first: what shrinking favours
 
 
 @dataclass
@@ -448,14 +448,15 @@ def _events(case: Case, nobody: bool) -> None:
 @PROFILE
 @given(case=cases())
 def test_verdict_iff_every_byte_verified(world: World, case: Case) -> None:
-    _events(case, world.nobody)
     d = _case_dir(world)
     try:
         src = _make_src(d, case.spec)
-        for rel in case.unreadable_files:
-            os.chmod(src + b"/" + rel, 0)
-        for rel in case.unreadable_dirs:
-            os.chmod(src + b"/" + rel, 0)
+        if os.geteuid() == 0:  # otherwise the test could not read its own ground truth either
+            for rel in case.unreadable_files + case.unreadable_dirs:
+                os.chmod(src + b"/" + rel, 0)
+        else:
+            case.unreadable_files, case.unreadable_dirs = [], []
+        _events(case, world.nobody)
         dest = _long_dest(d) if case.too_long else os.fsencode(d / "dest")
         prefix = os.path.basename(d) if case.s3 else None
         b = Backup(world.conn, _manifest(src, case.s3), os.fsdecode(dest), stall_timeout=20.0)
