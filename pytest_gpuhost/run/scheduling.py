@@ -121,7 +121,7 @@ def static_assignment(config: pytest.Config) -> bool:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         return bool(workerinput.get("gpuhost_host_scheduling"))
-    return _choice(config) == "host" and config.getvalue("dist") == "load"
+    return _choice(config) == "host" and getattr(config.option, "dist", "no") == "load"
 
 
 class HostScheduling(LoadScopeScheduling):
@@ -228,6 +228,6 @@ def pytest_configure_node(node: Any) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> HostScheduling | None:
     """Group by target under xdist's default `--dist load`; leave explicit other modes alone."""
-    if _choice(config) != "host" or config.getvalue("dist") != "load":
+    if _choice(config) != "host" or getattr(config.option, "dist", "no") != "load":
         return None
     return HostScheduling(config, log)
