@@ -215,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             previous = load_summary(args.previous, store)
             merged["comparison"] = {"previous": args.previous, **compare(previous, merged)}
     except (OSError, GpuhostError) as exc:
-        print(f"merge: {exc}", file=sys.stderr)
+        print(printable(f"merge: {exc}"), file=sys.stderr)
         return 2
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

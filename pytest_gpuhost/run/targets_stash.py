@@ -19,6 +19,7 @@ from pytest_gpuhost.exec.targets import (
     parse_container,
     parse_host_url,
 )
+from pytest_gpuhost.redact import printable
 from pytest_gpuhost.run.record import target_name
 from pytest_gpuhost.run.remediation import TARGET_PARAM
 from pytest_gpuhost.run.settings import Settings, settings_key
@@ -211,7 +212,7 @@ def _refuse_without_targets(config: pytest.Config, needing: list[str]) -> None:
     elif s.hosts:
         why = "the pytest_gpuhost_targets hook removed every target"
     raise pytest.UsageError(
-        f"gpuhost: {why}, and {len(needing)} test(s) need one (first: {needing[0]}); "
+        f"gpuhost: {why}, and {len(needing)} test(s) need one (first: {printable(needing[0])}); "
         "pass --host=URL (e.g. --host=local:// or --host=ssh://root@gpu-host) or --inventory=FILE"
     )
 
@@ -243,7 +244,7 @@ def sudo_hint(item: pytest.Item, report: pytest.TestReport, exc: BaseException |
         return None
     how = "--sudo" if s.sudo else "?sudo=1 in its URL"
     return (
-        f"{name} runs commands through sudo ({how}) and something could not be run (exit status "
+        f"{printable(name)} runs commands through sudo ({how}) and something could not be run (exit status "
         f"126/127, or the agent did not start): if sudo is not installed there, connect as root and "
         f"drop {how}; otherwise install the missing program (or give ?python=PATH for the agent)"
     )
