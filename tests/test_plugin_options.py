@@ -188,15 +188,26 @@ def test_testinfra_options_are_aliases(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["*test_t[[]box1[]]*", "*test_t[[]h2[]]*"])
     result = pytester.runpytest("-s", "--report-dir=none", "--ansible-inventory=fleet.yaml")
     result.assert_outcomes(passed=1)
+    # --ssh-config is one flag shared with testinfra (ssh -F); it reaches the connection options.
+    pytester.makefile("", ssh_config_test="Host gpu1\n  HostName 127.0.0.1\n")
+    pytester.makepyfile(
+        test_cfg="""
+        from pytest_gpuhost.run.targets_stash import get_pool
+        def test_cfg(target, pytestconfig):
+            print("CFG", get_pool(pytestconfig).options.ssh_config, pytestconfig.option.ssh_config)
+        """
+    )
+    result = pytester.runpytest(
+        "-s", "--report-dir=none", "--host=local://", "--ssh-config=ssh_config_test", "test_cfg.py"
+    )
+    result.stdout.fnmatch_lines(["*CFG ssh_config_test ssh_config_test"])
+    result.assert_outcomes(passed=1)
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (
-            ["--ssh-config=/etc/ssh/ssh_config"],
-            "*testinfra's --ssh-config='/etc/ssh/ssh_config' is not supported: *--host=ssh://*",
-        ),
+        (["--ssh-config=/nonexistent/ssh_config"], "--ssh-config='/nonexistent/ssh_config': no such file"),
         (["--ssh-extra-args=-v"], "*testinfra's --ssh-extra-args='-v' is not supported: *"),
         (["--sudo-user=bob"], "*testinfra's --sudo-user='bob' is not supported: *--sudo*"),
         (["--force-ansible"], "*testinfra's --force-ansible is not supported: *"),

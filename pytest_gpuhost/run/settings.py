@@ -40,6 +40,7 @@ __all__ = [
     "GROUP",
     "OPTIONS",
     "SCHEDULING_CHOICES",
+    "SHARED_FLAGS",
     "Settings",
     "add_options",
     "add_sudo_if_missing",
@@ -133,6 +134,15 @@ OPTIONS: tuple[Option, ...] = (
         metavar="S",
     ),
     _opt("ssh_identity", "--ssh-identity", "SSH private key file", parse=existing_file, metavar="FILE"),
+    # dest "ssh_config": testinfra's --ssh-config means the same (ssh -F), whichever plugin adds it.
+    _opt(
+        "ssh_config",
+        "--ssh-config",
+        "ssh_config file for ssh targets (ssh -F; default the user's ~/.ssh/config and /etc/ssh/ssh_config)",
+        parse=existing_file,
+        metavar="FILE",
+        dest="ssh_config",
+    ),
     _opt(
         "known_hosts",
         "--known-hosts",
@@ -227,6 +237,7 @@ class Settings:
     command_timeout: float
     connect_timeout: float
     ssh_identity: str | None
+    ssh_config: str | None
     known_hosts: str | None
     host_key_policy: str
     sudo: bool
@@ -244,8 +255,8 @@ settings_key = pytest.StashKey[Settings]()
 
 
 def add_options(parser: pytest.Parser) -> None:
-    """Register every gpuhost option and its ini twin (--sudo's flag: see add_sudo_if_missing)."""
-    register(parser, OPTIONS, except_flags=("--sudo",))
+    """Register every gpuhost option and its ini twin (--sudo's and --ssh-config's flags: see add_sudo_if_missing)."""
+    register(parser, OPTIONS, except_flags=SHARED_FLAGS)
 
 
 def _has_option(parser: pytest.Parser, flag: str) -> bool:
@@ -254,13 +265,18 @@ def _has_option(parser: pytest.Parser, flag: str) -> bool:
     return any(flag in opt.names() for group in groups for opt in group.options)
 
 
+#: Flags testinfra declares with the same meaning and destination; added only where it did not.
+SHARED_FLAGS = ("--sudo", "--ssh-config")
+
+
 def add_sudo_if_missing(parser: pytest.Parser) -> None:
-    """Add --sudo unless a plugin (testinfra) already did; both mean "run commands through sudo".
+    """Add --sudo and --ssh-config unless a plugin (testinfra) already did; they mean the same there.
 
     Called once every entry-point plugin is loaded, because argparse refuses a second --sudo.
     """
-    if not _has_option(parser, "--sudo"):
-        add_flag(parser.getgroup(GROUP), next(o for o in OPTIONS if o.flag == "--sudo"))
+    for flag in SHARED_FLAGS:
+        if not _has_option(parser, flag):
+            add_flag(parser.getgroup(GROUP), next(o for o in OPTIONS if o.flag == flag))
 
 
 def read_settings(config: pytest.Config) -> Settings:

@@ -131,6 +131,7 @@ def get_pool(config: pytest.Config) -> TargetPool:
                 command_timeout=s.command_timeout,
                 connect_timeout=s.connect_timeout,
                 identity=s.ssh_identity,
+                ssh_config=s.ssh_config,
                 known_hosts=s.known_hosts,
                 host_key_policy=s.host_key_policy,
                 sudo=s.sudo,

@@ -4,7 +4,8 @@ pytest-testinfra is a dependency, so its options (`--hosts`, `--connection`, `--
 ...) are on every command line's menu; an operator who knows testinfra types them. Each is either
 folded into our settings (`--hosts=a,b` is `--host=ssh://a --host=ssh://b`) or refused with one
 line naming what to type instead. None is ignored: a run that silently dropped `--hosts` would
-check nothing and pass. `--sudo` needs nothing here: both plugins read the same `sudo` flag.
+check nothing and pass. `--sudo` and `--ssh-config` need nothing here: both plugins declare
+them with the same destination (`run/settings.py: SHARED_FLAGS`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,6 @@ __all__ = ["REFUSED", "apply"]
 
 #: testinfra options with no gpuhost meaning: dest -> (flag, what to do instead).
 REFUSED: dict[str, tuple[str, str]] = {
-    "ssh_config": (
-        "--ssh-config",
-        "gpuhost does not read an ssh_config file yet; give each target as --host=ssh://user@host:port "
-        "and the key as --ssh-identity=FILE",
-    ),
     "ssh_extra_args": (
         "--ssh-extra-args",
         "gpuhost passes no extra ssh arguments; use --ssh-identity, --known-hosts, --connect-timeout",
