@@ -125,3 +125,14 @@ def test_refusals_name_the_option_and_the_fix() -> None:
         with pytest.raises(DestinationError, match=why) as exc:
             per_target(template, names, option="--backup-dir")
         assert "\n" not in str(exc.value) and "--backup-dir" in str(exc.value)
+
+
+@pytest.mark.parametrize("template", ["b/{host}/..", "b/{host}/./x", "b/x{host}y/../z"])
+def test_dot_components_after_host_are_refused(template: str) -> None:
+    with pytest.raises(DestinationError, match=r"'\.' or '\.\.' component after \{host\}"):
+        per_target(template, ["gpu-01", "gpu-02"], option="--backup-dir")
+
+
+def test_dot_components_before_host_are_fine() -> None:
+    got = per_target("../b/./{host}", ["gpu-01", "gpu-02"], option="--backup-dir")
+    assert got == {"gpu-01": "../b/./gpu-01", "gpu-02": "../b/./gpu-02"}

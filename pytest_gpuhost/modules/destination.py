@@ -21,6 +21,7 @@ different folders. Pure functions: no filesystem access, callable before anythin
 from __future__ import annotations
 
 import hashlib
+import posixpath
 import re
 import unicodedata
 from collections.abc import Sequence
@@ -69,6 +70,15 @@ def _check_template(template: str, option: str) -> None:
             f"{option}={template!r} puts {PLACEHOLDER} in the bucket name; put it in the prefix: "
             f"s3://BUCKET/PREFIX/{PLACEHOLDER}"
         )
+    # A `..` (or `.`) after the host's component folds every host back into one place
+    # ({base}/{host}/.. is {base} for all of them): refuse it rather than normalise it away.
+    parts = template.split("/")
+    first = next((i for i, part in enumerate(parts) if PLACEHOLDER in part), len(parts))
+    if any(part in (".", "..") for part in parts[first + 1 :]):
+        raise DestinationError(
+            f"{option}={template!r} has a '.' or '..' component after {PLACEHOLDER}, which would put "
+            f"several targets in one place; end the path with {PLACEHOLDER} or a plain name"
+        )
 
 
 def per_target(template: str, targets: Sequence[str], *, option: str) -> dict[str, str]:
@@ -101,7 +111,7 @@ def per_target(template: str, targets: Sequence[str], *, option: str) -> dict[st
                     f"{option}={template}: {part[:40]!r}... is longer than {MAX_COMPONENT} bytes "
                     f"for target {n!r}; shorten the text around {PLACEHOLDER}"
                 )
-        key = _fold(dest)
+        key = _fold(dest if dest.startswith("s3://") else posixpath.normpath(dest))
         if key in owner:
             raise DestinationError(
                 f"{option}={template} gives targets {owner[key]!r} and {n!r} the same place {dest!r}; "
