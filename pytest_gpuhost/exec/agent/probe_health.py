@@ -14,9 +14,9 @@ import socket
 import threading
 import time
 
-from pytest_gpuhost.exec.agent.core import fact, read_str, read_text, run_process
+from pytest_gpuhost.exec.agent.core import fact, read_str, read_text, run_process, state_path
 
-STATE_PATH = "/var/lib/gpuhost/health-state.json"  # written by health_commit (probe_health_kernel)
+STATE_FILE = "health-state.json"  # under the agent's state directory (state_path)
 PARTS = ("gpus", "smi", "nvlink", "p2p", "disk")
 QUERY_FIELDS = (
     "index",
@@ -151,7 +151,9 @@ def _cached_cuda(params, driver):
     if not driver or params.get("no_cache"):
         return None
     try:
-        state = json.loads(read_text(params.get("state_path") or STATE_PATH, 1 << 20).decode("utf-8"))
+        state = json.loads(
+            read_text(params.get("state_path") or state_path(STATE_FILE), 1 << 20).decode("utf-8")
+        )
     except (OSError, ValueError):
         return None  # no state yet, or unreadable: the kernel-log fact says why
     cached = state.get("cuda") if isinstance(state, dict) else None

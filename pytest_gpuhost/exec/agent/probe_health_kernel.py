@@ -3,8 +3,9 @@
 Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).  The kernel log
 is read with `dmesg --time-format iso` (plain `dmesg` plus /proc/stat's btime where that option
 is missing); only lines after the cursor of the last committed run count.  The cursor (last
-timestamp and the keys of the lines at it) lives in /var/lib/gpuhost/health-state.json, which
-`health_commit` writes after a successful run; nothing else here changes the host.
+timestamp and the keys of the lines at it) lives in health-state.json under the agent's state
+directory (`state_path`: /var/lib/gpuhost by default), which `health_commit` writes after a
+successful run; nothing else here changes the host.
 """
 
 import calendar
@@ -14,9 +15,9 @@ import os
 import re
 import time
 
-from pytest_gpuhost.exec.agent.core import OpError, fact, op, read_str, read_text, run_process
+from pytest_gpuhost.exec.agent.core import OpError, fact, op, read_str, read_text, run_process, state_path
 
-STATE_PATH = "/var/lib/gpuhost/health-state.json"
+STATE_FILE = "health-state.json"  # under the agent's state directory (state_path)
 _ISO = re.compile(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:[,.](\d+))?(Z|[+-]\d\d:?\d\d)?\s+(.*)$")
 _RAW = re.compile(r"^\[\s*(\d+(?:\.\d+)?)\]\s?(.*)$")
 _XID = re.compile(r"\bXid \(PCI:([0-9A-Fa-f:.]+)\):\s*(\d+)\b,?\s*(.*)$")
@@ -116,7 +117,7 @@ def _events(new):
 def fact_health_kernel_log(params):
     """Return the Xid and SXid lines logged since the committed cursor, and the new cursor."""
     timeout = float(params.get("timeout", 20))
-    path = params.get("state_path") or STATE_PATH
+    path = params.get("state_path") or state_path(STATE_FILE)
     state, state_error = read_state(path)
     record = []  # type: list
     lines, mode, failed = _dmesg_lines(timeout, record)
@@ -165,7 +166,7 @@ def fact_health_kernel_log(params):
 @op("health_commit")
 def op_health_commit(params):
     """Record the kernel-log cursor of a successful run (atomically: temp file, rename)."""
-    path = params.get("state_path") or STATE_PATH
+    path = params.get("state_path") or state_path(STATE_FILE)
     state = params.get("state")
     if not isinstance(state, dict):
         raise OpError("health_commit: state must be an object")
