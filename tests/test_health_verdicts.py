@@ -145,6 +145,35 @@ def test_gpu_count_and_model() -> None:
     assert judge("gpu_count", healthy(), gpu_model="rtx pro 6000").ok
 
 
+def test_gpu_count_without_inventory_is_the_nvidia_gpus_on_the_pci_bus() -> None:
+    """7 of 8 is caught without gpu_count: the bus has the GPU whose nvidia probe failed."""
+    facts = healthy()
+    on_bus = {b: {"class": "0x030200", "driver": "nvidia"} for b in BDFS}
+    facts["pci"]["on_bus"] = on_bus
+    t = hm.Thresholds.from_vars({})
+    v = hm.evaluate("gpu_count", facts, t)
+    assert v.ok and v.summary.endswith("as many as the PCI bus has (4)"), v.summary
+    # The last GPU's probe failed: no driver, not in nvidia's directory, not in nvidia-smi.
+    del facts["gpus"]["gpus"][3]
+    del facts["pci"]["devices"][BDFS[3]]
+    on_bus[BDFS[3]]["driver"] = None
+    v = hm.evaluate("gpu_count", facts, t)
+    assert not v.ok
+    assert v.reasons == [
+        "nvidia-smi sees 3 GPUs, the PCI bus has 4 NVIDIA display controllers not on vfio-pci",
+        "0000:3b:00.0 is an NVIDIA GPU on the PCI bus, driver none, but nvidia-smi does not list it",
+    ]
+    assert v.state["expected_from"] == "PCI bus"
+    # A GPU on vfio-pci belongs to a VM: not expected in the host's nvidia-smi.
+    on_bus[BDFS[3]]["driver"] = "vfio-pci"
+    assert hm.evaluate("gpu_count", facts, t).ok
+    # The inventory's count wins, and the missing GPU is still named.
+    on_bus[BDFS[3]]["driver"] = None
+    v = judge("gpu_count", facts)
+    assert v.reasons[0] == "nvidia-smi sees 3 GPUs, the inventory expects 4"
+    assert "0000:3b:00.0 is an NVIDIA GPU on the PCI bus" in v.reasons[1]
+
+
 def test_versions_against_inventory_and_between_gpus() -> None:
     assert "570.133.07" in judge("driver_version", healthy()).summary
     assert not judge("driver_version", healthy(), driver_version="575.51.03").ok

@@ -47,27 +47,53 @@ def check_gpu_count(facts: Facts, t: Thresholds) -> Verdict:
     want = t["gpu_count"]
     if want is not None and len(gpus) != want:
         reasons.append(f"nvidia-smi sees {len(gpus)} GPUs, the inventory expects {want}")
-    if want is None and not gpus:
-        reasons.append("nvidia-smi sees no GPU")
     model = t["gpu_model"]
     if model:
         for g, n in zip(gpus, names, strict=True):
             if model.lower() not in n.lower():
                 reasons.append(f"{gpu_label(g)} is {n!r}, expected {model!r}")
     pci, _ = facts_part(facts, "pci")
+    source = "inventory" if want is not None else None
     if pci is not None:
-        bound = sorted(b for b, d in (pci.get("devices") or {}).items() if d.get("driver") == "nvidia")
         seen = {g.get("bdf") for g in gpus}
-        lost = [b for b in bound if b not in seen]
+        bound = sorted(b for b, d in (pci.get("devices") or {}).items() if d.get("driver") == "nvidia")
         state["nvidia_bound"] = len(bound)
-        for b in lost:
-            reasons.append(f"{b} is bound to nvidia but nvidia-smi does not list it (fallen off the bus?)")
+        for b in bound:
+            if b not in seen:
+                reasons.append(
+                    f"{b} is bound to nvidia but nvidia-smi does not list it (fallen off the bus?)"
+                )
+        on_bus = pci.get("on_bus")
+        if isinstance(on_bus, dict):
+            # A GPU on vfio-pci is handed to a VM: the host's nvidia-smi never lists it.
+            ours = {b: d.get("driver") for b, d in on_bus.items() if d.get("driver") != "vfio-pci"}
+            state["on_bus"] = len(ours)
+            if want is None:
+                want, source = len(ours), "PCI bus"
+                if len(gpus) != want:
+                    reasons.insert(
+                        0,
+                        f"nvidia-smi sees {len(gpus)} GPUs, the PCI bus has {want} NVIDIA display "
+                        "controllers not on vfio-pci",
+                    )
+            for b in sorted(ours):
+                if b not in seen and b not in bound:
+                    reasons.append(
+                        f"{b} is an NVIDIA GPU on the PCI bus, driver {ours[b] or 'none'}, "
+                        "but nvidia-smi does not list it"
+                    )
+    state["expected"] = want
+    state["expected_from"] = source
     desc = f"{len(gpus)} GPUs" + (f" ({', '.join(models)})" if gpus else "")
+    if not gpus and not reasons and t["gpu_count"] is None:
+        reasons.append("nvidia-smi sees no GPU")
     if reasons:
         return failed("gpu_count", f"{desc}: {reasons[0]}", reasons, state=state)
-    return Verdict(
-        "gpu_count", True, desc + (f", as expected ({want})" if want is not None else ""), state=state
-    )
+    if source == "inventory":
+        desc += f", as expected ({want})"
+    elif source:
+        desc += f", as many as the PCI bus has ({want})"
+    return Verdict("gpu_count", True, desc, state=state)
 
 
 def _version_check(check: str, found: Sequence[str | None], want: str | None, what: str) -> Verdict:

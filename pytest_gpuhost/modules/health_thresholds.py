@@ -28,7 +28,12 @@ class Threshold:
 
 
 THRESHOLDS: tuple[Threshold, ...] = (
-    Threshold("gpu_count", None, int, "GPUs nvidia-smi must see; unset: at least one"),
+    Threshold(
+        "gpu_count",
+        None,
+        int,
+        "GPUs nvidia-smi must see; unset: the NVIDIA display/3D controllers on the PCI bus not on vfio-pci",
+    ),
     Threshold("gpu_model", None, str, "text every GPU's name must contain (case-insensitive); unset: any"),
     Threshold("driver_version", None, str, "exact driver version expected; unset: fleet uniformity only"),
     Threshold(

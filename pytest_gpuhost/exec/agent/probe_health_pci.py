@@ -15,6 +15,7 @@ from pytest_gpuhost.exec.agent.core import fact, link_name, read_str, read_text,
 SYS_PCI = "/sys/bus/pci/devices"
 NVIDIA_DRIVER = "/sys/bus/pci/drivers/nvidia"  # a link per function bound to nvidia
 ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
+GPU_CLASSES = ("0x0300", "0x0302")  # PCI class code: VGA-compatible, 3D controller
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 _KEEP = 8192  # bytes of each command's output kept in the evidence
 
@@ -130,13 +131,28 @@ def pci_ids(base):
     )
 
 
-def _all_bridges():
-    """Return the BDFs of every PCI bridge (class 0x0604): one `uevent` read per function."""
+def scan_bus():
+    """Return (bridges, NVIDIA GPUs) of the whole PCI bus: one `uevent` read per function.
+
+    The GPUs are the NVIDIA (vendor 0x10de) display controllers, class 0x0300 (VGA) or 0x0302
+    (3D), whatever driver holds them or none: a GPU whose nvidia probe failed is not in the
+    driver's directory, and nvidia-smi does not list it, but it is still on the bus.
+    """
     try:
         names = os.listdir(SYS_PCI)
     except OSError:
-        return set()
-    return set(b for b in names if pci_ids(os.path.join(SYS_PCI, b))[0].startswith("0x0604"))
+        return set(), {}
+    bridges = set()
+    gpus = {}
+    for b in names:
+        if not _BDF.match(b):
+            continue
+        cls, vendor, driver = pci_ids(os.path.join(SYS_PCI, b))
+        if cls.startswith("0x0604"):
+            bridges.add(b)
+        elif vendor == "0x10de" and cls[:6] in GPU_CLASSES:
+            gpus[b] = {"class": cls, "driver": driver}
+    return bridges, gpus
 
 
 @fact("health_pci")
@@ -160,21 +176,21 @@ def fact_health_pci(params):
                 "commands": record,
             }
         bound = []  # the driver is not loaded: no GPU on nvidia
-    found = {}  # type: dict
+    # The whole bus, read once: the GPUs on it are the count nvidia-smi must show when the
+    # inventory does not say (health_gpu.check_gpu_count), the bridges serve a flat sysfs.
+    all_bridges, on_bus = scan_bus()
     devices = {}
     acs_cache = {}  # type: dict
     ranges = {}  # type: dict
 
-    def bridges():
-        if "all" not in found:
-            found["all"] = _all_bridges()
-        return found["all"]
-
     for b in bound:
         base = os.path.join(SYS_PCI, b)
-        cls, vendor, driver = pci_ids(base)
-        if vendor != "0x10de" or cls[:6] not in ("0x0300", "0x0302"):
-            continue  # an NVSwitch, also on nvidia
+        if b in on_bus:
+            cls, driver = on_bus[b]["class"], on_bus[b]["driver"]
+        else:
+            cls, vendor, driver = pci_ids(base)
+            if vendor != "0x10de" or cls[:6] not in GPU_CLASSES:
+                continue  # an NVSwitch, also on nvidia
         group = link_name(os.path.join(base, "iommu_group"))
         dev = {
             "driver": driver or "nvidia",
@@ -183,7 +199,7 @@ def fact_health_pci(params):
             "iommu_type": read_str(f"/sys/kernel/iommu_groups/{group}/type") if group else None,
             "bridges": [],
         }  # type: dict
-        for up in upstream(b, bridges, ranges):
+        for up in upstream(b, all_bridges, ranges):
             if up not in acs_cache:
                 acs = _acs_from_config(up)
                 if acs is None:
@@ -194,6 +210,7 @@ def fact_health_pci(params):
     return {
         "ok": True,
         "devices": devices,
+        "on_bus": on_bus,
         "iommu_groups_present": os.path.isdir("/sys/kernel/iommu_groups"),
         "commands": record,
     }
