@@ -1,7 +1,8 @@
 """A run lock and a journal on the target, so that interrupted procedures are finished or undone.
 
-Layout on the target: `/var/lib/gpuhost/journal/NAME.json` (the journal, written atomically and
-fsynced by the agent before each destructive step) and `/var/lib/gpuhost/lock/NAME/` (the lock:
+Layout on the target, under the agent's state directory (`hello`'s `state_dir`:
+$GPUHOST_STATE_DIR on the target, else /var/lib/gpuhost): `journal/NAME.json` (the journal,
+written atomically and fsynced by the agent before each destructive step) and `lock/NAME/` (the lock:
 made with mkdir, holding the owner's agent pid, its start time, the boot id and a heartbeat).
 A run that finds a journal left by another run reads it before anything else; a run that finds
 the lock held by a live run waits up to a bound, then stops with a message naming the holder.
@@ -17,7 +18,7 @@ from pytest_gpuhost.errors import GpuhostError
 
 __all__ = ["BASE", "Journal", "LockBusy"]
 
-BASE = "/var/lib/gpuhost"
+BASE = "/var/lib/gpuhost"  # when the connection does not say (a hello without state_dir)
 QUICK = 10.0  # seconds to wait for the reply to a lock or journal op (small local file operations)
 
 
@@ -36,14 +37,32 @@ class LockBusy(GpuhostError):
 class Journal:
     """The journal and lock of one procedure (`name`) on one target."""
 
-    def __init__(self, conn: _Conn, name: str, *, run_id: str | None = None, base: str = BASE) -> None:
+    def __init__(self, conn: _Conn, name: str, *, run_id: str | None = None, base: str | None = None) -> None:
         self.conn = conn
         self.name = name
         self.run_id = run_id or uuid.uuid4().hex[:12]
-        self.path = f"{base}/journal/{name}.json"
-        self.lock_path = f"{base}/lock/{name}"
+        self._base = base
         self.held = False
         self.data: dict[str, Any] = {}
+
+    @property
+    def base(self) -> str:
+        """The state directory on the target: the agent's `state_dir` unless one was given."""
+        if self._base is None:
+            # A procedure's link connects on first use; its hello is empty until then.
+            connect = getattr(self.conn, "connection", None)
+            conn = connect() if callable(connect) else self.conn
+            hello = getattr(conn, "hello", None) or {}
+            self._base = str(hello.get("state_dir") or BASE)
+        return self._base
+
+    @property
+    def path(self) -> str:
+        return f"{self.base}/journal/{self.name}.json"
+
+    @property
+    def lock_path(self) -> str:
+        return f"{self.base}/lock/{self.name}"
 
     def read_request(self) -> dict[str, Any]:
         """Return the agent request that reads the journal (to put in a facts batch)."""
