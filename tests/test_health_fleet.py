@@ -87,7 +87,12 @@ def test_limit_selects_hosts_by_name_and_group(fleet_dir: pytest.Pytester) -> No
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines(["*--limit='rack1 and': expression ends early*"])
     r = fleet_dir.runpytest("--inventory=fleet.yaml", "--limit", "rack9", "--report-dir=none")
-    r.stderr.fnmatch_lines(["*--limit='rack9' matches none of the 4 targets*"])
+    r.stderr.fnmatch_lines(["*--limit='rack9': 'rack9' matches no host or group of the 4 targets*"])
+    r = fleet_dir.runpytest(
+        "--inventory=fleet.yaml", "--limit", "rack1:!gpu-02,gpu-03", "--report-dir=none", "-v"
+    )
+    r.assert_outcomes(passed=4)
+    r.stdout.no_fnmatch_line("*gpu-02*")
 
 
 def test_summary_prometheus_and_comparison_with_the_previous_run(

@@ -31,7 +31,7 @@ import pytest
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.redact import printable, redact, redact_argv, redact_obj
 from pytest_gpuhost.report.files import load_summary, write_summary
-from pytest_gpuhost.report.limit import LimitError, Matcher, compile_limit, spec_groups
+from pytest_gpuhost.report.limit import LimitError, Matcher, compile_limit
 from pytest_gpuhost.report.prometheus import prometheus_text, write_prometheus
 from pytest_gpuhost.report.summary import (
     BAD,
@@ -89,8 +89,8 @@ def _limit_matcher(config: pytest.Config) -> Matcher | None:
         config.stash[_LIMIT] = compile_limit(limit)
     except LimitError as exc:
         raise pytest.UsageError(
-            f"{where}={limit!r}: {exc}; write names or groups joined by and/or/not, "
-            "e.g. --limit 'rack1 and not gpu-node-07'"
+            f"{where}={limit!r}: {exc}; write an Ansible pattern or and/or/not, "
+            "e.g. --limit 'rack1:!gpu-node-07' or --limit 'rack1 and not gpu-node-07'"
         ) from None
     return config.stash[_LIMIT]
 
@@ -109,12 +109,12 @@ def pytest_gpuhost_targets(config: pytest.Config, targets: list[Any]) -> Any:
     """Apply --limit after every other implementation, and record the final target names."""
     result = yield
     match = _limit_matcher(config)
-    if match is not None:
-        before = len(targets)
-        targets[:] = [t for t in targets if match(str(t.name), spec_groups(t))]
-        if before and not targets:
+    if match is not None and targets:  # no target at all is the "no target" usage error, said elsewhere
+        try:
+            targets[:] = match.select(targets)
+        except LimitError as exc:
             limit, where = _opt(config, "gpuhost_limit")
-            raise pytest.UsageError(f"{where}={limit!r} matches none of the {before} targets")
+            raise pytest.UsageError(f"{where}={limit!r}: {exc}") from None
     config.stash[TARGET_NAMES] = [str(t.name) for t in targets]
     return result
 
