@@ -44,7 +44,7 @@ def test_each_thing_left_is_one_problem() -> None:
 
 
 def test_two_nodes_sharing_one_backup_dir_are_refused_before_anything_stops(tmp_path: Path) -> None:
-    """--backup-dir without {host} and two targets: every step errors with the fix, nothing runs."""
+    """--backup-dir without {host} and two targets: one-line usage error, nothing runs."""
     (tmp_path / "fleet.yaml").write_text(
         "all:\n  vars: {ansible_connection: local}\n  hosts:\n    node-a: {}\n    node-b: {}\n"
     )
@@ -68,7 +68,8 @@ def test_two_nodes_sharing_one_backup_dir_are_refused_before_anything_stops(tmp_
         text=True,
         timeout=120,
     )
-    assert r.returncode != 0
-    assert "has no {host} but the run has 2 targets" in r.stdout, r.stdout[-3000:]
-    assert "passed" not in r.stdout.splitlines()[-1] and "fixed" not in r.stdout.splitlines()[-1], r.stdout
+    assert r.returncode == 4, r.stdout[-3000:] + r.stderr[-3000:]  # a usage error: nothing ran
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and "has no {host} but the run has 2 targets" in err[0], r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
     assert not (tmp_path / "backup").exists()

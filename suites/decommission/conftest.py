@@ -54,6 +54,22 @@ def destinations(config: pytest.Config, target_name: str) -> tuple[str, str | No
     return dest, url
 
 
+@pytest.hookimpl(trylast=True)  # after the plugin's configure has loaded the run's targets
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse, as a usage error before any test runs, destinations that several targets would share."""
+    names = [str(t.name) for t in config.stash.get(targets_key, [])]
+    if not names:
+        return
+    backup_dir, _ = options.get(config, "backup_dir")
+    backup_to, _ = options.get(config, "backup_to")
+    try:
+        per_target(backup_dir or "backups/{host}", names, option="--backup-dir")
+        if backup_to:
+            per_target(backup_to, names, option="--backup-to")
+    except DestinationError as exc:
+        raise pytest.UsageError(f"gpuhost: {exc}") from None
+
+
 @pytest.fixture(scope="module")
 def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterator[Decommission]:
     """The Decommission of the current target (module scope: shared by the seven steps)."""

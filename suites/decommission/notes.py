@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pytest_gpuhost.modules.backup import Listing
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.modules.s3 import items_from_backup
+from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 from suites.decommission.state import DecommissionState
@@ -84,23 +85,32 @@ class NotesSteps(DecommissionState):
                 continue
             seen.add(key)
             gpus = f" on {', '.join(p['gpus'])}" if p.get("gpus") else ""
-            lines.append(f"- PID {p['pid']} ({p['why']}){gpus}: `{p['cmdline']}`")
+            lines.append(f"- PID {p['pid']} ({p['why']}){gpus}: `{printable(redact(str(p['cmdline'])))}`")
         if not seen:
             lines.append("- nothing selected by the manifest was running")
         lines += [
             "",
             "## What was backed up",
             "",
-            "| category | files | links | bytes | destinations |",
-            "|---|---|---|---|---|",
+            "| category | files | links | bytes | allocated on the node | destinations |",
+            "|---|---|---|---|---|---|",
         ]
         totals = listing.totals()
         for cat in self.manifest.categories:
-            t = totals.get(cat.name, {"files": 0, "links": 0, "bytes": 0})
+            t = totals.get(cat.name, {"files": 0, "links": 0, "bytes": 0, "allocated": 0})
             where = f"{self.dest / cat.name}"
             if cat.s3 and self.s3 is not None:
                 where += f", {self.s3.url}/{cat.name}"
-            lines.append(f"| {cat.name} | {t['files']} | {t['links']} | {t['bytes']} | {where} |")
+            lines.append(
+                f"| {cat.name} | {t['files']} | {t['links']} | {t['bytes']} | {t.get('allocated', 0)} | {where} |"
+            )
+        missing = self.backup.verify(listing)
+        if missing:
+            # The verdict fails on each of these; NOTES.md names them too (nothing dropped silently).
+            lines += ["", f"## Not verified ({len(missing)})", ""]
+            lines += [f"- `{printable(p)}`: {printable(why)}" for p, why in missing[:200]]
+            if len(missing) > 200:
+                lines.append(f"- ... and {len(missing) - 200} more (see the safe-to-terminate step)")
         sums = self.dest / "SHA256SUMS"
         digest = hashlib.sha256(sums.read_bytes()).hexdigest() if sums.exists() else "(not written)"
         lines += [

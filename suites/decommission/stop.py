@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from pytest_gpuhost.modules.process import Proc, ProcessTable, stop_processes
+from pytest_gpuhost.redact import redact_obj
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 from suites.decommission.state import APPS_QUERY, GPU_QUERY, DecommissionState, csv_rows, mb
@@ -64,7 +65,8 @@ class StopSteps(DecommissionState):
         def fix(actions: list[Action], before: Check) -> None:
             with open(self.meta / "stopped.jsonl", "a") as f:
                 for p, why in chosen:
-                    f.write(json.dumps(dict(p.record(), why=why, t=time.time())) + "\n")
+                    # the stop log keeps command lines: redacted like every other artefact
+                    f.write(json.dumps(redact_obj(dict(p.record(), why=why, t=time.time()))) + "\n")
             units = sorted({p.unit for p, why in chosen if why.startswith("unit ") and p.unit})
             self.event(f"stopping {len(chosen)} processes: " + ", ".join(str(p.pid) for p, _ in chosen))
             res = stop_processes(
