@@ -33,6 +33,9 @@ case "$1" in
   --query-gpu=*clocks_throttle_reasons.active*)
     if [ -n "$NO_THROTTLE_FIELD" ]; then echo 'Field "clocks_throttle_reasons.active" is not a valid field to query.'; exit 2; fi
     cat "$FAKE/csv" ;;
+  --query-gpu=*clocks_event_reasons.active*)
+    if [ -n "$NO_EVENT_FIELD" ]; then echo 'Field "clocks_event_reasons.active" is not a valid field to query.'; exit 2; fi
+    cat "$FAKE/csv" ;;
   --query-gpu=*) sed 's/, 0x0000000000000001//; s/, 0x0000000000000000//' "$FAKE/csv" ;;
   nvlink) cat "$FAKE/nvlink" ;;
   topo) cat "$FAKE/topo" ;;
@@ -96,6 +99,7 @@ def test_probe_parses_the_tools_and_keeps_a_kernel_log_cursor(fake_host: Path) -
             g1["clocks_throttle_reasons.active"],
         ) == (0, 8, 1)
         assert g1["retired_pages.pending"] is None and g1["ecc.errors.corrected.volatile.total"] == 3
+        assert "cell_errors" not in g1  # [N/A]: no value, not an error
         assert f["smi"]["cuda_version"] == "12.8" and f["smi"]["driver_version"] == "570.133.07"
         assert f["nvlink"]["gpus"]["0"]["links"]["1"] == {"up": False, "gbps": None, "text": "<inactive>"}
         assert f["p2p"]["labels"] == ["GPU0", "GPU1"] and f["p2p"]["matrix"] == [["X", "NS"], ["NS", "X"]]
@@ -138,12 +142,53 @@ def test_probe_drops_a_field_the_driver_does_not_know_in_the_same_request(
         before = conn.round_trips
         f = _facts(conn, fake_host, parts=["gpus"])
         assert conn.round_trips - before == 1
-        assert f["gpus"]["dropped"] == ["clocks_throttle_reasons.active"]
+        # A newer driver: the field's new name is asked for in its place, and read.
+        assert f["gpus"]["dropped"] == []
+        assert f["gpus"]["renamed"] == {"clocks_throttle_reasons.active": "clocks_event_reasons.active"}
+        assert f["gpus"]["gpus"][1]["clocks_throttle_reasons.active"] == 1
         assert f["gpus"]["gpus"][1]["pcie.link.width.current"] == 8
-        assert "clocks_throttle_reasons.active" not in f["gpus"]["gpus"][0]
         assert set(f) >= {"gpus", "commands", "time"} and "kernel_log" not in f
     finally:
         conn.close()
+    # A driver that knows neither name: dropped, both, still in one request.
+    monkeypatch.setenv("NO_EVENT_FIELD", "1")  # the agent started after this sees it
+    conn = open_connection(parse_host_url("local://"))
+    try:
+        before = conn.round_trips
+        f = _facts(conn, fake_host, parts=["gpus"])
+        assert conn.round_trips - before == 1
+        assert f["gpus"]["dropped"] == ["clocks_event_reasons.active", "clocks_throttle_reasons.active"]
+        assert f["gpus"]["renamed"] == {}
+        assert f["gpus"]["gpus"][1]["pcie.link.width.current"] == 8
+        assert "clocks_throttle_reasons.active" not in f["gpus"]["gpus"][0]
+    finally:
+        conn.close()
+
+
+def test_probe_keeps_the_nvml_error_a_cell_prints(fake_host: Path) -> None:
+    """A GPU that needs a reset: nvidia-smi prints the NVML error string in brackets in its cells."""
+    reset = "[GPU requires reset]"
+    row = (
+        f"2, 00000000:3a:00.0, NVIDIA RTX PRO 6000 Blackwell Server Edition, GPU-cccc, 570.133.07, Enabled, "
+        f"{reset}, {reset}, {reset}, [N/A], {reset}, {reset}, 5, 5, 16, 16\n"
+    )
+    (fake_host / "csv").write_text(CSV + row)
+    conn = open_connection(parse_host_url("local://"))
+    try:
+        g = _facts(conn, fake_host, parts=["gpus"])["gpus"]["gpus"][2]
+    finally:
+        conn.close()
+    assert g["temperature.gpu"] is None
+    assert g["cell_errors"] == {
+        f: "GPU requires reset"
+        for f in (
+            "temperature.gpu",
+            "ecc.errors.uncorrected.volatile.total",
+            "ecc.errors.corrected.volatile.total",
+            "remapped_rows.failure",
+            "clocks_throttle_reasons.active",
+        )
+    }
 
 
 def test_probe_samples_a_part_several_times_in_one_request(fake_host: Path) -> None:
@@ -179,7 +224,8 @@ def test_cuda_version_is_cached_per_driver_version(fake_host: Path) -> None:
             second["smi"]["cuda_version"] == "12.8"
             and second["smi"]["cached"]["driver_version"] == "570.133.07"
         )
-        assert health_facts.commit_state(second)["cuda"] == cursor["cuda"]  # carried into the next commit
+        carried = health_facts.commit_state(second)
+        assert carried is not None and carried["cuda"] == cursor["cuda"]  # carried into the next commit
         # a new driver: the header is read again and reports the new CUDA version
         (fake_host / "csv").write_text(CSV.replace("570.133.07", "575.51.03"))
         (fake_host / "header").write_text(
@@ -188,7 +234,8 @@ def test_cuda_version_is_cached_per_driver_version(fake_host: Path) -> None:
         third = _facts(conn, fake_host)
         assert header_runs(third) == 1 and "cached" not in third["smi"]
         assert third["smi"]["cuda_version"] == "12.9"
-        assert health_facts.commit_state(third)["cuda"]["driver_version"] == "575.51.03"
+        committed = health_facts.commit_state(third)
+        assert committed is not None and committed["cuda"]["driver_version"] == "575.51.03"
     finally:
         conn.close()
 

@@ -148,7 +148,7 @@ def test_gpu_count_and_model() -> None:
 def test_gpu_count_without_inventory_is_the_nvidia_gpus_on_the_pci_bus() -> None:
     """7 of 8 is caught without gpu_count: the bus has the GPU whose nvidia probe failed."""
     facts = healthy()
-    on_bus = {b: {"class": "0x030200", "driver": "nvidia"} for b in BDFS}
+    on_bus: dict[str, dict[str, str | None]] = {b: {"class": "0x030200", "driver": "nvidia"} for b in BDFS}
     facts["pci"]["on_bus"] = on_bus
     t = hm.Thresholds.from_vars({})
     v = hm.evaluate("gpu_count", facts, t)
@@ -384,3 +384,50 @@ def test_service_and_health_endpoint() -> None:
 def test_unknown_check_is_an_error() -> None:
     with pytest.raises(KeyError, match="unknown health check 'nope'"):
         hm.evaluate("nope", healthy(), hm.Thresholds.from_vars({}))
+
+
+def test_a_gpu_that_requires_reset_fails_by_index_and_na_is_no_value() -> None:
+    """nvidia-smi's bracketed NVML errors are read as what they are, not as N/A."""
+    facts = healthy()
+    g = facts["gpus"]["gpus"][2]
+    for f in ("temperature.gpu", "ecc.errors.uncorrected.volatile.total", "clocks_throttle_reasons.active"):
+        g[f] = None
+    g["cell_errors"] = {
+        "temperature.gpu": "GPU requires reset",
+        "ecc.errors.uncorrected.volatile.total": "GPU requires reset",
+        "clocks_throttle_reasons.active": "GPU requires reset",
+    }
+    v = judge("gpu_count", facts)
+    assert not v.ok and v.reasons == [
+        "GPU 2 (0000:3a:00.0): nvidia-smi prints [GPU requires reset] for clocks_throttle_reasons.active, "
+        "ecc.errors.uncorrected.volatile.total, temperature.gpu"
+    ]
+    assert v.state["down"] == {"0000:3a:00.0": "GPU requires reset"}
+    assert judge("ecc", facts).reasons == [
+        "GPU 2 (0000:3a:00.0): ecc.errors.uncorrected.volatile.total [GPU requires reset]"
+    ]
+    assert judge("temperature", facts).reasons == ["GPU 2 (0000:3a:00.0): temperature [GPU requires reset]"]
+    assert judge("throttle", facts).reasons == ["GPU 2 (0000:3a:00.0): throttle reasons [GPU requires reset]"]
+    # Every GPU unreadable still fails (it used to skip as "not supported").
+    for h in facts["gpus"]["gpus"]:
+        h["ecc.errors.uncorrected.volatile.total"] = None
+        h["cell_errors"] = {"ecc.errors.uncorrected.volatile.total": "Unknown Error"}
+    assert not judge("ecc", facts).ok
+    # [N/A] is no value: the probe records no error for it, and the check skips with its reason.
+    assert judge("retired_pages", healthy()).skip
+
+
+def test_a_field_the_driver_does_not_know_is_said_not_passed() -> None:
+    facts = healthy()
+    facts["gpus"]["dropped"] = ["clocks_throttle_reasons.active"]
+    for g in facts["gpus"]["gpus"]:
+        del g["clocks_throttle_reasons.active"]
+    v = judge("throttle", facts)
+    assert v.skip and "does not know the field clocks_throttle_reasons.active" in v.skip
+    facts = healthy()
+    facts["gpus"]["renamed"] = {"clocks_throttle_reasons.active": "clocks_event_reasons.active"}
+    facts["gpus"]["gpus"][1]["clocks_throttle_reasons.active"] = 0x40
+    v = judge("throttle", facts)
+    assert not v.ok and v.state["field"] == "clocks_event_reasons.active"
+    facts["gpus"]["dropped"] = ["ecc.errors.uncorrected.volatile.total"]
+    assert "does not know the field ecc.errors.uncorrected" in (judge("ecc", facts).skip or "")

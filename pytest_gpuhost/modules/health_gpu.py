@@ -15,13 +15,19 @@ from pytest_gpuhost.modules.health_thresholds import Thresholds
 from pytest_gpuhost.modules.health_verdict import (
     Facts,
     Verdict,
+    cell_error,
     facts_gpus,
     facts_part,
     failed,
+    field_gone,
+    field_source,
     gpu_label,
     median,
     skipped,
 )
+
+# NVML errors (nvmlErrorString) that say the GPU itself is unusable until it is reset or the host rebooted.
+GPU_DOWN_ERRORS = ("GPU requires reset", "GPU is lost")
 
 _THROTTLE_BITS = (
     (0x1, "gpu_idle"),
@@ -85,6 +91,15 @@ def check_gpu_count(facts: Facts, t: Thresholds) -> Verdict:
     state["expected"] = want
     state["expected_from"] = source
     desc = f"{len(gpus)} GPUs" + (f" ({', '.join(models)})" if gpus else "")
+    down = {}
+    for g in gpus:
+        errs = g.get("cell_errors") or {}
+        bad = sorted(f for f, e in errs.items() if e in GPU_DOWN_ERRORS)
+        if bad:
+            down[str(g.get("bdf"))] = errs[bad[0]]
+            reasons.append(f"{gpu_label(g)}: nvidia-smi prints [{errs[bad[0]]}] for {', '.join(bad)}")
+    if down:
+        state["down"] = down
     if not gpus and not reasons and t["gpu_count"] is None:
         reasons.append("nvidia-smi sees no GPU")
     if reasons:
@@ -171,11 +186,14 @@ def _per_gpu_counter(
     gpus, err = facts_gpus(facts)
     if err:
         return failed(check, f"nvidia-smi failed: {err}", [err]), [], {}
+    gone = field_gone(facts, field_name)
+    if gone and na_skip:
+        return skipped(check, gone), [], {}
     values = {str(g.get("bdf")): g.get(field_name) for g in gpus}
     known = {k: v for k, v in values.items() if isinstance(v, int | float)}
-    if gpus and not known:
+    reasons = [f"{gpu_label(g)}: {field_name} [{e}]" for g in gpus if (e := cell_error(g, field_name))]
+    if gpus and not known and not reasons:
         return skipped(check, na_skip), [], {}
-    reasons = []
     if limit is not None:
         for g in gpus:
             v = g.get(field_name)
@@ -257,19 +275,29 @@ def check_throttle(facts: Facts, t: Thresholds) -> Verdict:
     gpus, err = facts_gpus(facts)
     if err:
         return failed("throttle", f"nvidia-smi failed: {err}", [err])
+    gone = field_gone(facts, "clocks_throttle_reasons.active")
+    if gone:
+        return skipped("throttle", gone)
     fail_mask = int(t["throttle_fail_mask"])
     reasons = []
     masks = {}
     for g in gpus:
         v = g.get("clocks_throttle_reasons.active")
+        e = cell_error(g, "clocks_throttle_reasons.active")
+        if e:
+            reasons.append(f"{gpu_label(g)}: throttle reasons [{e}]")
         if not isinstance(v, int):
             continue
         masks[str(g.get("bdf"))] = f"0x{v:016x}"
         bad = v & fail_mask
         if bad:
             reasons.append(f"{gpu_label(g)}: throttled by {', '.join(throttle_reason_names(bad))} (0x{v:x})")
-    state = {"reasons": masks, "fail_mask": f"0x{fail_mask:x}"}
-    if not masks:
+    state = {
+        "reasons": masks,
+        "fail_mask": f"0x{fail_mask:x}",
+        "field": field_source(facts, "clocks_throttle_reasons.active"),
+    }
+    if not masks and not reasons:
         return skipped("throttle", "GPUs do not report throttle reasons")
     if reasons:
         return failed("throttle", f"{len(reasons)} GPU(s) throttled", reasons, state=state)
@@ -293,8 +321,13 @@ def check_temperature(facts: Facts, t: Thresholds, samples: Sequence[Facts] | No
             v = g.get("temperature.gpu")
             if isinstance(v, int | float) and str(g.get("bdf")) in readings:
                 readings[str(g.get("bdf"))].append(float(v))
+    broken = [f"{gpu_label(g)}: temperature [{e}]" for g in gpus if (e := cell_error(g, "temperature.gpu"))]
+    if broken:
+        return failed("temperature", broken[0], broken, state={"readings": readings})
     if not readings:
-        return skipped("temperature", "GPUs do not report a temperature")
+        return skipped(
+            "temperature", field_gone(facts, "temperature.gpu") or "GPUs do not report a temperature"
+        )
     near = [b for b, r in readings.items() if abs(r[0] - limit) <= band]
     decided = {b: (median(r) if samples else r[0]) for b, r in readings.items()}
     hot = sorted(b for b, v in decided.items() if v > limit)

@@ -14,9 +14,12 @@ from typing import Any
 __all__ = [
     "Facts",
     "Verdict",
+    "cell_error",
     "facts_gpus",
     "facts_part",
     "failed",
+    "field_gone",
+    "field_source",
     "gpu_label",
     "int_or_none",
     "median",
@@ -96,3 +99,29 @@ def int_or_none(v: Any) -> int | None:
 def median(values: Sequence[float]) -> float:
     """Return the median of the readings of a measurement."""
     return float(statistics.median(values))
+
+
+def cell_error(g: Mapping[str, Any], name: str) -> str | None:
+    """Return the NVML error nvidia-smi printed in a GPU's cell (``[GPU requires reset]``), or None.
+
+    ``N/A`` and ``[N/A]``/``[Not Supported]`` are no value, not an error: the probe leaves them out.
+    """
+    errors = g.get("cell_errors")
+    if isinstance(errors, Mapping) and errors.get(name):
+        return str(errors[name])
+    return None
+
+
+def field_gone(facts: Facts, name: str) -> str | None:
+    """Return why nvidia-smi gave no `name` field at all on this host, None when it did."""
+    part = facts.get("gpus")
+    if isinstance(part, Mapping) and name in (part.get("dropped") or []):
+        return f"this driver's nvidia-smi does not know the field {name} (nor another name for it)"
+    return None
+
+
+def field_source(facts: Facts, name: str) -> str:
+    """Return the --query-gpu field `name` was read as (its new name on a driver that renamed it)."""
+    part = facts.get("gpus")
+    renamed = part.get("renamed") if isinstance(part, Mapping) else None
+    return str(renamed[name]) if isinstance(renamed, Mapping) and name in renamed else name

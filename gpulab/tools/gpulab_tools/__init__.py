@@ -176,11 +176,29 @@ class GpuView:
         return lk
 
 
+def load_faults() -> dict[str, Any]:
+    """Return the faults a test injected into this host (``/var/lib/gpulab/faults.json``), or {}.
+
+    Keys: ``unknown_fields`` (``--query-gpu`` fields this driver's nvidia-smi does not know, as a
+    driver that renamed them: R535 renamed ``clocks_throttle_reasons.*`` to ``clocks_event_reasons.*``)
+    and ``gpus: {BDF: {"nvml_error": "GPU requires reset"}}`` (the GPU's state cells print that NVML
+    error in brackets, as nvidia-smi prints nvmlErrorString for a GPU in an error state). Written by
+    tests over SSH; a runtime fault, not part of the profile.
+    """
+    try:
+        with open(path("var/lib/gpulab/faults.json")) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 class Host:
     """The lab host as nvidia-smi and nvbandwidth find it."""
 
     def __init__(self) -> None:
         self.profile = load_profile()
+        self.faults = load_faults()
         self.funcs = {f["bdf"]: f for f in self.profile.get("pci", [])}
         self.default_domain = str(self.profile.get("default_domain", "DMA-FQ"))
         self.driver_version = str(self.profile.get("driver_version", "570.133.07"))

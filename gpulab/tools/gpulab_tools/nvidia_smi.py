@@ -61,14 +61,30 @@ def _yesno(v: object) -> str:
 _FIELDS: dict[int, dict[str, tuple[str, str]]] = {}
 
 
+# Fields a GPU in an NVML error state still answers (from the PCI and the driver, not the GPU).
+_IDENTITY = {
+    "timestamp", "driver_version", "count", "index", "name", "gpu_name", "serial", "gpu_serial", "uuid",
+    "gpu_uuid", "pci.bus_id", "gpu_bus_id", "pci.domain", "pci.bus", "pci.device", "pci.device_id",
+    "pci.sub_device_id", "persistence_mode", "minor_number", "vbios_version",
+}  # fmt: skip
+
+
 def gpu_field(host: Host, g: GpuView, name: str) -> tuple[str, str] | None:
     """Return (value, unit) for a --query-gpu field, None when unknown."""
+    if name in host.faults.get("unknown_fields", ()):
+        return None
     # One table per GPU and run, as the driver answers one sample: a query of 16 fields on 4 GPUs
     # built it 80 times (half of this tool's own CPU time).
     fields = _FIELDS.get(id(g))
     if fields is None:
         fields = _FIELDS[id(g)] = _gpu_fields(host, g)
-    return fields.get(name)
+    got = fields.get(name)
+    err = (host.faults.get("gpus") or {}).get(g.bdf, {}).get("nvml_error")
+    if got is not None and err and name not in _IDENTITY:
+        # nvidia-smi prints the NVML error string in brackets where the GPU could not answer
+        # (nvmlErrorString(NVML_ERROR_RESET_REQUIRED) is "GPU requires reset"; nvml.h)
+        return f"[{err}]", got[1]
+    return got
 
 
 def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:

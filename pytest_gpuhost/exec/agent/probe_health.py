@@ -44,6 +44,12 @@ SYSFS_LINK = (
     ("max_speed", "max_link_speed"),
     ("max_width", "max_link_width"),
 )
+# A field a driver renamed: its new name, asked for in its place (R535 renamed clocks_throttle_reasons.*
+# to clocks_event_reasons.*; `nvidia-smi --help-query-gpu` of either driver lists its own name).
+FIELD_RENAMED = {"clocks_throttle_reasons.active": "clocks_event_reasons.active"}
+# nvidia-smi prints an NVML error in brackets in a cell (nvmlErrorString: "GPU requires reset",
+# "GPU is lost", "Unknown Error", ...). These two mean "no value here", not "the GPU is in trouble".
+NO_VALUE = ("N/A", "Not Supported")
 _BAD_FIELD = re.compile(r'Field "([^"]+)" is not a valid field to query')
 _BUS_ID = re.compile(r"^([0-9a-f]+):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
 _KEEP = 8192  # bytes of each command's output kept in the evidence
@@ -106,18 +112,29 @@ def part_gpus(params, record):
     timeout = float(params.get("timeout", 20))
     fields = list(params.get("query_fields") or QUERY_FIELDS)
     dropped = []
-    for _ in range(len(fields)):
+    renamed = {}  # type: dict
+    for _ in range(2 * len(fields)):
         res = _cmd(
             ["nvidia-smi", "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"],
             timeout,
             record,
         )
         bad = _BAD_FIELD.search(res.get("stdout", "") + res.get("stderr", ""))
-        if res["rc"] != 0 and bad and bad.group(1) in fields and bad.group(1) not in ("index", "pci.bus_id"):
-            # Older or newer drivers lack some fields (clocks_throttle_reasons became
-            # clocks_event_reasons): drop the field and ask again, still in this request.
-            fields.remove(bad.group(1))
-            dropped.append(bad.group(1))
+        name = bad.group(1) if bad else ""
+        if res["rc"] != 0 and name in fields and name not in ("index", "pci.bus_id"):
+            # Older or newer drivers lack some fields: ask for the field's other name, or drop
+            # it, and ask again, still in this request; the verdicts say which (never a silent skip).
+            new = FIELD_RENAMED.get(name)
+            if new and new not in fields and new not in dropped:
+                fields[fields.index(name)] = new
+                renamed[name] = new
+            else:
+                fields.remove(name)
+                dropped.append(name)
+                for old, other in list(renamed.items()):
+                    if other == name:
+                        del renamed[old]
+                        dropped.append(old)
             continue
         break
     if res["rc"] != 0:
@@ -126,16 +143,23 @@ def part_gpus(params, record):
             "error": _cmd_error(res, "nvidia-smi --query-gpu"),
             "gpus": [],
             "dropped": dropped,
+            "renamed": renamed,
         }
+    back = {new: old for old, new in renamed.items()}
     gpus = []
     for line in res["stdout"].splitlines():
         if not line.strip():
             continue
-        raw = dict(zip(fields, [c.strip() for c in line.split(",")]))
+        raw = dict(zip([back.get(f, f) for f in fields], [c.strip() for c in line.split(",")]))
         row = {"raw": raw, "bdf": short_bdf(raw.get("pci.bus_id", ""))}  # type: dict
+        errors = {}
         for key, cell in raw.items():
             if key not in TEXT_FIELDS:
                 row[key] = csv_cell(cell)
+            if cell.startswith("[") and cell.endswith("]") and cell[1:-1] not in NO_VALUE:
+                errors[key] = cell[1:-1]  # an NVML error for this GPU: the checks judge it
+        if errors:
+            row["cell_errors"] = errors
         for key in ("name", "uuid", "driver_version"):
             row[key] = raw.get(key)
         if not all(isinstance(row.get(f), int) for f in LINK_FIELDS):
@@ -143,7 +167,7 @@ def part_gpus(params, record):
             base = "/sys/bus/pci/devices/" + row["bdf"]
             row["sysfs_link"] = {key: read_str(base + "/" + name) for key, name in SYSFS_LINK}
         gpus.append(row)
-    return {"ok": True, "gpus": gpus, "dropped": dropped}
+    return {"ok": True, "gpus": gpus, "dropped": dropped, "renamed": renamed}
 
 
 def _cached_cuda(params, driver):
