@@ -12,7 +12,13 @@ from typing import Any
 from pytest_gpuhost.modules.iommu import IommuGroup
 from pytest_gpuhost.modules.pci import PciFunction
 
-__all__ = ["GpuInfo", "Holder", "inventory", "from_facts"]
+__all__ = ["MODULE_FILES", "GpuInfo", "Holder", "from_facts", "inventory", "kernel_holders", "parse_holders"]
+
+MODESET = "/sys/module/nvidia_drm/parameters/modeset"
+FBDEV = "/sys/module/nvidia_drm/parameters/fbdev"
+DRM_REFCNT = "/sys/module/nvidia_drm/refcnt"
+UVM_REFCNT = "/sys/module/nvidia_uvm/refcnt"
+MODULE_FILES = (MODESET, FBDEV, DRM_REFCNT, UVM_REFCNT)
 
 
 @dataclass
@@ -66,7 +72,8 @@ class GpuInfo:
         return None if self.minor is None else f"/dev/nvidia{self.minor}"
 
 
-def _holders(raw: Any) -> list[Holder]:
+def parse_holders(raw: Any) -> list[Holder]:
+    """Holders from the agent's `gpu_holders` fact (empty when it failed)."""
     if not isinstance(raw, list):
         return []
     return [
@@ -85,7 +92,7 @@ def from_facts(gpus_fact: Any, holders_fact: Any = None) -> list[GpuInfo]:
     """Build GpuInfo objects from the agent's `gpus` and `gpu_holders` facts."""
     if isinstance(gpus_fact, dict) and "error" in gpus_fact:
         raise RuntimeError(f"gpus fact failed on the target: {gpus_fact['error']}")
-    holders = _holders(holders_fact)
+    holders = parse_holders(holders_fact)
     out: list[GpuInfo] = []
     for entry in gpus_fact or []:
         fn = PciFunction.from_fact(entry)
@@ -103,3 +110,32 @@ def inventory(target: Any) -> list[GpuInfo]:
     """Return the target's NVIDIA GPUs, read in one round trip."""
     facts = target.conn.facts("gpus", "gpu_holders")
     return from_facts(facts.get("gpus"), facts.get("gpu_holders"))
+
+
+def _count(text: str | None) -> int:
+    try:
+        return int((text or "").strip() or 0)
+    except ValueError:
+        return 0
+
+
+def kernel_holders(files: dict[str, str | None], held: set[str]) -> list[str]:
+    """Kernel-side users of the GPUs that no /proc/*/fd scan shows; each makes an nvidia unbind wait forever.
+
+    `files` maps MODULE_FILES to their text (None when absent: module not loaded); `held` is every
+    device file some process has open. nv_pci_remove (open-gpu-kernel-modules kernel-open/nvidia/
+    nv-pci.c) waits, holding the device lock, until the GPU's usage count drops; nvidia-drm with
+    modeset=1 (and its fbdev client) and nvidia-uvm take it without an open file (NVIDIA
+    open-gpu-kernel-modules issues #1119, #1374).
+    """
+    out = []
+    drm = _count(files.get(DRM_REFCNT))
+    if drm > 0 and not any(f.startswith("/dev/dri/") for f in held):
+        modes = ", ".join(
+            f"{p.rsplit('/', 1)[-1]}={(files.get(p) or '').strip()}" for p in (MODESET, FBDEV) if files.get(p)
+        )
+        out.append(f"nvidia_drm is in use by the kernel (refcnt {drm}{'; ' + modes if modes else ''})")
+    uvm = _count(files.get(UVM_REFCNT))
+    if uvm > 0 and "/dev/nvidia-uvm" not in held:
+        out.append(f"nvidia_uvm is in use by the kernel (refcnt {uvm}, no process has /dev/nvidia-uvm open)")
+    return out

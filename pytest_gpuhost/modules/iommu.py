@@ -20,7 +20,11 @@ __all__ = [
     "GROUPS",
     "IommuError",
     "IommuGroup",
+    "SNP_PARAM",
+    "SnpFacts",
     "kernel_version",
+    "snp_facts",
+    "snp_refusal",
     "set_type",
     "type_command",
     "type_path",
@@ -28,6 +32,8 @@ __all__ = [
 
 GROUPS = "/sys/kernel/iommu_groups"
 WRITABLE = ("DMA", "DMA-FQ", "identity", "auto")
+SNP_PARAM = "/sys/module/kvm_amd/parameters/sev_snp"  # KVM SNP host support (6.11+): Y when SNP is up
+SNP_LINE = "AMD-Vi: IOMMU SNP support enabled"  # printed by iommu_snp_enable() whenever amd_iommu_snp_en
 
 
 class _Conn(Protocol):
@@ -100,6 +106,11 @@ def _explain(group: IommuGroup, value: str, code: int, kernel: str) -> str:
                 f"{len(group.members)} devices; boot with iommu=pt, or run kernel 6.4 or later"
             )
         return f"EINVAL: the kernel does not accept {value!r} for this group"
+    if code in (errno.ENODEV, errno.ENOMEM):
+        return (
+            f"{errno.errorcode[code]}: the IOMMU driver refused an identity domain for the group (kernel {kernel}; "
+            "an AMD IOMMU with SEV-SNP refuses it this way)"
+        )
     if code == errno.EACCES:
         return "EACCES: needs CAP_SYS_ADMIN and CAP_SYS_RAWIO: run as root (or --sudo)"
     if code == errno.ENOENT:
@@ -140,3 +151,83 @@ def set_type(conn: _Conn, group: IommuGroup, value: str, *, kernel: str, timeout
             errno.EIO, f"{conn.name}: group {group.number}: wrote {value!r} but it reads {now!r}"
         )
     return now
+
+
+@dataclass
+class SnpFacts:
+    """What a host shows about SEV-SNP on its IOMMU (from step 1's facts)."""
+
+    vendor: str | None  # "amd" / "intel" when the kernel log or sysfs says, else None
+    snp: bool  # the AMD IOMMU runs with SNP (amd_iommu_snp_en)
+    evidence: list[str] = field(default_factory=list)  # what was read, for the message
+    unknown: str | None = None  # why SNP could not be decided (kernel log unreadable), else None
+
+
+def _cmdline_pt(cmdline: str) -> bool:
+    return any(w in ("iommu=pt", "amd_iommu=pt") for w in (cmdline or "").split())
+
+
+def snp_facts(
+    cmdline: str, kernel_log: str | None, sev_snp: str | None, iommu_classes: list[str]
+) -> SnpFacts:
+    """Decide from the kernel log, /proc/cmdline, kvm_amd's sev_snp and /sys/class/iommu whether SNP is on.
+
+    `kernel_log` is None when it could not be read (dmesg needs root or kernel.dmesg_restrict=0).
+    `iommu=pt` turns SNP off (drivers/iommu/amd/init.c iommu_snp_enable(): "SNP: IOMMU disabled
+    or configured in passthrough mode, SNP cannot be supported"), so a host booted with it is not SNP.
+    """
+    names = [c.rsplit("/", 1)[-1] for c in iommu_classes]
+    vendor = None
+    if any(n.startswith("ivhd") for n in names) or (kernel_log and "AMD-Vi:" in kernel_log):
+        vendor = "amd"
+    elif any(n.startswith("dmar") for n in names) or (kernel_log and "DMAR:" in kernel_log):
+        vendor = "intel"
+    ev = []
+    if kernel_log and SNP_LINE in kernel_log:
+        ev.append(f"kernel log: '{SNP_LINE}.'")
+    param = (sev_snp or "").strip()
+    if param in ("Y", "1"):
+        vendor = vendor or "amd"
+        ev.append(f"{SNP_PARAM} = {param}")
+    if _cmdline_pt(cmdline):
+        return SnpFacts(vendor, False, ["/proc/cmdline has iommu=pt (SNP off)"])
+    unknown = None
+    if not ev and kernel_log is None and vendor != "intel":
+        unknown = "the kernel log could not be read and kvm_amd shows no sev_snp: SEV-SNP on the IOMMU not ruled out"
+    return SnpFacts(vendor, bool(ev), ev, unknown)
+
+
+def _snp_outcome(kernel: str) -> str:
+    """What `echo identity > type` does on an SNP-enabled AMD IOMMU in this kernel series (docs/LAB-SOURCES.md)."""
+    try:
+        v = kernel_version(kernel)
+    except ValueError:
+        return "the write is refused or, on 6.13-6.19, accepted and the GPU's DMA then fails"
+    if v >= (7, 0):
+        return "the write fails with EINVAL (commit ba17de98545d blocks identity domains under SNP)"
+    if v >= (6, 13):
+        return (
+            "the write is accepted (6.13's global identity domain, commit 4402f2627d30, skips the SNP check) "
+            "and the GPU's DMA then fails with ILLEGAL_DEV_TABLE_ENTRY: the GPU would be lost until reboot"
+        )
+    if v >= (6, 11):
+        return "the write fails with ENOMEM (the identity domain allocation is refused)"
+    return "the write fails with ENODEV (amd_iommu_domain_alloc() returns no identity domain)"
+
+
+def snp_refusal(facts: SnpFacts, kernel: str, groups: list[int]) -> str | None:
+    """The reason to refuse a change to identity on an SNP host, with the operator's options; None otherwise."""
+    if not facts.snp or not groups:
+        return None
+    nums = ", ".join(str(n) for n in groups)
+    return (
+        f"SEV-SNP is enabled on this host's AMD IOMMU ({'; '.join(facts.evidence)}): the kernel does not allow "
+        f"identity (passthrough) domains on an SNP-enabled IOMMU ('DTE[Mode]=0 is prohibited on SNP-enabled "
+        f"system', drivers/iommu/amd/iommu.c), so P2P cannot be restored by IOMMU group type here "
+        f"(groups {nums}). On kernel {kernel or 'unknown'} {_snp_outcome(kernel)}. Nothing was changed. "
+        "Options: (1) keep the SNP VM and move the inference GPUs to a host without SEV-SNP (costs a host move); "
+        "(2) accept NCCL's SHM transport on this host (host-staged copies: lower all-reduce bandwidth, "
+        "no change to the host); (3) turn SNP off for the whole host: disable SEV-SNP in the BIOS, or boot with "
+        "iommu=pt (iommu_snp_enable() in drivers/iommu/amd/init.c then refuses SNP host-wide): every SEV-SNP "
+        "VM on this host stops working, so neither is a fix for a host that must keep its SNP VM"
+    )

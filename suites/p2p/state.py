@@ -44,6 +44,13 @@ class P2POptions:
     log_paths: tuple[str, ...] = ()
 
 
+def _texts(reply: Any) -> dict[str, str | None]:
+    """Path -> text of a read_files reply (None for a file that could not be read)."""
+    if not isinstance(reply, dict):
+        return {}
+    return {p: (e.get("data") if isinstance(e, dict) else None) for p, e in reply.items()}
+
+
 class P2PState(Procedure):
     """State of one suites/p2p run against one target (the host, and the service's container)."""
 
@@ -70,25 +77,59 @@ class P2PState(Procedure):
         self.blocked: list[str] = []  # writes left blocked in the kernel (an nvidia unbind while held)
         self.topo: dict[tuple[str, str], str] = {}  # nvidia-smi topo -m link per GPU pair (NV#, PIX, ...)
         self.boot_record: dict[str, dict[str, Any]] = {}  # functions listed by the installed boot script
+        self.snp: iommu.SnpFacts | None = None  # SEV-SNP on the IOMMU, from step 1
+        self.module_files: dict[str, str | None] = {}  # nvidia_drm/nvidia_uvm files (kernel-side holders)
 
     # ------------------------------------------------------------------ facts and plan
 
     def read_facts(self, names: tuple[str, ...] = HOST_FACTS, **params: Any) -> dict[str, Any]:
         """Read host facts (all the procedure needs by default), the journal and the boot script in one round trip."""
-        replies = self.conn.batch(
-            [
-                {"op": "facts", "names": list(names), "params": params, "timeout": 60},
-                self.journal.read_request(),
-                {"op": "read_files", "paths": [persist.SCRIPT], "timeout": 5},
+        kernel_side = "host_info" in names  # step 1's read: what the kernel will refuse or block
+        requests = [
+            {"op": "facts", "names": list(names), "params": params, "timeout": 60},
+            self.journal.read_request(),
+            {"op": "read_files", "paths": [persist.SCRIPT], "timeout": 5},
+        ]
+        if kernel_side:
+            requests += [
+                {"op": "read_files", "paths": [iommu.SNP_PARAM, *gpu.MODULE_FILES], "timeout": 5},
+                {"op": "run", "argv": ["dmesg"], "timeout": 20, "max_output": 4 << 20},
+                {"op": "glob", "pattern": "/sys/class/iommu/*", "timeout": 5},
             ]
-        )
+        replies = self.conn.batch(requests)
         if isinstance(replies[0], Exception):
             raise replies[0]
         self.facts.update(replies[0])
         self.old_journal = Journal.parse(replies[1])
         script = replies[2].get(persist.SCRIPT, {}) if isinstance(replies[2], dict) else {}
         self.boot_record = persist.recorded_functions(script.get("data", "")) if "data" in script else {}
+        if kernel_side:
+            self._kernel_facts(*replies[3:6])
         return self.facts
+
+    def _kernel_facts(self, files: Any, dmesg: Any, classes: Any) -> None:
+        """Keep SEV-SNP and kernel-side holder facts from step 1's round trip."""
+        text = _texts(files)
+        self.module_files = {p: text.get(p) for p in gpu.MODULE_FILES}
+        log = dmesg.get("stdout") if isinstance(dmesg, dict) and dmesg.get("rc") == 0 else None
+        if log is None:
+            r = self.conn.run(["journalctl", "-k", "-b", "-o", "cat", "--no-pager"], timeout=30)
+            log = r.stdout if r.rc == 0 else None
+        found = classes if isinstance(classes, list) else None
+        cmdline = str((self.facts.get("host_info") or {}).get("cmdline") or "")
+        self.snp = iommu.snp_facts(cmdline, log, text.get(iommu.SNP_PARAM), list(found or []))
+        if self.snp.unknown:
+            evidence.current().note(self.snp.unknown)
+
+    def kernel_holders(self, held: set[str]) -> list[str]:
+        """Kernel-side holders of the GPUs (from the module files last read), given the files processes hold."""
+        return gpu.kernel_holders(self.module_files, held)
+
+    def read_module_files(self) -> None:
+        """Read the nvidia module files again (just before the first unbind)."""
+        self.module_files = _texts(
+            self.conn.call("read_files", paths=list(gpu.MODULE_FILES), reply_timeout=QUICK)
+        )
 
     def gpus(self) -> list[gpu.GpuInfo]:
         """GpuInfo from the last facts read."""
@@ -110,10 +151,26 @@ class P2PState(Procedure):
         if journal is None:
             journal = self._boot_record_journal(gpus)
         self.plan = make_plan(gpus, kernel=self.kernel(), selected=self.opts.gpus, journal=journal)
+        self.plan.errors.extend(self.kernel_refusals(self.plan))
         smi = self.facts.get("nvidia_smi_gpus") or {}
         names = [str((smi.get(b) or {}).get("name") or "") for b in self.plan.gpus]
         self.plan.model = names[0] if names else ""
         return self.plan
+
+    def kernel_refusals(self, plan: P2PPlan) -> list[str]:
+        """What the kernel will refuse or never finish, decided before anything is stopped or written."""
+        out = []
+        if self.snp is not None:
+            why = iommu.snp_refusal(self.snp, plan.kernel, plan.needs_identity)
+            if why:
+                out.append(why)
+        if plan.groups_to_fix:
+            held = {f for h in gpu.parse_holders(self.facts.get("gpu_holders")) for f in h.files}
+            for k in self.kernel_holders(held):
+                out.append(
+                    f"{k}: an nvidia unbind would wait in the kernel until reboot: needs a reboot path"
+                )
+        return out
 
     def _boot_record_journal(self, gpus: list[gpu.GpuInfo]) -> dict[str, Any] | None:
         """A journal-shaped record, from the installed boot script, of functions that lost their driver.

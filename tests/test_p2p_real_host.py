@@ -1,0 +1,95 @@
+"""suites/p2p on the lab's AMD EPYC SEV-SNP machine (issue 12, suite side), over real SSH.
+
+The AMD profile (`proxmox-epyc-snp`, docs/LAB-SOURCES.md) refuses or breaks identity domains per
+kernel series. The suite must refuse before it stops the service or writes anything, and, when a
+type write is refused anyway (its facts did not show SNP), roll back and restore the service.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_p2p_suite import NVIDIA, host_state, run_suite
+
+AMD = "proxmox-epyc-snp"
+GROUPS = [30, 31, 32, 33]
+
+
+def _touched(run: Any) -> list[dict[str, Any]]:
+    """Record lines that change the host: sysfs writes (type, unbind, bind) and signals."""
+    return [r for r in run.record if r.get("kind", "sysfs") in ("sysfs", "signal")]
+
+
+@pytest.fixture(scope="module")
+def snp(lab: Any) -> Any:
+    """The AMD SEV-SNP host at its default kernel (6.14: the write would be accepted, then DMA fails)."""
+    return lab.host(AMD)
+
+
+@pytest.mark.parametrize("check_only", [False, True], ids=["real", "check-only"])
+def test_snp_host_is_refused_before_anything_changes(snp: Any, tmp_path: Path, check_only: bool) -> None:
+    """`pytest suites/p2p` exits non-zero naming SEV-SNP and the real options; no write, unbind or signal."""
+    snp.reset()
+    run = run_suite(snp, tmp_path, *(["--check-only"] if check_only else []))
+    assert run.rc != 0
+    assert run.outcomes["test_plan"] == "failed", run.outcomes
+    out = run.output
+    assert "SEV-SNP is enabled on this host's AMD IOMMU" in out, out[-3000:]
+    assert "AMD-Vi: IOMMU SNP support enabled" in out
+    assert "accepted" in out and "ILLEGAL_DEV_TABLE_ENTRY" in out  # 6.14's behaviour named
+    for option in ("move the inference GPUs to a host without SEV-SNP", "SHM transport", "iommu=pt"):
+        assert option in out, option
+    assert "not a fix for a host that must keep its SNP VM" in out.replace("neither is a fix", "not a fix")
+    assert _touched(run) == [], run.record
+    st = host_state(snp)
+    assert st["service"] == "active"
+    assert [st["groups"][g] for g in GROUPS] == ["DMA-FQ"] * 4, st["groups"]
+
+
+def test_snp_on_6_8_names_enodev(lab: Any, tmp_path: Path) -> None:
+    """Kernel 6.8 (Proxmox VE 8): no kvm_amd sev_snp parameter yet; the AMD-Vi boot line decides; ENODEV named."""
+    from gpulab.profile import load_profile
+
+    host = lab.host(load_profile(AMD, {"kernel": "6.8.12-4-pve"}), name=f"snp68-{os.getpid()}")
+    run = run_suite(host, tmp_path)
+    assert run.rc != 0 and run.outcomes["test_plan"] == "failed", run.outcomes
+    assert "SEV-SNP is enabled" in run.output and "ENODEV" in run.output
+    assert _touched(run) == [], run.record
+    host.down()
+
+
+def test_refused_type_write_rolls_back_and_restores_the_service(lab: Any, tmp_path: Path) -> None:
+    """The SNP facts are gone (kernel log rotated, 6.8 has no kvm_amd sev_snp): the suite writes, the
+    kernel refuses (ENODEV); the run rebinds, restarts nvidia-persistenced and the service, and says so."""
+    from gpulab.profile import PROFILE_DIR, load_profile
+
+    import yaml
+
+    data = yaml.safe_load((PROFILE_DIR / f"{AMD}.yaml").read_text())
+    log = [x for x in data["kernel_log"] if "SNP" not in x["msg"]]
+    params = dict(data["module_params"], nvidia_drm={"modeset": False, "fbdev": False})
+    prof = load_profile(AMD, {"kernel": "6.8.12-4-pve", "kernel_log": log, "module_params": params})
+    host = lab.host(prof, name=f"snpfault-{os.getpid()}")
+    run = run_suite(host, tmp_path)
+    assert run.rc != 0
+    assert run.outcomes["test_plan"] == "fixed", run.outcomes
+    assert run.outcomes["test_iommu_groups_identity"] == "failed", run.outcomes
+    out = run.output
+    assert "ENODEV: the IOMMU driver refused an identity domain" in out, out[-3000:]
+    assert "rolling back" in out or "rolling back" in str(run.doc)
+    st = host_state(host)
+    assert all(st["drivers"][b] == "nvidia" for b in NVIDIA), st["drivers"]
+    assert all(st["drivers"][b[:-1] + "1"] == "snd_hda_intel" for b in NVIDIA), st["drivers"]
+    assert st["service"] == "active"
+    assert [st["groups"][g] for g in GROUPS] == ["DMA-FQ"] * 4, st["groups"]
+    assert host.ssh("systemctl is-active nvidia-persistenced.service").stdout.strip() == "active"
+    assert not [
+        r
+        for r in run.record
+        if r.get("kind") == "sysfs" and r.get("err") == 0 and r["path"].endswith("/type")
+    ]
+    host.down()
