@@ -65,9 +65,9 @@ def test_snp_on_6_8_names_enodev(lab: Any, tmp_path: Path) -> None:
 def test_refused_type_write_rolls_back_and_restores_the_service(lab: Any, tmp_path: Path) -> None:
     """The SNP facts are gone (kernel log rotated, 6.8 has no kvm_amd sev_snp): the suite writes, the
     kernel refuses (ENODEV); the run rebinds, restarts nvidia-persistenced and the service, and says so."""
-    from gpulab.profile import PROFILE_DIR, load_profile
-
     import yaml
+
+    from gpulab.profile import PROFILE_DIR, load_profile
 
     data = yaml.safe_load((PROFILE_DIR / f"{AMD}.yaml").read_text())
     log = [x for x in data["kernel_log"] if "SNP" not in x["msg"]]

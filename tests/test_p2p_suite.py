@@ -301,7 +301,8 @@ def pytest_gpuhost_before_fix(item, target, remediation, actions, check_only):
 
 def test_blocked_unbind_is_reported_rolled_back_and_completed_next_run(host: Any, tmp_path: Path) -> None:
     """A GPU user appears after the holders check: its nvidia unbind blocks; the run reports it within the
-    watchdog, rebinds what it unbound, restarts the service; once the user is gone the next run converges."""
+    watchdog, rebinds what it unbound, and starts NOTHING (issue 12 item 2: the pending removal would take
+    the GPU from under the service): "reboot needed"; once the user is gone the next run converges."""
     host.reset()
     holder_file = tmp_path / "holder.pid"
     env = {"P2P_HOST": host.name, "P2P_HOLDER_FILE": str(holder_file)}
@@ -315,7 +316,11 @@ def test_blocked_unbind_is_reported_rolled_back_and_completed_next_run(host: Any
     st = host_state(host)
     assert all(st["drivers"][b] == "nvidia" for b in NVIDIA), st["drivers"]  # nobody left without a driver
     assert all(st["drivers"][b[:-1] + "1"] == "snd_hda_intel" for b in NVIDIA), st["drivers"]
-    assert st["service"] == "active"
+    assert st["service"] != "active"  # never started while the unbind is pending
+    assert sh(host, "systemctl is-active nvidia-persistenced.service") != "active"
+    notes = "\n".join(run.tests["test_service_restored"]["evidence"]["teardown"]["notes"])
+    assert "reboot needed" in notes, notes
+    assert "start sglang-qwen.service: done" not in notes, notes
     assert_vfio_untouched(run)
     assert "p2p.json" in sh(host, "ls /var/lib/gpuhost/journal")  # kept for the next run
     host.ssh(f"kill {int(holder_file.read_text())}")

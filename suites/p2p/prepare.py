@@ -226,6 +226,18 @@ class PrepareSteps(P2PState):
 
     # ------------------------------------------------------------------ step 4: groups identity
 
+    def check_kernel_holders(self) -> None:
+        """Stop before the first unbind when the kernel itself holds the GPUs: that unbind would never finish."""
+        self.read_module_files()
+        raw = self.conn.facts("gpu_holders").get("gpu_holders")
+        held = {f for h in gpu.parse_holders(raw) for f in h.files}
+        found = self.kernel_holders(held)
+        if found:
+            raise ProcedureError(
+                "; ".join(found) + ": an nvidia unbind would wait in the kernel until reboot: needs a reboot "
+                "path (boot with nvidia_drm.modeset=0 and without the holder, then run again); nothing was unbound"
+            )
+
     def step_iommu_groups_identity(self) -> Step:
         """Step 4: every in-scope IOMMU group is identity (unbind its functions, write, read back)."""
 
@@ -243,6 +255,7 @@ class PrepareSteps(P2PState):
             self.changed = True
             self.push_rebind_undo()
             try:
+                self.check_kernel_holders()
                 for g in self.plan.groups:
                     if (before.state or {}).get("groups", {}).get(g.number) == "identity":
                         continue

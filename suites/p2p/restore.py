@@ -257,6 +257,7 @@ class RestoreSteps(P2PState):
                 raise ProcedureError(
                     f"{self.service.unit} is not running and this run did not stop it: not starting it"
                 )
+            self.refuse_start_while_blocked(self.service.unit)
             # the undos, run now in order: nvidia-persistenced, then the service
             if self.stopped_persistenced:
                 self.persistenced.start()

@@ -303,14 +303,28 @@ class P2PState(Procedure):
         if errors:
             raise ProcedureError("; ".join(errors))
 
+    def refuse_start_while_blocked(self, unit: str) -> None:
+        """Raise when an unbind is pending in the kernel: starting `unit` would hand the GPU to a removal.
+
+        The pending nv_pci_remove completes the moment the GPU's last user lets go, and takes the GPU
+        from under whatever was started on it; only a reboot ends it cleanly.
+        """
+        if self.blocked:
+            raise ProcedureError(
+                f"not started: {', '.join(self.blocked)} is still pending in the kernel and would take the GPU "
+                f"from under {unit} once it lets go: reboot needed"
+            )
+
     def _undo_persistenced(self) -> None:
         if self.stopped_persistenced:
+            self.refuse_start_while_blocked(self.persistenced.unit)
             self.persistenced.start()
             self.stopped_persistenced = False
             self.journal.write(persistenced_stopped=False)
 
     def _undo_service(self) -> None:
         if self.stopped_service:
+            self.refuse_start_while_blocked(self.service.unit)
             self.service.start()
             self.stopped_service = False
             self.journal.write(service_stopped=False)
@@ -345,7 +359,8 @@ class P2PState(Procedure):
         if not self.blocked:
             return []
         return [
-            f"{', '.join(self.blocked)} is still blocked in the kernel; the journal stays for the next run to complete"
+            f"{', '.join(self.blocked)} is still blocked in the kernel: reboot needed (nothing was started; "
+            "the journal stays for the run after the reboot to complete)"
         ]
 
     # ------------------------------------------------------------------ planned actions

@@ -1,0 +1,124 @@
+"""What the kernel will refuse or never finish, decided from step 1's facts (issue 12, suite side).
+
+Pure functions of pytest_gpuhost.modules.{iommu,gpu}; the lab tests in test_p2p_real_host.py run
+the suite end to end on the AMD SEV-SNP profile. Kernel-side holders are tested here because a lab
+host does not serve /sys/module at its real path yet (docs/LAB-SOURCES.md, "Changes the lab needs").
+"""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from pytest_gpuhost.modules import gpu, iommu
+from pytest_gpuhost.modules.iommu import IommuGroup, SnpFacts, snp_facts, snp_refusal
+from pytest_gpuhost.modules.pci import PciFunction
+
+SNP_LOG = (
+    "[    0.803311] AMD-Vi: IOMMU SNP support enabled.\n[    0.812345] AMD-Vi: Interrupt remapping enabled\n"
+)
+INTEL_LOG = "[    0.1] DMAR: IOMMU enabled\n"
+CMDLINE = "BOOT_IMAGE=/boot/vmlinuz root=/dev/mapper/pve-root ro quiet mem_encrypt=on"
+
+
+def test_snp_from_the_kernel_log_line() -> None:
+    f = snp_facts(CMDLINE, SNP_LOG, None, [])
+    assert f.vendor == "amd" and f.snp and f.unknown is None
+    assert "AMD-Vi: IOMMU SNP support enabled" in f.evidence[0]
+
+
+def test_snp_from_kvm_amd_when_the_log_rotated() -> None:
+    f = snp_facts(CMDLINE, "[ 9.1] nvidia: loading\n", "Y", ["/sys/class/iommu/ivhd0"])
+    assert f.snp and f.vendor == "amd"
+    assert f.evidence == [f"{iommu.SNP_PARAM} = Y"]
+
+
+def test_iommu_pt_means_snp_off() -> None:
+    """iommu_snp_enable() refuses SNP in passthrough mode: such a host is not SNP (and is identity anyway)."""
+    f = snp_facts(CMDLINE + " iommu=pt", SNP_LOG, None, [])
+    assert not f.snp
+    assert snp_refusal(f, "6.14.8-2-pve", [30]) is None
+
+
+def test_intel_and_amd_without_snp_are_not_refused() -> None:
+    assert not snp_facts(CMDLINE, INTEL_LOG, None, ["/sys/class/iommu/dmar0"]).snp
+    amd = snp_facts(CMDLINE, "[ 0.8] AMD-Vi: Interrupt remapping enabled\n", "N", ["/sys/class/iommu/ivhd0"])
+    assert amd.vendor == "amd" and not amd.snp and amd.unknown is None
+
+
+def test_unreadable_log_is_said_not_guessed() -> None:
+    f = snp_facts(CMDLINE, None, None, [])
+    assert not f.snp and f.unknown and "not ruled out" in f.unknown
+
+
+@pytest.mark.parametrize(
+    ("kernel", "named"),
+    [
+        ("6.8.12-4-pve", "ENODEV"),
+        ("6.11.0", "ENOMEM"),
+        ("6.14.8-2-pve", "ILLEGAL_DEV_TABLE_ENTRY"),
+        ("7.0.0", "EINVAL"),
+    ],
+)
+def test_refusal_names_the_series_behaviour_and_the_options(kernel: str, named: str) -> None:
+    why = snp_refusal(SnpFacts("amd", True, ["kernel log: x"]), kernel, [30, 31])
+    assert why is not None
+    assert "SEV-SNP" in why and named in why and "groups 30, 31" in why
+    assert "host without SEV-SNP" in why and "SHM transport" in why
+    assert "iommu=pt" in why and "must keep its SNP VM" in why
+    assert "Nothing was changed" in why
+
+
+def test_no_refusal_without_a_group_to_change() -> None:
+    assert snp_refusal(SnpFacts("amd", True, ["x"]), "6.14.0", []) is None
+
+
+@pytest.mark.parametrize("code", [errno.ENODEV, errno.ENOMEM])
+def test_refused_write_errno_is_explained(code: int) -> None:
+    """A write refused anyway (SNP not visible in the facts) says what the errno means on an SNP IOMMU."""
+
+    class Result:
+        ok = False
+        timed_out = False
+        errno = code
+
+    class Conn:
+        name = "h"
+
+        def write_file(
+            self, path: str, data: str, *, timeout: float | None = None, mode: str = "w"
+        ) -> Result:
+            return Result()
+
+        def call(self, op: str, **params: object) -> dict[str, object]:
+            raise AssertionError("no read-back after a refused write")
+
+    group = IommuGroup(30, "DMA-FQ", [PciFunction(bdf="0000:17:00.0", driver=None)])
+    with pytest.raises(iommu.IommuError) as exc:
+        iommu.set_type(Conn(), group, "identity", kernel="6.8.12-4-pve")
+    assert exc.value.errno == code
+    assert "refused an identity domain" in str(exc.value) and "SEV-SNP" in str(exc.value)
+
+
+def _files(drm: str | None = None, uvm: str | None = None, modeset: str = "Y") -> dict[str, str | None]:
+    return {gpu.MODESET: modeset, gpu.FBDEV: "Y", gpu.DRM_REFCNT: drm, gpu.UVM_REFCNT: uvm}
+
+
+def test_modeset_fbdev_holds_the_gpu_without_an_open_file() -> None:
+    found = gpu.kernel_holders(_files(drm="1", uvm="0"), set())
+    assert len(found) == 1 and "nvidia_drm" in found[0] and "refcnt 1" in found[0] and "modeset=Y" in found[0]
+
+
+def test_uvm_held_by_the_kernel_versus_by_a_process() -> None:
+    assert gpu.kernel_holders(_files(drm="0", uvm="2"), {"/dev/nvidia-uvm"}) == []
+    found = gpu.kernel_holders(_files(drm="0", uvm="2"), {"/dev/nvidia0"})
+    assert len(found) == 1 and "nvidia_uvm" in found[0]
+
+
+def test_no_module_loaded_or_unused_is_no_holder() -> None:
+    assert gpu.kernel_holders({}, set()) == []
+    assert gpu.kernel_holders(_files(drm="0", uvm="0"), set()) == []
+    assert (
+        gpu.kernel_holders(_files(drm="1", uvm="0"), {"/dev/dri/card1"}) == []
+    )  # a process: step 3 names it
