@@ -87,7 +87,7 @@ def test_refused_write_errno_is_explained(code: int) -> None:
         name = "h"
 
         def write_file(
-            self, path: str, data: str, *, timeout: float | None = None, mode: str = "w"
+            self, path: str, data: str | bytes, *, timeout: float | None = None, mode: str = "w"
         ) -> Result:
             return Result()
 
