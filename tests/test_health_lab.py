@@ -139,7 +139,10 @@ def test_fleet_verdicts_across_two_runs(fleet: dict[str, Any]) -> None:
     )
     out = proc.stdout + proc.stderr
     xid = cells(night2, h["xid"])["xid"]
-    assert xid["outcome"] == "failed" and xid["summary"] == "1 Xid error(s) since the last run: code 79", xid
+    assert (
+        xid["outcome"] == "failed"
+        and xid["summary"] == "1 Xid error(s) since the last run: code 79 (action: reboot)"
+    ), xid
     assert xid["reasons"] == [
         "Xid 79 on 0000:13:00: NVRM: Xid (PCI:0000:13:00): 79, pid=2231, name=python3, GPU has fallen off the bus."
     ]
@@ -153,7 +156,8 @@ def test_fleet_verdicts_across_two_runs(fleet: dict[str, Any]) -> None:
     assert {(c["host"], c["check"]) for c in comp["newly_failed"]} == {(h["xid"].name, "xid")}
     assert {(c["host"], c["check"]) for c in comp["recovered"]} == {(h["pers"].name, "persistence_mode")}
     assert (
-        f"  newly failed: {h['xid'].name} xid (was passed): 1 Xid error(s) since the last run: code 79" in out
+        f"  newly failed: {h['xid'].name} xid (was passed): 1 Xid error(s) since the last run: code 79 (action: reboot)"
+        in out
     )
     # The HTML report (pytest-html, with the engine's evidence) shows the reasons too.
     html = (fleet["tmp"] / "night2.html").read_text()

@@ -28,8 +28,14 @@ def inject(h: Any, faults: dict[str, Any]) -> None:
     assert r.returncode == 0, r.stderr
 
 
-def run_health(h: Any, tmp: Path, *extra: str, host_vars: str = "") -> dict[str, Any]:
+def run_health(h: Any, tmp: Path, *extra: str, host_vars: str = "", name: str = "night") -> dict[str, Any]:
     """Run suites/health --check-only against lab host `h`, return its fleet JSON cells."""
+    summary = run_suite(h, tmp, *extra, host_vars=host_vars, name=name)
+    return dict(summary["hosts"][h.name]["checks"])
+
+
+def run_suite(h: Any, tmp: Path, *extra: str, host_vars: str = "", name: str = "night") -> dict[str, Any]:
+    """Run suites/health --check-only against lab host `h`, return the fleet JSON."""
     known = tmp / "known_hosts"
     known.write_text(Path(h.known_hosts).read_text())
     inv = tmp / "fleet.yaml"
@@ -41,15 +47,15 @@ def run_health(h: Any, tmp: Path, *extra: str, host_vars: str = "") -> dict[str,
     argv = [
         sys.executable, "-m", "pytest", "suites/health", "-p", "no:cacheprovider",
         f"--inventory={inv}", "--ssh-identity=/run/gpulab/id_ed25519", f"--known-hosts={known}",
-        "--connect-timeout=5", f"--report-dir={tmp}", "--report-name=night", f"--fleet-json={tmp}/night.json",
+        "--connect-timeout=5", f"--report-dir={tmp}", f"--report-name={name}", f"--fleet-json={tmp}/{name}.json",
         "--check-only", "-o", "addopts=", *extra,
     ]  # fmt: skip
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=150, check=False)
-    summary = json.loads((tmp / "night.json").read_text())
+    summary: dict[str, Any] = json.loads((tmp / f"{name}.json").read_text())
     assert h.name in summary["hosts"], proc.stdout + proc.stderr
     host = summary["hosts"][h.name]
     assert host["round_trips"] <= 2, host
-    return dict(host["checks"])
+    return summary
 
 
 def test_gpu_missing_from_nvidia_smi_fails_without_an_inventory_count(lab: Any, tmp_path: Path) -> None:
@@ -94,3 +100,54 @@ def test_gpu_that_requires_reset_fails_and_a_renamed_field_is_read_by_its_new_na
         assert "does not know the field clocks_throttle_reasons.active" in th["summary"], th
     finally:
         inject(h, {})
+
+
+def new_boot_id(h: Any) -> None:
+    """Give the rebooted lab host a boot id of its own.
+
+    Lab hosts share this machine's kernel, so /proc/sys/kernel/random/boot_id is the machine's;
+    a real reboot draws a new one. The host's root binds a fresh one over it, read-only, as the
+    kernel's is.
+    """
+    script = (
+        "cat /proc/sys/kernel/random/uuid > /run/gpulab-boot_id && "
+        "mount --bind /run/gpulab-boot_id /proc/sys/kernel/random/boot_id"
+    )
+    r = h.ssh(["sh", "-c", script])
+    assert r.returncode == 0, r.stderr
+
+
+def test_xid_79_fails_night_after_night_until_the_host_reboots(lab: Any, tmp_path: Path) -> None:
+    """Xid 79 (reboot, by NVIDIA's catalogue): fails the night it is logged and the next, passes after a reboot."""
+    h = lab.host("health-ok", name=f"hg{os.getpid() % 100000}-xid")
+    run_suite(h, tmp_path, name="n1")  # baseline
+    msg = "NVRM: Xid (PCI:0000:13:00): 79, pid=2231, name=python3, GPU has fallen off the bus."
+    after_boot = max(k.t for k in h.profile.kernel_log) + 1.0
+    r = h.ssh(
+        ["sh", "-c", "cat >> /var/lib/gpulab/kmsg"], input=json.dumps({"t": after_boot, "msg": msg}) + "\n"
+    )
+    assert r.returncode == 0, r.stderr
+
+    n2 = run_suite(h, tmp_path, f"--previous={tmp_path / 'n1.json'}", name="n2")
+    x2 = n2["hosts"][h.name]["checks"]["xid"]
+    assert (
+        x2["outcome"] == "failed"
+        and x2["summary"] == "1 Xid error(s) since the last run: code 79 (action: reboot)"
+    )
+    assert x2["state"]["action"] == "reboot"
+    # The next night: no new line, the same boot: still failing, and not "recovered".
+    n3 = run_suite(h, tmp_path, f"--previous={tmp_path / 'n2.json'}", name="n3")
+    x3 = n3["hosts"][h.name]["checks"]["xid"]
+    assert x3["outcome"] == "failed" and x3["summary"] == "1 earlier Xid(s) still owed (action: reboot)", x3
+    assert x3["reasons"][0].startswith("Xid 79 on 0000:13:00 still needs a reboot")
+    assert not any(c["host"] == h.name for c in n3["comparison"]["recovered"])
+
+    # Reboot: the kernel log starts over, and the boot id is new.
+    assert h.ssh(["rm", "-f", "/var/lib/gpulab/kmsg"]).returncode == 0
+    h.reboot()
+    new_boot_id(h)
+    n4 = run_suite(h, tmp_path, f"--previous={tmp_path / 'n3.json'}", name="n4")
+    x4 = n4["hosts"][h.name]["checks"]["xid"]
+    assert x4["outcome"] == "passed", x4
+    assert x4["summary"] == "no Xid errors since the last run; reboot seen since Xid 79 on 0000:13:00"
+    assert {(c["host"], c["check"]) for c in n4["comparison"]["recovered"]} >= {(h.name, "xid")}

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.modules import health as hm
+from pytest_gpuhost.modules import health_facts
+from pytest_gpuhost.modules import health_xid as hm_xid
 
 BDFS = ["0000:17:00.0", "0000:18:00.0", "0000:3a:00.0", "0000:3b:00.0"]
 
@@ -230,7 +232,12 @@ def test_xid_counts_only_new_lines_and_ignores_application_faults() -> None:
         },
     ]
     v = judge("xid", facts)
-    assert not v.ok and "1 Xid error(s) since the last run: code 79; 1 ignored (13)" == v.summary
+    assert (
+        not v.ok
+        and v.summary
+        == "1 Xid error(s) since the last run: code 79 (action: reboot); 1 not failing (13: restart_app)"
+    )
+    assert v.state["action"] == "reboot"
     assert v.reasons == ["Xid 79 on 0000:3a:00: NVRM: Xid (PCI:0000:3a:00): 79, GPU has fallen off the bus."]
     assert judge("xid", facts, xid_ignore=[13, 79]).ok
     facts["kernel_log"].update(first_run=True, xid=[])
@@ -239,6 +246,63 @@ def test_xid_counts_only_new_lines_and_ignores_application_faults() -> None:
     assert not judge("sxid", facts).ok
     facts["kernel_log"] = {"ok": False, "error": "dmesg exited 1: Operation not permitted"}
     assert "dmesg exited 1" in judge("xid", facts).summary
+
+
+def xid_line(code: int, bdf: str = "0000:3a:00", ts: float = 5.0) -> dict[str, Any]:
+    return {"ts": ts, "bdf": bdf, "code": code, "msg": f"NVRM: Xid (PCI:{bdf}): {code}, pid=1, name=python3"}
+
+
+def test_xid_action_from_nvidias_catalogue() -> None:
+    """94 asks to restart the application (passes, reported); 48 a GPU reset, 74 the NVLinks."""
+    t = hm.Thresholds.from_vars({"xid_ignore": []})
+    for code, ok, action in (
+        (94, True, "none"),
+        (45, True, "none"),
+        (48, False, "reset_gpu"),
+        (74, False, "check_fabric"),
+        (79, False, "reboot"),
+        (999, False, "unknown"),
+    ):
+        facts = healthy()
+        facts["kernel_log"]["xid"] = [xid_line(code)]
+        v = hm.evaluate("xid", facts, t)
+        assert (v.ok, v.state["action"]) == (ok, action), (code, v.summary)
+        assert v.state["events"][0]["action"] == hm_xid.action_of(code)[0]
+    facts = healthy()
+    facts["kernel_log"]["xid"] = [xid_line(94)]
+    assert (
+        hm.evaluate("xid", facts, t).summary
+        == "no Xid errors since the last run; 1 not failing (94: restart_app)"
+    )
+
+
+def test_xid_needing_a_reboot_is_owed_across_nights_until_the_boot_id_changes() -> None:
+    facts = healthy()
+    facts["kernel_log"]["cursor"]["boot_id"] = "boot-1"
+    facts["kernel_log"]["xid"] = [xid_line(79)]
+    night1 = health_facts.commit_state(facts, [13, 31, 43, 45])
+    assert night1 is not None and [(p["code"], p["action"], p["boot_id"]) for p in night1["pending"]] == [
+        (79, "reboot", "boot-1")
+    ]
+    # Night 2: no new line, same boot: still owed, still failing.
+    facts = healthy()
+    facts["kernel_log"].update(pending=night1["pending"], cursor={"last_ts": 9.0, "boot_id": "boot-1"})
+    v = judge("xid", facts)
+    assert not v.ok and v.summary == "1 earlier Xid(s) still owed (action: reboot)"
+    assert v.reasons[0].startswith(
+        "Xid 79 on 0000:3a:00 still needs a reboot: the host has not rebooted since"
+    )
+    night2 = health_facts.commit_state(facts)
+    assert night2 is not None and night2["pending"] == night1["pending"]
+    # Night 3: rebooted (a new boot id): passes, says so, and owes nothing any more.
+    facts["kernel_log"].update(pending=night2["pending"], cursor={"last_ts": 19.0, "boot_id": "boot-2"})
+    v = judge("xid", facts)
+    assert v.ok and v.summary == "no Xid errors since the last run; reboot seen since Xid 79 on 0000:3a:00"
+    night3 = health_facts.commit_state(facts)
+    assert night3 is not None and night3["pending"] == []
+    # An application-level Xid is never owed.
+    facts["kernel_log"].update(xid=[xid_line(94)], pending=[])
+    assert (health_facts.commit_state(facts) or {})["pending"] == []
 
 
 def test_degraded_pcie_link() -> None:

@@ -18,6 +18,7 @@ from pytest_gpuhost.modules.health_verdict import (
     median,
     skipped,
 )
+from pytest_gpuhost.modules.health_xid import FAILING, action_of, pending_after, worst
 
 
 def _kernel_errors(check: str, facts: Facts, key: str, ignore: Sequence[int], label: str) -> Verdict:
@@ -49,7 +50,68 @@ def _kernel_errors(check: str, facts: Facts, key: str, ignore: Sequence[int], la
 
 
 def check_xid(facts: Facts, t: Thresholds) -> Verdict:
-    return _kernel_errors("xid", facts, "xid", t["xid_ignore"], "Xid")
+    """Judge the Xids since the last run by NVIDIA's catalogue, and the resets/reboots still owed.
+
+    An Xid whose action is a GPU reset or a reboot fails this run and every later one until the
+    host shows the action happened (health_xid.pending_after: a new boot id); one that asks only
+    to restart the application passes, reported.
+    """
+    part, err = facts_part(facts, "kernel_log")
+    if part is None:
+        return failed("xid", f"kernel log unreadable: {err}", [str(err)])
+    ignore = set(t["xid_ignore"])
+    events = list(part.get("xid") or [])
+    window = "since boot (first run; baseline recorded)" if part.get("first_run") else "since the last run"
+    rows = []
+    for e in events:
+        action, name = action_of(int(e.get("code", -1)))
+        rows.append({**{k: e.get(k) for k in ("ts", "bdf", "code", "msg")}, "action": action, "name": name})
+    counted = [r for r in rows if r["action"] in FAILING and int(r["code"]) not in ignore]
+    passed = [r for r in rows if r not in counted]
+    fresh_keys = {(r["code"], r["bdf"], r["ts"]) for r in counted}
+    owed = [
+        p
+        for p in pending_after(part, sorted(ignore))
+        if (p.get("code"), p.get("bdf"), p.get("ts")) not in fresh_keys
+    ]
+    carried = [p for p in part.get("pending") or [] if isinstance(p, Mapping)]
+    done = [p for p in carried if p not in owed]
+    action = worst([r["action"] for r in counted] + [str(p.get("action")) for p in owed])
+    state: dict[str, Any] = {
+        "window": window,
+        "since": part.get("since"),
+        "events": rows,
+        "action": action,
+        "owed": owed,
+        "done": done,
+        "ignored_codes": sorted({int(r["code"]) for r in passed}),
+    }
+    notes = []
+    if passed:
+        notes.append(
+            f"{len(passed)} not failing (" + ", ".join(f"{r['code']}: {r['action']}" for r in passed) + ")"
+        )
+    if done:
+        notes.append("reboot seen since " + ", ".join(f"Xid {p.get('code')} on {p.get('bdf')}" for p in done))
+    note = "; " + "; ".join(notes) if notes else ""
+    reasons = [f"Xid {r['code']} on {r['bdf']}: {r['msg']}" for r in counted]
+    reasons += [
+        f"Xid {p.get('code')} on {p.get('bdf')} still needs {_ACTION_TEXT[str(p.get('action'))]}: "
+        f"the host has not rebooted since ({p.get('msg')})"
+        for p in owed
+    ]
+    if reasons:
+        parts = []
+        if counted:
+            codes = sorted({int(r["code"]) for r in counted})
+            parts.append(f"{len(counted)} Xid error(s) {window}: code {', '.join(map(str, codes))}")
+        if owed:
+            parts.append(f"{len(owed)} earlier Xid(s) still owed")
+        return failed("xid", f"{'; '.join(parts)} (action: {action}){note}", reasons, state=state)
+    return Verdict("xid", True, f"no Xid errors {window}{note}", state=state)
+
+
+_ACTION_TEXT = {"reset_gpu": "a GPU reset", "reboot": "a reboot"}
 
 
 def check_sxid(facts: Facts, t: Thresholds) -> Verdict:

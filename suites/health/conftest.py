@@ -118,7 +118,7 @@ class HostHealth:
         """
         if self._commit is not None or self.facts is None:
             return
-        state = health_facts.commit_state(self.facts)
+        state = health_facts.commit_state(self.facts, self.thresholds["xid_ignore"])
         if state is None:
             return
         state_path = (self.facts.get("kernel_log") or {}).get("state_path")

@@ -153,6 +153,8 @@ def fact_health_kernel_log(params):
         "lines_new": len(new),
         "xid": xid,
         "sxid": sxid,
+        # what earlier runs found the node owes (a GPU reset, a reboot): judged with this boot's id
+        "pending": list(state.get("pending") or []) if state is not None else [],
         "cursor": {
             "version": 1,
             "last_ts": last_ts,
