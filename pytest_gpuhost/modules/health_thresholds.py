@@ -48,7 +48,10 @@ THRESHOLDS: tuple[Threshold, ...] = (
         "ecc_corrected_max", None, int, "most volatile corrected ECC errors per GPU; unset: reported only"
     ),
     Threshold(
-        "xid_ignore", [13, 31, 43, 45], list, "Xid codes that never fail the host (others: by NVIDIA's catalogue, health_xid)"
+        "xid_ignore",
+        [13, 31, 43, 45],
+        list,
+        "Xid codes that never fail the host (others: by NVIDIA's catalogue, health_xid)",
     ),
     Threshold("sxid_ignore", [], list, "SXid codes that do not fail the host"),
     Threshold("pcie_gen_min", None, int, "lowest PCIe generation allowed; unset: the GPU's maximum"),
