@@ -185,3 +185,13 @@ def test_hook_called_when_config_attached(tmp_path):
         c.close()
     assert calls[0] == ("local", "sh -c 'exit 3'", 3)
     assert "s3cr3t-value" not in calls[1][1]
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "1e308", "0", "-5", ""])
+def test_url_timeout_must_be_sensible_seconds(value: str) -> None:
+    with pytest.raises(TargetError, match=r"^bad target URL .*: timeout="):
+        parse_host_url(f"ssh://root@gpu-host?timeout={value}")
+
+
+def test_url_timeout_in_range_is_kept() -> None:
+    assert parse_host_url("ssh://root@gpu-host?timeout=90").query["timeout"] == "90"

@@ -108,6 +108,22 @@ def _bad(url: str, why: str) -> TargetError:
     return TargetError(f"bad target URL {url!r}: {why}")
 
 
+#: The longest timeout any option or URL accepts: a week. Longer ones overflow the platform's
+#: timers (select, sleep) and are never what an operator meant.
+MAX_TIMEOUT = 7 * 86400.0
+
+
+def check_timeout(raw: object) -> float:
+    """Return `raw` as seconds in (0, MAX_TIMEOUT]; raise ValueError saying what to give instead."""
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{raw!r} is not a number of seconds; give e.g. 60") from None
+    if not 0 < value <= MAX_TIMEOUT:  # also false for NaN
+        raise ValueError(f"{raw!r}: give seconds greater than 0 and at most {MAX_TIMEOUT:.0f} (a week)")
+    return value
+
+
 def parse_host_url(url: str, *, name: str | None = None) -> TargetSpec:
     """Parse a `--host` URL; raise TargetError (one line, with what to type) when it is wrong."""
     text = url.strip()
@@ -128,6 +144,11 @@ def parse_host_url(url: str, *, name: str | None = None) -> TargetSpec:
     except ValueError as exc:  # e.g. "Invalid IPv6 URL" for an unclosed '['
         raise _bad(url, f"{exc} (unclosed '[' or ']'?)") from None
     query = {k: v[-1] for k, v in urllib.parse.parse_qs(parts.query, keep_blank_values=True).items()}
+    if "timeout" in query:
+        try:
+            check_timeout(query["timeout"])
+        except ValueError as exc:
+            raise _bad(url, f"timeout={exc}") from None
     if scheme == "local":
         if parts.netloc not in ("", "localhost") or parts.path not in ("", "/"):
             raise _bad(url, "local:// takes no host or path (options go after '?')")

@@ -14,7 +14,6 @@ texts show it through the `{default}` placeholder, so the help cannot disagree w
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any, Literal
 import pytest
 
 from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.exec.targets import MAX_TIMEOUT
 
 __all__ = [
     "GROUP",
@@ -234,8 +234,8 @@ def seconds(raw: Any) -> float:
         value = float(raw)
     except (TypeError, ValueError):
         raise BadValue("expected a number of seconds, e.g. 60") from None
-    if not value > 0 or math.isinf(value):
-        raise BadValue("expected a number of seconds greater than 0")
+    if not 0 < value <= MAX_TIMEOUT:  # also false for NaN and inf
+        raise BadValue(f"expected a number of seconds greater than 0 and at most {MAX_TIMEOUT:.0f} (a week)")
     return value
 
 
