@@ -151,3 +151,15 @@ def test_xid_79_fails_night_after_night_until_the_host_reboots(lab: Any, tmp_pat
     assert x4["outcome"] == "passed", x4
     assert x4["summary"] == "no Xid errors since the last run; reboot seen since Xid 79 on 0000:13:00"
     assert {(c["host"], c["check"]) for c in n4["comparison"]["recovered"]} >= {(h.name, "xid")}
+
+
+def test_row_remap_pending_fails_the_gpu(lab: Any, tmp_path: Path) -> None:
+    """nvidia-smi --query-remapped-rows says GPU 1 has a remap pending: remapped_rows fails it."""
+    h = boot(lab, "health-ok")
+    inject(h, {"gpus": {"0000:14:00.0": {"remapped_rows_pending": 1, "remapped_rows_uncorrectable": 1}}})
+    try:
+        c = run_health(h, tmp_path)["remapped_rows"]
+    finally:
+        inject(h, {})
+    assert c["outcome"] == "failed", c
+    assert c["reasons"] == ["GPU 1 (0000:14:00.0): row remap pending (a GPU reset applies it)"]

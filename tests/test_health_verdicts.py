@@ -495,3 +495,31 @@ def test_a_field_the_driver_does_not_know_is_said_not_passed() -> None:
     assert not v.ok and v.state["field"] == "clocks_event_reasons.active"
     facts["gpus"]["dropped"] = ["ecc.errors.uncorrected.volatile.total"]
     assert "does not know the field ecc.errors.uncorrected" in (judge("ecc", facts).skip or "")
+
+
+def test_row_remap_pending_or_failed_fails_the_gpu() -> None:
+    """`--query-remapped-rows` (its own query): a pending remap needs a GPU reset; a failure fails."""
+    facts = healthy()
+    rows = {
+        b: {
+            "remapped_rows.correctable": 0,
+            "remapped_rows.uncorrectable": 0,
+            "remapped_rows.pending": 0,
+            "remapped_rows.failure": 0,
+        }
+        for b in BDFS
+    }
+    facts["remap"] = {"ok": True, "gpus": rows}
+    v = judge("remapped_rows", facts)
+    assert v.ok and v.state["source"] == "--query-remapped-rows", v.summary
+    rows[BDFS[1]]["remapped_rows.pending"] = 1
+    rows[BDFS[2]]["remapped_rows.failure"] = 1
+    v = judge("remapped_rows", facts)
+    assert not v.ok and v.reasons == [
+        "GPU 1 (0000:18:00.0): row remap pending (a GPU reset applies it)",
+        "GPU 2 (0000:3a:00.0): row remapping failure",
+    ]
+    # The query failed (a driver or GPU without it): the --query-gpu field, and the error kept.
+    facts["remap"] = {"ok": False, "error": "nvidia-smi --query-remapped-rows exited 2"}
+    v = judge("remapped_rows", facts)
+    assert v.ok and v.state["remap_query"] == "nvidia-smi --query-remapped-rows exited 2"

@@ -21,6 +21,7 @@ __all__ = ["FACT_OF_PART", "PARTS", "commit_state", "fact_names", "merge"]
 FACT_OF_PART: Mapping[str, str] = {
     "gpus": "health",
     "smi": "health",
+    "remap": "health",
     "nvlink": "health",
     "p2p": "health",
     "disk": "health",

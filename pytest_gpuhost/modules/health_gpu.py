@@ -251,6 +251,37 @@ def check_retired_pages(facts: Facts, t: Thresholds) -> Verdict:
 
 
 def check_remapped_rows(facts: Facts, t: Thresholds) -> Verdict:
+    """Fail a GPU with a row remap pending (a GPU reset applies it) or a remapping failure.
+
+    Read from `--query-remapped-rows` (the `remap` part); where that query failed, from the
+    `--query-gpu` field remapped_rows.failure, with the query's error in the state.
+    """
+    remap, remap_err = facts_part(facts, "remap")
+    rows = (remap or {}).get("gpus") or {}
+    if remap is not None and rows:
+        gpus, _ = facts_gpus(facts)
+        labels = {str(g.get("bdf")): gpu_label(g) for g in gpus}
+        reasons = []
+        for bdf, r in sorted(rows.items()):
+            label = labels.get(bdf, f"GPU ? ({bdf})")
+            for f, e in sorted((r.get("cell_errors") or {}).items()):
+                reasons.append(f"{label}: {f} [{e}]")
+            if (r.get("remapped_rows.failure") or 0) > 0:
+                reasons.append(f"{label}: row remapping failure")
+            if (r.get("remapped_rows.pending") or 0) > 0:
+                reasons.append(f"{label}: row remap pending (a GPU reset applies it)")
+        known = [r for r in rows.values() if isinstance(r.get("remapped_rows.pending"), int)]
+        state = {"source": "--query-remapped-rows", "gpus": rows}
+        if reasons:
+            return failed("remapped_rows", reasons[0], reasons, state=state)
+        if known:
+            total = sum(int(r.get("remapped_rows.uncorrectable") or 0) for r in known)
+            return Verdict(
+                "remapped_rows",
+                True,
+                f"no row remap pending or failed on {len(known)} GPUs ({total} rows remapped for uncorrectable errors)",
+                state=state,
+            )
     done, reasons, state = _per_gpu_counter(
         "remapped_rows",
         facts,
@@ -261,6 +292,9 @@ def check_remapped_rows(facts: Facts, t: Thresholds) -> Verdict:
     )
     if done:
         return done
+    state["source"] = "--query-gpu"
+    if remap_err:
+        state["remap_query"] = remap_err
     if reasons:
         return failed("remapped_rows", reasons[0], reasons, state=state)
     return Verdict("remapped_rows", True, "no row remapping failure", state=state)

@@ -182,7 +182,9 @@ def load_faults() -> dict[str, Any]:
     Keys: ``unknown_fields`` (``--query-gpu`` fields this driver's nvidia-smi does not know, as a
     driver that renamed them: R535 renamed ``clocks_throttle_reasons.*`` to ``clocks_event_reasons.*``)
     and ``gpus: {BDF: {"nvml_error": "GPU requires reset"}}`` (the GPU's state cells print that NVML
-    error in brackets, as nvidia-smi prints nvmlErrorString for a GPU in an error state). Written by
+    error in brackets, as nvidia-smi prints nvmlErrorString for a GPU in an error state;
+    ``remapped_rows_pending``/``_correctable``/``_uncorrectable``: what ``--query-remapped-rows``
+    prints for it). Written by
     tests over SSH; a runtime fault, not part of the profile.
     """
     try:

@@ -1,6 +1,6 @@
 """The lab's nvidia-smi (the program; gpulab/tools/nvidia-smi starts it): the real tool's output formats over the lab host's sysfs, /proc and profile.
 
-Supports: the default table, ``-L``, ``--query-gpu=...``/``--query-compute-apps=...`` with
+Supports: the default table, ``-L``, ``--query-gpu=...``/``--query-compute-apps=...``/``--query-remapped-rows=...`` with
 ``--format=csv[,noheader][,nounits]``, ``-i``, ``-pm 0|1``, ``-q``, ``topo -m``, ``topo -p2p r|w|n|a|p``
 and ``nvlink -s``. A GPU that is not bound to nvidia (or whose /dev/nvidiaN is absent, as in a
 container without it) is invisible; with none visible it prints "No devices were found" (exit 6).
@@ -182,6 +182,38 @@ def query_gpu(host: Host, fields: str, fmt: str | None, ids: str | None) -> None
             v, unit = gpu_field(host, g, n) or ("", "")
             row.append(v if nounits or not unit or v.startswith("[") else f"{v} {unit}")
         out.append(", ".join(row))
+    sys.stdout.write("\n".join(out) + "\n")
+
+
+def _remap_fields(host: Host, g: GpuView) -> dict[str, str]:
+    h = g.health
+    fault = (host.faults.get("gpus") or {}).get(g.bdf, {})
+    return {
+        "timestamp": __import__("time").strftime("%Y/%m/%d %H:%M:%S.000"),
+        "gpu_bus_id": g.bus_id,
+        "gpu_uuid": str(g.spec["uuid"]),
+        "gpu_serial": str(g.spec["serial"]),
+        "gpu_name": g.name,
+        "remapped_rows.correctable": str(fault.get("remapped_rows_correctable", 0)),
+        "remapped_rows.uncorrectable": str(fault.get("remapped_rows_uncorrectable", 0)),
+        "remapped_rows.pending": str(int(bool(fault.get("remapped_rows_pending", 0)))),
+        "remapped_rows.failure": str(int(bool(h.get("remapped_rows_failure", 0)))),
+    }
+
+
+def query_remapped_rows(host: Host, fields: str, fmt: str | None, ids: str | None) -> None:
+    """``--query-remapped-rows``: one line per GPU; pending/failure print 0 or 1 (a count, a flag)."""
+    names = [f.strip() for f in fields.split(",") if f.strip()]
+    noheader, _ = parse_format(fmt)
+    gpus = select(host, ids)
+    known = _remap_fields(host, gpus[0])
+    for n in names:
+        if n not in known:
+            die(f'Field "{n}" is not a valid field to query.\n\n', 2)
+    out = [", ".join(names)] if not noheader else []
+    for g in gpus:
+        vals = _remap_fields(host, g)
+        out.append(", ".join(vals[n] for n in names))
     sys.stdout.write("\n".join(out) + "\n")
 
 
@@ -463,7 +495,7 @@ def usage_error() -> None:
 def main(argv: list[str]) -> int:
     ids = None
     fmt = None
-    qgpu = qapps = pm = None
+    qgpu = qapps = qremap = pm = None
     mode = "table"
     sub: list[str] = []
     i = 0
@@ -481,6 +513,8 @@ def main(argv: list[str]) -> int:
             qgpu = a.split("=", 1)[1]
         elif a == "--query-gpu" and nxt:
             qgpu, i = nxt, i + 1
+        elif a.startswith("--query-remapped-rows="):
+            qremap = a.split("=", 1)[1]
         elif a.startswith("--query-compute-apps="):
             qapps = a.split("=", 1)[1]
         elif a == "--query-compute-apps" and nxt:
@@ -522,6 +556,8 @@ def main(argv: list[str]) -> int:
         query_gpu(host, qgpu, fmt, ids)
     elif qapps is not None:
         query_apps(host, qapps, fmt, ids)
+    elif qremap is not None:
+        query_remapped_rows(host, qremap, fmt, ids)
     elif pm is not None:
         set_persistence(host, pm, ids)
     elif mode == "list":

@@ -17,7 +17,16 @@ import time
 from pytest_gpuhost.exec.agent.core import fact, read_str, read_text, run_process, state_path
 
 STATE_FILE = "health-state.json"  # under the agent's state directory (state_path)
-PARTS = ("gpus", "smi", "nvlink", "p2p", "disk")
+PARTS = ("gpus", "smi", "remap", "nvlink", "p2p", "disk")
+# Row remapping has a query of its own (nvidia-smi --help-query-remapped-rows), on GPUs that remap
+# rows (A100 and later data-center GPUs): pending means a GPU reset is needed to apply a remap.
+REMAP_FIELDS = (
+    "gpu_bus_id",
+    "remapped_rows.correctable",
+    "remapped_rows.uncorrectable",
+    "remapped_rows.pending",
+    "remapped_rows.failure",
+)
 QUERY_FIELDS = (
     "index",
     "pci.bus_id",
@@ -218,6 +227,32 @@ def part_smi(params, record, driver=None):
     return out
 
 
+def part_remap(params, record):
+    """Read every GPU's row-remapping counters and flags with `--query-remapped-rows`."""
+    res = _cmd(
+        ["nvidia-smi", "--query-remapped-rows=" + ",".join(REMAP_FIELDS), "--format=csv,noheader,nounits"],
+        float(params.get("timeout", 20)),
+        record,
+    )
+    if res["rc"] != 0:
+        return {"ok": False, "error": _cmd_error(res, "nvidia-smi --query-remapped-rows")}
+    gpus = {}
+    for line in res["stdout"].splitlines():
+        if not line.strip():
+            continue
+        raw = dict(zip(REMAP_FIELDS, [c.strip() for c in line.split(",")]))
+        row = {k: csv_cell(v) for k, v in raw.items() if k != "gpu_bus_id"}  # type: dict
+        errors = {
+            k: v[1:-1]
+            for k, v in raw.items()
+            if v.startswith("[") and v.endswith("]") and v[1:-1] not in NO_VALUE
+        }
+        if errors:
+            row["cell_errors"] = errors
+        gpus[short_bdf(raw.get("gpu_bus_id", ""))] = row
+    return {"ok": True, "gpus": gpus}
+
+
 def part_nvlink(params, record):
     res = _cmd(["nvidia-smi", "nvlink", "-s"], float(params.get("timeout", 20)), record)
     if res["rc"] != 0 and not res["stdout"].strip():
@@ -280,7 +315,7 @@ def part_disk(params, record):
     return {"ok": True, "paths": out}
 
 
-FUNCS = {"gpus": part_gpus, "nvlink": part_nvlink, "p2p": part_p2p, "disk": part_disk}
+FUNCS = {"gpus": part_gpus, "remap": part_remap, "nvlink": part_nvlink, "p2p": part_p2p, "disk": part_disk}
 
 
 def _failure(exc):
