@@ -93,3 +93,35 @@ def test_refused_type_write_rolls_back_and_restores_the_service(lab: Any, tmp_pa
         if r.get("kind") == "sysfs" and r.get("err") == 0 and r["path"].endswith("/type")
     ]
     host.down()
+
+
+# nvidia-smi as a real one behaves after a rebind (docs/LAB-SOURCES.md asks the lab's tool for it): the
+# first open of a GPU whose firmware is down boots it, gsp_boot_s per GPU, one GPU after the other.
+FIRST_OPEN_SMI = """#!/bin/sh
+for f in /var/lib/gpulab/ctl/gsp/*; do
+  [ "$(cat "$f")" = 0 ] && { echo open > "$f"; } 2>/dev/null
+done
+exec REAL "$@"
+"""
+
+
+def test_first_nvidia_smi_after_rebind_waits_for_the_firmware(lab: Any, tmp_path: Path) -> None:
+    """6 s of firmware start per GPU: the first nvidia-smi after the rebind outlasts its 20 s limit; the
+    suite waits for the GPUs to come up instead of failing step 5 (issue 12 item 8)."""
+    from gpulab.profile import load_profile
+
+    host = lab.host(load_profile("proxmox-rtx6000", {"gsp_boot_s": 6.0}), name=f"p2pgsp-{os.getpid()}")
+    real = host.ssh("command -v nvidia-smi").stdout.strip()
+    assert real and not real.startswith("/usr/local/sbin")
+    wrapper = FIRST_OPEN_SMI.replace("REAL", real)
+    r = host.ssh(
+        "mkdir -p /usr/local/sbin && cat > /usr/local/sbin/nvidia-smi && chmod 755 /usr/local/sbin/nvidia-smi",
+        input=wrapper,
+    )
+    assert r.returncode == 0, r.stderr
+    run = run_suite(host, tmp_path, timeout=300)
+    assert run.rc == 0, str(run.tests.get("test_drivers_bound"))[-4000:]
+    assert run.outcomes["test_drivers_bound"] == "fixed", run.outcomes
+    notes = "\n".join(run.evidence("test_drivers_bound").get("notes", []))
+    assert "firmware start on first open" in notes, notes
+    host.down()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from pytest_gpuhost.modules import p2p, pci
 from pytest_gpuhost.modules.service import check_health, nccl_transport
@@ -20,6 +21,33 @@ class RestoreSteps(P2PState):
 
     # ------------------------------------------------------------------ step 5: drivers bound
 
+    def wait_for_firmware(self) -> bool:
+        """Poll nvidia-smi until it lists every in-scope GPU, up to gsp_wait seconds after a rebind; True if it polled.
+
+        The first open after a bind starts the GPU's firmware (nv_open_device -> rm_init_adapter
+        boots GSP-RM, open-gpu-kernel-modules kernel-open/nvidia/nv.c); with several GPUs one
+        nvidia-smi can outlast its own time limit, or list a GPU only once it is up.
+        """
+        assert self.plan is not None
+        t0 = time.monotonic()
+        while True:
+            smi = self.facts.get("nvidia_smi_gpus")
+            missing = [b for b in self.plan.gpus if smi is None or b not in smi]
+            waited = time.monotonic() - t0
+            if not missing:
+                if waited > 0.5:
+                    evidence.current().note(
+                        f"nvidia-smi listed every GPU {waited:.1f} s after the first try (firmware start on first open)"
+                    )
+                return waited > 0
+            if waited >= self.opts.gsp_wait:
+                evidence.current().note(
+                    f"nvidia-smi still misses {', '.join(missing)} after {waited:.0f} s (the bound for the firmware start)"
+                )
+                return True
+            time.sleep(2.0)
+            self.read_facts(("nvidia_smi_gpus",))
+
     def step_drivers_bound(self) -> Step:
         """Step 5: every in-scope function is on its original driver, /dev/nvidiaN unchanged, nvidia-smi sees all."""
 
@@ -33,6 +61,9 @@ class RestoreSteps(P2PState):
                 )
             self.read_facts(("gpus", "nvidia_smi_gpus"))
             now = {m.bdf: m.driver for g in self.gpus() if g.group for m in g.group.members}
+            if self.changed and all(now.get(f.bdf) == f.driver for f in plan.rebind_order):
+                if self.wait_for_firmware():  # the minors in `gpus` come from the same nvidia-smi: read again
+                    self.read_facts(("gpus", "nvidia_smi_gpus"))
             minors = {g.bdf: g.minor for g in self.gpus()}
             for f in (f for g in plan.groups for f in g.functions):
                 f.current = now.get(f.bdf)

@@ -41,6 +41,9 @@ class P2POptions:
     lock_wait: float = 60.0
     lock_stale: float = 600.0
     unbind_timeout: float = 15.0
+    # after a rebind the first open boots each GPU's firmware (GSP) before nvidia-smi lists it;
+    # real figures are not measured (the lab's AMD profile: 3 s per GPU): wait this long at most
+    gsp_wait: float = 90.0
     log_paths: tuple[str, ...] = ()
 
 
