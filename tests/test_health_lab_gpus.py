@@ -163,3 +163,18 @@ def test_row_remap_pending_fails_the_gpu(lab: Any, tmp_path: Path) -> None:
         inject(h, {})
     assert c["outcome"] == "failed", c
     assert c["reasons"] == ["GPU 1 (0000:14:00.0): row remap pending (a GPU reset applies it)"]
+
+
+def test_b200_gpu_with_all_nvlinks_down_fails(lab: Any, tmp_path: Path) -> None:
+    """B200 (18 NVLinks per GPU): GPU 3 prints no link lines, GPU 5 has two links <inactive>."""
+    h = boot(lab, "b200-nvl8")
+    inject(h, {"gpus": {"0000:61:00.0": {"nvlinks_down": "all"}, "0000:c3:00.0": {"nvlinks_down": [4, 9]}}})
+    try:
+        c = run_health(h, tmp_path)["nvlink"]
+    finally:
+        inject(h, {})
+    assert c["outcome"] == "failed", c
+    assert c["reasons"] == [
+        "GPU 3 (0000:61:00.0): 0 of 18 NVLinks active (no link lines)",
+        "GPU 5 (0000:c3:00.0): 16 of 18 NVLinks active (18 link lines)",
+    ]

@@ -355,6 +355,28 @@ def test_nvlink_down() -> None:
     assert not judge("nvlink", healthy(), nvlink_required=True).ok
 
 
+def test_nvlink_count_per_model_catches_a_gpu_with_no_link_lines() -> None:
+    """B200: 18 active NVLinks per GPU; a GPU whose links are all down prints no link lines."""
+    facts = healthy()
+    for g in facts["gpus"]["gpus"]:
+        g["name"] = "NVIDIA B200"
+    up = {str(i): {"up": True, "gbps": 53.125, "text": "53.125 GB/s"} for i in range(18)}
+    facts["nvlink"]["gpus"] = {str(i): {"links": dict(up)} for i in range(4)}
+    v = judge("nvlink", facts)
+    assert v.ok and v.summary == "all 72 NVLinks up", v.summary
+    facts["nvlink"]["gpus"]["2"] = {"links": {}}
+    del facts["nvlink"]["gpus"]["3"]  # not listed at all
+    v = judge("nvlink", facts)
+    assert not v.ok and v.reasons == [
+        "GPU 2 (0000:3a:00.0): 0 of 18 NVLinks active (no link lines)",
+        "GPU 3 (0000:3b:00.0): 0 of 18 NVLinks active (no link lines)",
+    ]
+    # Before the model table this passed: every link line printed was up.
+    assert judge("nvlink", facts, nvlink_active_min=0).ok
+    # A PCIe model expects none: no NVLink is still a skip.
+    assert judge("nvlink", healthy()).skip == "no NVLink on this host"
+
+
 def test_iommu_acs_and_p2p() -> None:
     facts = healthy()
     facts["pci"]["devices"][BDFS[0]]["iommu_type"] = "DMA-FQ"

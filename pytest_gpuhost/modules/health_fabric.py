@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pytest_gpuhost.modules.health_thresholds import Thresholds
+from pytest_gpuhost.modules.health_thresholds import Thresholds, model_spec
 from pytest_gpuhost.modules.health_verdict import (
     Facts,
     Verdict,
@@ -77,11 +77,48 @@ def check_pcie_link(facts: Facts, t: Thresholds) -> Verdict:
     )
 
 
+def _expected_links(facts: Facts, t: Thresholds) -> dict[str, tuple[int, str]]:
+    """Return {nvidia-smi index: (active links expected, GPU label)} for GPUs that must have NVLinks."""
+    smi_gpus, _ = facts_gpus(facts)
+    out = {}
+    for g in smi_gpus:
+        want = t["nvlink_active_min"]
+        if want is None:
+            spec = model_spec(str(g.get("name") or ""))
+            want = spec["nvlinks"] if spec else None
+        if want:
+            out[str(g.get("index"))] = (int(want), gpu_label(g))
+    return out
+
+
 def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
+    """Judge every GPU's NVLinks: each reported link up, and as many active as the model has.
+
+    A GPU whose links are all down may print no link lines at all (or not appear in
+    `nvidia-smi nvlink -s`): the count expected from the model (thresholds MODELS, or
+    `nvlink_active_min`) catches it.
+    """
     part, err = facts_part(facts, "nvlink")
     required = t["nvlink_required"]
     gpus = (part or {}).get("gpus") or {}
     total = sum(len(g.get("links") or {}) for g in gpus.values())
+    expected = _expected_links(facts, t)
+    if expected:
+        short = []
+        for idx, (want, label) in sorted(expected.items(), key=lambda kv: int(kv[0])):
+            links = (gpus.get(idx) or {}).get("links") or {}
+            active = sum(1 for st in links.values() if st.get("up"))
+            if active < want:
+                seen = f"{len(links)} link lines" if links else "no link lines"
+                short.append(f"{label}: {active} of {want} NVLinks active ({seen})")
+        if short or part is None:
+            reasons = short or [str(err)]
+            return failed(
+                "nvlink",
+                f"{len(short)} GPU(s) with fewer active NVLinks than the model has" if short else str(err),
+                reasons,
+                state={"expected": {i: w for i, (w, _) in expected.items()}},
+            )
     if part is None or total == 0:
         if required:
             return failed(

@@ -10,7 +10,29 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["THRESHOLDS", "Threshold", "ThresholdError", "Thresholds", "probe_params"]
+__all__ = ["MODELS", "THRESHOLDS", "Threshold", "ThresholdError", "Thresholds", "model_spec", "probe_params"]
+
+#: Per GPU model (text nvidia-smi's name contains, case-insensitive; the first match wins):
+#: `nvlinks`, the NVLinks every GPU of the model must have active (NVIDIA's datasheets: B200 NVLink 5
+#: and H100/H200 SXM NVLink 4 have 18 links per GPU; PCIe cards have none).
+MODELS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("B200", {"nvlinks": 18}),
+    ("H100 PCIe", {"nvlinks": 0}),
+    ("H100 NVL", {"nvlinks": 0}),
+    ("H100", {"nvlinks": 18}),
+    ("H200 NVL", {"nvlinks": 0}),
+    ("H200", {"nvlinks": 18}),
+    ("RTX PRO 6000", {"nvlinks": 0}),
+)
+
+
+def model_spec(name: str) -> dict[str, Any] | None:
+    """Return the MODELS entry for a GPU name as nvidia-smi prints it, None for a model not listed."""
+    low = name.lower()
+    for key, spec in MODELS:
+        if key.lower() in low:
+            return spec
+    return None
 
 
 class ThresholdError(ValueError):
@@ -58,6 +80,12 @@ THRESHOLDS: tuple[Threshold, ...] = (
     Threshold("pcie_width_min", None, int, "narrowest PCIe link width allowed; unset: the GPU's maximum"),
     Threshold(
         "nvlink_required", None, bool, "fail when no NVLink is reported; unset: skip hosts without NVLink"
+    ),
+    Threshold(
+        "nvlink_active_min",
+        None,
+        int,
+        "active NVLinks every GPU must have; unset: the model's (MODELS: 18 for B200, H100/H200 SXM)",
     ),
     Threshold("iommu_group_types", ["identity"], list, "IOMMU group types allowed for GPUs on nvidia"),
     Threshold(

@@ -479,10 +479,21 @@ def topo_p2p(host: Host, mode: str) -> None:
 
 
 def nvlink_status(host: Host, ids: str | None) -> None:
+    """``nvlink -s``: each GPU's line, then one line per link (``<inactive>`` for a link down).
+
+    Fault ``nvlinks_down``: a list of link numbers (printed ``<inactive>``), or ``"all"``: the GPU's
+    line with no link lines under it, as drivers print for a GPU whose NVLinks are all down
+    (issue 15: "prints no link lines at all in some driver outputs").
+    """
     for g in select(host, ids):
         sys.stdout.write(f"GPU {g.index}: {g.name} (UUID: {g.spec['uuid']})\n")
+        down = (host.faults.get("gpus") or {}).get(g.bdf, {}).get("nvlinks_down") or []
+        if down == "all":
+            continue
         for i, bw in enumerate(g.health.get("nvlinks") or []):
-            sys.stdout.write(f"\t Link {i}: {float(bw):g} GB/s\n")
+            sys.stdout.write(
+                f"\t Link {i}: <inactive>\n" if i in down else f"\t Link {i}: {float(bw):g} GB/s\n"
+            )
 
 
 # ------------------------------------------------------------------ main
