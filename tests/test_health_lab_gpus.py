@@ -178,3 +178,44 @@ def test_b200_gpu_with_all_nvlinks_down_fails(lab: Any, tmp_path: Path) -> None:
         "GPU 3 (0000:61:00.0): 0 of 18 NVLinks active (no link lines)",
         "GPU 5 (0000:c3:00.0): 16 of 18 NVLinks active (18 link lines)",
     ]
+
+
+FM_UNIT = """[Unit]
+Description=FabricManager service (lab stand-in: the real one trains the NVSwitch fabric)
+
+[Service]
+ExecStart=/bin/sleep infinity
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def test_b200_fabric_in_progress_or_fabric_manager_down_fails(lab: Any, tmp_path: Path) -> None:
+    """nvidia-smi -q: GPU 2's fabric still "In Progress"; then nvidia-fabricmanager stopped."""
+    h = boot(lab, "b200-nvl8")
+    r = h.ssh(["sh", "-c", "cat > /etc/systemd/system/nvidia-fabricmanager.service"], input=FM_UNIT)
+    assert r.returncode == 0, r.stderr
+    r = h.ssh(["sh", "-c", "systemctl daemon-reload && systemctl start nvidia-fabricmanager.service"])
+    assert r.returncode == 0, r.stderr
+    try:
+        c = run_health(h, tmp_path)["fabric"]
+        assert c["outcome"] == "passed", c
+        assert c["summary"] == "fabric trained on 8 GPUs; nvidia-fabricmanager.service active"
+        inject(h, {"gpus": {"0000:52:00.0": {"fabric_state": "In Progress", "fabric_status": "N/A"}}})
+        assert h.ssh(["systemctl", "stop", "nvidia-fabricmanager.service"]).returncode == 0
+        c = run_health(h, tmp_path)["fabric"]
+        assert c["outcome"] == "failed", c
+        assert c["reasons"] == [
+            "GPU 2 (0000:52:00.0): fabric state In Progress (not trained: CUDA fails until it is)",
+            "nvidia-fabricmanager.service: inactive (dead)",
+        ]
+    finally:
+        inject(h, {})
+        h.ssh(
+            [
+                "sh",
+                "-c",
+                "systemctl stop nvidia-fabricmanager.service; rm -f /etc/systemd/system/nvidia-fabricmanager.service; systemctl daemon-reload",
+            ]
+        )

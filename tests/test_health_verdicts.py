@@ -545,3 +545,30 @@ def test_row_remap_pending_or_failed_fails_the_gpu() -> None:
     facts["remap"] = {"ok": False, "error": "nvidia-smi --query-remapped-rows exited 2"}
     v = judge("remapped_rows", facts)
     assert v.ok and v.state["remap_query"] == "nvidia-smi --query-remapped-rows exited 2"
+
+
+def test_fabric_on_nvswitch_models() -> None:
+    """B200: every GPU's fabric Completed/Success and nvidia-fabricmanager active, else fail."""
+    facts = healthy()
+    assert judge("fabric", facts).skip  # RTX PRO 6000: no fabric part gathered
+    for g in facts["gpus"]["gpus"]:
+        g["name"] = "NVIDIA B200"
+    fab = {b: {"state": "Completed", "status": "Success"} for b in BDFS}
+    facts["fabric"] = {
+        "ok": True,
+        "gpus": fab,
+        "unit": "nvidia-fabricmanager.service",
+        "service": {"LoadState": "loaded", "ActiveState": "active", "SubState": "running"},
+    }
+    assert judge("fabric", facts).ok
+    fab[BDFS[1]] = {"state": "In Progress", "status": "N/A"}
+    fab[BDFS[2]] = {"state": "Completed", "status": "Insufficient Resources"}
+    facts["fabric"]["service"] = {"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed"}
+    v = judge("fabric", facts)
+    assert not v.ok and v.reasons == [
+        "GPU 1 (0000:18:00.0): fabric state In Progress (not trained: CUDA fails until it is)",
+        "GPU 2 (0000:3a:00.0): fabric training finished with status Insufficient Resources",
+        "nvidia-fabricmanager.service: failed (failed)",
+    ]
+    params = hm.probe_params(hm.Thresholds.from_vars({}))
+    assert ["B200", True] in params["fabric_models"] and ["RTX PRO 6000", False] in params["fabric_models"]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from pytest_gpuhost.modules.health_fabric import (
     check_acs,
+    check_fabric,
     check_iommu_group_type,
     check_nvlink,
     check_p2p,
@@ -82,6 +83,7 @@ CHECKS: tuple[str, ...] = (
     "sxid",
     "pcie_link",
     "nvlink",
+    "fabric",
     "iommu_group_type",
     "acs",
     "p2p",
@@ -108,6 +110,7 @@ _CHECK_FUNCS: dict[str, Callable[..., Verdict]] = {
     "sxid": check_sxid,
     "pcie_link": check_pcie_link,
     "nvlink": check_nvlink,
+    "fabric": check_fabric,
     "iommu_group_type": check_iommu_group_type,
     "acs": check_acs,
     "p2p": check_p2p,

@@ -139,6 +139,48 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
     return Verdict("nvlink", True, f"all {total} NVLinks up", state=state)
 
 
+def check_fabric(facts: Facts, t: Thresholds) -> Verdict:
+    """On NVSwitch GPU models: every GPU's fabric trained (State Completed, Status Success), FM running.
+
+    Until Fabric Manager has trained the fabric, CUDA fails on those GPUs (error 802, "system
+    not yet initialized"); the probe reads the fabric only for models in thresholds MODELS
+    with `fabric` (B200, H100/H200 SXM).
+    """
+    part = facts.get("fabric")
+    if part is None:
+        return skipped("fabric", "no NVSwitch GPU model on this host (thresholds MODELS: fabric)")
+    got, err = facts_part(facts, "fabric")
+    if got is None:
+        return failed("fabric", f"fabric state unreadable: {err}", [str(err)])
+    smi_gpus, _ = facts_gpus(facts)
+    labels = {str(g.get("bdf")): gpu_label(g) for g in smi_gpus}
+    fab = got.get("gpus") or {}
+    reasons = []
+    for bdf in sorted(set(labels) | set(fab)):
+        label = labels.get(bdf, f"GPU ? ({bdf})")
+        st = fab.get(bdf)
+        if st is None:
+            reasons.append(f"{label}: nvidia-smi -q shows no Fabric section")
+        elif st.get("state") != "Completed":
+            reasons.append(f"{label}: fabric state {st.get('state')} (not trained: CUDA fails until it is)")
+        elif st.get("status") != "Success":
+            reasons.append(f"{label}: fabric training finished with status {st.get('status')}")
+    unit = str(got.get("unit") or "nvidia-fabricmanager.service")
+    svc = got.get("service") or {}
+    active = svc.get("ActiveState")
+    if active != "active":
+        what = (
+            "not installed"
+            if svc.get("LoadState") == "not-found"
+            else (svc.get("error") or f"{active} ({svc.get('SubState')})")
+        )
+        reasons.append(f"{unit}: {what}")
+    state = {"gpus": fab, "service": svc}
+    if reasons:
+        return failed("fabric", reasons[0], reasons, state=state)
+    return Verdict("fabric", True, f"fabric trained on {len(fab)} GPUs; {unit} active", state=state)
+
+
 def _nvidia_devices(facts: Facts) -> tuple[dict[str, Any], str | None]:
     pci, err = facts_part(facts, "pci")
     if pci is None:

@@ -22,6 +22,7 @@ FACT_OF_PART: Mapping[str, str] = {
     "gpus": "health",
     "smi": "health",
     "remap": "health",
+    "fabric": "health",
     "nvlink": "health",
     "p2p": "health",
     "disk": "health",

@@ -14,15 +14,16 @@ __all__ = ["MODELS", "THRESHOLDS", "Threshold", "ThresholdError", "Thresholds", 
 
 #: Per GPU model (text nvidia-smi's name contains, case-insensitive; the first match wins):
 #: `nvlinks`, the NVLinks every GPU of the model must have active (NVIDIA's datasheets: B200 NVLink 5
-#: and H100/H200 SXM NVLink 4 have 18 links per GPU; PCIe cards have none).
+#: and H100/H200 SXM NVLink 4 have 18 links per GPU; PCIe cards have none); `fabric`, the GPUs sit
+#: on NVSwitches (HGX), where Fabric Manager must train the fabric before CUDA can use them.
 MODELS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("B200", {"nvlinks": 18}),
-    ("H100 PCIe", {"nvlinks": 0}),
-    ("H100 NVL", {"nvlinks": 0}),
-    ("H100", {"nvlinks": 18}),
-    ("H200 NVL", {"nvlinks": 0}),
-    ("H200", {"nvlinks": 18}),
-    ("RTX PRO 6000", {"nvlinks": 0}),
+    ("B200", {"nvlinks": 18, "fabric": True}),
+    ("H100 PCIe", {"nvlinks": 0, "fabric": False}),
+    ("H100 NVL", {"nvlinks": 0, "fabric": False}),
+    ("H100", {"nvlinks": 18, "fabric": True}),
+    ("H200 NVL", {"nvlinks": 0, "fabric": False}),
+    ("H200", {"nvlinks": 18, "fabric": True}),
+    ("RTX PRO 6000", {"nvlinks": 0, "fabric": False}),
 )
 
 
@@ -184,4 +185,10 @@ def probe_params(t: Thresholds) -> dict[str, Any]:
         if t["service_port"] is not None and i == 0:
             svc["url"] = f"http://127.0.0.1:{int(t['service_port'])}{t['service_health_path']}"
         services.append(svc)
-    return {"data_paths": list(t["data_paths"]), "services": services, "timeout": t["probe_timeout"]}
+    return {
+        "data_paths": list(t["data_paths"]),
+        "services": services,
+        "timeout": t["probe_timeout"],
+        # the probe reads the fabric (nvidia-smi -q) only on GPUs of these models: first match wins
+        "fabric_models": [[key, bool(spec.get("fabric"))] for key, spec in MODELS],
+    }

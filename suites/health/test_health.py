@@ -67,8 +67,13 @@ def test_pcie_link(judge: Judge) -> None:
 
 
 def test_nvlink(judge: Judge) -> None:
-    """Every NVLink is up (skipped on hosts without NVLink)."""
+    """Every NVLink is up, as many active as the GPU model has (skipped on hosts without NVLink)."""
     judge("nvlink")
+
+
+def test_fabric(judge: Judge) -> None:
+    """On NVSwitch GPU models: the fabric is trained on every GPU and Fabric Manager runs."""
+    judge("fabric")
 
 
 def test_iommu_group_type(judge: Judge) -> None:

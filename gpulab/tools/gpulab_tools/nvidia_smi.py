@@ -369,6 +369,14 @@ def query_all(host: Host, ids: str | None) -> None:
         kv("DRAM Uncorrectable", h.get("ecc_uncorrected", 0), 12)
         o.append("    Remapped Rows")
         kv("Remapping Failure Occurred", "Yes" if h.get("remapped_rows_failure") else "No", 8)
+        # Fabric, as nvidia-smi -q prints it (R535+): State Not Started / In Progress / Completed
+        # and Status Success or the error, N/A for both on a GPU without NVSwitches (NVIDIA's
+        # nvidia-smi documentation, "Fabric"; HGX driver output). Faults fabric_state/fabric_status.
+        fault = (host.faults.get("gpus") or {}).get(g.bdf, {})
+        on_fabric = bool(h.get("nvlinks"))
+        o.append("    Fabric")
+        kv("State", fault.get("fabric_state", "Completed" if on_fabric else "N/A"), 8)
+        kv("Status", fault.get("fabric_status", "Success" if on_fabric else "N/A"), 8)
         o.append("    Temperature")
         kv("GPU Current Temp", f"{h.get('temperature', 35)} C", 8)
         o.append("    Processes")

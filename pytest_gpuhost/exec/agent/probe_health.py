@@ -17,7 +17,7 @@ import time
 from pytest_gpuhost.exec.agent.core import fact, read_str, read_text, run_process, state_path
 
 STATE_FILE = "health-state.json"  # under the agent's state directory (state_path)
-PARTS = ("gpus", "smi", "remap", "nvlink", "p2p", "disk")
+PARTS = ("gpus", "smi", "fabric", "remap", "nvlink", "p2p", "disk")
 # Row remapping has a query of its own (nvidia-smi --help-query-remapped-rows), on GPUs that remap
 # rows (A100 and later data-center GPUs): pending means a GPU reset is needed to apply a remap.
 REMAP_FIELDS = (
@@ -253,6 +253,63 @@ def part_remap(params, record):
     return {"ok": True, "gpus": gpus}
 
 
+FABRIC_UNIT = (
+    "nvidia-fabricmanager.service"  # NVIDIA Fabric Manager user guide: systemctl start nvidia-fabricmanager
+)
+
+
+def fabric_wanted(params, gpus):
+    """Return True when a GPU's model sits on NVSwitches (params' fabric_models, first match wins)."""
+    for g in gpus:
+        name = str(g.get("name") or "").lower()
+        for key, on in params.get("fabric_models") or []:
+            if key.lower() in name:
+                if on:
+                    return True
+                break
+    return False
+
+
+def part_fabric(params, record):
+    """Each GPU's fabric State/Status from `nvidia-smi -q`, and the Fabric Manager unit's state.
+
+    nvidia-smi -q prints, per GPU (under "GPU 00000000:1B:00.0"), a section
+    "    Fabric" with "        State : Completed" and "        Status : Success" (N/A off NVSwitch).
+    """
+    timeout = float(params.get("timeout", 20))
+    res = _cmd(["nvidia-smi", "-q"], timeout, record)
+    if res["rc"] != 0:
+        return {"ok": False, "error": _cmd_error(res, "nvidia-smi -q")}
+    gpus = {}  # type: dict
+    bdf = None
+    in_fabric = False
+    for line in res["stdout"].splitlines():
+        m = re.match(r"^GPU ([0-9A-Fa-f]+:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*$", line)
+        if m:
+            bdf, in_fabric = short_bdf(m.group(1)), False
+            continue
+        indent = len(line) - len(line.lstrip())
+        if bdf and line.strip() == "Fabric" and indent == 4:
+            in_fabric = True
+            gpus[bdf] = {"state": None, "status": None}
+            continue
+        if in_fabric and indent <= 4:
+            in_fabric = False
+        if in_fabric and indent == 8 and ":" in line:
+            key, _, value = line.partition(":")
+            if key.strip() in ("State", "Status"):
+                gpus[bdf][key.strip().lower()] = value.strip()
+    show = _cmd(
+        ["systemctl", "show", "-p", "LoadState", "-p", "ActiveState", "-p", "SubState", FABRIC_UNIT],
+        timeout,
+        record,
+    )
+    unit = dict(ln.partition("=")[::2] for ln in show.get("stdout", "").splitlines() if "=" in ln)
+    if show["rc"] != 0 and not unit:
+        unit = {"error": _cmd_error(show, "systemctl show " + FABRIC_UNIT)}
+    return {"ok": True, "gpus": gpus, "unit": FABRIC_UNIT, "service": unit}
+
+
 def part_nvlink(params, record):
     res = _cmd(["nvidia-smi", "nvlink", "-s"], float(params.get("timeout", 20)), record)
     if res["rc"] != 0 and not res["stdout"].strip():
@@ -348,6 +405,14 @@ def gather(params, parts):
             results["smi"] = part_smi(params, rec, drivers[0] if len(drivers) == 1 else None)
         except Exception as exc:
             results["smi"] = _failure(exc)
+        if "fabric" in parts and fabric_wanted(params, gpus):
+            # only on NVSwitch models: one more nvidia-smi start, where the fabric exists
+            rec = []
+            records["fabric"] = rec
+            try:
+                results["fabric"] = part_fabric(params, rec)
+            except Exception as exc:
+                results["fabric"] = _failure(exc)
 
     jobs = [(n, work, (n,)) for n in parts if n in FUNCS and not (n == "gpus" and "smi" in parts)]  # type: list
     if "smi" in parts:
