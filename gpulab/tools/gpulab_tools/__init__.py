@@ -184,7 +184,8 @@ def load_faults() -> dict[str, Any]:
     and ``gpus: {BDF: {"nvml_error": "GPU requires reset"}}`` (the GPU's state cells print that NVML
     error in brackets, as nvidia-smi prints nvmlErrorString for a GPU in an error state;
     ``remapped_rows_pending``/``_correctable``/``_uncorrectable``: what ``--query-remapped-rows``
-    prints for it). Written by
+    prints for it; ``nvlinks_down``: ``"all"`` or link numbers, for ``nvlink -s``; ``fabric_state``,
+    ``fabric_status``: the Fabric section of ``-q``; docs/health-checks.md lists them). Written by
     tests over SSH; a runtime fault, not part of the profile.
     """
     try:
