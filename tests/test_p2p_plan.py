@@ -174,8 +174,9 @@ def test_expected_bandwidth_and_thresholds() -> None:
     assert p2p.expected_gbps(gen5, {"speed": "32.0 GT/s PCIe", "width": 8}) == 31.5  # the narrower link
     assert p2p.expected_gbps(gen5, gen5, "NV18", "NVIDIA H100 80GB HBM3") == 450.0
     assert p2p.expected_gbps(gen5, gen5, "NV18", "NVIDIA B200") == 900.0
+    ok = {(x, y): "OK" for x in "abc" for y in "abc" if x != y}
     m = p2p.P2PMatrix(
-        ["a", "b", "c"], {("a", "b"): 52.0, ("b", "a"): 51.0, ("a", "c"): 12.0, ("c", "a"): None}, "test"
+        ["a", "b", "c"], {("a", "b"): 52.0, ("b", "a"): 51.0, ("a", "c"): 12.0, ("c", "a"): None}, "test", ok
     )
     links = {x: gen5 for x in "abc"}
     verdicts = {(v.a, v.b): v for v in p2p.judge(m, links)}
@@ -187,6 +188,21 @@ def test_expected_bandwidth_and_thresholds() -> None:
         p2p.norm_bdf("00000000:3A:00.0") == "0000:3a:00.0"
         and p2p.norm_bdf("00000000:34:00") == "0000:34:00.0"
     )
+
+
+def test_bandwidth_without_p2p_capability_never_passes() -> None:
+    """Host-staged copies reach ~37 GB/s on Gen5 with P2P off (NVIDIA/nccl#1264): capability gates each pair."""
+    gen5 = {"speed": "32.0 GT/s PCIe", "width": 16}
+    links = {x: gen5 for x in "ab"}
+    values: dict[tuple[str, str], float | None] = {("a", "b"): 52.0, ("b", "a"): 52.0}
+    for caps in ({("a", "b"): "CNS", ("b", "a"): "NS"}, {}):
+        verdicts = p2p.judge(p2p.P2PMatrix(["a", "b"], values, "test", caps), links)
+        assert [v.ok for v in verdicts] == [False, False]
+        assert "no P2P" in verdicts[0].describe() and "bandwidth is no proof" in verdicts[0].describe()
+    verdicts = p2p.judge(
+        p2p.P2PMatrix(["a", "b"], values, "test", {("a", "b"): "OK", ("b", "a"): "OK"}), links
+    )
+    assert [v.ok for v in verdicts] == [True, True]
 
 
 class _Writer:

@@ -262,18 +262,39 @@ class PairVerdict:
     capability: str | None
 
     @property
+    def capable(self) -> bool:
+        """True when NVML / `nvidia-smi topo -p2p r` reports P2P reads OK for the pair.
+
+        Bandwidth alone proves nothing: with P2P off, host-staged copies reach ~37 GB/s on Gen5
+        (NVIDIA/nccl#1264), above a PCIe threshold. Unknown capability is not proof either.
+        """
+        return self.capability == "OK"
+
+    @property
     def ok(self) -> bool:
-        """True when the pair was measured at or above its threshold."""
-        return self.gbps is not None and self.threshold is not None and self.gbps >= self.threshold
+        """True when the pair is P2P capable and was measured at or above its threshold."""
+        return (
+            self.capable
+            and self.gbps is not None
+            and self.threshold is not None
+            and self.gbps >= self.threshold
+        )
 
     def describe(self) -> str:
         """Return "0000:17:00.0 -> 0000:18:00.0: 12.1 GB/s < 37.8 (expected 63.0, OK)"."""
         got = "not measured" if self.gbps is None else f"{self.gbps:g} GB/s"
-        rel = ">=" if self.ok else "<"
+        above = self.gbps is not None and self.threshold is not None and self.gbps >= self.threshold
+        rel = ">=" if above else "<"
         exp = f"expected {self.expected:g}" if self.expected else "expected unknown"
         thr = "?" if self.threshold is None else f"{self.threshold:g}"
         cap = f", capability {self.capability}" if self.capability else ""
-        return f"{self.a} -> {self.b}: {got} {rel} {thr} ({exp}{cap})"
+        line = f"{self.a} -> {self.b}: {got} {rel} {thr} ({exp}{cap})"
+        if not self.capable:
+            line += (
+                f": no P2P (capability {self.capability or 'unknown'}): copies go through host memory, "
+                "bandwidth is no proof"
+            )
+        return line
 
 
 def judge(
