@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 
-from pytest_gpuhost.exec.agent.core import fact, read_str, read_text, run_process, state_path
+from pytest_gpuhost.exec.agent.core import fact, read_str, read_text, run_recorded, state_path
 
 STATE_FILE = "health-state.json"  # under the agent's state directory (state_path)
 PARTS = ("gpus", "smi", "fabric", "remap", "nvlink", "p2p", "disk")
@@ -61,23 +61,6 @@ FIELD_RENAMED = {"clocks_throttle_reasons.active": "clocks_event_reasons.active"
 NO_VALUE = ("N/A", "Not Supported")
 _BAD_FIELD = re.compile(r'Field "([^"]+)" is not a valid field to query')
 _BUS_ID = re.compile(r"^([0-9a-f]+):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
-_KEEP = 8192  # bytes of each command's output kept in the evidence
-
-
-def _cmd(argv, timeout, record):
-    """Run argv with the agent's runner; keep a trimmed copy for the evidence."""
-    res = run_process(argv=argv, timeout=timeout)
-    record.append(
-        {
-            "argv": list(argv),
-            "rc": res["rc"],
-            "stdout": res.get("stdout", "")[:_KEEP],
-            "stderr": res.get("stderr", "")[:_KEEP],
-            "duration": round(res.get("duration", 0.0), 4),
-            "timed_out": res.get("timed_out", False),
-        }
-    )
-    return res
 
 
 def _cmd_error(res, what):
@@ -123,7 +106,7 @@ def part_gpus(params, record):
     dropped = []
     renamed = {}  # type: dict
     for _ in range(2 * len(fields)):
-        res = _cmd(
+        res = run_recorded(
             ["nvidia-smi", "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"],
             timeout,
             record,
@@ -214,7 +197,7 @@ def part_smi(params, record, driver=None):
                 "at": cached.get("at"),
             },
         }
-    res = _cmd(["nvidia-smi"], float(params.get("timeout", 20)), record)
+    res = run_recorded(["nvidia-smi"], float(params.get("timeout", 20)), record)
     if res["rc"] != 0:
         return {"ok": False, "error": _cmd_error(res, "nvidia-smi")}
     out = {"ok": True, "cuda_version": None, "driver_version": None}  # type: dict
@@ -229,7 +212,7 @@ def part_smi(params, record, driver=None):
 
 def part_remap(params, record):
     """Read every GPU's row-remapping counters and flags with `--query-remapped-rows`."""
-    res = _cmd(
+    res = run_recorded(
         ["nvidia-smi", "--query-remapped-rows=" + ",".join(REMAP_FIELDS), "--format=csv,noheader,nounits"],
         float(params.get("timeout", 20)),
         record,
@@ -277,7 +260,7 @@ def part_fabric(params, record):
     "    Fabric" with "        State : Completed" and "        Status : Success" (N/A off NVSwitch).
     """
     timeout = float(params.get("timeout", 20))
-    res = _cmd(["nvidia-smi", "-q"], timeout, record)
+    res = run_recorded(["nvidia-smi", "-q"], timeout, record)
     if res["rc"] != 0:
         return {"ok": False, "error": _cmd_error(res, "nvidia-smi -q")}
     gpus = {}  # type: dict
@@ -299,7 +282,7 @@ def part_fabric(params, record):
             key, _, value = line.partition(":")
             if key.strip() in ("State", "Status"):
                 gpus[bdf][key.strip().lower()] = value.strip()
-    show = _cmd(
+    show = run_recorded(
         ["systemctl", "show", "-p", "LoadState", "-p", "ActiveState", "-p", "SubState", FABRIC_UNIT],
         timeout,
         record,
@@ -311,7 +294,7 @@ def part_fabric(params, record):
 
 
 def part_nvlink(params, record):
-    res = _cmd(["nvidia-smi", "nvlink", "-s"], float(params.get("timeout", 20)), record)
+    res = run_recorded(["nvidia-smi", "nvlink", "-s"], float(params.get("timeout", 20)), record)
     if res["rc"] != 0 and not res["stdout"].strip():
         return {"ok": False, "error": _cmd_error(res, "nvidia-smi nvlink -s")}
     gpus = {}
@@ -336,7 +319,7 @@ def part_nvlink(params, record):
 
 
 def part_p2p(params, record):
-    res = _cmd(["nvidia-smi", "topo", "-p2p", "r"], float(params.get("timeout", 20)), record)
+    res = run_recorded(["nvidia-smi", "topo", "-p2p", "r"], float(params.get("timeout", 20)), record)
     if res["rc"] != 0:
         return {"ok": False, "error": _cmd_error(res, "nvidia-smi topo -p2p r")}
     labels = []  # type: list

@@ -15,14 +15,13 @@ import os
 import re
 import time
 
-from pytest_gpuhost.exec.agent.core import OpError, fact, op, read_str, read_text, run_process, state_path
+from pytest_gpuhost.exec.agent.core import OpError, fact, op, read_str, read_text, run_recorded, state_path
 
 STATE_FILE = "health-state.json"  # under the agent's state directory (state_path)
 _ISO = re.compile(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:[,.](\d+))?(Z|[+-]\d\d:?\d\d)?\s+(.*)$")
 _RAW = re.compile(r"^\[\s*(\d+(?:\.\d+)?)\]\s?(.*)$")
 _XID = re.compile(r"\bXid \(PCI:([0-9A-Fa-f:.]+)\):\s*(\d+)\b,?\s*(.*)$")
 _SXID = re.compile(r"\bSXid \(PCI:([0-9A-Fa-f:.]+)\):\s*(\d+)\b,?\s*(.*)$")
-_KEEP = 8192  # bytes of each command's output kept in the evidence
 
 
 def read_state(path):
@@ -38,21 +37,6 @@ def read_state(path):
     if not isinstance(state, dict):
         return None, f"{path}: not an object; treating as first run"
     return state, None
-
-
-def _run(argv, timeout, record):
-    res = run_process(argv=argv, timeout=timeout)
-    record.append(
-        {
-            "argv": list(argv),
-            "rc": res["rc"],
-            "stdout": res.get("stdout", "")[:_KEEP],
-            "stderr": res.get("stderr", "")[:_KEEP],
-            "duration": round(res.get("duration", 0.0), 4),
-            "timed_out": res.get("timed_out", False),
-        }
-    )
-    return res
 
 
 def _iso_epoch(m):
@@ -80,10 +64,10 @@ def _line_key(ts, msg):
 
 def _dmesg_lines(timeout, record):
     """Return (lines as (epoch, message), mode, failed result or None)."""
-    res = _run(["dmesg", "--time-format", "iso"], timeout, record)
+    res = run_recorded(["dmesg", "--time-format", "iso"], timeout, record)
     mode = "iso"
     if res["rc"] != 0:
-        res = _run(["dmesg"], timeout, record)
+        res = run_recorded(["dmesg"], timeout, record)
         mode = "raw"
     if res["rc"] != 0:
         return [], mode, res

@@ -10,14 +10,13 @@ import errno
 import os
 import re
 
-from pytest_gpuhost.exec.agent.core import fact, link_name, read_str, read_text, run_process
+from pytest_gpuhost.exec.agent.core import fact, link_name, read_str, read_text, run_recorded
 
 SYS_PCI = "/sys/bus/pci/devices"
 NVIDIA_DRIVER = "/sys/bus/pci/drivers/nvidia"  # a link per function bound to nvidia
 ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
 GPU_CLASSES = ("0x0300", "0x0302")  # PCI class code: VGA-compatible, 3D controller
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-_KEEP = 8192  # bytes of each command's output kept in the evidence
 
 
 def _acs_from_config(bdf):
@@ -49,17 +48,7 @@ def _acs_from_config(bdf):
 
 
 def _acs_from_lspci(bdf, timeout, record):
-    res = run_process(argv=["lspci", "-vvv", "-s", bdf], timeout=timeout)
-    record.append(
-        {
-            "argv": ["lspci", "-vvv", "-s", bdf],
-            "rc": res["rc"],
-            "stdout": res.get("stdout", "")[:_KEEP],
-            "stderr": res.get("stderr", "")[:_KEEP],
-            "duration": round(res.get("duration", 0.0), 4),
-            "timed_out": res.get("timed_out", False),
-        }
-    )
+    res = run_recorded(["lspci", "-vvv", "-s", bdf], timeout, record)
     if res["rc"] != 0 or not res["stdout"].strip():
         return None
     out = res["stdout"]

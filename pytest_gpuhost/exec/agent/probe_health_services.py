@@ -8,11 +8,10 @@ import re
 import socket
 import time
 
-from pytest_gpuhost.exec.agent.core import fact, run_process
+from pytest_gpuhost.exec.agent.core import fact, run_recorded
 
 SHOW = "LoadState,ActiveState,SubState,MainPID,Result,NRestarts"
 _LOCAL_URL = re.compile(r"^http://(127\.0\.0\.1|localhost|\[::1\])(?::(\d{1,5}))?(/\S*)$")
-_KEEP = 8192  # bytes of each command's output kept in the evidence
 
 
 def http_get(url, timeout):
@@ -64,17 +63,7 @@ def http_get(url, timeout):
 
 def _show(unit, timeout, record):
     argv = ["systemctl", "show", "-p", SHOW, "--", unit]
-    res = run_process(argv=argv, timeout=timeout)
-    record.append(
-        {
-            "argv": argv,
-            "rc": res["rc"],
-            "stdout": res.get("stdout", "")[:_KEEP],
-            "stderr": res.get("stderr", "")[:_KEEP],
-            "duration": round(res.get("duration", 0.0), 4),
-            "timed_out": res.get("timed_out", False),
-        }
-    )
+    res = run_recorded(argv, timeout, record)
     return res
 
 
