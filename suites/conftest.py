@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from suites.decommission import options as decommission_options
-from suites.health import options as health_options
-from suites.p2p import options as p2p_options
+from .decommission import options as decommission_options
+from .health import options as health_options
+from .p2p import options as p2p_options
 
 _SUITES = (p2p_options, decommission_options, health_options)
 

@@ -15,8 +15,9 @@ from pytest_gpuhost.modules.s3 import parse_s3_url
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Remediation, WouldFix
 from pytest_gpuhost.run.targets_stash import targets_key
-from suites.decommission import options
-from suites.decommission.node import Decommission
+
+from . import options
+from .node import Decommission
 
 
 def _progress_sink(config: pytest.Config) -> Any:

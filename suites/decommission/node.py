@@ -8,10 +8,10 @@ is `test_<name>`, its remediation `<name>` with spaces ("gpus idle"), its builde
 
 from __future__ import annotations
 
-from suites.decommission.notes import STEPS, NotesSteps
-from suites.decommission.state import APPS_QUERY, GPU_QUERY
-from suites.decommission.stop import StopSteps
-from suites.decommission.transfer import TransferSteps
+from .notes import STEPS, NotesSteps
+from .state import APPS_QUERY, GPU_QUERY
+from .stop import StopSteps
+from .transfer import TransferSteps
 
 __all__ = ["APPS_QUERY", "GPU_QUERY", "STEPS", "Decommission"]
 

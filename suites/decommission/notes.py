@@ -12,7 +12,8 @@ from pytest_gpuhost.modules.s3 import items_from_backup
 from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
-from suites.decommission.state import DecommissionState
+
+from .state import DecommissionState
 
 __all__ = ["STEPS", "NotesSteps", "verdict"]
 

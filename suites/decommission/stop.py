@@ -10,7 +10,8 @@ from pytest_gpuhost.modules.process import Proc, ProcessTable, stop_processes
 from pytest_gpuhost.redact import redact_obj
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
-from suites.decommission.state import APPS_QUERY, GPU_QUERY, DecommissionState, csv_rows, mb
+
+from .state import APPS_QUERY, GPU_QUERY, DecommissionState, csv_rows, mb
 
 __all__ = ["StopSteps"]
 

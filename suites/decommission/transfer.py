@@ -8,7 +8,8 @@ from pytest_gpuhost.modules.backup import BackupPlan, RemoteFile
 from pytest_gpuhost.modules.s3 import item_for, items_from_backup
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
-from suites.decommission.state import DecommissionState, mb
+
+from .state import DecommissionState, mb
 
 __all__ = ["TransferSteps"]
 

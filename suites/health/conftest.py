@@ -22,7 +22,8 @@ from pytest_gpuhost.modules import health as hm
 from pytest_gpuhost.modules import health_facts
 from pytest_gpuhost.run import evidence, scheduling
 from pytest_gpuhost.run.remediation import Action, Check
-from suites.health import options
+
+from . import options
 
 _HOSTS = pytest.StashKey[dict[str, "HostHealth"]]()
 _PREFETCHED = pytest.StashKey[threading.Thread]()

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from suites.p2p import options
-from suites.p2p.procedure import P2PProcedure
+from . import options
+from .procedure import P2PProcedure
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,9 @@ from urllib.parse import urlparse
 import pytest
 
 from pytest_gpuhost.run.options import BadValue, Option, number, read, register
-from suites.p2p.plan import parse_gpus_option
-from suites.p2p.procedure import P2POptions
+
+from .plan import parse_gpus_option
+from .procedure import P2POptions
 
 __all__ = ["OPTIONS", "addoption", "options", "validate"]
 

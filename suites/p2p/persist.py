@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from suites.p2p.plan import P2PPlan
+from .plan import P2PPlan
 
 __all__ = ["SCRIPT", "UNIT", "UNIT_NAME", "boot_identity", "recorded_functions", "script_text", "unit_text"]
 

@@ -16,7 +16,8 @@ from pytest_gpuhost.modules import gpu, iommu, pci
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
-from suites.p2p.state import P2PState
+
+from .state import P2PState
 
 __all__ = ["PrepareSteps"]
 

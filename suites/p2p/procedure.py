@@ -13,9 +13,10 @@ named `<name>` with spaces ("iommu groups identity"), the method that builds it 
 from __future__ import annotations
 
 from pytest_gpuhost.run.procedure import ProcedureError
-from suites.p2p.prepare import PrepareSteps
-from suites.p2p.restore import RestoreSteps
-from suites.p2p.state import P2POptions
+
+from .prepare import PrepareSteps
+from .restore import RestoreSteps
+from .state import P2POptions
 
 __all__ = ["P2POptions", "P2PProcedure", "ProcedureError"]
 

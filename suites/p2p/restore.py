@@ -10,8 +10,9 @@ from pytest_gpuhost.modules.service import check_health, nccl_transport
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
-from suites.p2p import persist
-from suites.p2p.state import P2PState
+
+from . import persist
+from .state import P2PState
 
 __all__ = ["RestoreSteps"]
 

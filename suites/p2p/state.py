@@ -17,8 +17,9 @@ from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import Procedure, ProcedureError
 from pytest_gpuhost.run.remediation import Action
-from suites.p2p import persist
-from suites.p2p.plan import P2PPlan, make_plan
+
+from . import persist
+from .plan import P2PPlan, make_plan
 
 __all__ = ["HOST_FACTS", "P2POptions", "P2PState"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from suites.p2p.procedure import P2PProcedure
+from .procedure import P2PProcedure
 
 pytestmark = pytest.mark.gpuhost_procedure
 
