@@ -140,7 +140,11 @@ def test_boot_script_touches_exactly_the_planned_groups(tmp_path: Path) -> None:
     script.write_text(text)
     assert subprocess.run(["sh", "-n", str(script)], capture_output=True).returncode == 0
     unit = persist.unit_text()
-    assert "Before=nvidia-persistenced.service pve-guests.service" in unit and "Type=oneshot" in unit
+    assert "Before=nvidia-persistenced.service pve-ha-lrm.service pve-guests.service" in unit
+    assert (
+        "Type=oneshot" in unit and "WantedBy=multi-user.target" in unit and "DefaultDependencies" not in unit
+    )
+    assert "trap finish EXIT" in text and text.index("rebind_all() {") < text.index("group_identity 30")
     assert "gpu_users" in text and "blocked for 10 s" in text  # never blocks the boot on a GPU in use
 
 

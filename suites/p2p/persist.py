@@ -1,9 +1,17 @@
 """The boot-time half of the fix: a systemd oneshot unit that puts the in-scope groups in identity.
 
-The unit runs before nvidia-persistenced and before containers and VMs start (pve-guests,
-lxc), unbinds the functions of each in-scope group that is not identity yet, writes identity,
-and rebinds them in the original order: exactly the groups this run repaired, nothing else.
-A group whose function sits on vfio-pci at boot is left alone.
+The unit runs after udev coldplug and module loading, and before the GPUs' users start
+(nvidia-persistenced, pve-ha-lrm, pve-guests, lxc, docker); it unbinds the functions of each
+in-scope group that is not identity yet, writes identity, and rebinds them in the original order:
+exactly the groups this run repaired, nothing else. A group whose function sits on vfio-pci at
+boot is left alone. Whatever ends the script (a blocked unbind, an error, SIGTERM at the unit's
+timeout), its EXIT trap binds every recorded function that has no driver again.
+
+Why a unit and not a ``modprobe.d`` ``install nvidia ...`` hook: see suites/p2p/README.md
+("The boot unit"): in short, an install command replaces the module load itself (modprobe.d(5)),
+so a failing hook leaves every GPU without its driver, it runs inside udev's worker under
+udev's event timeout or inside the initramfs where the script does not exist, and the lab (and
+any host) can check a unit's ordering with systemd itself.
 """
 
 from __future__ import annotations
@@ -13,11 +21,34 @@ import shlex
 
 from .plan import P2PPlan
 
-__all__ = ["SCRIPT", "UNIT", "UNIT_NAME", "boot_identity", "recorded_functions", "script_text", "unit_text"]
+__all__ = [
+    "GPU_USERS",
+    "SCRIPT",
+    "UNIT",
+    "UNIT_NAME",
+    "boot_identity",
+    "recorded_functions",
+    "script_text",
+    "unit_text",
+]
 
 UNIT_NAME = "gpuhost-iommu-identity.service"
 UNIT = f"/etc/systemd/system/{UNIT_NAME}"
 SCRIPT = "/usr/local/sbin/gpuhost-iommu-identity"
+
+# Units that use the GPUs or start guests that do. Proxmox: pve-guests.service starts the guests
+# marked onboot (pve-manager services/pve-guests.service: After=pve-ha-lrm.service, ExecStart=
+# pvesh create /nodes/localhost/startall); HA-managed guests are started by pve-ha-lrm.service
+# instead (pve-ha-manager debian/pve-ha-lrm.service, WantedBy=multi-user.target, no ordering
+# against pve-guests), so both must wait for this unit.
+GPU_USERS = (
+    "nvidia-persistenced.service",
+    "pve-ha-lrm.service",
+    "pve-guests.service",
+    "lxc.service",
+    "docker.service",
+    "containerd.service",
+)
 
 _HEADER = """#!/bin/sh
 # Installed by pytest-gpuhost suites/p2p: IOMMU groups of the GPUs used peer to peer -> identity.
@@ -27,7 +58,7 @@ rc=0
 UNIT=gpuhost-iommu-identity.service
 driver_of() { d=$(readlink "/sys/bus/pci/devices/$1/driver" 2>/dev/null) && basename "$d"; }
 gpu_users() {  # PIDs with a /dev/nvidiaN open: an nvidia unbind would block until they exit
-  find /proc/[0-9]*/fd -lname '/dev/nvidia[0-9]*' 2>/dev/null | cut -d/ -f3 | sort -u | tr '\\n' ' '
+  find /proc/[0-9]*/fd -lname '/dev/nvidia[0-9]*' 2>/dev/null | cut -d/ -f3 | sort -u | tr '\n' ' '
 }
 unbind() {  # BDF DRIVER; a write blocked in the kernel cannot be killed: never wait on it > 10 s
   ( echo "$1" > "/sys/bus/pci/drivers/$2/unbind" ) & w=$!
@@ -36,7 +67,7 @@ unbind() {  # BDF DRIVER; a write blocked in the kernel cannot be killed: never 
     n=$((n + 1))
     if [ "$n" -gt 500 ]; then
       echo "unbind $1 from $2 blocked for 10 s (the GPU is in use): stopping here, the write is left to the kernel" >&2
-      rc=1; exit $rc
+      rc=1; exit $rc  # the EXIT trap binds what this script unbound
     fi
     sleep 0.02
   done
@@ -59,10 +90,23 @@ group_identity() {  # group, then BDF=DRIVER pairs
   done
   echo identity > "/sys/kernel/iommu_groups/$g/type" || { echo "group $g: identity refused" >&2; rc=1; }
 }
-rebind() {  # BDF DRIVER
+rebind() {  # BDF DRIVER; the driver's module is loaded first if it is not yet
   driver_of "$1" >/dev/null && return 0
+  [ -d "/sys/bus/pci/drivers/$2" ] || modprobe "$2" 2>/dev/null || true
   echo "$1" > "/sys/bus/pci/drivers/$2/bind" || { echo "bind $1 to $2 failed" >&2; rc=1; }
 }
+finish() {  # EXIT trap: whatever ended the script, every recorded function without a driver is bound
+  trap - EXIT HUP INT TERM
+  rebind_all
+  exit $rc
+}
+"""
+
+_START = """trap finish EXIT
+trap 'rc=1; exit 1' HUP INT TERM
+# udev coldplug may still be loading nvidia and running its rules, which open the device
+# (udevadm(8) settle: wait until the event queue is empty); bounded, never fatal
+if command -v udevadm >/dev/null 2>&1; then udevadm settle --timeout=60 >/dev/null 2>&1 || true; fi
 """
 
 
@@ -76,14 +120,19 @@ def boot_identity(cmdline: str) -> str | None:
 
 
 def script_text(plan: P2PPlan) -> str:
-    """Return the boot script for the plan's in-scope groups (deterministic: same plan, same text)."""
-    lines = [_HEADER]
-    for g in plan.groups:
-        pairs = " ".join(shlex.quote(f"{f.bdf}={f.driver}") for f in g.unbind_order)
-        lines.append(f"group_identity {int(g.number)} {pairs}")
+    """Return the boot script for the plan's in-scope groups (deterministic: same plan, same text).
+
+    The rebind lines live in ``rebind_all``, run by the EXIT trap, so they run however the
+    script ends (a blocked unbind exits early; a bug under ``set -u`` too).
+    """
+    lines = [_HEADER, "rebind_all() {  # every recorded function, in the original minor order"]
     for f in plan.rebind_order:
         minor = "" if f.minor is None or not f.is_gpu else f"  # gpu minor {int(f.minor)}"
         lines.append(f"rebind {shlex.quote(f.bdf)} {shlex.quote(f.driver)}{minor}")
+    lines += [":", "}", _START]
+    for g in plan.groups:
+        pairs = " ".join(shlex.quote(f"{f.bdf}={f.driver}") for f in g.unbind_order)
+        lines.append(f"group_identity {int(g.number)} {pairs}")
     lines.append("exit $rc")
     return "\n".join(lines) + "\n"
 
@@ -113,16 +162,19 @@ def recorded_functions(script: str) -> dict[str, dict[str, object]]:
 
 
 def unit_text() -> str:
-    """Return the unit file: a oneshot ordered before the GPUs' users start."""
+    """Return the unit file: a oneshot after udev coldplug and module loading, before the GPUs' users.
+
+    Default dependencies stay on: After=sysinit.target and basic.target (systemd.special(7),
+    bootup(7)), so systemd-udev-trigger (coldplug) and systemd-modules-load have run; the script
+    then waits for udev's queue. ``WantedBy=multi-user.target`` pulls it into every normal boot;
+    ``Before=`` the GPU users orders them after it (systemd.unit(5): Wants/WantedBy order nothing).
+    """
     return (
         "# Installed by pytest-gpuhost suites/p2p\n"
         "[Unit]\n"
         "Description=Put the IOMMU groups of peer-to-peer GPUs in identity mode (pytest-gpuhost)\n"
-        "DefaultDependencies=no\n"
-        "After=local-fs.target systemd-modules-load.service\n"
-        "Before=nvidia-persistenced.service pve-guests.service lxc.service docker.service "
-        "containerd.service multi-user.target shutdown.target\n"
-        "Conflicts=shutdown.target\n"
+        "After=systemd-udev-trigger.service systemd-modules-load.service local-fs.target\n"
+        f"Before={' '.join(GPU_USERS)}\n"
         "\n"
         "[Service]\n"
         "Type=oneshot\n"
@@ -133,5 +185,5 @@ def unit_text() -> str:
         "TimeoutStartSec=300\n"
         "\n"
         "[Install]\n"
-        "WantedBy=sysinit.target\n"
+        "WantedBy=multi-user.target\n"
     )

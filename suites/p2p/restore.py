@@ -218,7 +218,7 @@ class RestoreSteps(P2PState):
             for argv in (
                 ["chmod", "0755", persist.SCRIPT],
                 ["systemctl", "daemon-reload"],
-                ["systemctl", "enable", persist.UNIT_NAME],
+                ["systemctl", "reenable", persist.UNIT_NAME],  # drops links of an older [Install]
             ):
                 r = self.conn.run(argv, timeout=60)
                 if r.rc != 0:

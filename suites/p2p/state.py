@@ -432,7 +432,7 @@ class P2PState(Procedure):
             Action("install the boot script", f"write {persist.SCRIPT} (mode 0755)", t, False),
             Action("install the unit", f"write {persist.UNIT}", t, False),
             Action("reload systemd", "systemctl daemon-reload", t, False),
-            Action("enable the unit", f"systemctl enable {persist.UNIT_NAME}", t, False),
+            Action("enable the unit", f"systemctl reenable {persist.UNIT_NAME}", t, False),
         ]
 
     def start_action(self, destructive: bool = True) -> Action:
