@@ -15,7 +15,13 @@ import tempfile
 
 import pytest
 
-pytest_plugins = ["pytester", "tests.helpers.sshd", "tests.helpers.s3server", "gpulab.pytest_fixtures"]
+pytest_plugins = [
+    "pytester",
+    "tests.helpers.sshd",
+    "tests.helpers.s3server",
+    "gpulab.pytest_fixtures",
+    "gpulab.slurm_fixtures",
+]
 
 
 def pytest_configure(config: pytest.Config) -> None:
