@@ -15,6 +15,26 @@ if ((${#need_apt[@]})); then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
+# Slurm and munge for the lab's real Slurm cluster (gpulab/slurm.py, tests/test_slurm_lab.py).
+# Optional: where they cannot be installed, the Slurm tests skip and say so. Installing must not
+# start or enable any daemon on this machine (the lab runs its own with its own config and key):
+# a policy-rc.d that denies every start (invoke-rc.d(8)) while apt runs, then the units disabled.
+need_slurm=()
+for pkg in slurmctld slurmd slurm-client munge; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_slurm+=("$pkg")
+done
+if ((${#need_slurm[@]})); then
+  echo "setup: apt-get install ${need_slurm[*]} (daemons neither started nor enabled)"
+  made_policy=""
+  if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && made_policy=1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_slurm[@]}" >/dev/null \
+    || echo "setup: WARNING: could not install ${need_slurm[*]}: the Slurm lab tests will skip" >&2
+  [[ -n "$made_policy" ]] && rm -f /usr/sbin/policy-rc.d
+  systemctl disable munge.service slurmctld.service slurmd.service >/dev/null 2>&1 || true
+fi
+
 PY=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
   echo "setup: creating .venv"
