@@ -29,6 +29,7 @@ if ((${#need_slurm[@]})); then
   if [[ ! -e /usr/sbin/policy-rc.d ]]; then
     printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && made_policy=1
   fi
+  ((${#need_apt[@]})) || apt-get update -qq || true
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_slurm[@]}" >/dev/null \
     || echo "setup: WARNING: could not install ${need_slurm[*]}: the Slurm lab tests will skip" >&2
   [[ -n "$made_policy" ]] && rm -f /usr/sbin/policy-rc.d
