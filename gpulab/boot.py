@@ -18,6 +18,7 @@ import socket
 import stat
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -278,6 +279,14 @@ def _inner(ns: argparse.Namespace) -> None:
             if os.path.exists(src) and (r / "proc" / rel).exists():
                 _mount("--bind", src, str(r / "proc" / rel))
                 _mount("-o", "remount,bind,ro", str(r / "proc" / rel))
+        # A boot id of this boot: the kernel draws one per boot (drivers/char/random.c, proc_do_uuid
+        # for kernel.random.boot_id); the shared kernel's would never change on a lab reboot. The
+        # host's boot draws it (the lab removes the file before a boot), its containers share it.
+        bid = os.path.join(ns.procfiles, "boot_id")
+        if not os.path.exists(bid):
+            Path(bid).write_text(str(uuid.uuid4()) + "\n")
+        _mount("--bind", bid, str(r / "proc/sys/kernel/random/boot_id"))
+        _mount("-o", "remount,bind,ro", str(r / "proc/sys/kernel/random/boot_id"))
     _mount("-t", "sysfs", "-o", "ro,nosuid,nodev,noexec", "sysfs", str(r / "sys"))
     if ns.cgroupns:
         # In its own cgroup namespace the machine sees its cgroup as the root; systemd mounts the

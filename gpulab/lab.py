@@ -650,6 +650,7 @@ class LabHost:
         deadline = t0 + timeout
         ms = self.machines()
         timings: dict[str, float] = {}
+        (self.dir / "proc" / "boot_id").unlink(missing_ok=True)  # a boot id per boot (gpulab.boot)
         # Containers start once the host's boot is done, as Proxmox starts guests from
         # pve-guests.service after the boot units (a boot-time IOMMU fix runs before any guest).
         self._launch(ms[0])

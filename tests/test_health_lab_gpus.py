@@ -102,21 +102,6 @@ def test_gpu_that_requires_reset_fails_and_a_renamed_field_is_read_by_its_new_na
         inject(h, {})
 
 
-def new_boot_id(h: Any) -> None:
-    """Give the rebooted lab host a boot id of its own.
-
-    Lab hosts share this machine's kernel, so /proc/sys/kernel/random/boot_id is the machine's;
-    a real reboot draws a new one. The host's root binds a fresh one over it, read-only, as the
-    kernel's is.
-    """
-    script = (
-        "cat /proc/sys/kernel/random/uuid > /run/gpulab-boot_id && "
-        "mount --bind /run/gpulab-boot_id /proc/sys/kernel/random/boot_id"
-    )
-    r = h.ssh(["sh", "-c", script])
-    assert r.returncode == 0, r.stderr
-
-
 def test_xid_79_fails_night_after_night_until_the_host_reboots(lab: Any, tmp_path: Path) -> None:
     """Xid 79 (reboot, by NVIDIA's catalogue): fails the night it is logged and the next, passes after a reboot."""
     h = lab.host("health-ok", name=f"hg{os.getpid() % 100000}-xid")
@@ -144,13 +129,68 @@ def test_xid_79_fails_night_after_night_until_the_host_reboots(lab: Any, tmp_pat
 
     # Reboot: the kernel log starts over, and the boot id is new.
     assert h.ssh(["rm", "-f", "/var/lib/gpulab/kmsg"]).returncode == 0
+    before = h.ssh(["cat", "/proc/sys/kernel/random/boot_id"]).stdout
     h.reboot()
-    new_boot_id(h)
+    assert h.ssh(["cat", "/proc/sys/kernel/random/boot_id"]).stdout != before  # the lab draws one per boot
     n4 = run_suite(h, tmp_path, f"--previous={tmp_path / 'n3.json'}", name="n4")
     x4 = n4["hosts"][h.name]["checks"]["xid"]
     assert x4["outcome"] == "passed", x4
     assert x4["summary"] == "no Xid errors since the last run; reboot seen since Xid 79 on 0000:13:00"
     assert {(c["host"], c["check"]) for c in n4["comparison"]["recovered"]} >= {(h.name, "xid")}
+
+
+def test_xid_48_fails_night_after_night_until_the_gpu_is_reset(lab: Any, tmp_path: Path) -> None:
+    """Xid 48 (a GPU reset, by NVIDIA's catalogue) on GPU 0: fails two nights, passes after `nvidia-smi -r`.
+
+    The GPU says it needs a reset (reset_status.reset_required Yes, the driver's scratch bit) until
+    the lab's nvidia-smi -r clears it, as a real reset does; the boot id never changes here.
+    """
+    h = lab.host("health-ok", name=f"hg{os.getpid() % 100000}-rst")
+    run_suite(h, tmp_path, name="n1")  # baseline
+    msg = "NVRM: Xid (PCI:0000:13:00): 48, pid=2231, name=python3, An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 2, subpartition 0."
+    after_boot = max(k.t for k in h.profile.kernel_log) + 1.0
+    r = h.ssh(
+        ["sh", "-c", "cat >> /var/lib/gpulab/kmsg"], input=json.dumps({"t": after_boot, "msg": msg}) + "\n"
+    )
+    assert r.returncode == 0, r.stderr
+    inject(h, {"gpus": {"0000:13:00.0": {"reset_required": 1}}})
+    boot_id = h.ssh(["cat", "/proc/sys/kernel/random/boot_id"]).stdout
+    try:
+        n2 = run_suite(h, tmp_path, f"--previous={tmp_path / 'n1.json'}", name="n2")
+        x2 = n2["hosts"][h.name]["checks"]["xid"]
+        assert x2["outcome"] == "failed", x2
+        assert x2["summary"] == "1 Xid error(s) since the last run: code 48 (action: reset_gpu)", x2
+        # The next night: no new line, no reset: still failing, and not "recovered".
+        n3 = run_suite(h, tmp_path, f"--previous={tmp_path / 'n2.json'}", name="n3")
+        x3 = n3["hosts"][h.name]["checks"]["xid"]
+        assert x3["outcome"] == "failed", x3
+        assert x3["summary"] == "1 earlier Xid(s) still owed (action: reset_gpu)", x3
+        assert x3["reasons"][0].startswith(
+            "Xid 48 on 0000:13:00 still needs a GPU reset: no reset of that GPU and no reboot seen since"
+        ), x3
+        assert not any(c["host"] == h.name for c in n3["comparison"]["recovered"])
+
+        # The reset: refused while SGLang and nvidia-persistenced hold the GPU, as the real tool does.
+        r = h.ssh(["nvidia-smi", "-r", "-i", "0000:13:00.0"])
+        assert r.returncode == 255 and "GPU 00000000:13:00.0: In use by another client" in r.stdout, r
+        script = (
+            "systemctl stop sglang-qwen.service nvidia-persistenced.service && "
+            "nvidia-smi -r -i 0000:13:00.0; rc=$?; "
+            "systemctl start nvidia-persistenced.service sglang-qwen.service; exit $rc"
+        )
+        r = h.ssh(["sh", "-c", script])
+        assert r.returncode == 0 and "GPU 00000000:13:00.0 was successfully reset." in r.stdout, r
+        assert h.ssh(["cat", "/proc/sys/kernel/random/boot_id"]).stdout == boot_id  # no reboot
+
+        n4 = run_suite(h, tmp_path, f"--previous={tmp_path / 'n3.json'}", name="n4")
+        x4 = n4["hosts"][h.name]["checks"]["xid"]
+        assert x4["outcome"] == "passed", x4
+        assert (
+            x4["summary"] == "no Xid errors since the last run; GPU reset seen since Xid 48 on 0000:13:00"
+        ), x4
+        assert {(c["host"], c["check"]) for c in n4["comparison"]["recovered"]} >= {(h.name, "xid")}
+    finally:
+        inject(h, {})
 
 
 def test_row_remap_pending_fails_the_gpu(lab: Any, tmp_path: Path) -> None:

@@ -305,6 +305,55 @@ def test_xid_needing_a_reboot_is_owed_across_nights_until_the_boot_id_changes() 
     assert (health_facts.commit_state(facts) or {})["pending"] == []
 
 
+def test_xid_needing_a_gpu_reset_is_settled_by_that_gpus_reset_not_by_another_or_by_silence() -> None:
+    """Xid 48 on GPU 2: owed while GPU 2 says reset required; settled when it says No (a reset)."""
+
+    def night(pending: list[dict[str, Any]], required: dict[int, int], xid: list[dict[str, Any]]) -> Any:
+        facts = healthy()
+        facts["kernel_log"].update(xid=xid, pending=pending, cursor={"last_ts": 9.0, "boot_id": "boot-1"})
+        for i, g in enumerate(facts["gpus"]["gpus"]):
+            g["reset_status.reset_required"] = required.get(i, 0)
+        return facts, judge("xid", facts), (health_facts.commit_state(facts) or {}).get("pending")
+
+    _, v, owed = night([], {2: 1}, [xid_line(48)])
+    assert not v.ok and v.state["action"] == "reset_gpu", v
+    assert [(p["code"], p["marks"]) for p in owed] == [(48, ["reset_required"])]
+    # The next night, GPU 2 still says so, and GPU 0 was reset: still owed.
+    _, v, owed = night(owed, {2: 1}, [])
+    assert not v.ok and v.summary == "1 earlier Xid(s) still owed (action: reset_gpu)", v
+    assert v.reasons[0].startswith(
+        "Xid 48 on 0000:3a:00 still needs a GPU reset: no reset of that GPU and no reboot seen since"
+    ), v.reasons
+    # GPU 2 reset: it says No now: passes, recovered by the reset, owes nothing.
+    facts, v, after = night(owed, {}, [])
+    assert v.ok and v.summary == "no Xid errors since the last run; GPU reset seen since Xid 48 on 0000:3a:00"
+    assert [p["by"] for p in v.state["done"]] == ["gpu_reset"] and after == []
+    # A GPU that never said it needed a reset gives no proof of one: owed until the boot id changes.
+    _, v, owed = night([], {}, [xid_line(48)])
+    _, v, owed = night(owed, {}, [])
+    assert not v.ok and len(owed) == 1, v
+    # GPU 2 unreadable (no row) after saying so: not settled either.
+    facts, _, _ = night([], {2: 1}, [])
+    facts["gpus"]["gpus"] = facts["gpus"]["gpus"][:2]
+    facts["kernel_log"].update(
+        pending=[{**xid_line(48), "action": "reset_gpu", "boot_id": "boot-1", "marks": ["reset_required"]}]
+    )
+    assert not judge("xid", facts).ok
+    # A reboot-class Xid is not settled by a GPU reset.
+    _, v, owed = night([], {2: 1}, [xid_line(79)])
+    _, v, owed = night(owed, {}, [])
+    assert not v.ok and v.state["action"] == "reboot" and len(owed) == 1, v
+
+
+def test_reset_signals_read_the_cells_and_the_remap_query() -> None:
+    facts = healthy()
+    facts["gpus"]["gpus"][1]["cell_errors"] = {"temperature.gpu": "GPU requires reset"}
+    facts["remap"] = {"ok": True, "gpus": {BDFS[3]: {"remapped_rows.pending": 1}}}
+    sig = hm_xid.reset_signals(facts)
+    assert sig["0000:18:00"] == {"reset_required": None, "nvml_reset_required": 1, "remap_pending": None}
+    assert sig["0000:3b:00"]["remap_pending"] == 1 and sig["0000:17:00"]["nvml_reset_required"] == 0
+
+
 def test_degraded_pcie_link() -> None:
     facts = healthy()
     facts["gpus"]["gpus"][1]["pcie.link.width.current"] = 8

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pytest_gpuhost.modules.health_xid import pending_after
+from pytest_gpuhost.modules.health_xid import pending_after, reset_signals
 
 __all__ = ["FACT_OF_PART", "PARTS", "commit_state", "fact_names", "merge"]
 
@@ -71,15 +71,15 @@ def commit_state(facts: Mapping[str, Any], xid_ignore: Sequence[int] = ()) -> di
     """Return what `health_commit` records after this run, None when there is nothing to record.
 
     The kernel-log cursor (the next run reads only later lines), the resets and reboots the node
-    still owes for its Xids (health_xid.pending_after: a later run fails until the host shows
-    them done) and the CUDA version for this driver (the next run skips the nvidia-smi start
+    still owes for its Xids (health_xid.settle: a later run fails until the host shows them
+    done: a new boot id, or the GPU's reset seen in its reset signals) and the CUDA version for this driver (the next run skips the nvidia-smi start
     that reads it while the driver is the same).
     """
     part = facts.get("kernel_log")
     if not isinstance(part, Mapping) or not part.get("ok") or not isinstance(part.get("cursor"), Mapping):
         return None
     state = dict(part["cursor"])
-    state["pending"] = pending_after(part, xid_ignore)
+    state["pending"] = pending_after(part, xid_ignore, reset_signals(facts))
     smi = facts.get("smi")
     if isinstance(smi, Mapping) and smi.get("ok") and smi.get("cuda_version") and smi.get("driver_version"):
         cached = smi.get("cached")

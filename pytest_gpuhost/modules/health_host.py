@@ -18,7 +18,7 @@ from pytest_gpuhost.modules.health_verdict import (
     median,
     skipped,
 )
-from pytest_gpuhost.modules.health_xid import FAILING, action_of, pending_after, worst
+from pytest_gpuhost.modules.health_xid import FAILING, action_of, reset_signals, settle, worst
 
 
 def _kernel_errors(check: str, facts: Facts, key: str, ignore: Sequence[int], label: str) -> Verdict:
@@ -53,8 +53,8 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
     """Judge the Xids since the last run by NVIDIA's catalogue, and the resets/reboots still owed.
 
     An Xid whose action is a GPU reset or a reboot fails this run and every later one until the
-    host shows the action happened (health_xid.pending_after: a new boot id); one that asks only
-    to restart the application passes, reported.
+    host shows the action happened (health_xid.settle: a new boot id, or for a reset the GPU's
+    reset signals cleared); one that asks only to restart the application passes, reported.
     """
     part, err = facts_part(facts, "kernel_log")
     if part is None:
@@ -69,13 +69,8 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
     counted = [r for r in rows if r["action"] in FAILING and int(r["code"]) not in ignore]
     passed = [r for r in rows if r not in counted]
     fresh_keys = {(r["code"], r["bdf"], r["ts"]) for r in counted}
-    owed = [
-        p
-        for p in pending_after(part, sorted(ignore))
-        if (p.get("code"), p.get("bdf"), p.get("ts")) not in fresh_keys
-    ]
-    carried = [p for p in part.get("pending") or [] if isinstance(p, Mapping)]
-    done = [p for p in carried if p not in owed]
+    owed_all, done = settle(part, sorted(ignore), reset_signals(facts))
+    owed = [p for p in owed_all if (p.get("code"), p.get("bdf"), p.get("ts")) not in fresh_keys]
     action = worst([r["action"] for r in counted] + [str(p.get("action")) for p in owed])
     state: dict[str, Any] = {
         "window": window,
@@ -91,13 +86,15 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
         notes.append(
             f"{len(passed)} not failing (" + ", ".join(f"{r['code']}: {r['action']}" for r in passed) + ")"
         )
-    if done:
-        notes.append("reboot seen since " + ", ".join(f"Xid {p.get('code')} on {p.get('bdf')}" for p in done))
+    for by, what in (("reboot", "reboot"), ("gpu_reset", "GPU reset")):
+        seen = [f"Xid {p.get('code')} on {p.get('bdf')}" for p in done if p.get("by") == by]
+        if seen:
+            notes.append(f"{what} seen since " + ", ".join(seen))
     note = "; " + "; ".join(notes) if notes else ""
     reasons = [f"Xid {r['code']} on {r['bdf']}: {r['msg']}" for r in counted]
     reasons += [
         f"Xid {p.get('code')} on {p.get('bdf')} still needs {_ACTION_TEXT[str(p.get('action'))]}: "
-        f"the host has not rebooted since ({p.get('msg')})"
+        f"{_NOT_SEEN[str(p.get('action'))]} ({p.get('msg')})"
         for p in owed
     ]
     if reasons:
@@ -112,6 +109,10 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
 
 
 _ACTION_TEXT = {"reset_gpu": "a GPU reset", "reboot": "a reboot"}
+_NOT_SEEN = {
+    "reset_gpu": "no reset of that GPU and no reboot seen since",
+    "reboot": "the host has not rebooted since",
+}
 
 
 def check_sxid(facts: Facts, t: Thresholds) -> Verdict:

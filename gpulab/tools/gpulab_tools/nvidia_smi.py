@@ -1,8 +1,8 @@
 """The lab's nvidia-smi (the program; gpulab/tools/nvidia-smi starts it): the real tool's output formats over the lab host's sysfs, /proc and profile.
 
 Supports: the default table, ``-L``, ``--query-gpu=...``/``--query-compute-apps=...``/``--query-remapped-rows=...`` with
-``--format=csv[,noheader][,nounits]``, ``-i``, ``-pm 0|1``, ``-q``, ``topo -m``, ``topo -p2p r|w|n|a|p``
-and ``nvlink -s``. A GPU that is not bound to nvidia (or whose /dev/nvidiaN is absent, as in a
+``--format=csv[,noheader][,nounits]``, ``-i``, ``-pm 0|1``, ``-r`` (nvidia_smi_reset.py), ``-q``, ``topo -m``,
+``topo -p2p r|w|n|a|p`` and ``nvlink -s``. A GPU that is not bound to nvidia (or whose /dev/nvidiaN is absent, as in a
 container without it) is invisible; with none visible it prints "No devices were found" (exit 6).
 """
 
@@ -87,6 +87,11 @@ def gpu_field(host: Host, g: GpuView, name: str) -> tuple[str, str] | None:
     return got
 
 
+def _fault(host: Host, g: GpuView, key: str) -> object:
+    """Return a runtime fault of one GPU (faults.json ``gpus: {BDF: {key: ...}}``), or None."""
+    return ((host.faults.get("gpus") or {}).get(g.bdf) or {}).get(key)
+
+
 def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
     h = g.health
     lk = g.link
@@ -130,6 +135,12 @@ def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
         "retired_pages.pending": (_yesno(h.get("retired_pages_pending", 0)), ""),
         "remapped_rows.failure": (_yesno(h.get("remapped_rows_failure", 0)), ""),
         "remapped_rows.pending": ("No", ""),
+        # reset_status.* (nvidia-smi --help-query-gpu: "Checks if a GPU reset is required" / "a GPU
+        # drain and reset is recommended"): the scratch bits the driver reads (open-gpu-kernel-modules
+        # gpu.c gpuIsDeviceMarkedForReset / ...DrainAndReset); faults reset_required, drain_and_reset;
+        # a reset clears them (nvidia_smi_reset.py)
+        "reset_status.reset_required": (_yesno(_fault(host, g, "reset_required")), ""),
+        "reset_status.drain_and_reset_recommended": (_yesno(_fault(host, g, "drain_and_reset")), ""),
         "clocks_throttle_reasons.active": (str(h.get("throttle_reasons", "0x0000000000000000")), ""),
         "clocks_event_reasons.active": (str(h.get("throttle_reasons", "0x0000000000000000")), ""),
         "pcie.link.gen.current": (str(speed_gen(lk.get("speed", ""))), ""),
@@ -515,6 +526,7 @@ def main(argv: list[str]) -> int:
     ids = None
     fmt = None
     qgpu = qapps = qremap = pm = None
+    reset = False
     mode = "table"
     sub: list[str] = []
     i = 0
@@ -550,6 +562,8 @@ def main(argv: list[str]) -> int:
             pm = a.split("=", 1)[1]
         elif a in ("-pm", "--persistence-mode") and nxt:
             pm, i = nxt, i + 1
+        elif a in ("-r", "--gpu-reset"):
+            reset = True
         elif a in ("-h", "--help"):
             sys.stdout.write("NVIDIA System Management Interface -- v" + Host().driver_version + "\n")
             return 0
@@ -579,6 +593,10 @@ def main(argv: list[str]) -> int:
         query_remapped_rows(host, qremap, fmt, ids)
     elif pm is not None:
         set_persistence(host, pm, ids)
+    elif reset:
+        from gpulab_tools.nvidia_smi_reset import gpu_reset
+
+        return gpu_reset(host, select(host, ids))
     elif mode == "list":
         list_gpus(host, ids)
     elif mode == "query":

@@ -44,6 +44,9 @@ QUERY_FIELDS = (
     "pcie.link.gen.max",
     "pcie.link.width.current",
     "pcie.link.width.max",
+    # Yes while the GPU needs a reset (the driver's reset-required bit, cleared only by a reset):
+    # health_xid settles an owed reset by it; R5xx drivers without it drop it (no retry after)
+    "reset_status.reset_required",
 )
 TEXT_FIELDS = ("pci.bus_id", "name", "uuid", "driver_version")
 LINK_FIELDS = ("pcie.link.gen.current", "pcie.link.gen.max", "pcie.link.width.current", "pcie.link.width.max")
