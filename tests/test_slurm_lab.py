@@ -1,17 +1,30 @@
 """A real Slurm over lab hosts: slurmctld here, slurmd and munged in four lab hosts (gpulab/slurm.py).
 
-srun runs suites/health on every node against ``local://``, each node writes its summary to S3
-(moto, bound to the controller's lab-side address), and ``python -m pytest_gpuhost.merge`` reads
-them back as one fleet report.
+srun runs suites/health on every node against ``local://`` (each node names itself after its
+host name, which is its Slurm node name), each node writes its summary to S3 (moto, bound to the
+controller's lab-side address, which every lab host reaches), and ``python -m pytest_gpuhost.merge``
+reads them back as one fleet report. Nodes: two healthy, one with an Xid 79 in its kernel log,
+one with degraded PCIe links (fixtures/profiles/health-pcie-degraded.yaml).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto
+
+REPO = Path(__file__).resolve().parent.parent
 PROFILES = ["health-ok", "health-ok", "health-ok", "health-pcie-degraded"]
+XID_NODE, PCIE_NODE = "gpu-node-03", "gpu-node-04"
+XID_MSG = "NVRM: Xid (PCI:0000:13:00): 79, pid=2231, name=python3, GPU has fallen off the bus."
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +32,93 @@ def cluster(slurm: Any) -> Any:
     return slurm.cluster(PROFILES, tag="slm")
 
 
+@pytest.fixture(scope="module")
+def s3(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """moto on the controller's lab-side address (lab hosts reach nothing else here); yields (url, bucket)."""
+    log = tmp_path_factory.mktemp("moto-slurm") / "moto.log"
+    proc, url = start_moto(log, host=cluster.ctl_address)
+    try:
+        import boto3
+
+        bucket = f"slurm-{uuid.uuid4().hex[:10]}"
+        boto3.client(
+            "s3", endpoint_url=url, region_name="us-east-1",
+            aws_access_key_id="testing", aws_secret_access_key="testing",
+        ).create_bucket(Bucket=bucket)  # fmt: skip
+        yield url, bucket
+    finally:
+        stop_moto(proc)
+
+
+def srun_health(cluster: Any, url: str, dest: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``srun -N <all>``: suites/health on every node against local://, summary to ``dest`` (s3://.../)."""
+    n = len(cluster.node_names())
+    argv = [
+        "srun", f"--nodes={n}", "--ntasks-per-node=1", f"--chdir={REPO}", "--time=5",
+        str(REPO / ".venv/bin/python"), "-m", "pytest", "suites/health", "--host=local://", "--check-only",
+        "-p", "no:cacheprovider", "-o", "addopts=", "-q", "--report-dir=/tmp/gpuhost", f"--fleet-json={dest}",
+        *extra,
+    ]  # fmt: skip
+    return cluster.run(argv, timeout=240, env={**FAKE_ENV, "AWS_ENDPOINT_URL": url})
+
+
+def merge(url: str, source: str, out: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    argv = [sys.executable, "-m", "pytest_gpuhost.merge", source, "--endpoint-url", url, "-o", str(out)]
+    p = subprocess.run(
+        argv,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **FAKE_ENV},
+    )
+    data = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
+    return p, data
+
+
+def inject_xid(host: Any) -> None:
+    """Append an Xid 79 line to the host's kernel log (the lab's dmesg reads /var/lib/gpulab/kmsg).
+
+    Stamped a second after the profile's last boot line, as tests/test_health_lab.py does.
+    """
+    after_boot = max(k.t for k in host.profile.kernel_log) + 1.0
+    line = json.dumps({"t": after_boot, "msg": XID_MSG})
+    r = host.ssh(["sh", "-c", "cat >> /var/lib/gpulab/kmsg"], input=line + "\n")
+    assert r.returncode == 0, r.stderr
+
+
 def test_srun_runs_one_task_per_node(cluster: Any) -> None:
     assert cluster.node_states() == {name: "idle" for name in cluster.node_names()}
     r = cluster.run(["srun", "-N", "4", "--ntasks-per-node=1", "hostname"], timeout=60)
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.split()) == ["gpu-node-01", "gpu-node-02", "gpu-node-03", "gpu-node-04"]
+
+
+def test_health_per_node_through_slurm_merged_from_s3(cluster: Any, s3: Any, tmp_path: Path) -> None:
+    url, bucket = s3
+    inject_xid(cluster.nodes[XID_NODE])
+    dest = f"s3://{bucket}/nightly/"
+    r = srun_health(cluster, url, dest)
+    # Two nodes fail their checks, so their pytest exits 1 and srun reports it.
+    assert r.returncode == 1, (r.stdout[-3000:], r.stderr[-3000:])
+    p, merged = merge(url, dest, tmp_path / "fleet.html")
+    assert p.returncode == 1, p.stdout + p.stderr  # 1: some host failed
+    hosts = merged["hosts"]
+    assert sorted(hosts) == cluster.node_names(), sorted(hosts)
+    failed = {name for name, h in hosts.items() if h["status"] != "ok"}
+    assert failed == {XID_NODE, PCIE_NODE}, {n: h["status"] for n, h in hosts.items()}
+    xid = hosts[XID_NODE]["checks"]["xid"]
+    assert xid["outcome"] == "failed" and "code 79" in xid["summary"], xid
+    assert any(XID_MSG in reason for reason in xid["reasons"]), xid
+    pcie = hosts[PCIE_NODE]["checks"]["pcie_link"]
+    assert pcie["outcome"] == "failed", pcie
+    assert pcie["reasons"] == [
+        "GPU 2 (0000:23:00.0): PCIe x8, below x16 (max x16)",
+        "GPU 3 (0000:24:00.0): PCIe Gen4, below Gen5 (max Gen5)",
+    ]
+    for name in cluster.node_names():
+        if name not in failed:
+            assert hosts[name]["checks"]["xid"]["outcome"] == "passed", hosts[name]["checks"]["xid"]
+    html = (tmp_path / "fleet.html").read_text()
+    assert all(name in html for name in cluster.node_names())

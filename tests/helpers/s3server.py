@@ -47,21 +47,23 @@ class S3Endpoint:
         )
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def start_moto(log: Path | None = None, timeout: float = 30.0) -> tuple[subprocess.Popen[bytes], str]:
-    """Start `moto_server -H 127.0.0.1 -p PORT`; return the process and its URL once it answers."""
-    port = _free_port()
+def start_moto(
+    log: Path | None = None, timeout: float = 30.0, host: str = "127.0.0.1"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `moto_server -H HOST -p PORT` (HOST: loopback, or a lab address); return it and its URL once it answers."""
+    port = _free_port(host)
     exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
     argv = [exe] if os.path.exists(exe) else [sys.executable, "-m", "moto.server"]
-    argv += ["-H", "127.0.0.1", "-p", str(port)]
+    argv += ["-H", host, "-p", str(port)]
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **FAKE_ENV})
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
