@@ -27,12 +27,17 @@ __all__ = [
     "fleet_judgements",
     "host_status",
     "iter_cells",
+    "name_list",
     "summary_lines",
 ]
 
 FORMAT = "pytest-gpuhost/fleet-summary/1"
 #: Bad cells listed per host in the terminal summary.
 LINES_PER_HOST = 6
+#: Host names listed per version in a "NOT uniform" line (the rest are counted).
+NAMES_SHOWN = 8
+#: Hosts not ok listed in the terminal summary (a fleet of thousands; the reports list them all).
+HOSTS_LISTED = 50
 
 
 def build_summary(record: RunRecord, finished: float | None = None) -> dict[str, Any]:
@@ -130,12 +135,17 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
         by_status.setdefault(h.get("status", "?"), []).append(host)
     lines = ["", "=" * 20 + " gpuhost fleet " + "=" * 20]
     lines.append(count_line(summary))
-    for host in by_status.get("failed", []) + by_status.get("error", []):
+    bad_hosts = by_status.get("failed", []) + by_status.get("error", [])
+    for host in bad_hosts[:HOSTS_LISTED]:
         bad = [(c, cell) for c, cell in hosts[host]["checks"].items() if cell.get("outcome") in BAD]
         for check, cell in bad[:LINES_PER_HOST]:
             lines.append(f"  {host} {check}: {cell.get('outcome')}: {cell.get('summary', '')}")
         if len(bad) > LINES_PER_HOST:
             lines.append(f"  {host}: {len(bad) - LINES_PER_HOST} more")
+    if len(bad_hosts) > HOSTS_LISTED:
+        lines.append(
+            f"  ... and {len(bad_hosts) - HOSTS_LISTED} more hosts not ok (every one is in the report)"
+        )
     lines += _uniformity_lines(summary.get("fleet") or {})
     lines += _comparison_lines(summary.get("comparison"))
     return lines
@@ -178,9 +188,16 @@ def _uniformity_lines(judgements: Mapping[str, Any]) -> list[str]:
             lines.append(f"{check}: {v} on all {len(names)} hosts")
         else:
             by_count = sorted(versions.items(), key=lambda kv: -len(kv[1]))
-            shown = "; ".join(f"{v} on {', '.join(n)}" for v, n in by_count)
+            shown = "; ".join(f"{v} on {name_list(n)}" for v, n in by_count)
             lines.append(f"{check}: NOT uniform across the fleet: {shown}")
     return lines
+
+
+def name_list(names: list[str], limit: int = NAMES_SHOWN) -> str:
+    """Return `a, b, c` or, past `limit` names, `N hosts: a, b, ... and M more` (a 1,000-node fleet)."""
+    if len(names) <= limit:
+        return ", ".join(names)
+    return f"{len(names)} hosts: {', '.join(names[:limit])} and {len(names) - limit} more"
 
 
 def _comparison_lines(comp: Mapping[str, Any] | None) -> list[str]:
