@@ -5,6 +5,16 @@ addressed by PCI bus id); without cupy it runs `nvbandwidth -t device_to_device_
 (JSON, else text), then `p2pBandwidthLatencyTest`. Capability comes from pynvml (through the
 probe) or `nvidia-smi topo -p2p r`. Every matrix is keyed by PCI address, never by an ordinal,
 because CUDA, nvidia-smi and /dev/nvidiaN may number the same GPU differently.
+
+One direction convention for every tool: ``values[(a, b)]`` is data moved from GPU ``a`` to GPU
+``b``. The cupy probe's key "a>b" is that already. nvbandwidth's
+``device_to_device_memcpy_read_ce`` cell (row, col) is data col -> row, copied in the row GPU's
+context (testcases_ce.cpp DeviceToDeviceReadCE::run: ``value(src, peer) = doMemcpy(peerBuffer,
+srcBuffer)`` with PREFER_DST_CONTEXT, whatever its "GPU(row) -> GPU(column)" title says), so it
+is stored at ``(col, row)``. p2pBandwidthLatencyTest's "P2P Writes" cell (i, j) is a copy from
+device i to device j on device i's stream (cuda-samples p2pBandwidthLatencyTest.cu
+testBandwidthMatrix, P2P_WRITE: ``performP2PCopy(buffers[j], j, buffers[i], i, ...)``, whose
+arguments are dest, destDevice, src, srcDevice), stored at ``(i, j)``.
 """
 
 from __future__ import annotations
@@ -18,8 +28,11 @@ from pytest_gpuhost.modules import parsers
 __all__ = [
     "DEFAULT_FRACTION",
     "NVBANDWIDTH_TEST",
+    "DIRECTION",
     "P2PMatrix",
+    "directed_values",
     "expected_gbps",
+    "link_max_gbps",
     "measure",
     "pcie_gbps",
     "capability",
@@ -27,6 +40,7 @@ __all__ = [
 ]
 
 NVBANDWIDTH_TEST = "device_to_device_memcpy_read_ce"
+DIRECTION = "values[row a][column b] = data from GPU a to GPU b (one direction)"
 DEFAULT_FRACTION = 0.5
 # GT/s per lane -> payload efficiency of the line code (8b/10b up to Gen2, 128b/130b from Gen3)
 _PCIE_GEN = {2.5: 0.8, 5.0: 0.8, 8.0: 128 / 130, 16.0: 128 / 130, 32.0: 128 / 130, 64.0: 242 / 256}
@@ -49,11 +63,31 @@ def _speed(text: str | None) -> float | None:
 
 def pcie_gbps(speed: str | None, width: int | None) -> float | None:
     """Return the theoretical one-direction GB/s of a PCIe link ("32.0 GT/s PCIe", 16 -> 63.0)."""
-    gts = _speed(speed)
+    return _gbps(_speed(speed), width)
+
+
+def _gbps(gts: float | None, width: int | None) -> float | None:
     if gts is None or not width:
         return None
     eff = _PCIE_GEN.get(gts, 128 / 130)
     return round(gts * width * eff / 8, 1)
+
+
+def link_max_gbps(link: dict[str, Any]) -> float | None:
+    """Return what a GPU's PCIe link carries under load: its maximum speed and width, not the current.
+
+    An idle GPU drops its link to 2.5 GT/s (Gen1) and retrains on load (open-gpu-kernel-modules
+    #731 as issue 12 cites it; Syllo/nvtop#6; open-mpi/hwloc#653), so the current speed says
+    nothing about what a copy will reach. A device's maximum can exceed its slot's (hwloc#653: a
+    Gen4 card in a Gen3 port), so the link counts at the lower of the GPU's and its upstream
+    port's maximum (`port_max_*`, the parent device in sysfs) when both are known. Falls back to
+    the current speed and width when no maximum is known.
+    """
+    speeds = [_speed(link.get(k)) for k in ("max_speed", "port_max_speed")]
+    widths = [link.get(k) for k in ("max_width", "port_max_width")]
+    gts = min((s for s in speeds if s), default=None) or _speed(link.get("speed"))
+    width = min((w for w in widths if isinstance(w, int) and w > 0), default=None) or link.get("width")
+    return _gbps(gts, width if isinstance(width, int) else None)
 
 
 def expected_gbps(
@@ -61,8 +95,8 @@ def expected_gbps(
 ) -> float | None:
     """Return what a GPU pair should reach one way: NVLink from `topo` (NV#), else the slower PCIe link.
 
-    Uses the current link speed and width (a link trained down is a finding of its own, but the
-    pair cannot beat it), falling back to the maximum when the current one is not known.
+    PCIe: each GPU's link at its maximum (`link_max_gbps`), never the current speed an idle GPU
+    has dropped to; a link trained narrower than its maximum is a finding for the health suite.
     """
     if topo and (m := re.match(r"^NV(\d+)$", topo)):
         per_link = (
@@ -71,11 +105,7 @@ def expected_gbps(
             else _NVLINK_PER_LINK
         )
         return int(m.group(1)) * per_link
-    values = []
-    for link in (link_a, link_b):
-        v = pcie_gbps(link.get("speed") or link.get("max_speed"), link.get("width") or link.get("max_width"))
-        if v is not None:
-            values.append(v)
+    values = [v for v in (link_max_gbps(link_a), link_max_gbps(link_b)) if v is not None]
     return min(values) if values else None
 
 
@@ -88,6 +118,7 @@ class P2PMatrix:
     source: str
     capability: dict[tuple[str, str], str] = field(default_factory=dict)
     note: str = ""
+    errors: dict[tuple[str, str], str] = field(default_factory=dict)  # a pair whose measurement failed
 
     def rows(self) -> list[list[float | None]]:
         """Return the matrix as rows (self cells None), in `bdfs` order."""
@@ -100,6 +131,8 @@ class P2PMatrix:
             "source": self.source,
             "values": self.rows(),
             "capability": {f"{a}>{b}": v for (a, b), v in self.capability.items()},
+            "errors": {f"{a}>{b}": v for (a, b), v in self.errors.items()},
+            "direction": DIRECTION,
             "note": self.note,
         }
 
@@ -209,8 +242,16 @@ def measure(
         for key, v in (probe.get("bandwidth") or {}).items():
             a, b = key.split(">")
             values[(a, b)] = v
+        errors = {}
+        for key, why in (probe.get("errors") or {}).items():
+            a, b = key.split(">")
+            errors[(a, b)] = str(why)
         caps, _ = capability(conn, bdfs, probe, index)
-        return P2PMatrix(bdfs, values, "cupy memcpyPeerAsync", caps)
+        size = int(probe.get("size") or 0) >> 20
+        runs = max((len(v) for v in (probe.get("samples") or {}).values()), default=0)
+        return P2PMatrix(
+            bdfs, values, f"cupy memcpyPeerAsync ({size} MiB, median of {runs})", caps, errors=errors
+        )
     index = index or _smi_index_map(conn)
     caps, cap_source = capability(conn, bdfs, None, index)
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
@@ -241,13 +282,25 @@ def measure(
     if not index:
         # with CUDA_DEVICE_ORDER=PCI_BUS_ID, CUDA ordinals follow PCI order like nvidia-smi's
         index = {i: b for i, b in enumerate(sorted(index.values()))} if index else dict(enumerate(bdfs))
-    values = {}
+    return P2PMatrix(bdfs, directed_values(matrix, index, bdfs, source), source, caps, note)
+
+
+def directed_values(
+    matrix: parsers.BandwidthMatrix, index: dict[int, str], bdfs: list[str], source: str
+) -> dict[tuple[str, str], float | None]:
+    """Return a tool's matrix as ``{(from, to): GB/s}`` (the module's one direction convention).
+
+    nvbandwidth's read test: cell (row, col) is data col -> row (module docstring), so it lands at
+    (col, row); p2pBandwidthLatencyTest's writes: cell (i, j) is i -> j.
+    """
+    reverse = source.startswith("nvbandwidth")
+    values: dict[tuple[str, str], float | None] = {}
     for row in matrix.rows:
         for col in matrix.columns:
             a, b = index.get(int(row)), index.get(int(col))
             if a in bdfs and b in bdfs and a != b:
-                values[(a, b)] = matrix.get(row, col)
-    return P2PMatrix(bdfs, values, source, caps, note)
+                values[(b, a) if reverse else (a, b)] = matrix.get(row, col)
+    return values
 
 
 @dataclass
@@ -260,6 +313,7 @@ class PairVerdict:
     expected: float | None
     threshold: float | None
     capability: str | None
+    error: str | None = None
 
     @property
     def capable(self) -> bool:
@@ -275,6 +329,7 @@ class PairVerdict:
         """True when the pair is P2P capable and was measured at or above its threshold."""
         return (
             self.capable
+            and not self.error
             and self.gbps is not None
             and self.threshold is not None
             and self.gbps >= self.threshold
@@ -289,6 +344,8 @@ class PairVerdict:
         thr = "?" if self.threshold is None else f"{self.threshold:g}"
         cap = f", capability {self.capability}" if self.capability else ""
         line = f"{self.a} -> {self.b}: {got} {rel} {thr} ({exp}{cap})"
+        if self.error:
+            line += f": measurement failed: {self.error}"
         if not self.capable:
             line += (
                 f": no P2P (capability {self.capability or 'unknown'}): copies go through host memory, "
@@ -318,7 +375,13 @@ def judge(
             )
             out.append(
                 PairVerdict(
-                    a, b, matrix.values.get((a, b)), expected, threshold, matrix.capability.get((a, b))
+                    a,
+                    b,
+                    matrix.values.get((a, b)),
+                    expected,
+                    threshold,
+                    matrix.capability.get((a, b)),
+                    matrix.errors.get((a, b)),
                 )
             )
     return out

@@ -1,7 +1,7 @@
-"""Agent probe: NVIDIA GPUs, their PCI functions and IOMMU groups, GPU holders, persistence, P2P.
+"""Agent probe: NVIDIA GPUs, their PCI functions and IOMMU groups, GPU holders, persistence.
 
-Runs on the target (stdlib only, Python 3.6 syntax; see the package docstring).  pynvml and
-cupy are imported only inside the P2P probe, where present.
+Runs on the target (stdlib only, Python 3.6 syntax; see the package docstring).  The P2P
+probe (cupy, pynvml) is probe_p2p.py.
 """
 
 import glob
@@ -10,7 +10,7 @@ import re
 import subprocess
 import time
 
-from pytest_gpuhost.exec.agent.core import fact, link_name, op, read_str
+from pytest_gpuhost.exec.agent.core import fact, link_name, read_str
 
 _PCI = "/sys/bus/pci/devices"
 _GROUPS = "/sys/kernel/iommu_groups"
@@ -117,6 +117,9 @@ def gpus_fact(params):
             "max_speed": read_str(path + "/max_link_speed"),
             "max_width": _int(read_str(path + "/max_link_width")),
         }
+        up = os.path.dirname(os.path.realpath(path))  # the upstream port (root or switch port)
+        entry["link"]["port_max_speed"] = read_str(up + "/max_link_speed")
+        entry["link"]["port_max_width"] = _int(read_str(up + "/max_link_width"))
         group = entry["iommu_group"]
         if group is not None:
             gbase = f"{_GROUPS}/{group}"
@@ -229,74 +232,3 @@ def host_info_fact(params):
         "cmdline": read_str("/proc/cmdline"),
         "time": time.time(),
     }
-
-
-_P2P_PROBE_SIZE = 64 << 20
-
-
-@op("p2p_probe")
-def p2p_probe(params):
-    """Measure peer copies between CUDA devices with cupy; capabilities with pynvml.
-
-    Returns {"available": False, "reason": ...} where cupy or pynvml is missing, so the caller
-    falls back to nvbandwidth. Devices are addressed by PCI bus id, never by CUDA ordinal.
-    """
-    try:
-        import cupy  # noqa: F401
-    except Exception as exc:  # ImportError, or a CUDA library that fails to load
-        return {"available": False, "reason": f"cupy: {exc}"}
-    size = int(params.get("size", _P2P_PROBE_SIZE))
-    repeat = int(params.get("repeat", 5))
-    want = [b.lower() for b in params.get("bdfs") or []]
-    runtime = cupy.cuda.runtime
-    count = runtime.getDeviceCount()
-    ordinals = {}
-    for i in range(count):
-        ordinals[_norm_bdf(runtime.deviceGetPCIBusId(i))] = i
-    bdfs = [b for b in (want or sorted(ordinals)) if b in ordinals]
-    capability = {}  # type: dict
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handles = {b: pynvml.nvmlDeviceGetHandleByPciBusId(b.encode()) for b in bdfs}
-        for a in bdfs:
-            for b in bdfs:
-                if a != b:
-                    # read capability index is the literal 0 (the module's constant is a tuple)
-                    capability[a + ">" + b] = int(pynvml.nvmlDeviceGetP2PStatus(handles[a], handles[b], 0))
-        pynvml.nvmlShutdown()
-    except Exception as exc:
-        capability = {"error": str(exc)}
-    bandwidth = {}  # type: dict
-    for a in bdfs:
-        for b in bdfs:
-            if a == b:
-                continue
-            src_dev, dst_dev = ordinals[a], ordinals[b]
-            if not runtime.deviceCanAccessPeer(dst_dev, src_dev):
-                bandwidth[a + ">" + b] = None
-                continue
-            with cupy.cuda.Device(dst_dev):
-                try:
-                    runtime.deviceEnablePeerAccess(src_dev)
-                except cupy.cuda.runtime.CUDARuntimeError:
-                    pass
-                dst = cupy.empty(size, dtype=cupy.uint8)
-            with cupy.cuda.Device(src_dev):
-                src = cupy.ones(size, dtype=cupy.uint8)
-            with cupy.cuda.Device(dst_dev):
-                stream = cupy.cuda.Stream(non_blocking=True)
-                start, end = cupy.cuda.Event(), cupy.cuda.Event()
-                runtime.memcpyPeerAsync(dst.data.ptr, dst_dev, src.data.ptr, src_dev, size, stream.ptr)
-                stream.synchronize()
-                start.record(stream)
-                for _ in range(repeat):
-                    runtime.memcpyPeerAsync(dst.data.ptr, dst_dev, src.data.ptr, src_dev, size, stream.ptr)
-                end.record(stream)
-                end.synchronize()
-                ms = cupy.cuda.get_elapsed_time(start, end)
-                ok = bool((dst[:4096] == 1).all())
-            bandwidth[a + ">" + b] = round(size * repeat / (ms / 1000.0) / 1e9, 2) if ok else None
-            del src, dst
-    return {"available": True, "bdfs": bdfs, "capability": capability, "bandwidth": bandwidth, "size": size}
