@@ -388,7 +388,7 @@ def test_old_kernel_is_refused_before_anything_is_touched(lab: Any, tmp_path: Pa
 
 
 CUTS = {
-    "service-stop": "systemctl stop --no-block sglang-qwen.service",
+    "service-stop": "systemctl stop --no-block -- sglang-qwen.service",
     "unbind": "/unbind",
     "set-type": "/type",
     "bind": "/bind",

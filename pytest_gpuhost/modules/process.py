@@ -381,7 +381,7 @@ def stop_processes(
         record("selected for stop", result.selected)
     targets = [{"pid": p.pid, "starttime": p.starttime} for p in chosen]
     if units and run is not None:
-        run(["systemctl", "stop", "--no-block", *units])
+        run(["systemctl", "stop", "--no-block", "--", *units])
         result.units_stopped = list(units)
     if not targets:
         return result

@@ -86,7 +86,9 @@ class StopReport:
 
 def _unit(name: str) -> str:
     unit = name if "." in name else f"{name}.service"
-    if not _UNIT_RE.match(unit):
+    # A leading '-' would read as an option of systemctl (`-Hhost` is --host=host); the commands
+    # also pass `--` before the unit.
+    if not _UNIT_RE.match(unit) or unit.startswith("-"):
         raise ValueError(f"not a systemd unit name: {name!r}")
     return unit
 
@@ -107,7 +109,7 @@ class Service:
 
     def state(self) -> ServiceState:
         """Read the unit's state with `systemctl show` (one command)."""
-        r = self.conn.run(["systemctl", "show", "-p", ",".join(_SHOW), self.unit], timeout=8)
+        r = self.conn.run(["systemctl", "show", "-p", ",".join(_SHOW), "--", self.unit], timeout=8)
         if r.rc != 0:
             raise ServiceError(
                 f"{self.where}: systemctl show {self.unit} failed (rc {r.rc}): {(r.stderr or r.stdout).strip()[:200]}"
@@ -153,10 +155,12 @@ class Service:
         return state
 
     def _kill(self, signal: str) -> None:
-        r = self.conn.run(["systemctl", "kill", "-s", signal, "--kill-whom=all", self.unit], timeout=15)
+        r = self.conn.run(["systemctl", "kill", "-s", signal, "--kill-whom=all", "--", self.unit], timeout=15)
         if r.rc != 0 and "kill-whom" in (r.stderr or ""):
             # systemd before 252 spells it --kill-who
-            r = self.conn.run(["systemctl", "kill", "-s", signal, "--kill-who=all", self.unit], timeout=15)
+            r = self.conn.run(
+                ["systemctl", "kill", "-s", signal, "--kill-who=all", "--", self.unit], timeout=15
+            )
         if r.rc != 0:
             raise ServiceError(
                 f"{self.where}: systemctl kill -s {signal} {self.unit} failed (rc {r.rc}): {r.stderr.strip()[:200]}"
@@ -178,7 +182,7 @@ class Service:
                 {"step": "already stopped", "t": 0.0, "state": state.summary(), "stopped": True}
             )
             return report
-        r = self.conn.run(["systemctl", "stop", "--no-block", self.unit], timeout=15)
+        r = self.conn.run(["systemctl", "stop", "--no-block", "--", self.unit], timeout=15)
         if r.rc != 0:
             raise ServiceError(
                 f"{self.where}: systemctl stop --no-block {self.unit} failed (rc {r.rc}): {r.stderr.strip()[:200]}"
@@ -201,7 +205,7 @@ class Service:
 
     def start(self, *, timeout: float = 60.0) -> ServiceState:
         """Start the unit (`systemctl start`, bounded) and return its state."""
-        r = self.conn.run(["systemctl", "start", self.unit], timeout=timeout)
+        r = self.conn.run(["systemctl", "start", "--", self.unit], timeout=timeout)
         if r.timed_out:
             raise ServiceError(f"{self.where}: systemctl start {self.unit} did not return in {timeout:g} s")
         if r.rc != 0:

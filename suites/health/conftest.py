@@ -237,7 +237,10 @@ class HostHealth:
             ]
         units = [u for u, s in (v.state or {}).items() if s.get("ActiveState") in ("failed", "inactive")]
         return [
-            Action(f"restart {u} ({v.state[u].get('ActiveState')})", shlex.join(["systemctl", "restart", u]))
+            Action(
+                f"restart {u} ({v.state[u].get('ActiveState')})",
+                shlex.join(["systemctl", "restart", "--", u]),
+            )
             for u in units
         ]
 

@@ -42,6 +42,8 @@ def _service(raw: Any) -> str:
     unit = str(raw).strip()
     if not unit:
         raise BadValue("give a systemd unit name, e.g. sglang-qwen")
+    if unit.startswith("-"):  # it would reach systemctl as an option (-Hhost: --host=host)
+        raise BadValue("a unit name does not start with '-'; give the unit, e.g. --service=sglang-qwen")
     return unit
 
 
