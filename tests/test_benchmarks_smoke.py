@@ -24,6 +24,7 @@ LAB = os.geteuid() == 0 and os.path.exists("/dev/fuse")
         ("bench_lab_boot.py", True, "s"),
         ("bench_backup.py", True, "rsync"),
         ("bench_health.py", True, "hosts"),
+        ("bench_slurm.py", True, "nodes=2: srun -N 2 health"),
     ],
 )
 def test_benchmark_smoke(script: str, needs_lab: bool, expect: str) -> None:

@@ -1,0 +1,180 @@
+"""suites/health through a real Slurm on N lab hosts: ``srun -N N`` against local://, then the merge.
+
+    sudo python benchmarks/bench_slurm.py              # 16 nodes, 3 timed rounds
+    sudo python benchmarks/bench_slurm.py --smoke      # 2 nodes, 1 round (CI)
+
+Boots N ``health-ok`` lab hosts (host names gpu-node-01..N, the Slurm node names), starts
+slurmctld here and slurmd in each (gpulab/slurm.py) and moto on the controller's lab-side
+address. Each round: ``srun --nodes=N --ntasks-per-node=1`` runs ``pytest suites/health
+--host=local:// --check-only`` on every node, each node writes its summary to S3, then
+``python -m pytest_gpuhost.merge s3://...`` builds the fleet report (which must hold N hosts). One
+untimed round first plays the previous night (the first run of each node records its kernel-log
+baseline). Reported: wall seconds of srun and of the merge (medians), and a CPU account of the
+timed rounds by who spent it: the nodes (each node's systemd with every process it reaped: the
+job steps with the tests and tools they ran, read from /proc as cumulative child time), the lab's FUSE sysfs daemons, the controller's
+slurmctld and munged, and this script's children (srun, merge).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gpulab.lab import Lab, LabHost  # noqa: E402
+from gpulab.profile import load_profile  # noqa: E402
+from gpulab.slurm import SlurmCluster, slurm_unavailable  # noqa: E402
+from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_cpu(text: str, children: bool) -> float:
+    f = text.rsplit(")", 1)[1].split()
+    ticks = int(f[11]) + int(f[12]) + ((int(f[13]) + int(f[14])) if children else 0)
+    return ticks / TICK
+
+
+def node_cpu(h: LabHost) -> float:
+    """CPU seconds so far of the node's systemd with every process it reaped.
+
+    slurmd starts each step's slurmstepd through a child that exits at once (a double fork), so
+    the step is reparented to the node's PID 1 and its time (with the tests and tools it reaped)
+    lands in PID 1's cumulative child time when it ends (proc(5), cutime/cstime).
+    """
+    try:
+        return _stat_cpu(Path(f"/proc/{h.init_pid()}/stat").read_text(), children=True)
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def pid_cpu(pid: int | None) -> float:
+    try:
+        return _stat_cpu(Path(f"/proc/{pid}/stat").read_text(), children=False)
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def account(c: SlurmCluster, hosts: list[LabHost]) -> dict[str, float]:
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    sysfs = [int((h.dir / "pids" / "sysfs").read_text()) for h in hosts]
+    procs = c._procs  # the controller's daemons, started by the cluster
+    return {
+        "nodes": sum(node_cpu(h) for h in hosts),
+        "sysfs": sum(pid_cpu(p) for p in sysfs),
+        "slurmctld+munged": sum(
+            pid_cpu(procs[w].pid if w in procs else None) for w in ("slurmctld", "munged")
+        ),
+        "srun+merge": kids.ru_utime + kids.ru_stime,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="2 nodes, 1 round")
+    ap.add_argument("--nodes", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    n, rounds = (2, 1) if args.smoke else (args.nodes, args.rounds)
+    why = slurm_unavailable()
+    if why:
+        print(f"bench_slurm: skipped: {why}")
+        return 0
+    lab = Lab()
+    lab.check()
+    tag = f"bsl{os.getpid() % 100000}"
+    hosts: list[LabHost] = []
+    cluster: SlurmCluster | None = None
+    moto = None
+    tmp = Path(tempfile.mkdtemp(prefix="bench-slurm-"))
+    try:
+        t0 = time.monotonic()
+        for i in range(1, n + 1):
+            prof = load_profile("health-ok", overrides={"hostname": f"gpu-node-{i:02d}"})
+            hosts.append(lab.up(prof, name=f"{tag}-{i:02d}"))
+        t_boot = time.monotonic() - t0
+        t0 = time.monotonic()
+        cluster = SlurmCluster(hosts).start()
+        t_slurm = time.monotonic() - t0
+        moto, url = start_moto(tmp / "moto.log", host=cluster.ctl_address)
+        import boto3
+
+        bucket = f"bench-{uuid.uuid4().hex[:10]}"
+        boto3.client(
+            "s3", endpoint_url=url, region_name="us-east-1",
+            aws_access_key_id="testing", aws_secret_access_key="testing",
+        ).create_bucket(Bucket=bucket)  # fmt: skip
+        env = {**FAKE_ENV, "AWS_ENDPOINT_URL": url}
+        print(f"{n} nodes booted in {t_boot:.1f} s, Slurm up (all nodes idle) in {t_slurm:.2f} s", flush=True)
+
+        def night(k: int) -> tuple[float, float]:
+            dest = f"s3://{bucket}/night{k}/"
+            argv = [
+                "srun", f"--nodes={n}", "--ntasks-per-node=1", f"--chdir={ROOT}", "--time=10",
+                str(ROOT / ".venv/bin/python"), "-m", "pytest", "suites/health", "--host=local://",
+                "--check-only", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
+                "--report-dir=/tmp/gpuhost", f"--fleet-json={dest}",
+            ]  # fmt: skip
+            t = time.monotonic()
+            r = cluster.run(argv, timeout=600, env=env)  # type: ignore[union-attr]
+            t_srun = time.monotonic() - t
+            if r.returncode != 0:
+                raise SystemExit(f"bench_slurm: srun exited {r.returncode}: {(r.stderr or r.stdout)[-2000:]}")
+            out = tmp / f"night{k}.html"
+            t = time.monotonic()
+            p = subprocess.run(
+                [sys.executable, "-m", "pytest_gpuhost.merge", dest, "--endpoint-url", url, "-o", str(out)],
+                cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **FAKE_ENV}, check=False,
+            )  # fmt: skip
+            t_merge = time.monotonic() - t
+            merged = json.loads(out.with_suffix(".json").read_text())
+            if p.returncode != 0 or len(merged["hosts"]) != n:
+                raise SystemExit(
+                    f"bench_slurm: merge exited {p.returncode} with {len(merged['hosts'])} hosts"
+                )
+            return t_srun, t_merge
+
+        first = night(0)
+        print(f"first night (untimed): srun {first[0]:.2f} s, merge {first[1]:.2f} s", flush=True)
+        before = account(cluster, hosts)
+        sruns, merges = [], []
+        for k in range(1, rounds + 1):
+            s, m = night(k)
+            sruns.append(s)
+            merges.append(m)
+            print(f"round {k}: srun {s:.2f} s, merge {m:.2f} s", flush=True)
+        after = account(cluster, hosts)
+        cpu = {k: (after[k] - before[k]) / rounds for k in before}
+        print(
+            f"nodes={n}: srun -N {n} health {statistics.median(sruns):.2f} s, merge {statistics.median(merges):.2f} s,"
+            f" total {statistics.median(sruns) + statistics.median(merges):.2f} s wall (median of {rounds})"
+        )
+        print(
+            "CPU s per round: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+            + f"; sum {sum(cpu.values()):.2f}"
+        )
+    finally:
+        if moto is not None:
+            stop_moto(moto)
+        if cluster is not None:
+            cluster.stop()
+        for h in hosts:
+            h.down()
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
