@@ -193,6 +193,31 @@ def test_xid_48_fails_night_after_night_until_the_gpu_is_reset(lab: Any, tmp_pat
         inject(h, {})
 
 
+def test_clock_event_time_since_the_last_run_fails_then_passes_when_it_stops_growing(
+    lab: Any, tmp_path: Path
+) -> None:
+    """GPU 1 spends 12.5 s in HW thermal slowdown between two runs: the second fails, the third passes."""
+    h = boot(lab, "health-ok")
+    inject(h, {})
+    try:
+        assert run_health(h, tmp_path, name="c1")["clock_events"]["outcome"] == "passed"
+        inject(h, {"gpus": {"0000:14:00.0": {"clock_event_us": {"hw_thermal_slowdown": 12_500_000}}}})
+        c = run_health(h, tmp_path, name="c2")["clock_events"]
+        assert c["outcome"] == "failed", c
+        assert c["reasons"] == [
+            "GPU 1 (0000:14:00.0): clocks held down 12.5 s since the last run (hw_thermal_slowdown 12.5 s; limit 0 s)"
+        ]
+        c = run_health(h, tmp_path, name="c3")["clock_events"]  # the same count: nothing since
+        assert c["outcome"] == "passed", c
+        inject(h, {})  # the driver reloaded: every counter starts again at 0 (a new baseline)
+        c = run_health(h, tmp_path, name="c4")["clock_events"]
+        assert (
+            c["outcome"] == "passed" and "counters restarted (new baseline) on 0000:14:00.0" in c["summary"]
+        ), c
+    finally:
+        inject(h, {})
+
+
 def test_row_remap_pending_fails_the_gpu(lab: Any, tmp_path: Path) -> None:
     """nvidia-smi --query-remapped-rows says GPU 1 has a remap pending: remapped_rows fails it."""
     h = boot(lab, "health-ok")

@@ -30,6 +30,10 @@ TOPO = " \tGPU0\tGPU1\t\n GPU0\tX\tNS\t\n GPU1\tNS\tX\t\n\nLegend:\n\n  X    = S
 NVIDIA_SMI = """#!/bin/sh
 # stand-in: the CSV only for the full field list of this test; an unknown field as the real tool says it
 case "$1" in
+  --query-gpu=*clocks_event_reasons_counters.*)
+    if [ -n "$NO_COUNTERS" ]; then echo 'Field "clocks_event_reasons_counters.hw_thermal_slowdown" is not a valid field to query.'; exit 2; fi ;;
+esac
+case "$1" in
   --query-gpu=*clocks_throttle_reasons.active*)
     if [ -n "$NO_THROTTLE_FIELD" ]; then echo 'Field "clocks_throttle_reasons.active" is not a valid field to query.'; exit 2; fi
     cat "$FAKE/csv" ;;
@@ -163,6 +167,26 @@ def test_probe_drops_a_field_the_driver_does_not_know_in_the_same_request(
         assert "clocks_throttle_reasons.active" not in f["gpus"]["gpus"][0]
     finally:
         conn.close()
+
+
+def test_a_driver_without_the_clock_event_counters_drops_all_four_in_one_retry(
+    fake_host: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NO_COUNTERS", "1")
+    conn = open_connection(parse_host_url("local://"))
+    try:
+        f = _facts(conn, fake_host, parts=["gpus"])
+    finally:
+        conn.close()
+    assert [x for x in f["gpus"]["dropped"] if "counters" in x] == [
+        "clocks_event_reasons_counters.hw_thermal_slowdown",
+        "clocks_event_reasons_counters.hw_power_brake_slowdown",
+        "clocks_event_reasons_counters.sw_thermal_slowdown",
+        "clocks_event_reasons_counters.sw_power_cap",
+    ]
+    queries = [c for c in f["commands"] if c["argv"][1].startswith("--query-gpu=")]
+    assert len(queries) == 2, [c["argv"] for c in queries]  # one refused, one answered
+    assert f["gpus"]["gpus"][1]["pcie.link.width.current"] == 8
 
 
 def test_probe_keeps_the_nvml_error_a_cell_prints(fake_host: Path) -> None:

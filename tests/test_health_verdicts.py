@@ -621,3 +621,34 @@ def test_fabric_on_nvswitch_models() -> None:
     ]
     params = hm.probe_params(hm.Thresholds.from_vars({}))
     assert ["B200", True] in params["fabric_models"] and ["RTX PRO 6000", False] in params["fabric_models"]
+
+
+def test_clock_event_time_is_judged_since_the_last_run_and_a_restarted_counter_is_a_new_baseline() -> None:
+    """clocks_event_reasons_counters.* (microseconds since the driver loaded) against the last run's."""
+    hw = "clocks_event_reasons_counters.hw_thermal_slowdown"
+    sw = "clocks_event_reasons_counters.sw_thermal_slowdown"
+
+    def night(prev: dict[str, Any] | None, **per_gpu: dict[str, int]) -> tuple[hm.Verdict, dict[str, Any]]:
+        facts = healthy()
+        for g in facts["gpus"]["gpus"]:
+            g.update({hw: 0, sw: 0, "clocks_event_reasons_counters.sw_power_cap": 7_000_000})
+            g.update(per_gpu.get(f"g{g['index']}", {}))
+        facts["kernel_log"]["previous_counters"] = prev
+        state = health_facts.commit_state(facts) or {}
+        return judge("clock_events", facts), state["counters"]
+
+    v, n1 = night(None)  # first run: judged since the driver loaded, nothing held down by HW
+    assert v.ok and "since the driver loaded" in v.summary, v
+    v, n2 = night(n1, g1={hw: 12_500_000})
+    assert not v.ok and v.reasons == [
+        "GPU 1 (0000:18:00.0): clocks held down 12.5 s since the last run (hw_thermal_slowdown 12.5 s; limit 0 s)"
+    ], v.reasons
+    v, n3 = night(n2, g1={hw: 12_500_000})  # no more since: passes
+    assert v.ok and v.state["gpus"]["0000:18:00.0"]["seconds"]["hw_thermal_slowdown"] == 0, v
+    v, _ = night(n3, g1={hw: 0})  # the driver reloaded: the counter restarted, a new baseline
+    assert v.ok and v.summary.endswith("counters restarted (new baseline) on 0000:18:00.0"), v
+    v, _ = night(n3, g1={hw: 2_000_000})  # restarted and 2 s since: all of it happened since
+    assert not v.ok and "2 s" in v.reasons[0], v
+    v, _ = night(n3, g2={sw: 301_000_000})  # SW thermal slowdown past its own limit
+    assert not v.ok and v.reasons[0].startswith("GPU 2 (0000:3a:00.0): clocks held down 301 s"), v
+    assert judge("clock_events", healthy()).skip == "GPUs do not report clock-event counters"

@@ -14,13 +14,15 @@ its limit therefore does not flip the verdict night after night.
 
 This module is the front: `CHECKS`, `FIXES` and `evaluate`, and the names other modules import.
 The parts, by role: `health_thresholds` (the table of inventory variables), `health_verdict`
-(`Verdict` and the facts readers), `health_gpu`, `health_fabric` and `health_host` (the checks).
+(`Verdict` and the facts readers), `health_gpu`, `health_fabric`, `health_host` and
+`health_counters` (the checks; counters judged against the last run's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from pytest_gpuhost.modules.health_counters import check_clock_events
 from pytest_gpuhost.modules.health_fabric import (
     check_acs,
     check_fabric,
@@ -88,6 +90,7 @@ CHECKS: tuple[str, ...] = (
     "acs",
     "p2p",
     "throttle",
+    "clock_events",
     "temperature",
     "disk_free",
     "service",
@@ -115,6 +118,7 @@ _CHECK_FUNCS: dict[str, Callable[..., Verdict]] = {
     "acs": check_acs,
     "p2p": check_p2p,
     "throttle": check_throttle,
+    "clock_events": check_clock_events,
     "temperature": check_temperature,
     "disk_free": check_disk_free,
     "service": check_service,

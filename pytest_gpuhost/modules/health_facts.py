@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from pytest_gpuhost.modules.health_counters import counters_state
 from pytest_gpuhost.modules.health_xid import pending_after, reset_signals
 
 __all__ = ["FACT_OF_PART", "PARTS", "commit_state", "fact_names", "merge"]
@@ -80,6 +81,9 @@ def commit_state(facts: Mapping[str, Any], xid_ignore: Sequence[int] = ()) -> di
         return None
     state = dict(part["cursor"])
     state["pending"] = pending_after(part, xid_ignore, reset_signals(facts))
+    counters = counters_state(facts)
+    if counters is not None:
+        state["counters"] = counters
     smi = facts.get("smi")
     if isinstance(smi, Mapping) and smi.get("ok") and smi.get("cuda_version") and smi.get("driver_version"):
         cached = smi.get("cached")

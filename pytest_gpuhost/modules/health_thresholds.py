@@ -96,6 +96,18 @@ THRESHOLDS: tuple[Threshold, ...] = (
     Threshold(
         "throttle_fail_mask", 0xE8, int, "throttle reason bits that fail (HW slowdown, thermal, power brake)"
     ),
+    Threshold(
+        "clock_event_hw_max_s",
+        0,
+        (int, float),
+        "seconds of HW slowdown (thermal or power brake) allowed per GPU since the last run",
+    ),
+    Threshold(
+        "clock_event_sw_thermal_max_s",
+        300,
+        (int, float),
+        "seconds of SW thermal slowdown allowed per GPU since the last run",
+    ),
     Threshold("temperature_max", 85, (int, float), "hottest GPU temperature allowed, degrees C"),
     Threshold(
         "temperature_noise", 2, (int, float), "noise band around temperature_max that triggers re-reads"

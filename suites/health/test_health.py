@@ -96,6 +96,11 @@ def test_throttle(judge: Judge) -> None:
     judge("throttle")
 
 
+def test_clock_events(judge: Judge) -> None:
+    """No GPU held down by HW slowdown (or too long by SW thermal slowdown) since the last run."""
+    judge("clock_events")
+
+
 def test_temperature(judge: Judge) -> None:
     """The hottest GPU is under the limit (re-read when within the noise band)."""
     judge("temperature")

@@ -143,6 +143,23 @@ def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
         "reset_status.drain_and_reset_recommended": (_yesno(_fault(host, g, "drain_and_reset")), ""),
         "clocks_throttle_reasons.active": (str(h.get("throttle_reasons", "0x0000000000000000")), ""),
         "clocks_event_reasons.active": (str(h.get("throttle_reasons", "0x0000000000000000")), ""),
+        # clocks_event_reasons_counters.* (R550+): microseconds since the driver loaded that each
+        # reason held the clocks down ("[us]" in the header; nvidia-smi --help-query-gpu). The lab
+        # GPU's are 0 unless the runtime fault clock_event_us {reason: us} says more (a test raises
+        # it between runs, as a day of load would)
+        **{
+            f"clocks_event_reasons_counters.{r}": (
+                str(int((_fault(host, g, "clock_event_us") or {}).get(r, 0))),
+                "us",
+            )
+            for r in (
+                "sw_power_cap",
+                "sync_boost",
+                "sw_thermal_slowdown",
+                "hw_thermal_slowdown",
+                "hw_power_brake_slowdown",
+            )
+        },
         "pcie.link.gen.current": (str(speed_gen(lk.get("speed", ""))), ""),
         "pcie.link.gen.max": (str(speed_gen(lk.get("max_speed", lk.get("speed", "")))), ""),
         "pcie.link.gen.gpucurrent": (str(speed_gen(lk.get("speed", ""))), ""),

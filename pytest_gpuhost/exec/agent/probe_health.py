@@ -47,7 +47,15 @@ QUERY_FIELDS = (
     # Yes while the GPU needs a reset (the driver's reset-required bit, cleared only by a reset):
     # health_xid settles an owed reset by it; R5xx drivers without it drop it (no retry after)
     "reset_status.reset_required",
+    # Time (microseconds, since the driver loaded) each clock-event reason held the clocks down
+    # (nvidia-smi --help-query-gpu, R550+; "[us]" in the csv header): compared with the last run
+    "clocks_event_reasons_counters.hw_thermal_slowdown",
+    "clocks_event_reasons_counters.hw_power_brake_slowdown",
+    "clocks_event_reasons_counters.sw_thermal_slowdown",
+    "clocks_event_reasons_counters.sw_power_cap",
 )
+# Fields a driver has all or none of: one unknown drops its family in one retry, not one each.
+FIELD_FAMILIES = ("clocks_event_reasons_counters.",)
 TEXT_FIELDS = ("pci.bus_id", "name", "uuid", "driver_version")
 LINK_FIELDS = ("pcie.link.gen.current", "pcie.link.gen.max", "pcie.link.width.current", "pcie.link.width.max")
 SYSFS_LINK = (
@@ -124,8 +132,10 @@ def part_gpus(params, record):
                 fields[fields.index(name)] = new
                 renamed[name] = new
             else:
-                fields.remove(name)
-                dropped.append(name)
+                family = [p for p in FIELD_FAMILIES if name.startswith(p)]
+                for f in [f for f in fields if f == name or family and f.startswith(family[0])]:
+                    fields.remove(f)
+                    dropped.append(f)
                 for old, other in list(renamed.items()):
                     if other == name:
                         del renamed[old]

@@ -1,0 +1,136 @@
+"""Counters since the last run: the time each GPU spent held down by a clock-event reason.
+
+Pure logic, no I/O. nvidia-smi reports, per GPU, the time in microseconds since the driver loaded
+that each clock-event (formerly "throttle") reason held the clocks down
+(`--query-gpu=clocks_event_reasons_counters.*`, R550+, "[us]" in the csv header). A snapshot of
+`clocks_event_reasons.active` at night, with the GPUs idle, says nothing of the day; the counters
+do. `counters_state` is what the health state keeps of this run (health_facts.commit_state); the
+next run gets it back in the kernel-log part (`previous_counters`) and `check_clock_events`
+judges the difference.
+
+A counter lower than the one recorded (the driver reloaded, the GPU was reset, the host rebooted)
+started again from 0 since the last run, so all it holds happened since: that value is the
+difference (and the new baseline). A GPU with no recorded value (the first run, a new GPU) is
+judged on its whole count since the driver loaded, as the Xid check judges the first night since
+boot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pytest_gpuhost.modules.health_thresholds import Thresholds
+from pytest_gpuhost.modules.health_verdict import (
+    Facts,
+    Verdict,
+    facts_gpus,
+    failed,
+    field_gone,
+    gpu_label,
+    skipped,
+)
+
+__all__ = ["CLOCK_EVENT_COUNTERS", "check_clock_events", "counters_state"]
+
+PREFIX = "clocks_event_reasons_counters."
+#: The counters read, and which limit each counts against ("hw", "sw_thermal", or None: reported).
+CLOCK_EVENT_COUNTERS: Mapping[str, str | None] = {
+    PREFIX + "hw_thermal_slowdown": "hw",
+    PREFIX + "hw_power_brake_slowdown": "hw",
+    PREFIX + "sw_thermal_slowdown": "sw_thermal",
+    PREFIX + "sw_power_cap": None,
+}
+
+
+def _current(facts: Facts) -> dict[str, dict[str, int]]:
+    gpus, _ = facts_gpus(facts)
+    out: dict[str, dict[str, int]] = {}
+    for g in gpus:
+        vals = {
+            k: int(v)
+            for k in CLOCK_EVENT_COUNTERS
+            if isinstance(v := g.get(k), int) and not isinstance(v, bool)
+        }
+        if vals:
+            out[str(g.get("bdf"))] = vals
+    return out
+
+
+def counters_state(facts: Facts) -> dict[str, Any] | None:
+    """Return what the health state keeps of this run's counters, None when there are none."""
+    gpus = _current(facts)
+    if not gpus:
+        return None
+    boot = ((facts.get("kernel_log") or {}).get("cursor") or {}).get("boot_id")
+    return {"version": 1, "at": facts.get("time"), "boot_id": boot, "gpus": gpus}
+
+
+def _previous(facts: Facts) -> Mapping[str, Any]:
+    part = facts.get("kernel_log")
+    prev = part.get("previous_counters") if isinstance(part, Mapping) else None
+    return prev if isinstance(prev, Mapping) and isinstance(prev.get("gpus"), Mapping) else {}
+
+
+def check_clock_events(facts: Facts, t: Thresholds) -> Verdict:
+    """Fail a GPU held down by hardware slowdown (or too long by software thermal slowdown) since the last run."""
+    gpus, err = facts_gpus(facts)
+    if err:
+        return failed("clock_events", f"nvidia-smi failed: {err}", [str(err)])
+    current = _current(facts)
+    if not current:
+        gone = field_gone(facts, PREFIX + "hw_thermal_slowdown")
+        return skipped("clock_events", gone or "GPUs do not report clock-event counters")
+    prev = _previous(facts)
+    prev_gpus = prev.get("gpus") or {}
+    limits = {"hw": float(t["clock_event_hw_max_s"]), "sw_thermal": float(t["clock_event_sw_thermal_max_s"])}
+    labels = {str(g.get("bdf")): gpu_label(g) for g in gpus}
+    reasons: list[str] = []
+    state: dict[str, Any] = {
+        "window": "since the last run" if prev else "since the driver loaded (no earlier run)"
+    }
+    per_gpu: dict[str, Any] = {}
+    for bdf, vals in sorted(current.items()):
+        before = prev_gpus.get(bdf) if isinstance(prev_gpus.get(bdf), Mapping) else {}
+        delta: dict[str, float] = {}
+        restarted = []
+        for name, now in vals.items():
+            was = before.get(name)
+            if isinstance(was, int) and now >= was:
+                delta[name] = (now - was) / 1e6
+            else:
+                delta[name] = now / 1e6
+                if isinstance(was, int):
+                    restarted.append(name[len(PREFIX) :])
+        per_gpu[bdf] = {
+            "seconds": {k[len(PREFIX) :]: round(v, 3) for k, v in delta.items()},
+            "restarted": restarted,
+        }
+        for group, limit in limits.items():
+            names = [k for k, g in CLOCK_EVENT_COUNTERS.items() if g == group and k in delta]
+            total = sum(delta[k] for k in names)
+            if names and total > limit:
+                parts = ", ".join(f"{k[len(PREFIX) :]} {delta[k]:g} s" for k in names if delta[k])
+                reasons.append(
+                    f"{labels.get(bdf, bdf)}: clocks held down {total:g} s {state['window']} ({parts}; limit {limit:g} s)"
+                )
+    state["gpus"] = per_gpu
+    state["limits_s"] = limits
+    if reasons:
+        return failed(
+            "clock_events",
+            f"{len(reasons)} GPU(s) held down by clock events {state['window']}",
+            reasons,
+            state=state,
+        )
+    worst = max((sum(p["seconds"].values()) for p in per_gpu.values()), default=0.0)
+    note = ""
+    restarted_gpus = [b for b, p in per_gpu.items() if p["restarted"]]
+    if restarted_gpus:
+        note = f"; counters restarted (new baseline) on {', '.join(restarted_gpus)}"
+    return Verdict(
+        "clock_events",
+        True,
+        f"no GPU held down past its limit {state['window']} on {len(per_gpu)} GPUs (most {worst:g} s in all reasons){note}",
+        state=state,
+    )
