@@ -1,5 +1,8 @@
 """GPU peer-to-peer: capability and bandwidth matrices, what each pair should reach, thresholds.
 
+Over 400 lines because measuring, its direction convention and judging a pair are one contract
+(the thresholds read the matrices exactly as this module stores them).
+
 Measurement prefers the agent's cupy probe (peer copies timed with CUDA events, devices
 addressed by PCI bus id); without cupy it runs `nvbandwidth -t device_to_device_memcpy_read_ce`
 (JSON, else text), then `p2pBandwidthLatencyTest`. Capability comes from pynvml (through the
@@ -23,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pytest_gpuhost.errors import Unreachable
 from pytest_gpuhost.modules import parsers
 
 __all__ = [
@@ -34,6 +38,7 @@ __all__ = [
     "expected_gbps",
     "link_max_gbps",
     "measure",
+    "measure_anywhere",
     "pcie_gbps",
     "capability",
     "topology",
@@ -119,6 +124,8 @@ class P2PMatrix:
     capability: dict[tuple[str, str], str] = field(default_factory=dict)
     note: str = ""
     errors: dict[tuple[str, str], str] = field(default_factory=dict)  # a pair whose measurement failed
+    where: str = ""  # the connection it was measured on (host, or the service's container)
+    no_tool: bool = False  # no measuring tool was installed where it looked
 
     def rows(self) -> list[list[float | None]]:
         """Return the matrix as rows (self cells None), in `bdfs` order."""
@@ -133,6 +140,7 @@ class P2PMatrix:
             "capability": {f"{a}>{b}": v for (a, b), v in self.capability.items()},
             "errors": {f"{a}>{b}": v for (a, b), v in self.errors.items()},
             "direction": DIRECTION,
+            "where": self.where,
             "note": self.note,
         }
 
@@ -235,7 +243,9 @@ def measure(
     if use_probe:
         try:
             probe = conn.call("p2p_probe", bdfs=bdfs, timeout=timeout)
-        except Exception as exc:  # an old agent without the op, or CUDA failing: fall back
+        except Unreachable:
+            raise
+        except Exception as exc:  # no agent (a fallback connection), an old agent without the op
             probe = {"available": False, "reason": str(exc)}
     if probe and probe.get("available"):
         values: dict[tuple[str, str], float | None] = {}
@@ -277,12 +287,60 @@ def measure(
             source, text = "p2pBandwidthLatencyTest", r2.stdout
         if matrix is None:
             why = (r.stderr or r.stdout).strip().splitlines()[-1:] or [f"rc {r.rc}"]
+            cupy = str((probe or {}).get("reason") or "not tried")[:120]
+            if _missing(r) and _missing(r2):  # no tool here at all: maybe elsewhere (measure_anywhere)
+                return P2PMatrix(
+                    bdfs, {}, "none", caps, f"{cupy}; nvbandwidth and p2pBandwidthLatencyTest not installed",
+                    no_tool=True,
+                )  # fmt: skip
             return P2PMatrix(bdfs, {}, "none", caps, f"no bandwidth tool worked: nvbandwidth: {why[0][:200]}")
     index = _nvbandwidth_devices(text)
     if not index:
         # with CUDA_DEVICE_ORDER=PCI_BUS_ID, CUDA ordinals follow PCI order like nvidia-smi's
         index = {i: b for i, b in enumerate(sorted(index.values()))} if index else dict(enumerate(bdfs))
     return P2PMatrix(bdfs, directed_values(matrix, index, bdfs, source), source, caps, note)
+
+
+def _missing(r: Any) -> bool:
+    """True when a command could not run because it is not installed (exec: ENOENT/EACCES)."""
+    err = (getattr(r, "stderr", "") or "").lower()
+    return r.rc in (126, 127) and ("no such file" in err or "not found" in err or not err)
+
+
+def measure_anywhere(
+    conns: list[_Conn], bdfs: list[str], *, index: dict[int, str] | None = None, timeout: float = 300.0
+) -> P2PMatrix:
+    """Measure on the first of ``conns`` (the host, then the service's container) that has a tool.
+
+    A stock Proxmox host has neither cupy nor nvbandwidth; the CUDA stack lives in the container,
+    which sees the same GPUs. The matrix says where it was measured (``where``). With no tool
+    anywhere: a matrix with ``no_tool`` and a note naming what was looked for where and what to
+    install, never advice about the platform (nothing was measured). ``index`` is the host's
+    nvidia-smi index map; a container's own nvidia-smi numbers its GPUs for itself.
+    """
+    looked: list[str] = []
+    for i, conn in enumerate(conns):
+        try:
+            m = measure(conn, bdfs, index=index if i == 0 else None, timeout=timeout)
+        except Unreachable as exc:
+            looked.append(f"{conn.name}: unreachable ({str(exc)[:120]})")
+            continue
+        m.where = conn.name
+        if not m.no_tool:
+            if looked:
+                m.note = "; ".join([f"no tool on {x}" for x in looked] + ([m.note] if m.note else []))
+            return m
+        looked.append(f"{conn.name}: {m.note}")
+    caps: dict[tuple[str, str], str] = {}
+    try:
+        caps, _ = capability(conns[0], sorted(bdfs), None, index)
+    except Unreachable:
+        pass
+    note = (
+        "no P2P bandwidth tool on " + "; nor on ".join(looked) + ": install nvbandwidth (NVIDIA/nvbandwidth) "
+        "or cupy with pynvml on the host or in the container, then run again; nothing was measured"
+    )
+    return P2PMatrix(sorted(bdfs), {}, "none", caps, note, no_tool=True)
 
 
 def directed_values(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 from pytest_gpuhost.modules import p2p, pci
 from pytest_gpuhost.modules.service import check_health, nccl_transport
@@ -123,8 +124,12 @@ class RestoreSteps(P2PState):
                 matrix = self.before
             else:
                 self.read_facts(("nvidia_smi_gpus",))
-                matrix = p2p.measure(self.conn, self.plan.gpus, index=self.smi_index())
+                matrix = p2p.measure_anywhere(self.measure_conns(), self.plan.gpus, index=self.smi_index())
                 self.record_matrix("P2P bandwidth after", matrix)
+            self.no_tool = matrix.note if matrix.no_tool else ""
+            state: dict[str, Any] = {"matrix": matrix.to_dict()}
+            if matrix.no_tool:  # nothing was measured: say what to install where, not what to fix
+                return Check(False, matrix.note, state)
             verdicts = self.judge(matrix)
             low = [v for v in verdicts if not v.ok]
             for v in verdicts:
@@ -135,7 +140,7 @@ class RestoreSteps(P2PState):
                 if measured
                 else f"no pair measured ({matrix.note})"
             )
-            state = {"matrix": matrix.to_dict(), "low": [v.describe() for v in low]}
+            state["low"] = [v.describe() for v in low]
             if low:
                 return Check(
                     False,
@@ -158,6 +163,8 @@ class RestoreSteps(P2PState):
             return []
 
         def fix(actions: list[Action], before: Check) -> None:
+            if self.no_tool:
+                raise ProcedureError(self.no_tool)
             raise ProcedureError(
                 "P2P stays below threshold with every in-scope group in identity mode: look for PCIe ACS "
                 "on the path (lspci -vvv | grep ACSCtl), a link trained down, or BIOS settings"

@@ -79,6 +79,7 @@ class P2PState(Procedure):
         self.stopped_persistenced = False
         self.service_state: Any = None
         self.blocked: list[str] = []  # writes left blocked in the kernel (an nvidia unbind while held)
+        self.no_tool = ""  # step 6: why nothing could be measured (no tool on the host or in the container)
         self.topo: dict[tuple[str, str], str] = {}  # nvidia-smi topo -m link per GPU pair (NV#, PIX, ...)
         self.boot_record: dict[str, dict[str, Any]] = {}  # functions listed by the installed boot script
         self.snp: iommu.SnpFacts | None = None  # SEV-SNP on the IOMMU, from step 1
@@ -223,10 +224,14 @@ class P2PState(Procedure):
         if len(plan.gpus) >= 2 and not plan.unbound:
             index = self.smi_index()
             self.topo = p2p.topology(self.conn, plan.gpus, index)
-            self.before = p2p.measure(self.conn, plan.gpus, index=index)
+            self.before = p2p.measure_anywhere(self.measure_conns(), plan.gpus, index=index)
             self.before_ok = all(v.ok for v in self.judge(self.before))
             self.record_matrix("P2P bandwidth before", self.before)
         return plan
+
+    def measure_conns(self) -> list[Any]:
+        """Where P2P can be measured: the host, then the service's container (its CUDA stack)."""
+        return [self.conn] if self.svc_conn is self.conn else [self.conn, self.svc_conn]
 
     def smi_index(self) -> dict[int, str] | None:
         """nvidia-smi index -> PCI address, from the last facts read (None when unknown)."""
@@ -259,7 +264,9 @@ class P2PState(Procedure):
             threshold=min(thresholds) if thresholds else None,
             target=self.conn.name,
         )
-        ev.note(f"{name}: measured with {matrix.source}" + (f"; {matrix.note}" if matrix.note else ""))
+        where = f" on {matrix.where}" if matrix.where else ""
+        what = f"measured with {matrix.source}{where}" if not matrix.no_tool else "not measured"
+        ev.note(f"{name}: {what}" + (f"; {matrix.note}" if matrix.note else ""))
 
     def current_groups(self) -> dict[int, str | None]:
         """IOMMU group -> type, from the last facts read."""
