@@ -91,7 +91,8 @@ def check_clock_events(facts: Facts, t: Thresholds) -> Verdict:
     }
     per_gpu: dict[str, Any] = {}
     for bdf, vals in sorted(current.items()):
-        before = prev_gpus.get(bdf) if isinstance(prev_gpus.get(bdf), Mapping) else {}
+        got = prev_gpus.get(bdf)
+        before: Mapping[str, Any] = got if isinstance(got, Mapping) else {}
         delta: dict[str, float] = {}
         restarted = []
         for name, now in vals.items():

@@ -92,6 +92,12 @@ def _fault(host: Host, g: GpuView, key: str) -> object:
     return ((host.faults.get("gpus") or {}).get(g.bdf) or {}).get(key)
 
 
+def _counter_us(host: Host, g: GpuView, reason: str) -> int:
+    """Return the fault clock_event_us[reason] of one GPU, 0 when none."""
+    got = _fault(host, g, "clock_event_us")
+    return int(got.get(reason, 0)) if isinstance(got, dict) else 0
+
+
 def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
     h = g.health
     lk = g.link
@@ -149,7 +155,7 @@ def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
         # it between runs, as a day of load would)
         **{
             f"clocks_event_reasons_counters.{r}": (
-                str(int((_fault(host, g, "clock_event_us") or {}).get(r, 0))),
+                str(_counter_us(host, g, r)),
                 "us",
             )
             for r in (
