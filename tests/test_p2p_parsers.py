@@ -128,3 +128,34 @@ def test_topo_p2p_unknown_code_is_an_error() -> None:
     text = read("nvidia-smi-topo-p2p-rw-rtx5090x2.txt").replace("GNS", "WAT", 1)
     with pytest.raises(parsers.ParseError, match="WAT"):
         parsers.parse_topo_p2p(text)
+
+
+def _with_escapes(text: str) -> str:
+    """The capture as the driver printed it: ESC[4m ... ESC[0m (the paste kept only "[4m")."""
+    return text.replace("[4m", "\x1b[4m").replace("[0m", "\x1b[0m")
+
+
+@pytest.mark.parametrize("escaped", [False, True], ids=["as-pasted", "with-esc"])
+def test_topo_matrix_underlined_header_and_nic_rows_without_affinity(escaped: bool) -> None:
+    """Driver 590 underlines the header even when piped (sgl-project/sglang#26039); NIC rows end in
+    empty affinity cells. Before, the header was not found and the first GPU row became the header."""
+    text = read("nvidia-smi-topo-m-b300x8-nic-underline.txt")
+    m = parsers.parse_topo_matrix(_with_escapes(text) if escaped else text)
+    assert m.devices == [f"GPU{i}" for i in range(8)] + [f"NIC{i}" for i in range(9)]
+    assert m.links[("GPU0", "GPU7")] == "NV18" and m.links[("GPU3", "NIC3")] == "PXB"
+    assert m.links[("NIC8", "NIC8")] == "X" and m.links[("NIC0", "GPU0")] == "PXB"
+    assert m.cpu_affinity["GPU4"] == "64-127,192-255" and m.numa_affinity["GPU4"] == "1"
+    assert "NIC0" not in m.cpu_affinity  # a NIC row has no affinity
+
+
+def test_topo_p2p_with_escapes() -> None:
+    text = read("nvidia-smi-topo-p2p-rw-rtx5090x2.txt")
+    lines = text.splitlines()
+    k = next(i for i, ln in enumerate(lines) if "GPU0" in ln)
+    lines[k] = lines[k].replace("GPU0", "\x1b[4mGPU0", 1) + "\x1b[0m"
+    assert parsers.parse_topo_p2p("\n".join(lines)).links == parsers.parse_topo_p2p(text).links
+
+
+def test_topo_matrix_without_header_is_an_error_not_a_shifted_matrix() -> None:
+    with pytest.raises(parsers.ParseError, match="no column header"):
+        parsers.parse_topo_matrix("GPU0\t X \tNV4\t0-31\t0\nGPU1\tNV4\t X \t0-31\t0\n")

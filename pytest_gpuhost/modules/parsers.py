@@ -237,13 +237,27 @@ class TopoMatrix:
 _AFFINITY_COLUMNS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 
 
+# Recent drivers underline the header of `nvidia-smi topo -m`/`-p2p` with ESC[4m ... ESC[0m even
+# when the output is piped (sgl-project/sglang#26039, driver 590.44.01; the ESC byte itself is lost
+# in that paste, leaving "[4m"); every CSI sequence and such a bare SGR remnant goes before parsing.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\[[0-9;]*m")
+
+
+def strip_ansi(text: str) -> str:
+    """Remove terminal escape sequences (and ``[4m``-style remnants whose ESC was lost)."""
+    return _ANSI.sub("", text)
+
+
 def _topo_table(text: str) -> tuple[list[str], list[list[str]]]:
     """Split the matrix part of nvidia-smi topo output into header cells and row cells."""
-    lines = [ln for ln in text.splitlines()]
+    lines = strip_ansi(text).splitlines()
     start = next((k for k, ln in enumerate(lines) if re.search(r"\bGPU0\b", ln)), None)
     if start is None:
         raise ParseError("no GPU0 column header in nvidia-smi topo output")
     header_line = lines[start]
+    first = header_line.split()
+    if len(first) > 1 and first[0] == "GPU0" and first[1] == "X":  # a row, not the header: format changed
+        raise ParseError(f"nvidia-smi topo output: no column header before row {header_line.strip()[:60]!r}")
     tabbed = "\t" in header_line
     if tabbed:
         header = [h.strip() for h in header_line.split("\t") if h.strip()]
