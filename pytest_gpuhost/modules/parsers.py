@@ -23,6 +23,7 @@ __all__ = [
     "parse_p2p_bandwidth_latency",
     "parse_topo_matrix",
     "parse_topo_p2p",
+    "strip_ansi",
 ]
 
 #: `nvidia-smi topo -p2p r` legend (Facts in DESIGN.md; DR appears on newer drivers).
