@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.errors import AgentError, GpuhostError, Unreachable
+from pytest_gpuhost.errors import AgentError, ConnectError, GpuhostError, Unreachable
 from pytest_gpuhost.exec.targets import (
     TargetOptions,
     TargetPool,
@@ -90,7 +90,14 @@ def load_targets(config: pytest.Config, s: Settings) -> list[Any]:
 
 
 class Target:
-    """One machine or container of the run: its spec, its connection (opened on first use), its vars."""
+    """One machine or container of the run: its spec, its connection (opened on first use), its vars.
+
+    A connect that fails is remembered for the rest of the run (in this process: one Target per
+    name and config, so per xdist worker): the target's later tests fail at once with the same
+    reason instead of each waiting for another connect timeout. Only `ConnectError` (could not
+    reach, authentication or host key refused) is remembered; a connection that was open and is
+    lost later is the connection's own business (`run/procedure.py` charges it to its link).
+    """
 
     def __init__(self, spec: TargetSpec, pool: TargetPool, config: pytest.Config | None = None) -> None:
         self.spec = spec
@@ -98,6 +105,18 @@ class Target:
         self.vars: dict[str, Any] = dict(getattr(spec, "vars", {}) or {})
         self._pool = pool
         self._config = config
+        self._failed: dict[str, ConnectError] = {}  # "host" / "container" -> the first connect error
+
+    def _open(self, which: str, opener: Any) -> Any:
+        first = self._failed.get(which)
+        if first is not None:
+            again = type(first)(f"{first} (first connect of this run failed; not retried)")
+            raise again from None
+        try:
+            return opener()
+        except ConnectError as exc:
+            self._failed.setdefault(which, exc)
+            raise
 
     def _hooked(self, conn: Any) -> Any:
         # The connection calls pytest_gpuhost_command on this config for every command.
@@ -108,14 +127,15 @@ class Target:
     @property
     def conn(self) -> Any:
         """The target's Connection (its agent is started on first use)."""
-        return self._hooked(self._pool.get(self.spec))
+        return self._hooked(self._open("host", lambda: self._pool.get(self.spec)))
 
     @property
     def container_conn(self) -> Any:
         """The Connection into the target's container, or None when it has none."""
         if getattr(self.spec, "container", None) is None:
             return None
-        return self._hooked(self._pool.container(self.spec))
+        self._open("host", lambda: self._pool.get(self.spec))  # a host that failed fails its container
+        return self._hooked(self._open("container", lambda: self._pool.container(self.spec)))
 
     def __repr__(self) -> str:
         return f"<Target {self.name}>"
