@@ -72,7 +72,7 @@ def make_nodes(n: int, dest: Path, seed: int = 14) -> dict[str, int]:
         for i in slots[at : at + k]:
             kinds[i] = name
         at += k
-    night = 1796083200.0  # 2026-12-01 02:00 UTC: each node's run starts in the first 10 minutes
+    night = 1796083200.0  # 2026-12-01 00:00 UTC: each node's run starts in the first 10 minutes
     counts: dict[str, int] = {}
     dest.mkdir(parents=True, exist_ok=True)
     width = max(4, len(str(n)))
