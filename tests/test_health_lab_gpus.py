@@ -218,6 +218,36 @@ def test_clock_event_time_since_the_last_run_fails_then_passes_when_it_stops_gro
         inject(h, {})
 
 
+def test_ecc_disabled_on_an_rtx_pro_6000_fails(lab: Any, tmp_path: Path) -> None:
+    """GPU 2 runs with ECC off (its counters print [N/A]): the ecc check fails it, it used to skip."""
+    h = boot(lab, "health-ok")
+    inject(h, {"gpus": {"0000:23:00.0": {"ecc_mode": "Disabled"}}})
+    try:
+        c = run_health(h, tmp_path)["ecc"]
+    finally:
+        inject(h, {})
+    assert c["outcome"] == "failed", c
+    assert c["reasons"] == [
+        "GPU 2 (0000:23:00.0): ECC disabled on NVIDIA RTX PRO 6000 Blackwell Server Edition, which supports it "
+        "(nvidia-smi -e 1, then a GPU reset or reboot)"
+    ]
+
+
+def test_b200_hbm_above_its_own_limit_fails(lab: Any, tmp_path: Path) -> None:
+    """B200 GPU 4's memory at 97 C, its Memory Max Operating Temp 95 C (from nvidia-smi -q)."""
+    h = boot(lab, "b200-nvl8")
+    inject(h, {})
+    try:
+        c = run_health(h, tmp_path)["memory_temperature"]
+        assert c["outcome"] == "passed", c
+        inject(h, {"gpus": {"0000:9d:00.0": {"temperature_memory": 97}}})
+        c = run_health(h, tmp_path)["memory_temperature"]
+    finally:
+        inject(h, {})
+    assert c["outcome"] == "failed", c
+    assert c["reasons"] == ["GPU 4 (0000:9d:00.0): memory 97 C > 95 C (the GPU's Memory Max Operating Temp)"]
+
+
 def test_row_remap_pending_fails_the_gpu(lab: Any, tmp_path: Path) -> None:
     """nvidia-smi --query-remapped-rows says GPU 1 has a remap pending: remapped_rows fails it."""
     h = boot(lab, "health-ok")

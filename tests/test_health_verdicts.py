@@ -652,3 +652,53 @@ def test_clock_event_time_is_judged_since_the_last_run_and_a_restarted_counter_i
     v, _ = night(n3, g2={sw: 301_000_000})  # SW thermal slowdown past its own limit
     assert not v.ok and v.reasons[0].startswith("GPU 2 (0000:3a:00.0): clocks held down 301 s"), v
     assert judge("clock_events", healthy()).skip == "GPUs do not report clock-event counters"
+
+
+def test_ecc_off_on_a_model_that_supports_it_fails_instead_of_skipping() -> None:
+    """RTX PRO 6000 with ECC disabled: its counters read [N/A]; that used to skip as 'not supported'."""
+    facts = healthy()
+    g0 = facts["gpus"]["gpus"][0]
+    g0.update({"ecc.mode.current": 0, "ecc.errors.uncorrected.volatile.total": None})
+    g0["ecc.errors.corrected.volatile.total"] = None
+    for g in facts["gpus"]["gpus"][1:]:
+        g["ecc.mode.current"] = 1
+    v = judge("ecc", facts)
+    assert not v.ok and v.reasons == [
+        "GPU 0 (0000:17:00.0): ECC disabled on NVIDIA RTX PRO 6000 Blackwell Server Edition, which supports it "
+        "(nvidia-smi -e 1, then a GPU reset or reboot)"
+    ], v
+    assert judge("ecc", facts, ecc_required=False).ok  # the inventory says ECC off is intended
+    g0["name"] = "NVIDIA GeForce RTX 4090"  # a model not in MODELS: ECC off is not judged
+    assert judge("ecc", facts).ok
+
+
+def test_memory_temperature_against_the_gpus_own_limit_else_the_models() -> None:
+    facts = healthy()
+    for i, g in enumerate(facts["gpus"]["gpus"]):
+        g.update({"name": "NVIDIA H100 80GB HBM3", "temperature.memory": 60 + i})
+    assert judge("memory_temperature", facts).ok
+    facts["gpus"]["gpus"][3]["temperature.memory"] = 97
+    v = judge("memory_temperature", facts)
+    assert not v.ok and v.reasons == [
+        "GPU 3 (0000:3b:00.0): memory 97 C > 95 C (the model's (NVIDIA H100 80GB HBM3))"
+    ]
+    # The GPU's own limit (nvidia-smi -q, read on NVSwitch models) comes first.
+    facts["fabric"] = {"ok": True, "gpus": {}, "memory_temp_max": {BDFS[3]: 98.0}}
+    assert judge("memory_temperature", facts).ok
+    assert not judge("memory_temperature", facts, memory_temperature_max=90).ok
+    # A B200 with no limit read and none set: skipped, saying which variable to set.
+    for g in facts["gpus"]["gpus"]:
+        g["name"] = "NVIDIA B200"
+    facts["fabric"] = {"ok": True, "gpus": {}}
+    v = judge("memory_temperature", facts)
+    assert v.skip and v.skip.endswith("set memory_temperature_max"), v
+    # GDDR boards print N/A: skipped with the reason.
+    assert (
+        judge("memory_temperature", healthy()).skip
+        == "GPUs do not report a memory temperature (GDDR, or N/A)"
+    )
+    facts = healthy()
+    facts["gpus"]["gpus"][1]["cell_errors"] = {"temperature.memory": "Unknown Error"}
+    assert judge("memory_temperature", facts).reasons == [
+        "GPU 1 (0000:18:00.0): memory temperature [Unknown Error]"
+    ]

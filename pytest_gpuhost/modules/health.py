@@ -50,6 +50,7 @@ from pytest_gpuhost.modules.health_host import (
     check_sxid,
     check_xid,
 )
+from pytest_gpuhost.modules.health_memory import check_memory_temperature
 from pytest_gpuhost.modules.health_thresholds import (
     THRESHOLDS,
     Threshold,
@@ -92,6 +93,7 @@ CHECKS: tuple[str, ...] = (
     "throttle",
     "clock_events",
     "temperature",
+    "memory_temperature",
     "disk_free",
     "service",
     "service_health",
@@ -120,6 +122,7 @@ _CHECK_FUNCS: dict[str, Callable[..., Verdict]] = {
     "throttle": check_throttle,
     "clock_events": check_clock_events,
     "temperature": check_temperature,
+    "memory_temperature": check_memory_temperature,
     "disk_free": check_disk_free,
     "service": check_service,
     "service_health": check_service_health,

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pytest_gpuhost.modules.health_memory import ecc_off
 from pytest_gpuhost.modules.health_thresholds import Thresholds
 from pytest_gpuhost.modules.health_verdict import (
     Facts,
@@ -203,6 +204,9 @@ def _per_gpu_counter(
 
 
 def check_ecc(facts: Facts, t: Thresholds) -> Verdict:
+    off, modes = ecc_off(facts, t)
+    if off:  # its counters read [N/A] then: "not supported" would be a false pass
+        return failed("ecc", off[0], off, state=modes)
     done, reasons, state = _per_gpu_counter(
         "ecc",
         facts,

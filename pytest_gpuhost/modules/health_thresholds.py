@@ -15,15 +15,19 @@ __all__ = ["MODELS", "THRESHOLDS", "Threshold", "ThresholdError", "Thresholds", 
 #: Per GPU model (text nvidia-smi's name contains, case-insensitive; the first match wins):
 #: `nvlinks`, the NVLinks every GPU of the model must have active (NVIDIA's datasheets: B200 NVLink 5
 #: and H100/H200 SXM NVLink 4 have 18 links per GPU; PCIe cards have none); `fabric`, the GPUs sit
-#: on NVSwitches (HGX), where Fabric Manager must train the fabric before CUDA can use them.
+#: on NVSwitches (HGX), where Fabric Manager must train the fabric before CUDA can use them;
+#: `ecc`, the model supports ECC (its datasheet), so ECC off fails; `memory_temp_max`, the HBM's
+#: limit in C where no GPU reports its own: 95, as `nvidia-smi -q` prints "Memory Max Operating
+#: Temp : 95 C" on H100-class boards; None for B200 (always read from the GPU: HGX only, where the
+#: probe reads `nvidia-smi -q` anyway) and the RTX PRO 6000 (GDDR7: no memory temperature).
 MODELS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("B200", {"nvlinks": 18, "fabric": True}),
-    ("H100 PCIe", {"nvlinks": 0, "fabric": False}),
-    ("H100 NVL", {"nvlinks": 0, "fabric": False}),
-    ("H100", {"nvlinks": 18, "fabric": True}),
-    ("H200 NVL", {"nvlinks": 0, "fabric": False}),
-    ("H200", {"nvlinks": 18, "fabric": True}),
-    ("RTX PRO 6000", {"nvlinks": 0, "fabric": False}),
+    ("B200", {"nvlinks": 18, "fabric": True, "ecc": True, "memory_temp_max": None}),
+    ("H100 PCIe", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95}),
+    ("H100 NVL", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95}),
+    ("H100", {"nvlinks": 18, "fabric": True, "ecc": True, "memory_temp_max": 95}),
+    ("H200 NVL", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95}),
+    ("H200", {"nvlinks": 18, "fabric": True, "ecc": True, "memory_temp_max": 95}),
+    ("RTX PRO 6000", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": None}),
 )
 
 
@@ -67,6 +71,15 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold("persistence_mode", True, bool, "persistence mode must be on for every GPU"),
     Threshold("ecc_uncorrected_max", 0, int, "most volatile uncorrected ECC errors allowed per GPU"),
+    Threshold(
+        "ecc_required", None, bool, "ECC must be on; unset: on every GPU whose model supports it (MODELS)"
+    ),
+    Threshold(
+        "memory_temperature_max",
+        None,
+        (int, float),
+        "hottest GPU memory (HBM) allowed, C; unset: the GPU's Memory Max Operating Temp, else the model's",
+    ),
     Threshold(
         "ecc_corrected_max", None, int, "most volatile corrected ECC errors per GPU; unset: reported only"
     ),

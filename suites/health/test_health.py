@@ -106,6 +106,11 @@ def test_temperature(judge: Judge) -> None:
     judge("temperature")
 
 
+def test_memory_temperature(judge: Judge) -> None:
+    """Each GPU's memory (HBM) is under its limit (the GPU's own, else its model's)."""
+    judge("memory_temperature")
+
+
 def test_disk_free(judge: Judge) -> None:
     """Each data path has the free space the inventory asks for."""
     judge("disk_free")

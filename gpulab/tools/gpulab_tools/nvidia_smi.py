@@ -98,8 +98,33 @@ def _counter_us(host: Host, g: GpuView, reason: str) -> int:
     return int(got.get(reason, 0)) if isinstance(got, dict) else 0
 
 
+def _ecc_count(mode: str, count: object) -> str:
+    return str(count) if mode == "Enabled" else "[N/A]"
+
+
+def _hbm(g: GpuView) -> bool:
+    """Say whether the board's memory is HBM (B200, H100, H200): it reports a memory temperature;
+    GDDR boards (RTX PRO 6000) print N/A for it (nvidia-smi -q "Memory Current Temp : N/A")."""
+    return any(k in g.name for k in ("B200", "H100", "H200"))
+
+
+def _memory_temp(g: GpuView, host: Host) -> object:
+    """Fault temperature_memory, else the profile's health.temperature_memory, else GPU + 5 C on HBM."""
+    v = _fault(host, g, "temperature_memory") or g.health.get("temperature_memory")
+    if v is None:
+        v = int(g.health.get("temperature", 35)) + 5 if _hbm(g) else "N/A"
+    return v
+
+
+def _memory_temp_max(g: GpuView, host: Host) -> str:
+    """-q's "Memory Max Operating Temp": 95 C on HBM boards (as H100 boards print), N/A on GDDR."""
+    v = _fault(host, g, "memory_temp_max")
+    return f"{v} C" if v is not None else ("95 C" if _hbm(g) else "N/A")
+
+
 def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
     h = g.health
+    ecc = str(_fault(host, g, "ecc_mode") or "Enabled")
     lk = g.link
     pstate = "P0" if g.holders else "P8"
     fields: dict[str, tuple[str, str]] = {
@@ -133,11 +158,14 @@ def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
         "memory.free": (str(g.memory_total - g.memory_used), "MiB"),
         "persistence_mode": ("Enabled" if g.persistence else "Disabled", ""),
         "temperature.gpu": (str(h.get("temperature", 35)), ""),
-        "ecc.mode.current": ("Enabled", ""),
-        "ecc.errors.corrected.volatile.total": (str(h.get("ecc_corrected", 0)), ""),
-        "ecc.errors.uncorrected.volatile.total": (str(h.get("ecc_uncorrected", 0)), ""),
-        "ecc.errors.corrected.aggregate.total": (str(h.get("ecc_corrected", 0)), ""),
-        "ecc.errors.uncorrected.aggregate.total": (str(h.get("ecc_uncorrected", 0)), ""),
+        "temperature.memory": (str(_memory_temp(g, host)), ""),
+        # ECC off (fault ecc_mode "Disabled"): its error counters print [N/A], as on a real board
+        "ecc.mode.current": (ecc, ""),
+        "ecc.mode.pending": (ecc, ""),
+        "ecc.errors.corrected.volatile.total": (_ecc_count(ecc, h.get("ecc_corrected", 0)), ""),
+        "ecc.errors.uncorrected.volatile.total": (_ecc_count(ecc, h.get("ecc_uncorrected", 0)), ""),
+        "ecc.errors.corrected.aggregate.total": (_ecc_count(ecc, h.get("ecc_corrected", 0)), ""),
+        "ecc.errors.uncorrected.aggregate.total": (_ecc_count(ecc, h.get("ecc_uncorrected", 0)), ""),
         "retired_pages.pending": (_yesno(h.get("retired_pages_pending", 0)), ""),
         "remapped_rows.failure": (_yesno(h.get("remapped_rows_failure", 0)), ""),
         "remapped_rows.pending": ("No", ""),
@@ -413,6 +441,9 @@ def query_all(host: Host, ids: str | None) -> None:
         kv("Status", fault.get("fabric_status", "Success" if on_fabric else "N/A"), 8)
         o.append("    Temperature")
         kv("GPU Current Temp", f"{h.get('temperature', 35)} C", 8)
+        mem = _memory_temp(g, host)
+        kv("Memory Current Temp", f"{mem} C" if mem != "N/A" else "N/A", 8)
+        kv("Memory Max Operating Temp", _memory_temp_max(g, host), 8)
         o.append("    Processes")
         for p in g.holders:
             if p.kind != "C":

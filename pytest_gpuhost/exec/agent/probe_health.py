@@ -47,6 +47,10 @@ QUERY_FIELDS = (
     # Yes while the GPU needs a reset (the driver's reset-required bit, cleared only by a reset):
     # health_xid settles an owed reset by it; R5xx drivers without it drop it (no retry after)
     "reset_status.reset_required",
+    # Enabled/Disabled ([N/A] where the GPU has no ECC): health_memory fails ECC left off on a
+    # model that supports it; the memory (HBM) temperature, N/A on GDDR boards
+    "ecc.mode.current",
+    "temperature.memory",
     # Time (microseconds, since the driver loaded) each clock-event reason held the clocks down
     # (nvidia-smi --help-query-gpu, R550+; "[us]" in the csv header): compared with the last run
     "clocks_event_reasons_counters.hw_thermal_slowdown",
@@ -277,6 +281,7 @@ def part_fabric(params, record):
     if res["rc"] != 0:
         return {"ok": False, "error": _cmd_error(res, "nvidia-smi -q")}
     gpus = {}  # type: dict
+    mem_max = {}  # type: dict
     bdf = None
     in_fabric = False
     for line in res["stdout"].splitlines():
@@ -285,6 +290,11 @@ def part_fabric(params, record):
             bdf, in_fabric = short_bdf(m.group(1)), False
             continue
         indent = len(line) - len(line.lstrip())
+        # Temperature section: "        Memory Max Operating Temp         : 95 C" (N/A on GDDR)
+        t = re.match(r"^\s{8}Memory Max Operating Temp\s*:\s*([0-9.]+)\s*C\s*$", line)
+        if bdf and t:
+            mem_max[bdf] = float(t.group(1))
+            continue
         if bdf and line.strip() == "Fabric" and indent == 4:
             in_fabric = True
             gpus[bdf] = {"state": None, "status": None}
@@ -303,7 +313,7 @@ def part_fabric(params, record):
     unit = dict(ln.partition("=")[::2] for ln in show.get("stdout", "").splitlines() if "=" in ln)
     if show["rc"] != 0 and not unit:
         unit = {"error": _cmd_error(show, "systemctl show " + FABRIC_UNIT)}
-    return {"ok": True, "gpus": gpus, "unit": FABRIC_UNIT, "service": unit}
+    return {"ok": True, "gpus": gpus, "unit": FABRIC_UNIT, "service": unit, "memory_temp_max": mem_max}
 
 
 def part_nvlink(params, record):
