@@ -4,8 +4,8 @@ Two halves. ``prepare_root``, ``make_dev`` and friends run in the root namespace
 overlay (writes there land in the overlay's upper dir, so this machine's own files are never
 changed). ``main`` runs as PID 1 of fresh PID, mount, UTS and IPC namespaces already joined to the
 machine's netns (``python -m gpulab.boot --root R ...``): it mounts /proc, a read-only /sys with the
-FUSE subtrees bound over /sys/bus/pci and /sys/kernel/iommu_groups, the machine's /dev, the state
-dir at /var/lib/gpulab, pivots into R and execs systemd.
+FUSE subtrees bound over /sys/bus/pci, /sys/kernel/iommu_groups and /sys/module (and /proc/modules),
+the machine's /dev, the state dir at /var/lib/gpulab, pivots into R and execs systemd.
 """
 
 from __future__ import annotations
@@ -300,6 +300,13 @@ def _inner(ns: argparse.Namespace) -> None:
     if ns.sysfs:
         _mount("--bind", os.path.join(ns.sysfs, "pci"), str(r / "sys/bus/pci"))
         _mount("--bind", os.path.join(ns.sysfs, "iommu_groups"), str(r / "sys/kernel/iommu_groups"))
+        # The NVIDIA modules' use counts and parameters (and kvm_amd's sev_snp) as the profile's
+        # kernel shows them: /sys/module/M/{refcnt,holders,parameters} and /proc/modules
+        # (kernel/module/sysfs.c, kernel/module/procfs.c m_show(); gpulab/realkernel.py). The lab
+        # host sees only these modules there, as a host with just them loaded would.
+        _mount("--bind", os.path.join(ns.sysfs, "module"), str(r / "sys/module"))
+        if (r / "proc/modules").exists():  # absent where this machine's kernel has no module support
+            _mount("--bind", os.path.join(ns.sysfs, "proc", "modules"), str(r / "proc/modules"))
     _mount("--rbind", ns.dev, str(r / "dev"))
     _mount("-t", "devpts", "-o", "newinstance,ptmxmode=0666,mode=620,gid=5", "devpts", str(r / "dev/pts"))
     _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev,size=256m", "shm", str(r / "dev/shm"))

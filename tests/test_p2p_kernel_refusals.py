@@ -122,3 +122,17 @@ def test_no_module_loaded_or_unused_is_no_holder() -> None:
     assert (
         gpu.kernel_holders(_files(drm="1", uvm="0"), {"/dev/dri/card1"}) == []
     )  # a process: step 3 names it
+
+
+def test_uvm_references_beyond_its_processes_are_the_kernels() -> None:
+    """A CUDA process holding /dev/nvidia-uvm no longer hides a kernel-side hold (refcnt 2, one process)."""
+    holders = [
+        gpu.Holder(10, "python3", "python3 -m sglang.launch_server", ["/dev/nvidia0", "/dev/nvidia-uvm"], ""),
+        gpu.Holder(11, "python3", "python3 worker", ["/dev/nvidia1"], ""),
+    ]
+    counts = gpu.open_counts(holders)
+    assert counts == {"/dev/nvidia0": 1, "/dev/nvidia-uvm": 1, "/dev/nvidia1": 1}
+    found = gpu.kernel_holders(_files(drm="0", uvm="2"), counts)
+    assert found and "refcnt 2, 1 process(es)" in found[0], found
+    assert gpu.kernel_holders(_files(drm="0", uvm="1"), counts) == []  # the process's own reference
+    assert gpu.kernel_holders(_files(drm="0", uvm="2"), {"/dev/nvidia-uvm"}) == []  # a set cannot tell

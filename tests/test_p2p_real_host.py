@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_p2p_suite import NVIDIA, host_state, run_suite
+from tests.test_p2p_suite import NVIDIA, host_state, run_suite, sh
 
 AMD = "proxmox-epyc-snp"
 GROUPS = [30, 31, 32, 33]
@@ -125,3 +125,28 @@ def test_first_nvidia_smi_after_rebind_waits_for_the_firmware(lab: Any, tmp_path
     notes = "\n".join(run.evidence("test_drivers_bound").get("notes", []))
     assert "firmware start on first open" in notes, notes
     host.down()
+
+
+def test_kernel_side_holder_is_seen_at_its_real_path(lab: Any, tmp_path: Path) -> None:
+    """nvidia_uvm holding a GPU with no open file (driver issues #1119, #1374): the lab host serves
+    /sys/module at its real path (gpulab/boot.py), the suite reads the count there and stops with "needs a reboot path" before it stops, signals or unbinds anything."""
+    host = lab.host("proxmox-rtx6000")
+    host.reset()
+    try:
+        users = int(sh(host, "cat /sys/module/nvidia_uvm/refcnt"))  # the service's CUDA processes
+        sh(host, "echo nvidia_uvm > /var/lib/gpulab/ctl/kernel_holders/0000:18:00.0")
+        assert int(sh(host, "cat /sys/module/nvidia_uvm/refcnt")) == users + 1
+        run = run_suite(host, tmp_path)
+        assert run.rc != 0
+        assert "needs a reboot path" in run.output and "nvidia_uvm is in use by the kernel" in run.output, (
+            run.output[-3000:]
+        )
+        changes = [
+            r
+            for r in run.record
+            if r.get("kind") == "signal" or str(r.get("path", "")).endswith(("bind", "/type"))
+        ]
+        assert changes == [], changes
+        assert host_state(host)["service"] == "active"
+    finally:
+        host.reset()

@@ -12,7 +12,16 @@ from typing import Any
 from pytest_gpuhost.modules.iommu import IommuGroup
 from pytest_gpuhost.modules.pci import PciFunction
 
-__all__ = ["MODULE_FILES", "GpuInfo", "Holder", "from_facts", "inventory", "kernel_holders", "parse_holders"]
+__all__ = [
+    "MODULE_FILES",
+    "GpuInfo",
+    "Holder",
+    "from_facts",
+    "inventory",
+    "kernel_holders",
+    "open_counts",
+    "parse_holders",
+]
 
 MODESET = "/sys/module/nvidia_drm/parameters/modeset"
 FBDEV = "/sys/module/nvidia_drm/parameters/fbdev"
@@ -119,23 +128,42 @@ def _count(text: str | None) -> int:
         return 0
 
 
-def kernel_holders(files: dict[str, str | None], held: set[str]) -> list[str]:
+def open_counts(holders: list[Holder]) -> dict[str, int]:
+    """How many processes hold each device file open (each holds a reference on its module)."""
+    out: dict[str, int] = {}
+    for h in holders:
+        for f in set(h.files):
+            out[f] = out.get(f, 0) + 1
+    return out
+
+
+def kernel_holders(files: dict[str, str | None], held: set[str] | dict[str, int]) -> list[str]:
     """Kernel-side users of the GPUs that no /proc/*/fd scan shows; each makes an nvidia unbind wait forever.
 
     `files` maps MODULE_FILES to their text (None when absent: module not loaded); `held` is every
-    device file some process has open. nv_pci_remove (open-gpu-kernel-modules kernel-open/nvidia/
-    nv-pci.c) waits, holding the device lock, until the GPU's usage count drops; nvidia-drm with
-    modeset=1 (and its fbdev client) and nvidia-uvm take it without an open file (NVIDIA
-    open-gpu-kernel-modules issues #1119, #1374).
+    device file some process has open, or (better) how many processes hold each (`open_counts`).
+    nv_pci_remove (open-gpu-kernel-modules kernel-open/nvidia/nv-pci.c) waits, holding the device
+    lock, until the GPU's usage count drops; nvidia-drm with modeset=1 (and its fbdev client) and
+    nvidia-uvm take it without an open file (NVIDIA open-gpu-kernel-modules issues #1119, #1374).
+    An open /dev/nvidia-uvm holds one reference on nvidia_uvm (chrdev_open() takes the module of
+    the cdev's file operations), so with counts, references beyond the processes holding the file
+    are the kernel's: a CUDA process no longer hides a kernel-side holder. A process that opened
+    the file twice counts once here and reads as a kernel holder: the suite then stops (safe side).
     """
+    counts = held if isinstance(held, dict) else {f: 1 for f in held}
     out = []
     drm = _count(files.get(DRM_REFCNT))
-    if drm > 0 and not any(f.startswith("/dev/dri/") for f in held):
+    if drm > 0 and not any(f.startswith("/dev/dri/") for f in counts):
         modes = ", ".join(
             f"{p.rsplit('/', 1)[-1]}={(files.get(p) or '').strip()}" for p in (MODESET, FBDEV) if files.get(p)
         )
         out.append(f"nvidia_drm is in use by the kernel (refcnt {drm}{'; ' + modes if modes else ''})")
     uvm = _count(files.get(UVM_REFCNT))
-    if uvm > 0 and "/dev/nvidia-uvm" not in held:
+    users = counts.get("/dev/nvidia-uvm", 0)
+    if isinstance(held, dict) and uvm > users:
+        out.append(
+            f"nvidia_uvm is in use by the kernel (refcnt {uvm}, {users} process(es) with /dev/nvidia-uvm open)"
+        )
+    elif not isinstance(held, dict) and uvm > 0 and not users:
         out.append(f"nvidia_uvm is in use by the kernel (refcnt {uvm}, no process has /dev/nvidia-uvm open)")
     return out

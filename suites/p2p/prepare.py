@@ -231,7 +231,7 @@ class PrepareSteps(P2PState):
         """Stop before the first unbind when the kernel itself holds the GPUs: that unbind would never finish."""
         self.read_module_files()
         raw = self.conn.facts("gpu_holders").get("gpu_holders")
-        held = {f for h in gpu.parse_holders(raw) for f in h.files}
+        held = gpu.open_counts(gpu.parse_holders(raw))
         found = self.kernel_holders(held)
         if found:
             raise ProcedureError(

@@ -126,7 +126,7 @@ class P2PState(Procedure):
         if self.snp.unknown:
             evidence.current().note(self.snp.unknown)
 
-    def kernel_holders(self, held: set[str]) -> list[str]:
+    def kernel_holders(self, held: dict[str, int]) -> list[str]:
         """Kernel-side holders of the GPUs (from the module files last read), given the files processes hold."""
         return gpu.kernel_holders(self.module_files, held)
 
@@ -170,7 +170,7 @@ class P2PState(Procedure):
             if why:
                 out.append(why)
         if plan.groups_to_fix:
-            held = {f for h in gpu.parse_holders(self.facts.get("gpu_holders")) for f in h.files}
+            held = gpu.open_counts(gpu.parse_holders(self.facts.get("gpu_holders")))
             for k in self.kernel_holders(held):
                 out.append(
                     f"{k}: an nvidia unbind would wait in the kernel until reboot: needs a reboot path"
