@@ -24,6 +24,7 @@ LAB = os.geteuid() == 0 and os.path.exists("/dev/fuse")
         ("bench_lab_boot.py", True, "s"),
         ("bench_backup.py", True, "rsync"),
         ("bench_health.py", True, "hosts"),
+        ("bench_merge.py", False, "nodes merged in under 5 s"),
         ("bench_slurm.py", True, "nodes=2: srun -N 2 health"),
     ],
 )
