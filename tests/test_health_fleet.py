@@ -292,3 +292,31 @@ def test_docs_list_every_threshold_with_its_default() -> None:
         assert f"| `{t.name}` |" in doc, t.name
     for c in CHECKS:
         assert f"`{c}`" in doc, c
+
+
+def test_prometheus_carries_the_xid_action_each_host_owes() -> None:
+    """Xid 48 this run and an owed reboot (Xid 79) on gpu-01; nothing on gpu-02; no xid cell on gpu-03."""
+    xid = {
+        "outcome": "failed",
+        "state": {
+            "action": "reboot",
+            "events": [{"code": 48, "action": "reset_gpu"}, {"code": 94, "action": "restart_app"}],
+            "owed": [{"code": 79, "action": "reboot"}],
+        },
+    }
+    summary = {
+        "hosts": {
+            "gpu-01": {"status": "failed", "checks": {"xid": xid}},
+            "gpu-02": {"status": "ok", "checks": {"xid": {"outcome": "passed", "state": {"action": "none"}}}},
+            "gpu-03": {"status": "ok", "checks": {"gpu_count": {"outcome": "passed"}}},
+        },
+        "run": {"finished": 1.0},
+    }
+    text = fleet.prometheus_text(summary)
+    assert_prometheus_format(text)
+    for action, n in (("reset_gpu", 1), ("reboot", 1), ("restart_app", 1), ("none", 0), ("check_fabric", 0)):
+        assert f'gpuhost_xid_action{{host="gpu-01",action="{action}"}} {n}\n' in text
+    assert 'gpuhost_xid_action{host="gpu-02",action="reboot"} 0\n' in text
+    assert 'gpuhost_xid_action_owed{host="gpu-01",action="reboot"} 1\n' in text
+    assert 'gpuhost_xid_action_owed{host="gpu-02",action="none"} 1\n' in text
+    assert not [ln for ln in text.splitlines() if ln.startswith("gpuhost_xid") and 'host="gpu-03"' in ln]

@@ -6,6 +6,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from pytest_gpuhost.modules.health_xid import ACTIONS
 from pytest_gpuhost.redact import redact
 from pytest_gpuhost.report.files import atomic_write
 from pytest_gpuhost.run.record import BAD, GOOD
@@ -22,8 +23,9 @@ def prometheus_text(summary: Mapping[str, Any]) -> str:
     """Render a fleet summary in the Prometheus text exposition format.
 
     `gpuhost_check_ok{host,check}` is 1 when the check held (or was fixed) and 0 when it failed,
-    would be fixed, or could not run; skipped checks have no sample. Plus a per-host gauge and
-    the run's timestamp and duration, so an alert can also catch a run that stopped happening.
+    would be fixed, or could not run; skipped checks have no sample. Plus a per-host gauge, the
+    Xid actions (`_xid_actions`), and the run's timestamp and duration, so an alert can also
+    catch a run that stopped happening.
     """
     out = [
         "# HELP gpuhost_check_ok 1 if the health check held (or was fixed) at the last run, 0 if not.",
@@ -42,6 +44,7 @@ def prometheus_text(summary: Mapping[str, Any]) -> str:
     ]
     for host, h in sorted(hosts.items()):
         out.append(f'gpuhost_host_ok{{host="{_label(host)}"}} {1 if h.get("status") == "ok" else 0}')
+    out += _xid_actions(hosts)
     run = summary.get("run") or {}
     out += [
         "# HELP gpuhost_last_run_timestamp_seconds When the last health run finished, Unix time.",
@@ -52,6 +55,44 @@ def prometheus_text(summary: Mapping[str, Any]) -> str:
         f"gpuhost_last_run_duration_seconds {float(run.get('duration') or 0):.3f}",
     ]
     return "\n".join(out) + "\n"
+
+
+def _xid_actions(hosts: Mapping[str, Any]) -> list[str]:
+    """`gpuhost_xid_action{host,action}`: the Xids asking each action of NVIDIA's catalogue.
+
+    Counted from the xid check's state: this run's Xids by their action, plus the resets and
+    reboots still owed from earlier nights (health_xid.settle). Every action has a sample per
+    host that ran the check (0 when none), so an alert on `action="reset_gpu"` or `"reboot"`
+    sees a series that exists, and `gpuhost_xid_action_owed{host}` names the strongest action
+    the host owes or was asked for (`none` when nothing), as a label with value 1.
+    """
+    out = [
+        "# HELP gpuhost_xid_action Xids asking this action (NVIDIA's catalogue) at the last run, "
+        "this run's plus the resets and reboots still owed.",
+        "# TYPE gpuhost_xid_action gauge",
+    ]
+    worst = []
+    for host, h in sorted(hosts.items()):
+        cell = (h.get("checks") or {}).get("xid") or {}
+        state = cell.get("state")
+        if not isinstance(state, Mapping) or "action" not in state:
+            continue
+        counts = dict.fromkeys(ACTIONS, 0)
+        for e in list(state.get("events") or []) + list(state.get("owed") or []):
+            action = e.get("action") if isinstance(e, Mapping) else None
+            if action in counts:
+                counts[action] += 1
+        for action, n in counts.items():
+            out.append(f'gpuhost_xid_action{{host="{_label(host)}",action="{action}"}} {n}')
+        strongest = str(state.get("action"))
+        worst.append(f'gpuhost_xid_action_owed{{host="{_label(host)}",action="{_label(strongest)}"}} 1')
+    out += [
+        "# HELP gpuhost_xid_action_owed The strongest action the host's Xids ask (none, restart_app, "
+        "check_fabric, unknown, reset_gpu, reboot), as the label; value 1.",
+        "# TYPE gpuhost_xid_action_owed gauge",
+        *worst,
+    ]
+    return out
 
 
 def write_prometheus(summary: Mapping[str, Any], path: str) -> None:
