@@ -25,6 +25,9 @@ pytest_plugins = [
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # local:// is named after the machine (exec/nodename.py); the plugin's own tests expect one
+    # name on every machine. tests/test_nodecheck_name.py checks the host-name default without it.
+    os.environ.setdefault("GPUHOST_NODE_NAME", "local")
     if os.environ.get("GPUHOST_STATE_DIR"):
         return
     state = tempfile.mkdtemp(prefix="gpuhost-test-state-")

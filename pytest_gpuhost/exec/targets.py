@@ -26,6 +26,7 @@ from pytest_gpuhost.errors import TargetError
 from pytest_gpuhost.exec.connect import connect
 from pytest_gpuhost.exec.connection import Connection, ConnectionOptions
 from pytest_gpuhost.exec.launch import Launcher, LocalLauncher, PrefixLauncher
+from pytest_gpuhost.exec.nodename import local_node_name
 from pytest_gpuhost.exec.openssh_mux import OpenSSHLauncher, OpenSSHTransport, ssh_client
 from pytest_gpuhost.exec.ssh import HOST_KEY_POLICIES, SSHLauncher, SSHTransport
 
@@ -124,8 +125,12 @@ def check_timeout(raw: object) -> float:
     return value
 
 
-def parse_host_url(url: str, *, name: str | None = None) -> TargetSpec:
-    """Parse a `--host` URL; raise TargetError (one line, with what to type) when it is wrong."""
+def parse_host_url(url: str, *, name: str | None = None, node_name: str | None = None) -> TargetSpec:
+    """Parse a `--host` URL; raise TargetError (one line, with what to type) when it is wrong.
+
+    A `local://` target is named after this machine (exec/nodename.py: its host name, made safe)
+    unless `node_name` (`--node-name`) or `name` (an inventory's) names it.
+    """
     text = url.strip()
     if not text:
         raise _bad(url, "empty")
@@ -152,7 +157,13 @@ def parse_host_url(url: str, *, name: str | None = None) -> TargetSpec:
     if scheme == "local":
         if parts.netloc not in ("", "localhost") or parts.path not in ("", "/"):
             raise _bad(url, "local:// takes no host or path (options go after '?')")
-        return TargetSpec(url=text, scheme="local", hostname="localhost", name=name or "local", query=query)
+        return TargetSpec(
+            url=text,
+            scheme="local",
+            hostname="localhost",
+            name=name or local_node_name(node_name),
+            query=query,
+        )
     netloc = parts.netloc
     if not netloc:
         raise _bad(url, f"{scheme}:// needs a host or container name")

@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from pytest_gpuhost.errors import TargetError
+from pytest_gpuhost.exec.nodename import check_node_name
 from pytest_gpuhost.exec.targets import TargetOptions
 from pytest_gpuhost.run import testinfra_compat
 from pytest_gpuhost.run.options import (
@@ -82,6 +84,13 @@ def _prometheus_textfile(raw: Any) -> str:
     return str(path)
 
 
+def _node_name(raw: Any) -> str:
+    try:
+        return check_node_name(str(raw), "name")
+    except TargetError:
+        raise BadValue("not a host name: use letters, digits, '_', '-' and dots (e.g. gpu-07)") from None
+
+
 def _opt(key: str, flag: str, help: str, **kw: Any) -> Option:
     return Option(f"gpuhost_{key}", flag, help, **kw)
 
@@ -96,6 +105,13 @@ OPTIONS: tuple[Option, ...] = (
         kind="list",
         default=(),
         metavar="URL",
+    ),
+    _opt(
+        "node_name",
+        "--node-name",
+        "name of the local:// target in every output (default: this machine's host name)",
+        parse=_node_name,
+        metavar="NAME",
     ),
     _opt(
         "container",
@@ -231,6 +247,7 @@ class Settings:
     """The validated gpuhost options of one run; `sources` says where each value came from."""
 
     hosts: list[str]
+    node_name: str | None
     container: str | None
     inventory: str | None
     check_only: bool

@@ -62,7 +62,7 @@ def load_targets(config: pytest.Config, s: Settings) -> list[Any]:
     sources = s.sources
     for url in s.hosts:
         try:
-            specs.append(parse_host_url(url))
+            specs.append(parse_host_url(url, node_name=s.node_name))
         except GpuhostError as exc:
             raise sources["hosts"].error(str(exc), raw=url) from None
     if s.inventory:
