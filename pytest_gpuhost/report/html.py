@@ -18,6 +18,7 @@ import pytest
 from pytest_gpuhost.redact import redact
 from pytest_gpuhost.report.diff import render_diff, state_diff
 from pytest_gpuhost.report.outputs import configure_outputs
+from pytest_gpuhost.run.evidence import connections
 from pytest_gpuhost.run.record import FIXED, WOULD_FIX, check_name, phase_result, record_key
 
 __all__ = [
@@ -162,11 +163,21 @@ def _state_diffs(states: list[dict[str, Any]]) -> str:
     return "".join(out)
 
 
+def connection_line(c: dict[str, Any]) -> str:
+    """Say in one escaped line how a target was reached: "gpu-07 (host): OpenSSH_9.2p1 ..., agent"."""
+    client = str(c.get("version") or c.get("client") or "?")
+    mode = f", {c['mode']}" if c.get("mode") else ""
+    via = f" ({c['via']})" if c.get("via") else ""
+    return html.escape(f"{c.get('target', '')} ({c.get('to', 'host')}): {client}{mode}{via}")
+
+
 def render_evidence(when: str, ev: dict[str, Any], remediations: list[dict[str, Any]] | None = None) -> str:
     """Render one phase's evidence (and the test's remediations) as an HTML fragment."""
     out = [
         f'<div class="gh-ev" data-phase="{html.escape(when)}"><h4>gpuhost evidence ({html.escape(when)})</h4>'
     ]
+    for c in ev.get("connections") or []:
+        out.append(f'<p class="gh-conn">connected: {connection_line(c)}</p>')
     for rem in remediations or []:
         out.append(
             f"<p>{outcome_badge(rem['outcome'])} <b>{html.escape(rem['name'])}</b>"
@@ -301,6 +312,13 @@ class HtmlCustomisation:
         self, prefix: list[str], summary: list[str], postfix: list[str], session: Any
     ) -> None:
         prefix.append(f"<style>{OUTCOME_CSS}</style>")
+        conns = connections()
+        if conns:  # how every target was reached: the SSH client and its version, agent or fallback
+            prefix.append(
+                '<p class="gh-conns" id="gpuhost-connections"><b>Connections</b><br>'
+                + "<br>".join(connection_line(c) for c in conns)
+                + "</p>"
+            )
         run_record = session.config.stash.get(record_key, None)
         if run_record is None:
             return

@@ -31,6 +31,8 @@ __all__ = [
     "MAX_OUTPUT",
     "activate",
     "attach",
+    "connection",
+    "connections",
     "current",
     "jsonable",
     "phase",
@@ -77,6 +79,8 @@ class Evidence:
         self.matrices: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.actions: list[dict[str, Any]] = []
+        #: How each target was reached (client and version, mode), recorded where it was opened.
+        self.connections: list[dict[str, Any]] = []
 
     def command(self, result: Any) -> None:
         """Record one command result (a `CommandResult` or a dict with the same fields)."""
@@ -161,13 +165,19 @@ class Evidence:
     def empty(self) -> bool:
         """Tell whether nothing was recorded."""
         return not (
-            self.commands or self.states or self.measures or self.matrices or self.notes or self.actions
+            self.commands
+            or self.states
+            or self.measures
+            or self.matrices
+            or self.notes
+            or self.actions
+            or self.connections
         )
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON-able record (only the non-empty kinds)."""
         out: dict[str, Any] = {}
-        for key in ("commands", "states", "measures", "matrices", "notes", "actions"):
+        for key in ("commands", "states", "measures", "matrices", "notes", "actions", "connections"):
             value = getattr(self, key)
             if value:
                 out[key] = value
@@ -192,7 +202,39 @@ def reset_session() -> Evidence:
     """Start a fresh session bucket (a new pytest session in the same process, as pytester runs)."""
     global _session
     _session = Evidence("session")
+    _unsent.clear()
     return _session
+
+
+#: Connections opened in this process that no test report has carried yet (see `attach`).
+_unsent: list[dict[str, Any]] = []
+
+
+def _add_connection(bucket: list[dict[str, Any]], info: dict[str, Any]) -> None:
+    key = (info.get("target"), info.get("to"))
+    if not any((c.get("target"), c.get("to")) == key for c in bucket):
+        bucket.append(info)
+
+
+def connection(info: Mapping[str, Any]) -> None:
+    """Record how a target was reached: `target`, `to` (host or container), `client`, `version`, `mode`.
+
+    Kept in the run's evidence (the session bucket: the JSON file's `session.connections`, the
+    HTML report's header) and in the evidence of the test phase that opened it (or, for a
+    connection opened between tests, the next test phase reported in this process), so an xdist
+    worker's connections reach the controller on a test report.
+    """
+    data = redact_obj(jsonable(dict(info)))
+    _add_connection(_session.connections, data)
+    if _active is not None:
+        _add_connection(_active.connections, data)
+    else:
+        _add_connection(_unsent, data)
+
+
+def connections() -> list[dict[str, Any]]:
+    """Return the run's connections as recorded so far (on the controller: every worker's too)."""
+    return list(_session.connections)
 
 
 def activate(ev: Evidence | None) -> Evidence | None:
@@ -260,8 +302,20 @@ def attach(item: pytest.Item, report: pytest.TestReport) -> None:
     """
     ev = of(item, report.when)
     record.annotate(item, report)
-    report.gpuhost_evidence = ev.to_dict() if ev is not None else {}  # type: ignore[attr-defined]
+    data = ev.to_dict() if ev is not None else {}
+    if _unsent:  # opened between tests (a prefetch at collection, configure): carried by this report
+        data["connections"] = [*data.get("connections", []), *_unsent]
+        _unsent.clear()
+    report.gpuhost_evidence = data  # type: ignore[attr-defined]
     scrub(report)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """On the controller, keep the connections a worker's report carries in the run's evidence."""
+    for info in (getattr(report, "gpuhost_evidence", None) or {}).get("connections") or []:
+        if isinstance(info, dict):
+            _add_connection(_session.connections, info)
 
 
 def scrub(report: pytest.TestReport) -> None:

@@ -7,6 +7,9 @@ read them through `get_target` and `get_pool`. Connections open lazily, on a tar
 
 from __future__ import annotations
 
+import functools
+import shutil
+import subprocess
 from typing import Any
 
 import pytest
@@ -20,6 +23,7 @@ from pytest_gpuhost.exec.targets import (
     parse_host_url,
 )
 from pytest_gpuhost.redact import printable
+from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.record import target_name
 from pytest_gpuhost.run.remediation import TARGET_PARAM
 from pytest_gpuhost.run.settings import Settings, settings_key
@@ -106,6 +110,7 @@ class Target:
         self._pool = pool
         self._config = config
         self._failed: dict[str, ConnectError] = {}  # "host" / "container" -> the first connect error
+        self._recorded: set[str] = set()
 
     def _open(self, which: str, opener: Any) -> Any:
         first = self._failed.get(which)
@@ -113,10 +118,14 @@ class Target:
             again = type(first)(f"{first} (first connect of this run failed; not retried)")
             raise again from None
         try:
-            return opener()
+            conn = opener()
         except ConnectError as exc:
             self._failed.setdefault(which, exc)
             raise
+        if which not in self._recorded and conn is not None:
+            self._recorded.add(which)
+            evidence.connection(describe_connection(self.name, which, conn, self.spec))
+        return conn
 
     def _hooked(self, conn: Any) -> Any:
         # The connection calls pytest_gpuhost_command on this config for every command.
@@ -139,6 +148,45 @@ class Target:
 
     def __repr__(self) -> str:
         return f"<Target {self.name}>"
+
+
+@functools.cache
+def client_version(client: str) -> str:
+    """Return the version of the SSH client that carries a connection ("" for a local one).
+
+    OpenSSH prints it with `ssh -V` on stderr ("OpenSSH_9.2p1 Debian-2+deb12u3, OpenSSL 3.0.15 ...");
+    paramiko has `__version__`. Read once per process.
+    """
+    if client == "openssh":
+        ssh = shutil.which("ssh")
+        if ssh is None:
+            return "unknown (no ssh on PATH any more)"
+        try:
+            r = subprocess.run([ssh, "-V"], capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"unknown (ssh -V: {exc})"
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        return lines[0] if lines else f"unknown (ssh -V printed nothing, exit {r.returncode})"
+    if client == "paramiko":
+        import paramiko
+
+        return f"paramiko {paramiko.__version__}"
+    return ""
+
+
+def describe_connection(name: str, which: str, conn: Any, spec: Any) -> dict[str, Any]:
+    """Say how a target was reached, for the run's evidence: client, its version, agent or fallback."""
+    launcher = getattr(conn, "launcher", None)
+    client = str(getattr(launcher, "client", "") or "")
+    container = getattr(spec, "container", None) if which == "container" else None
+    return {
+        "target": name,
+        "to": f"container {getattr(container, 'text', '')}".strip() if which == "container" else "host",
+        "client": client,
+        "version": client_version(client),
+        "mode": str(getattr(conn, "mode", "") or ""),
+        "via": str(getattr(launcher, "description", "") or ""),
+    }
 
 
 def get_pool(config: pytest.Config) -> TargetPool:
