@@ -1,0 +1,40 @@
+#!/bin/sh
+# On a machine with a real NVIDIA GPU: save what nvidia-smi (and nvbandwidth, if installed) print,
+# run the health suite and the P2P steps (--check-only: nothing is changed) against local://, and
+# compare the real output with the plugin's parsers, NVML and the P2P probe (scripts/gpu_check.py).
+# Everything lands in DIR (MANIFEST.txt says which command made which file); copy it to
+# fixtures/outputs/gpu-check-<host>-<date>/. Without a GPU it fails at once with one line.
+#   usage: scripts/gpu-check.sh DIR
+set -u
+fail() { echo "gpu-check: $*" >&2; exit 2; }
+[ $# -eq 1 ] && [ -n "$1" ] || fail "usage: scripts/gpu-check.sh DIR (a folder for the captures)"
+root=$(cd "$(dirname "$0")/.." && pwd)
+command -v nvidia-smi >/dev/null 2>&1 || fail "no nvidia-smi on PATH: no NVIDIA driver on this machine; run this on a machine with an NVIDIA GPU"
+smi=$(nvidia-smi -L 2>&1) || fail "nvidia-smi -L failed: $(printf '%s' "$smi" | head -n 1); no usable NVIDIA GPU here"
+printf '%s\n' "$smi" | grep -q '^GPU [0-9]' || fail "nvidia-smi -L lists no GPU: $(printf '%s' "$smi" | head -n 1)"
+py=${GPUCHECK_PYTHON:-$root/.venv/bin/python}
+[ -x "$py" ] || fail "no Python at $py: run scripts/setup.sh first (or set GPUCHECK_PYTHON)"
+mkdir -p "$1" || fail "cannot create $1"
+out=$(cd "$1" && pwd)
+cd "$root" || fail "cannot enter $root"
+export GPUHOST_STATE_DIR="$out/state"  # the checks' own state (Xid cursor, journals) stays in DIR
+: >"$out/MANIFEST.txt"
+cap() {  # FILE COMMAND...: stdout to FILE, stderr to FILE.stderr, one MANIFEST line with the exit code
+  f=$1; shift
+  "$@" >"$out/$f" 2>"$out/$f.stderr"
+  printf '%s\trc %s\t%s\n' "$f" "$?" "$*" >>"$out/MANIFEST.txt"
+}
+cap nvidia-smi-L.txt nvidia-smi -L
+cap nvidia-smi-q.txt nvidia-smi -q
+cap nvidia-smi-topo-m.txt nvidia-smi topo -m
+cap nvidia-smi-topo-p2p-r.txt nvidia-smi topo -p2p r
+cap nvidia-smi-nvlink-s.txt nvidia-smi nvlink -s
+cap nvidia-smi-query-gpu.csv nvidia-smi --format=csv \
+  --query-gpu=index,pci.bus_id,name,driver_version,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max
+if command -v nvbandwidth >/dev/null 2>&1; then
+  cap nvbandwidth-d2d-read-ce.txt nvbandwidth -t device_to_device_memcpy_read_ce
+  cap nvbandwidth-d2d-read-ce.json nvbandwidth -t device_to_device_memcpy_read_ce -j
+fi
+cap health.txt "$py" -m pytest suites/health --host=local:// --check-only --report-dir="$out/reports" -p no:cacheprovider -q
+cap p2p-check-only.txt "$py" -m pytest suites/p2p --host=local:// --check-only --report-dir="$out/reports" -p no:cacheprovider -q
+exec "$py" scripts/gpu_check.py "$out"
