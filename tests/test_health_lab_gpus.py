@@ -248,6 +248,35 @@ def test_b200_hbm_above_its_own_limit_fails(lab: Any, tmp_path: Path) -> None:
     assert c["reasons"] == ["GPU 4 (0000:9d:00.0): memory 97 C > 95 C (the GPU's Memory Max Operating Temp)"]
 
 
+def test_a_missing_model_mount_and_a_read_only_remount_fail(lab: Any, tmp_path: Path) -> None:
+    """The inventory names /models: missing (the root file system would be measured), then mounted, then remounted ro."""
+    h = boot(lab, "health-ok")
+    inv = ", mounts: [/models], data_paths: [/, /models]"
+    try:
+        cells = run_health(h, tmp_path, host_vars=inv, name="m1")
+        assert cells["mounts"]["outcome"] == "failed", cells["mounts"]
+        assert cells["mounts"]["reasons"] == [
+            "/models: not mounted (the path is on /'s file system; its free space would be /'s)"
+        ]
+        assert cells["disk_free"]["reasons"] == [
+            "/models: not mounted; free space not measured (it would be /'s)"
+        ]
+        r = h.ssh(["sh", "-c", "mkdir -p /models && mount -t tmpfs -o size=64m gl-models /models"])
+        assert r.returncode == 0, r.stderr
+        cells = run_health(h, tmp_path, host_vars=inv, name="m2")
+        assert cells["mounts"]["outcome"] == "passed", cells["mounts"]
+        assert cells["disk_free"]["outcome"] == "passed", cells["disk_free"]
+        assert h.ssh(["mount", "-o", "remount,ro", "/models"]).returncode == 0
+        cells = run_health(h, tmp_path, host_vars=inv, name="m3")
+        assert cells["mounts"]["outcome"] == "failed", cells["mounts"]
+        assert cells["mounts"]["reasons"] == [
+            "/models: mounted read-only (tmpfs gl-models)",
+            "/models: on a read-only mount (/models, tmpfs)",
+        ]
+    finally:
+        h.ssh(["sh", "-c", "umount /models 2>/dev/null; rmdir /models 2>/dev/null; true"])
+
+
 def test_row_remap_pending_fails_the_gpu(lab: Any, tmp_path: Path) -> None:
     """nvidia-smi --query-remapped-rows says GPU 1 has a remap pending: remapped_rows fails it."""
     h = boot(lab, "health-ok")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.exec.agent import probe_health_pci
+from pytest_gpuhost.exec.agent import probe_health_mounts, probe_health_pci
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
 from pytest_gpuhost.modules import health_facts
 
@@ -394,3 +394,28 @@ def test_scan_bus_lists_nvidia_gpus_whatever_their_driver(
         "0000:24:00.0": {"class": "0x030200", "driver": None},
         "0000:25:00.0": {"class": "0x030000", "driver": "vfio-pci"},
     }
+
+
+def test_mountinfo_says_which_mount_holds_each_path_and_whether_it_is_read_only(tmp_path: Path) -> None:
+    """Lines as /proc/self/mountinfo prints them (proc(5)); a space in a mount point is \\040."""
+    info = tmp_path / "mountinfo"
+    info.write_text(
+        "22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw,errors=remount-ro\n"
+        "30 22 0:40 / /models ro,relatime shared:5 - nfs4 nas:/models rw,vers=4.2\n"
+        "31 22 0:41 / /data\\040set rw,relatime - xfs /dev/sdb rw\n"
+        "40 22 259:3 / /scratch rw,relatime - ext4 /dev/sdc ro,errors=remount-ro\n"
+    )
+    got = probe_health_mounts.fact_health_mounts(
+        {
+            "mountinfo": str(info),
+            "data_paths": ["/", "/data set/x", "/scratch"],
+            "mounts": ["/models", "/missing"],
+        }
+    )
+    paths = got["paths"]
+    assert paths["/"] == {"mount_point": "/", "fstype": "ext4", "source": "/dev/nvme0n1p2", "ro": False}
+    assert paths["/models"]["ro"] is True  # per-mount ro (mount -o remount,ro)
+    assert paths["/data set/x"]["mount_point"] == "/data set"
+    assert paths["/scratch"]["ro"] is True  # super block ro: the kernel remounted it after errors
+    assert paths["/missing"]["mount_point"] == "/"
+    assert probe_health_mounts.fact_health_mounts({"mountinfo": str(tmp_path / "none")})["ok"] is False

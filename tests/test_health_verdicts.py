@@ -80,6 +80,10 @@ def healthy() -> dict[str, Any]:
             },
         },
         "disk": {"ok": True, "paths": {"/": {"total": 100 * 2**30, "free": 50 * 2**30, "avail": 50 * 2**30}}},
+        "mounts": {
+            "ok": True,
+            "paths": {"/": {"mount_point": "/", "fstype": "ext4", "source": "/dev/nvme0n1p2", "ro": False}},
+        },
         "services": {
             "ok": True,
             "services": {
@@ -701,4 +705,44 @@ def test_memory_temperature_against_the_gpus_own_limit_else_the_models() -> None
     facts["gpus"]["gpus"][1]["cell_errors"] = {"temperature.memory": "Unknown Error"}
     assert judge("memory_temperature", facts).reasons == [
         "GPU 1 (0000:18:00.0): memory temperature [Unknown Error]"
+    ]
+
+
+def test_a_missing_or_read_only_mount_fails_instead_of_measuring_the_parent() -> None:
+    facts = healthy()
+    facts["disk"]["paths"]["/models"] = {"total": 100 * 2**30, "free": 50 * 2**30, "avail": 50 * 2**30}
+    facts["mounts"]["paths"]["/models"] = {
+        "mount_point": "/",
+        "fstype": "ext4",
+        "source": "/dev/nvme0n1p2",
+        "ro": False,
+    }
+    v = judge("mounts", facts, mounts=["/models"])
+    assert not v.ok and v.reasons == [
+        "/models: not mounted (the path is on /'s file system; its free space would be /'s)"
+    ], v
+    d = judge("disk_free", facts, mounts=["/models"], data_paths=["/", "/models"])
+    assert not d.ok and d.reasons == ["/models: not mounted; free space not measured (it would be /'s)"], d
+    facts["mounts"]["paths"]["/models"] = {
+        "mount_point": "/models",
+        "fstype": "nfs4",
+        "source": "nas:/models",
+        "ro": True,
+    }
+    v = judge("mounts", facts, mounts=["/models"])
+    assert not v.ok and v.reasons == ["/models: mounted read-only (nfs4 nas:/models)"], v
+    assert judge("mounts", facts, mounts=[{"path": "/models", "ro": True}]).ok  # a read-only share, allowed
+    # The root file system remounted read-only after errors: a data path on it fails.
+    facts["mounts"]["paths"]["/"]["ro"] = True
+    v = judge("mounts", facts)
+    assert not v.ok and v.reasons == ["/: on a read-only mount (/, ext4)"], v
+    with pytest.raises(hm.ThresholdError, match="mounts: 'models' is not an absolute path"):
+        hm.probe_params(hm.Thresholds.from_vars({"mounts": ["models"]}))
+    with pytest.raises(hm.ThresholdError, match="entry 3 is neither"):
+        hm.probe_params(hm.Thresholds.from_vars({"mounts": [3]}))
+    assert hm.probe_params(hm.Thresholds.from_vars({"mounts": ["/models/", {"path": "/data"}]}))[
+        "mounts"
+    ] == [
+        "/models",
+        "/data",
     ]

@@ -51,6 +51,7 @@ from pytest_gpuhost.modules.health_host import (
     check_xid,
 )
 from pytest_gpuhost.modules.health_memory import check_memory_temperature
+from pytest_gpuhost.modules.health_mounts import check_mounts
 from pytest_gpuhost.modules.health_thresholds import (
     THRESHOLDS,
     Threshold,
@@ -95,6 +96,7 @@ CHECKS: tuple[str, ...] = (
     "temperature",
     "memory_temperature",
     "disk_free",
+    "mounts",
     "service",
     "service_health",
 )
@@ -124,6 +126,7 @@ _CHECK_FUNCS: dict[str, Callable[..., Verdict]] = {
     "temperature": check_temperature,
     "memory_temperature": check_memory_temperature,
     "disk_free": check_disk_free,
+    "mounts": check_mounts,
     "service": check_service,
     "service_health": check_service_health,
 }

@@ -1,8 +1,8 @@
 """The agent facts the health checks read, asked for in one request and merged into one dict.
 
-The agent gathers a host's health in four facts (exec/agent/probe_health*.py): `health` (the
-nvidia-smi parts and free disk, read in parallel), `health_kernel_log`, `health_pci` and
-`health_services`. `fact_names` says which facts hold the parts a caller wants; `merge` turns the
+The agent gathers a host's health in five facts (exec/agent/probe_health*.py): `health` (the
+nvidia-smi parts and free disk, read in parallel), `health_kernel_log`, `health_pci`,
+`health_services` and `health_mounts`. `fact_names` says which facts hold the parts a caller wants; `merge` turns the
 `facts` op's reply into the one dict the verdicts read (modules/health.py), keyed by part, with
 every command each fact ran under `commands`; `commit_state` is what `health_commit` records
 after the run.
@@ -30,6 +30,7 @@ FACT_OF_PART: Mapping[str, str] = {
     "kernel_log": "health_kernel_log",
     "pci": "health_pci",
     "services": "health_services",
+    "mounts": "health_mounts",
 }
 PARTS: tuple[str, ...] = tuple(FACT_OF_PART)
 

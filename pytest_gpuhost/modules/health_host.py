@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pytest_gpuhost.modules.health_thresholds import Thresholds
+from pytest_gpuhost.modules.health_thresholds import Thresholds, mount_specs
 from pytest_gpuhost.modules.health_verdict import (
     Facts,
     Verdict,
@@ -132,7 +132,16 @@ def check_disk_free(facts: Facts, t: Thresholds, samples: Sequence[Facts] | None
     def pct_of(entry: Mapping[str, Any]) -> float:
         return 100.0 * entry["avail"] / entry["total"] if entry.get("total") else 0.0
 
-    for path, entry in (part.get("paths") or {}).items():
+    paths = part.get("paths") or {}
+    named = {path for path, _ in mount_specs(t)}
+    mounts = facts.get("mounts")
+    held = (mounts.get("paths") or {}) if isinstance(mounts, Mapping) else {}
+    for path, entry in paths.items():
+        mp = (held.get(path) or {}).get("mount_point")
+        if path in named and mp not in (None, path):
+            # a missing mount: statvfs measured the file system under it (check `mounts`)
+            reasons.append(f"{path}: not mounted; free space not measured (it would be {mp}'s)")
+            continue
         if "error" in entry:
             reasons.append(str(entry["error"]))
             continue

@@ -10,7 +10,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MODELS", "THRESHOLDS", "Threshold", "ThresholdError", "Thresholds", "model_spec", "probe_params"]
+__all__ = [
+    "MODELS",
+    "THRESHOLDS",
+    "Threshold",
+    "ThresholdError",
+    "Thresholds",
+    "model_spec",
+    "mount_specs",
+    "probe_params",
+]
 
 #: Per GPU model (text nvidia-smi's name contains, case-insensitive; the first match wins):
 #: `nvlinks`, the NVLinks every GPU of the model must have active (NVIDIA's datasheets: B200 NVLink 5
@@ -125,7 +134,13 @@ THRESHOLDS: tuple[Threshold, ...] = (
     Threshold(
         "temperature_noise", 2, (int, float), "noise band around temperature_max that triggers re-reads"
     ),
-    Threshold("data_paths", ["/"], list, "paths whose file system must have free space"),
+    Threshold("data_paths", ["/"], list, "paths whose file system must have free space (and be writable)"),
+    Threshold(
+        "mounts",
+        [],
+        list,
+        "paths that must be mount points of their own, read-write ({path: P, ro: true} allows read-only)",
+    ),
     Threshold("disk_free_min_pct", 10, (int, float), "least free space on each data path, percent"),
     Threshold(
         "disk_free_min_gib",
@@ -202,6 +217,24 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
+def mount_specs(t: Thresholds) -> list[tuple[str, bool]]:
+    """Return the inventory's `mounts` as (path, read-only allowed); a bad entry raises ThresholdError."""
+    out = []
+    for entry in t["mounts"] or []:
+        if isinstance(entry, str):
+            path, ro_ok = entry, False
+        elif isinstance(entry, Mapping) and isinstance(entry.get("path"), str):
+            path, ro_ok = entry["path"], bool(entry.get("ro", False))
+        else:
+            raise ThresholdError(
+                f"inventory variable mounts: entry {entry!r} is neither a path nor {{path: P, ro: true}}"
+            )
+        if not path.startswith("/") or "\x00" in path:
+            raise ThresholdError(f"inventory variable mounts: {path!r} is not an absolute path")
+        out.append((path.rstrip("/") or "/", ro_ok))
+    return out
+
+
 def probe_params(t: Thresholds) -> dict[str, Any]:
     """Return the `health` fact's params for a host with these thresholds."""
     services = []
@@ -212,6 +245,7 @@ def probe_params(t: Thresholds) -> dict[str, Any]:
         services.append(svc)
     return {
         "data_paths": list(t["data_paths"]),
+        "mounts": [path for path, _ in mount_specs(t)],
         "services": services,
         "timeout": t["probe_timeout"],
         # the probe reads the fabric (nvidia-smi -q) only on GPUs of these models: first match wins

@@ -116,6 +116,11 @@ def test_disk_free(judge: Judge) -> None:
     judge("disk_free")
 
 
+def test_mounts(judge: Judge) -> None:
+    """Each mount the inventory names is mounted (read-write unless allowed), data paths writable."""
+    judge("mounts")
+
+
 def test_service(judge: Judge) -> None:
     """The inference service's unit is active (fixable: --fix=service)."""
     judge("service")

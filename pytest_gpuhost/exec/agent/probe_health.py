@@ -374,6 +374,7 @@ def part_disk(params, record):
             "total": st.f_blocks * st.f_frsize,
             "free": st.f_bfree * st.f_frsize,
             "avail": st.f_bavail * st.f_frsize,
+            "ro": bool(st.f_flag & os.ST_RDONLY),
         }
     return {"ok": True, "paths": out}
 
