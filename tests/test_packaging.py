@@ -12,48 +12,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import zipfile
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.installed import ROOT, installed_venv
-
-
-@dataclass
-class Installed:
-    venv: Path
-    wheel: Path
-    work: Path  # a directory outside the checkout, the runs' working directory
-
-    def env(self) -> dict[str, str]:
-        env = {
-            k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTEST_ADDOPTS")
-        }
-        env["PATH"] = f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-        return env
-
-    def run(
-        self, *argv: str, timeout: float = 300, env: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(self.venv / "bin" / argv[0]), *argv[1:]], cwd=self.work, env={**self.env(), **(env or {})},
-            capture_output=True, text=True, timeout=timeout, check=False,
-        )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
-    base = tmp_path_factory.mktemp("installed")
-    assert ROOT not in base.parents
-    venv, wheel = installed_venv(base)
-    work = base / "ops"
-    work.mkdir()
-    yield Installed(venv, wheel, work)
+from tests.helpers.installed import ROOT, Installed, installed_fixture  # noqa: F401  (fixture `installed`)
 
 
 def _counts(out: str) -> dict[str, int]:

@@ -25,8 +25,11 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,3 +164,35 @@ def installed_venv(base: Path) -> tuple[Path, Path]:
         env=env,
     )
     return venv, wheel
+
+
+@dataclass
+class Installed:
+    venv: Path
+    wheel: Path
+    work: Path  # a directory outside the checkout, the runs' working directory
+
+    def env(self) -> dict[str, str]:
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTEST_ADDOPTS")
+        }
+        env["PATH"] = f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    def run(
+        self, *argv: str, timeout: float = 300, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.venv / "bin" / argv[0]), *argv[1:]], cwd=self.work, env={**self.env(), **(env or {})},
+            capture_output=True, text=True, timeout=timeout, check=False,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="session", name="installed")
+def installed_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    base = tmp_path_factory.mktemp("installed")
+    assert ROOT not in base.parents
+    venv, wheel = installed_venv(base)
+    work = base / "ops"
+    work.mkdir()
+    yield Installed(venv, wheel, work)
