@@ -32,12 +32,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpulab.lab import Lab, LabHost  # noqa: E402
-from gpulab.profile import load_profile  # noqa: E402
+from gpulab.lab import Lab, LabError, LabHost  # noqa: E402
+from gpulab.profile import Profile, load_profile  # noqa: E402
 from gpulab.slurm import SlurmCluster, slurm_unavailable  # noqa: E402
 from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
+INOTIFY = Path("/proc/sys/fs/inotify/max_user_instances")
+INOTIFY_WANT = 1024
+
+
+def ensure_inotify(hosts: int) -> int | None:
+    """Raise fs.inotify.max_user_instances when N more lab hosts would run out of it; return the old value.
+
+    Each lab host's systemd takes about 8 inotify instances, and the kernel's default of 128 per
+    user ends a 16-host lab (plus other lab hosts) with "systemd died while booting"
+    (as benchmarks/bench_health.py does; inotify(7), /proc/sys/fs/inotify/max_user_instances).
+    """
+    try:
+        current = int(INOTIFY.read_text())
+    except (OSError, ValueError):
+        return None
+    if current < INOTIFY_WANT and hosts * 10 + 128 > current:
+        INOTIFY.write_text(f"{INOTIFY_WANT}\n")
+        print(f"raised fs.inotify.max_user_instances {current} -> {INOTIFY_WANT} for {hosts} lab hosts")
+        return current
+    return None
 
 
 def _stat_cpu(text: str, children: bool) -> float:
@@ -80,6 +100,18 @@ def account(c: SlurmCluster, hosts: list[LabHost]) -> dict[str, float]:
     }
 
 
+def up(lab: Lab, prof: Profile, name: str, tries: int = 3) -> LabHost:
+    """Boot a lab host, again after a failed boot (a loaded machine can miss the boot timeout)."""
+    for k in range(tries):
+        try:
+            return lab.up(prof, name=name)
+        except LabError as e:
+            if k == tries - 1:
+                raise
+            print(f"boot of {name} failed ({e}); again", flush=True)
+    raise AssertionError("unreachable")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="2 nodes, 1 round")
@@ -98,11 +130,12 @@ def main() -> int:
     cluster: SlurmCluster | None = None
     moto = None
     tmp = Path(tempfile.mkdtemp(prefix="bench-slurm-"))
+    restore_inotify = ensure_inotify(n)
     try:
         t0 = time.monotonic()
         for i in range(1, n + 1):
             prof = load_profile("health-ok", overrides={"hostname": f"gpu-node-{i:02d}"})
-            hosts.append(lab.up(prof, name=f"{tag}-{i:02d}"))
+            hosts.append(up(lab, prof, f"{tag}-{i:02d}"))
         t_boot = time.monotonic() - t0
         t0 = time.monotonic()
         cluster = SlurmCluster(hosts).start()
@@ -173,6 +206,8 @@ def main() -> int:
         for h in hosts:
             h.down()
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
+        if restore_inotify is not None and INOTIFY.read_text().strip() == str(INOTIFY_WANT):
+            INOTIFY.write_text(f"{restore_inotify}\n")  # leave the machine as it was
     return 0
 
 

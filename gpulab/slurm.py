@@ -177,6 +177,9 @@ class SlurmCluster:
             "MailProg=/bin/true",
             "InactiveLimit=0",
             "KillWait=5",
+            # A step whose processes outlive SIGKILL this long drains its node ("Kill task failed");
+            # on a loaded machine a lab host's tools can take a while (slurm.conf(5), default 60 s).
+            "UnkillableStepTimeout=180",
             "MinJobAge=30",
             *self.extra_conf,
         ]
@@ -370,6 +373,18 @@ class SlurmCluster:
             if name and reason and reason != "none":
                 out[name] = reason
         return out
+
+    def wait_idle(self, timeout: float = 120) -> None:
+        """Wait until every node is idle again (a finished job's nodes stay 'completing' until its
+        processes are gone); raise SlurmError with the states and reasons when they are not."""
+        deadline = time.monotonic() + timeout
+        states: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            states = self.node_states()
+            if states and all(s == "idle" for s in states.values()):
+                return
+            time.sleep(0.3)
+        raise SlurmError(f"nodes not idle within {timeout:.0f} s: {states}, reasons {self.node_reasons()}")
 
     def restart_node(self, host: LabHost) -> None:
         """Start munged and slurmd again in a node (after its reboot) and wait until it registers."""
