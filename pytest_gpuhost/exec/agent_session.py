@@ -1,6 +1,6 @@
 """The agent connection: one agent per target, one JSON line per request and per reply.
 
-The agent is started through the target's launcher (`python3 -u -c BOOTSTRAP`, the program
+The agent is started through the target's launcher (`python3 -S -u -c BOOTSTRAP`, the program
 sent on stdin) and answers `hello` first.  If it dies, the request in flight raises `AgentLost`;
 the next request starts a new agent (reconnecting SSH if needed) once, and raises `AgentLost`
 if that fails too.  A reply that does not come within the reply timeout stops the agent and
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 from pytest_gpuhost.errors import AgentError, AgentLost, ConnectError
-from pytest_gpuhost.exec.agent import BOOTSTRAP, agent_payload
+from pytest_gpuhost.exec.agent import BOOTSTRAP, PYTHON_FLAGS, agent_payload
 from pytest_gpuhost.exec.channels import RawChannel
 from pytest_gpuhost.exec.connection import REPLY_MARGIN, Connection, ConnectionOptions
 from pytest_gpuhost.exec.launch import Launcher
@@ -168,7 +168,7 @@ class AgentConnection(Connection):
         return self
 
     def _start_agent(self) -> AgentSession:
-        argv = [self.opts.python, "-u", "-c", BOOTSTRAP]
+        argv = [self.opts.python, *PYTHON_FLAGS, "-c", BOOTSTRAP]
         try:
             chan = self.launcher.open(argv)
         except FileNotFoundError as exc:

@@ -5,7 +5,7 @@
 `round_trips`, `hello` and the `on_command` observers.  It has two implementations:
 
 - `AgentConnection` (agent_session.py, mode "agent"): one agent started through the target's
-  `Launcher` (`python3 -u -c BOOTSTRAP`, program sent on stdin); requests are one JSON line each
+  `Launcher` (`python3 -S -u -c BOOTSTRAP`, program sent on stdin); requests are one JSON line each
   way over that single channel, so a command costs a round trip, not a new SSH channel;
 - `FallbackConnection` (fallback.py, mode "fallback"), for targets without python3: one channel
   per command wrapped in `timeout -s KILL N`, files read by `cat`, file ops by POSIX tools.

@@ -1,7 +1,8 @@
 """Assemble the agent program that runs on targets: the core, each probe in its own module, `main()`.
 
-The program is sent once per connection: a bootstrap (`python3 -u -c BOOTSTRAP`) reads a
-decimal length line and that many bytes of zlib-compressed source from stdin, then `exec`s it.
+The program is sent once per connection: a bootstrap (`python3 -S -u -c BOOTSTRAP`, the flags in
+`PYTHON_FLAGS`) reads a decimal length line and that many bytes of zlib-compressed source from
+stdin, then `exec`s it.
 The source is built once per process and cached.  On the target it runs the core files
 (`CORE_FILES`, in that order, as one namespace, their imports of each other removed), loads
 every `probe_*.py` into a module of its own with `core.load_probe`, then calls `main()`:
@@ -69,7 +70,15 @@ import re
 import zlib
 from pathlib import Path
 
-__all__ = ["BOOTSTRAP", "CORE_FILES", "agent_source", "agent_payload", "probe_files", "probe_program"]
+__all__ = [
+    "BOOTSTRAP",
+    "CORE_FILES",
+    "PYTHON_FLAGS",
+    "agent_source",
+    "agent_payload",
+    "probe_files",
+    "probe_program",
+]
 
 _HERE = Path(__file__).resolve().parent
 _FUTURE = re.compile(r"^from __future__ import [^\n]*\n", re.MULTILINE)
@@ -80,6 +89,12 @@ _CORE_IMPORT = re.compile(
 
 # The core, in the order it runs on the target: each file uses only names defined above it.
 CORE_FILES = ("registry.py", "runner.py", "files.py", "facts.py", "agent.py", "core.py")
+
+# The interpreter's flags for the agent. -u: unbuffered protocol. -S: no `site` initialisation:
+# the agent uses the standard library only, and `site` runs every .pth file of the target's
+# site-packages (distutils hooks, certifi, namespace packages): on the lab machine 13.9 ms of
+# CPU per start against 7.6 ms with -S (median of 20, python3 3.11), paid once per host and run.
+PYTHON_FLAGS = ("-S", "-u")
 
 # Reads with os.read (unbuffered) so no protocol byte is swallowed by a buffer before main()
 # takes fd 0 over.  Kept short: it travels on the command line of every agent start.
