@@ -87,7 +87,12 @@ def measure_ours(sshd, paths: list[str], n: int, client: str) -> dict[str, float
         assert conn.launcher.client == "openssh"
     else:
         transport = SSHTransport(
-            sshd.host, sshd.port, sshd.user, identity=sshd.identity, known_hosts=sshd.known_hosts
+            sshd.host,
+            sshd.port,
+            sshd.user,
+            identity=sshd.identity,
+            known_hosts=sshd.known_hosts,
+            connect_timeout=10,
         )
         conn = connect(sshd.host, SSHLauncher(transport), ConnectionOptions())
     host = make_host(conn)

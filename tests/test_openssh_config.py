@@ -219,8 +219,8 @@ def test_operators_algorithms_are_left_alone(tmp_path):
     from pytest_gpuhost.exec.openssh_mux import OpenSSHTransport
 
     cfg = _config(tmp_path / "ssh_config", "Host pq\n  KexAlgorithms sntrup761x25519-sha512@openssh.com\n")
-    mine = OpenSSHTransport("pq", ssh_config=cfg)
-    other = OpenSSHTransport("elsewhere", ssh_config=cfg)
+    mine = OpenSSHTransport("pq", ssh_config=cfg, connect_timeout=10)
+    other = OpenSSHTransport("elsewhere", ssh_config=cfg, connect_timeout=10)
     assert not any(o.startswith("KexAlgorithms=") for o in mine._opts)
     assert any(o.startswith("Ciphers=^aes128-gcm") for o in mine._opts)
     assert any(o.startswith("KexAlgorithms=^curve25519-sha256") for o in other._opts)

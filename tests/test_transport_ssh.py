@@ -291,7 +291,9 @@ def test_bulk_channel_runs_under_the_openssh_client(conn):
 def _paramiko(sshd) -> SSHLauncher:
     """A paramiko launcher, as the fallback builds it, whose bulk channels try `ssh` first."""
     return SSHLauncher(
-        SSHTransport(sshd.host, sshd.port, identity=sshd.identity, known_hosts=sshd.known_hosts)
+        SSHTransport(
+            sshd.host, sshd.port, identity=sshd.identity, known_hosts=sshd.known_hosts, connect_timeout=10
+        )
     )
 
 

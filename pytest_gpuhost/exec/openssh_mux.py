@@ -109,11 +109,14 @@ class OpenSSHTransport:
         identity: str | os.PathLike[str] | None = None,
         known_hosts: str | os.PathLike[str] | None = None,
         host_key_policy: str = "strict",
-        connect_timeout: float = 10.0,
+        connect_timeout: float,
         ssh_config: str | os.PathLike[str] | None = None,
         ssh: str | None = None,
     ) -> None:
-        """`host` may be an ssh_config alias; `port` and `user` (None: from the config) win over it."""
+        """`host` may be an ssh_config alias; `port` and `user` (None: from the config) win over it.
+
+        `connect_timeout` has no default here: the one default is `TargetOptions.connect_timeout`.
+        """
         found = ssh or ssh_client()
         if found is None:
             raise ConnectError("no OpenSSH client (ssh) on PATH")

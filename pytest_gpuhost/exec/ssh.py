@@ -80,7 +80,7 @@ class SSHTransport:
         identity: str | os.PathLike[str] | None = None,
         known_hosts: str | os.PathLike[str] | None = None,
         host_key_policy: str = "strict",
-        connect_timeout: float = 10.0,
+        connect_timeout: float,
         password: str | None = None,
         ssh_config: str | os.PathLike[str] | None = None,
         jumps: Sequence[Hop] | None = None,
@@ -88,6 +88,7 @@ class SSHTransport:
         """`host` may be an ssh_config alias; an explicit `port` or `user` wins over the config.
 
         `jumps` replaces the config's ProxyJump (the hops of a jump do not follow their own).
+        `connect_timeout` has no default here: the one default is `TargetOptions.connect_timeout`.
         """
         if host_key_policy not in HOST_KEY_POLICIES:
             raise ConnectError(

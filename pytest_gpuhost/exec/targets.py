@@ -97,7 +97,7 @@ class TargetOptions:
     """
 
     command_timeout: float = 60.0
-    connect_timeout: float = 10.0
+    connect_timeout: float = 10.0  # the one default: both SSH transports take it from here
     identity: str | None = None
     known_hosts: str | None = None
     host_key_policy: str = "strict"
