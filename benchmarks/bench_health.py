@@ -46,7 +46,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from health_cpu import CpuAccount, cpu_now, cpu_since  # noqa: E402  (beside this file)
+from health_cpu import CGROUP_ROOTS, CpuAccount, cpu_now, cpu_since  # noqa: E402  (beside this file)
+from proc_acct import Accounting, cgroup_pids, summary  # noqa: E402  (beside this file)
 
 from gpulab.lab import CLIENT_KEY, Lab, LabError, LabHost  # noqa: E402
 
@@ -215,6 +216,9 @@ def write_inventory(path: Path, hosts: list[Endpoint]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+ACCT: list[str] | None = None  # --acct: the exited processes' CPU summary of the last run
+
+
 def run(
     argv: list[str],
     env: dict[str, str] | None = None,
@@ -223,9 +227,27 @@ def run(
 ) -> tuple[float, str, int, CpuAccount]:
     """Run a suite; return its wall time, output, exit code and CPU account (over `hosts`)."""
     before = cpu_now(hosts or [])
+    acct = Accounting() if ACCT is not None else None
+    lab_pids = cgroup_pids(r / h.cgroup for h in hosts or [] for r in CGROUP_ROOTS) if acct else set()
     t0 = time.monotonic()
-    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    if acct:
+        acct.__enter__()
+    try:
+        p = subprocess.run(
+            argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
+    finally:
+        if acct:
+            acct.__exit__()
     took = time.monotonic() - t0
+    if acct and ACCT is not None:
+        ACCT[:] = summary(acct.records, {"pytest": {os.getpid()}, "lab hosts": lab_pids})
+        name = "ours" if "suites/health" in argv else "testinfra"
+        print(
+            f"    exited processes ({name}, {len(hosts or [])} hosts, {took:.2f} s), CPU-s/count:", flush=True
+        )
+        for line in ACCT:
+            print(f"      {line}", flush=True)
     return took, p.stdout + p.stderr, p.returncode, cpu_since(before, hosts or [])
 
 
@@ -303,7 +325,26 @@ def main() -> int:
         action="store_true",
         help="keep PYTHONDONTWRITEBYTECODE from the environment (every pytest process compiles its modules)",
     )
+    ap.add_argument(
+        "--suites",
+        default="ours,reports,testinfra",
+        help="which runs to time: ours (no reports), reports (ours with reports), testinfra (default all three)",
+    )
+    ap.add_argument(
+        "--acct",
+        action="store_true",
+        help="print every run's exited processes' CPU by name (BSD process accounting; see proc_acct.py)",
+    )
     args = ap.parse_args()
+    global ACCT
+    ACCT = [] if args.acct else None
+    wanted = {"ours": "o", "reports": "r", "testinfra": "b"}
+    try:
+        kinds = {wanted[k.strip()] for k in args.suites.split(",")}
+    except KeyError as exc:
+        raise SystemExit(
+            f"bench_health: --suites {args.suites!r}: unknown {exc}; use ours, reports, testinfra"
+        ) from None
     sizes = [1, 2] if args.smoke else sorted({int(s) for s in args.sizes.split(",")})
     workers = 2 if args.smoke else args.workers
     lab = Lab()
@@ -375,11 +416,20 @@ def main() -> int:
                 runs: dict[str, list[dict[str, Any]]] = {"o": [], "r": [], "b": []}
                 for rnd in range(args.repeat):
                     order = ("o", "r", "b") if rnd % 2 == 0 else ("b", "o", "r")
-                    for k in order:
+                    for k in (k for k in order if k in kinds):
                         if k == "b":
                             runs[k].append(baseline(tmp, eps[:n], workers))
                         else:
                             runs[k].append(ours(tmp, eps[:n], known, workers, reports=k == "r"))
+                if len(kinds) < 3:  # a partial run (--suites): each median on its own, no ratios
+                    for k in sorted(kinds):
+                        m = median_run(runs[k])
+                        walls = ", ".join(f"{w:.2f}" for w in m["walls"])
+                        label = {"o": "ours", "r": "ours with reports", "b": "testinfra"}[k]
+                        print(
+                            f"hosts={n:<3} {label} {m['wall']:6.2f} s (runs {walls}); CPU s {m['cpu'].line()}"
+                        )
+                    continue
                 o, r, b = (median_run(runs[k]) for k in ("o", "r", "b"))
                 o["wall_reports"] = r["wall"]
                 rows.append((n, o, b))
@@ -403,6 +453,8 @@ def main() -> int:
                         + ", ".join(f"{w:.2f}" for w in b["walls"]),
                         flush=True,
                     )
+        if len(kinds) < 3:
+            return 0
         print()
         print(
             f"{'hosts':>5} {'ours s':>8} {'+reports s':>11} {'rt/host':>8} {'testinfra s':>12} {'cmds/host':>10} {'speedup':>8}"
