@@ -93,22 +93,31 @@ class NodeResult:
         return not self.failures()
 
 
+#: The parts each check reads beyond `gpus` (the verdict functions in modules/health_*.py).
+_READS: Mapping[str, tuple[str, ...]] = {
+    "gpu_count": ("gpus", "pci"),
+    "pcie_link": ("gpus", "pci"),
+    "xid": ("kernel_log",),
+    "sxid": ("kernel_log",),
+    "clock_events": ("gpus", "kernel_log"),  # the last run's counters come back with the kernel log
+    "disk_free": ("disk",),
+    "mounts": ("mounts",),
+}
+
+
 def _fact_checks(checks: Sequence[str]) -> dict[str, list[str]]:
-    """Map each fact to the checks that would be unfinished without it (gathered parts only)."""
-    # Which parts each check reads: the verdict functions in modules/health_*.py.
-    reads = {
-        "xid": ["kernel_log"],
-        "sxid": ["kernel_log"],
-        "disk_free": ["disk"],
-    }
+    """Map each fact to the checks that cannot be judged without it."""
     out: dict[str, list[str]] = {}
     for c in checks:
-        parts = reads.get(c, ["gpus"])
-        if c in ("gpu_count", "pcie_link"):
-            parts = ["gpus", "pci"]
-        for p in parts:
-            out.setdefault(health_facts.FACT_OF_PART[p], []).append(c)
+        for p in _READS.get(c, ("gpus",)):
+            out.setdefault(health_facts.FACT_OF_PART.get(p, "health"), []).append(c)
     return out
+
+
+def _missing_parts(v: hm.Verdict, missing: Sequence[str]) -> bool:
+    """Whether a verdict says it lacked one of the `missing` parts (merge leaves them out)."""
+    text = " ".join([v.summary, *v.reasons])
+    return any(f"{p}: not gathered" in text for p in missing)
 
 
 def run_checks(
@@ -171,18 +180,20 @@ def run_checks(
         got = dict(replies)
         errors = dict(result.errors)
     fact_checks = _fact_checks(checks)
-    for name in names:
-        if name in got:
-            continue
-        why = errors.get(name) or "no reply yet"
-        for c in fact_checks.get(name, []):
-            result.unfinished.setdefault(c, f"{name}: {why}")
+    for c in checks:  # in check order
+        for name in names:
+            if name not in got and c in fact_checks.get(name, []):
+                result.unfinished.setdefault(c, f"{name}: {errors.get(name) or 'no reply yet'}")
     facts = health_facts.merge(got) if "health" in got else _merge_without_health(got)
+    missing = [p for p, f in health_facts.FACT_OF_PART.items() if f in names and f not in got]
     for c in checks:
         if c in result.unfinished:
             continue
         v = hm.evaluate(c, facts, thresholds)
         v.reread = None  # one reading, judged as it is
+        if missing and _missing_parts(v, missing):
+            result.unfinished[c] = "facts out: " + ", ".join(f for f in names if f not in got)
+            continue
         result.verdicts[c] = v
     with lock:
         answered = [conns[n] for n in ("health_kernel_log", *names) if n in got and n in conns]

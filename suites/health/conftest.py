@@ -245,6 +245,13 @@ class HostHealth:
         ]
 
 
+def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
+    """Collect the drain step (test_health_drain.py) only with --fix=drain."""
+    if collection_path.name == "test_health_drain.py" and "drain" not in options.fixes(config):
+        return True
+    return None
+
+
 def _hosts(config: pytest.Config) -> dict[str, HostHealth]:
     return config.stash.setdefault(_HOSTS, {})
 

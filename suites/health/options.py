@@ -1,7 +1,8 @@
 """Command-line options and ini values of suites/health (registered by suites/conftest.py).
 
 `--fix=NAME` (repeatable, or comma separated; ini `health_fix`, one name a line) turns on a safe
-fix: `persistence` (persistence mode on) or `service` (restart a failed inference service).
+fix: `persistence` (persistence mode on), `service` (restart a failed inference service) or
+`drain` (drain a failed host in Slurm, resume one gpuhost drained: suites/health/drain.py).
 Without it every check only reports. The fleet options the health suite is run with
 (`--previous`, `--prometheus-textfile`, `--fleet-json`, `--limit`) are the plugin's, declared in
 `pytest_gpuhost/run/settings.py`, because the report layer reads them.
@@ -19,12 +20,17 @@ from pytest_gpuhost.run.options import BadValue, Option, lines, read, register
 __all__ = ["OPTIONS", "addoption", "fixes", "validate"]
 
 
+#: The fixes --fix takes: the checks' (modules/health.FIXES) and `drain` (suites/health/drain.py:
+#: drain a failed host in Slurm, resume one gpuhost drained).
+CHOICES: tuple[str, ...] = (*FIXES, "drain")
+
+
 def _fixes(raw: Any) -> list[str]:
     names = lines(raw)
     for name in names:
-        if name not in FIXES:
+        if name not in CHOICES:
             raise BadValue(
-                f"unknown fix; choose from {', '.join(FIXES)} (e.g. --fix=persistence --fix=service)", name
+                f"unknown fix; choose from {', '.join(CHOICES)} (e.g. --fix=persistence --fix=service)", name
             )
     return names
 
@@ -32,7 +38,7 @@ def _fixes(raw: Any) -> list[str]:
 FIX = Option(
     "health_fix",
     "--fix",
-    f"health: allow a safe fix ({', '.join(FIXES)}); repeat for several. Off by default",
+    f"health: allow a safe fix ({', '.join(CHOICES)}); repeat for several. Off by default",
     parse=_fixes,
     default=(),
     kind="list",

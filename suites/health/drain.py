@@ -1,0 +1,105 @@
+"""`--fix=drain`: drain a failed host in Slurm, resume one gpuhost drained once it is healthy again.
+
+The controller path's twin of `gpuhost-nodecheck --slurm-drain`, with the same rules
+(modules/slurm.py): drain with the reason `gpuhost: CHECK: VALUE`, resume only a node whose
+reason starts with `gpuhost:`, never touch a node drained by a person. `scontrol` runs on the
+target over its connection (the node's own slurm.conf says where slurmctld is), as a remediation:
+
+- check: this run's verdicts of the host (every health check, judged from the facts the checks
+  used, after any --fix=persistence / --fix=service repair) and `scontrol show node NAME`;
+  ok when the node's drain state already matches its health (or a person's drain is left alone);
+- plan: the one scontrol command (`State=DRAIN Reason=...` or `State=RESUME`);
+- act: read the node again just before, and act only if the plan still holds;
+- re-check: read the node again: drained with this reason, or no longer drained.
+
+The Slurm node name is the inventory variable `slurm_node_name`, else the host name the target's
+agent reports (what Slurm's NodeHostname is by default).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.modules import health as hm
+from pytest_gpuhost.modules import slurm
+from pytest_gpuhost.run import evidence
+from pytest_gpuhost.run.remediation import Action, Check
+
+__all__ = ["SCONTROL_TIMEOUT", "first_failure", "node_name", "remediation"]
+
+SCONTROL_TIMEOUT = 15.0
+
+
+def node_name(hh: Any) -> str:
+    """Return the target's Slurm node name: inventory `slurm_node_name`, else the agent's host name."""
+    explicit = (hh.target.vars or {}).get("slurm_node_name")
+    if explicit:
+        return slurm.check_node(str(explicit))
+    hello = getattr(hh.target.conn, "hello", None) or {}
+    return slurm.check_node(str(hello.get("hostname") or hh.name))
+
+
+def failures(hh: Any) -> list[str]:
+    """Return `CHECK: VALUE` for every health check of the host that fails now."""
+    facts = hh.gather()
+    out = []
+    for check in hm.CHECKS:
+        v = hm.evaluate(check, facts, hh.thresholds)
+        if v.reread:  # a measurement inside its noise band: the suite's re-read decides
+            v = hh.verdict(check)
+        if not v.ok and v.skip is None:
+            out.append(f"{check}: {v.reasons[0] if v.reasons else v.summary}")
+    return out
+
+
+def first_failure(hh: Any) -> str | None:
+    """Return the failure the drain reason names (the first in check order), None when healthy."""
+    got = failures(hh)
+    return got[0] if got else None
+
+
+def remediation(hh: Any) -> dict[str, Any]:
+    """Return the drain remediation of one host, as `remediate(**...)` takes it."""
+    conn = hh.target.conn
+    name = node_name(hh)
+    state: dict[str, Any] = {}
+
+    def read() -> tuple[slurm.NodeState, slurm.Plan]:
+        node = slurm.read_node(conn, name, timeout=SCONTROL_TIMEOUT)
+        return node, slurm.plan(node, state["failure"])
+
+    def check() -> Check:
+        got = failures(hh)
+        state["failures"] = got
+        state["failure"] = got[0] if got else None
+        try:
+            node, p = read()
+        except GpuhostError as exc:
+            return Check(ok=False, summary=f"cannot read the Slurm node {name}: {exc}", state={"node": name})
+        state["plan"] = p
+        shown = {"node": node.describe(), "healthy": not got, "failures": got[:10], "decision": p.why}
+        return Check(ok=not p.changes, summary=p.why, state=shown)
+
+    def plan(before: Check) -> list[Action]:
+        p = state.get("plan")
+        if p is None or not p.changes:
+            return []
+        return [Action(p.why, shlex.join(p.argv), destructive=p.action == "drain")]
+
+    def fix(actions: list[Action], before: Check) -> None:
+        node, p = read()  # a person may have drained it since the check: their drain wins
+        if p.argv != state["plan"].argv:
+            raise slurm.SlurmError(f"{node.describe()} changed since the check; now: {p.why}; nothing done")
+        evidence.current().note(f"slurm: {p.why}")
+        slurm.act(conn, p, timeout=SCONTROL_TIMEOUT)
+
+    def verify() -> Check:
+        node, p = read()
+        done = (node.drained and node.ours) if state["failure"] else not (node.drained and node.ours)
+        return Check(
+            ok=done and not p.changes, summary=f"now {node.describe()}", state={"node": node.describe()}
+        )
+
+    return {"name": "drain", "check": check, "plan": plan, "fix": fix, "verify": verify}

@@ -1,0 +1,180 @@
+"""Drain and resume in a real Slurm (gpulab/slurm.py): gpuhost-nodecheck --slurm-drain and --fix=drain.
+
+Three lab hosts are the nodes of a real slurmctld/slurmd (Debian 12's Slurm 22.05): gpu-node-01
+gets Xid 79 (NVIDIA's catalogue: reboot), gpu-node-02 a GPU whose cells read [GPU requires reset],
+gpu-node-03 is healthy but drained by a person (reason "maintenance"). The node program runs
+inside each node as slurmd would run it (SLURM_CONF set, the host name is the node name); the
+suite runs from this machine over SSH with --fix=drain, scontrol running on each node. Both must
+drain exactly the failed nodes with gpuhost reasons, resume them once healed (a reboot for the
+Xid, the fault cleared for the other) and never touch the hand-drained node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_health_lab_gpus import inject
+
+REPO = Path(__file__).resolve().parent.parent
+PY = str(REPO / ".venv" / "bin" / "python")
+XID = "NVRM: Xid (PCI:0000:13:00): 79, pid=2231, name=python3, GPU has fallen off the bus."
+
+
+@pytest.fixture(scope="module")
+def cluster(slurm: Any) -> Any:
+    c = slurm.cluster(["health-ok", "health-ok", "health-ok"], tag="nck")
+    for h in c.nodes.values():
+        # scontrol over SSH reads Debian's default /etc/slurm/slurm.conf: point it at the cluster's
+        # (inside the host's own overlay root; this machine's /etc is not touched)
+        r = h.exec(["sh", "-c", f"mkdir -p /etc/slurm && ln -sf {c.conf} /etc/slurm/slurm.conf"])
+        assert r.returncode == 0, r.stderr
+    return c
+
+
+def nodecheck(c: Any, name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return c.node_exec(c.nodes[name], [PY, "-m", "pytest_gpuhost.nodecheck", *args], timeout=60)
+
+
+def add_xid(h: Any) -> None:
+    after_boot = max(k.t for k in h.profile.kernel_log) + 1.0
+    r = h.ssh(
+        ["sh", "-c", "cat >> /var/lib/gpulab/kmsg"], input=json.dumps({"t": after_boot, "msg": XID}) + "\n"
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def reboot(c: Any, h: Any) -> None:
+    """Reboot the node (the kernel log starts over, the lab draws a new boot id) and start its slurmd."""
+    assert h.ssh(["rm", "-f", "/var/lib/gpulab/kmsg"]).returncode == 0
+    h.reboot()
+    r = h.exec(["sh", "-c", f"mkdir -p /etc/slurm && ln -sf {c.conf} /etc/slurm/slurm.conf"])
+    assert r.returncode == 0, r.stderr
+    c.restart_node(h)
+
+
+def hand_drain(c: Any, name: str) -> None:
+    r = c.run(["scontrol", "update", f"nodename={name}", "state=drain", "reason=maintenance"])
+    assert r.returncode == 0, r.stderr
+
+
+def wait_states(c: Any, want: dict[str, str], timeout: float = 20) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = c.node_states()
+        if all(states.get(n) == s for n, s in want.items()) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.3)
+
+
+def test_nodecheck_drains_failed_nodes_resumes_them_healed_and_leaves_a_hand_drain(cluster: Any) -> None:
+    c = cluster
+    n1, n2, n3 = "gpu-node-01", "gpu-node-02", "gpu-node-03"
+    add_xid(c.nodes[n1])
+    inject(c.nodes[n2], {"gpus": {"0000:23:00.0": {"nvml_error": "GPU requires reset"}}})
+    hand_drain(c, n3)
+    try:
+        r1, r2, r3 = (nodecheck(c, n, "--slurm-drain") for n in (n1, n2, n3))
+        assert r1.returncode == 1 and r1.stdout.startswith("xid: Xid 79 on 0000:13:00: "), (
+            r1.stdout + r1.stderr
+        )
+        assert f"slurm: drain {n1}: 'gpuhost: xid: Xid 79 on 0000:13:00:" in r1.stdout, r1.stdout
+        assert r2.returncode == 1 and r2.stdout.startswith("gpu_count: GPU 2 (0000:23:00.0): "), r2.stdout
+        assert r3.returncode == 0, r3.stdout + r3.stderr
+        assert (
+            f"slurm: nothing to do: {n3} is healthy but drained by someone else ('maintenance')" in r3.stdout
+        )
+        for r in (r1, r2, r3):
+            assert "checks judged in" in r.stdout.splitlines()[-1] and r.stderr == "", r.stdout + r.stderr
+        states = wait_states(c, {n1: "drained", n2: "drained", n3: "drained"})
+        reasons = c.node_reasons()
+        assert states == {n1: "drained", n2: "drained", n3: "drained"}, (states, reasons)
+        assert reasons[n1].startswith("gpuhost: xid: Xid 79 on 0000:13:00"), reasons
+        assert reasons[n2].startswith("gpuhost: gpu_count: GPU 2 (0000:23:00.0)"), reasons
+        assert reasons[n3] == "maintenance", reasons
+
+        # Still failing (the Xid is owed until a reboot): the drain and its reason stay as they are.
+        again = nodecheck(c, n1, "--slurm-drain")
+        assert again.returncode == 1 and "still needs a reboot" in again.stdout, again.stdout
+        assert f"{n1}: " in again.stdout and "slurm: drain again with the new reason" in again.stdout
+
+        # Healed: GPU 2 answers again; gpu-node-01 rebooted. Both are resumed, gpu-node-03 is not.
+        inject(c.nodes[n2], {})
+        reboot(c, c.nodes[n1])
+        r1, r2, r3 = (nodecheck(c, n, "--slurm-drain") for n in (n1, n2, n3))
+        assert r1.returncode == 0 and f"slurm: resume {n1}: healthy again" in r1.stdout, r1.stdout + r1.stderr
+        assert r2.returncode == 0 and f"slurm: resume {n2}: healthy again" in r2.stdout, r2.stdout + r2.stderr
+        assert r3.returncode == 0 and "drained by someone else ('maintenance')" in r3.stdout
+        states = wait_states(c, {n1: "idle", n2: "idle"})
+        assert states == {n1: "idle", n2: "idle", n3: "drained"}, (states, c.node_reasons())
+        assert c.node_reasons() == {n3: "maintenance"}
+    finally:
+        inject(c.nodes[n2], {})
+        c.run(["scontrol", "update", f"nodename={n3}", "state=resume"])
+
+
+def run_suite(c: Any, tmp: Path, *extra: str, name: str = "night") -> dict[str, Any]:
+    known = tmp / "known_hosts"
+    known.write_text("".join(Path(h.known_hosts).read_text() for h in c.nodes.values()))
+    inv = tmp / "fleet.yaml"
+    inv.write_text(
+        "all:\n  vars: {ansible_user: root}\n  hosts:\n"
+        + "".join(f"    {n}: {{ansible_host: {h.address}}}\n" for n, h in c.nodes.items())
+    )
+    argv = [
+        sys.executable, "-m", "pytest", "suites/health", "-p", "no:cacheprovider", f"--inventory={inv}",
+        "--ssh-identity=/run/gpulab/id_ed25519", f"--known-hosts={known}", "--connect-timeout=5",
+        f"--report-dir={tmp}", f"--report-name={name}", f"--fleet-json={tmp}/{name}.json", "-o", "addopts=",
+        *extra,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "GPUHOST_NODE_NAME"}
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240, check=False, env=env)
+    path = tmp / f"{name}.json"
+    assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary: dict[str, Any] = json.loads(path.read_text())
+    return summary
+
+
+def test_fix_drain_from_the_controller(cluster: Any, tmp_path: Path) -> None:
+    c = cluster
+    n1, n2, n3 = "gpu-node-01", "gpu-node-02", "gpu-node-03"
+    inject(c.nodes[n2], {"gpus": {"0000:23:00.0": {"nvml_error": "GPU requires reset"}}})
+    hand_drain(c, n3)
+    try:
+        # check-only: "would fix" with the exact scontrol command, nothing changed
+        s0 = run_suite(c, tmp_path, "--fix=drain", "--check-only", name="n0")
+        d0 = s0["hosts"][n2]["checks"]["drain"]
+        assert d0["outcome"] == "would fix", d0
+        assert c.node_states()[n2] == "idle"
+        assert s0["hosts"][n1]["checks"]["drain"]["outcome"] == "passed"
+
+        s1 = run_suite(c, tmp_path, "--fix=drain", name="n1")
+        cells = {n: s1["hosts"][n]["checks"]["drain"] for n in (n1, n2, n3)}
+        assert cells[n1]["outcome"] == "passed", cells
+        assert cells[n2]["outcome"] == "fixed", cells
+        assert cells[n3]["outcome"] == "passed" and "drained by someone else" in cells[n3]["summary"], cells
+        states = wait_states(c, {n2: "drained"})
+        reasons = c.node_reasons()
+        assert states == {n1: "idle", n2: "drained", n3: "drained"}, (states, reasons)
+        assert reasons[n2].startswith("gpuhost: gpu_count: GPU 2 (0000:23:00.0)"), reasons
+        assert reasons[n3] == "maintenance"
+
+        inject(c.nodes[n2], {})
+        s2 = run_suite(c, tmp_path, "--fix=drain", name="n2")
+        assert s2["hosts"][n2]["checks"]["drain"]["outcome"] == "fixed", s2["hosts"][n2]["checks"]["drain"]
+        states = wait_states(c, {n2: "idle"})
+        assert states == {n1: "idle", n2: "idle", n3: "drained"}, (states, c.node_reasons())
+        assert c.node_reasons() == {n3: "maintenance"}
+        # without --fix=drain there is no drain step at all
+        s3 = run_suite(c, tmp_path, name="n3")
+        assert "drain" not in s3["hosts"][n1]["checks"]
+    finally:
+        inject(c.nodes[n2], {})
+        c.run(["scontrol", "update", f"nodename={n3}", "state=resume"])
