@@ -2,9 +2,9 @@
 
 Schema: kubernetes-validate (a dev dependency, Apache-2.0) bundles the JSON schemas generated from
 the Kubernetes OpenAPI document of each release; `strict` refuses fields the schema does not know
-(a misspelt field is otherwise silently dropped by the API server). Checked against the oldest
-release the manifests are meant for (1.30: Indexed Jobs, runtime classes, node-name in service
-account tokens are all GA there) and the newest the package bundles.
+(a misspelt field is otherwise dropped by the API server with a warning at most). Checked against the oldest
+release the manifests are meant for (1.30; Indexed Jobs and runtime classes are GA well before it)
+and the newest the package bundles.
 """
 
 from __future__ import annotations

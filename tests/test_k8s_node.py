@@ -242,3 +242,19 @@ def test_the_model_refuses_what_an_api_server_refuses(server: KubeAPIServer, tmp
     with pytest.raises(ApiException) as exc:
         sa.list_node()
     assert exc.value.status == 403 and "cannot list resource" in str(exc.value.body)
+
+
+def test_apply_health_marks_failed_then_ok_and_cordons_only_with_cordon(
+    server: KubeAPIServer, tmp_path: Path
+) -> None:
+    api = load_api(str(server.kubeconfig(tmp_path / "kc")))
+    out = kube_node.apply_health(NODE, ["xid 79 on GPU 3", "pcie_link GPU 2 x8 of x16"], api=api)
+    assert (
+        _node(server)["metadata"]["annotations"][ANN_REASON] == "xid 79 on GPU 3; pcie_link GPU 2 x8 of x16"
+    )
+    assert "unschedulable" not in _node(server)["spec"] and out.left == []
+    kube_node.apply_health(NODE, ["xid 79 on GPU 3"], cordon=True, api=api)
+    assert _node(server)["spec"]["unschedulable"] is True
+    out = kube_node.apply_health(NODE, [], cordon=True, api=api)
+    assert "uncordon (gpuhost cordoned it)" in out.actions and "unschedulable" not in _node(server)["spec"]
+    assert _node(server)["metadata"]["labels"][LABEL] == "ok"

@@ -46,6 +46,7 @@ __all__ = [
     "KubeNodeError",
     "NodeState",
     "Outcome",
+    "apply_health",
     "check_node_name",
     "clean_reason",
     "load_api",
@@ -285,3 +286,15 @@ def _body(labels: dict[str, Any], ann: dict[str, Any], spec: dict[str, Any]) -> 
     if spec:
         body["spec"] = spec
     return body
+
+
+def apply_health(node: str, failures: list[str], *, cordon: bool = False, api: Any = None) -> Outcome:
+    """Mark a node after a check: failed with the failures as the reason, or ok.
+
+    `cordon` (the program's `--k8s-cordon`) cordons a failed node and uncordons a recovered one,
+    each only under the rules above; without it the cordon is never touched.
+    """
+    kn = KubeNode(node, api)
+    if failures:
+        return kn.mark_failed("; ".join(failures), cordon=cordon)
+    return kn.mark_ok(uncordon=cordon)
