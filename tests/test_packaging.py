@@ -35,9 +35,12 @@ def _counts(out: str) -> dict[str, int]:
 def test_wheel_holds_plugin_suites_and_manifests(installed: Installed) -> None:
     """Every module of the plugin and of the suites is in the wheel, the suites as gpuhost_suites."""
     names = set(zipfile.ZipFile(installed.wheel).namelist())
-    want = {str(p.relative_to(ROOT)) for p in (ROOT / "pytest_gpuhost").rglob("*.py")}
-    want |= {"gpuhost_suites/" + str(p.relative_to(ROOT / "suites")) for p in (ROOT / "suites").rglob("*.py")}
-    want |= {"gpuhost_suites/manifests/" + p.name for p in (ROOT / "fixtures" / "manifests").glob("*.yaml")}
+    src = (
+        installed.wheel.parent.parent / "src"
+    )  # the copy the wheel was built from (others edit the checkout)
+    want = {str(p.relative_to(src)) for p in (src / "pytest_gpuhost").rglob("*.py")}
+    want |= {"gpuhost_suites/" + str(p.relative_to(src / "suites")) for p in (src / "suites").rglob("*.py")}
+    want |= {"gpuhost_suites/manifests/" + p.name for p in (src / "fixtures" / "manifests").glob("*.yaml")}
     want |= {"pytest_gpuhost/py.typed", "gpuhost_suites/manifests/README.md", "gpuhost_suites/p2p/README.md"}
     want = {w for w in want if "__pycache__" not in w}
     assert sorted(want - names) == []

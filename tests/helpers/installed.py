@@ -104,7 +104,10 @@ def copy_checkout(dest: Path) -> Path:
         if not src.is_file():
             continue  # deleted in the work tree, not yet committed
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dest / rel)
+        try:
+            shutil.copy2(src, dest / rel)
+        except FileNotFoundError:
+            continue  # deleted while we copied (the checkout is shared)
     return dest
 
 
