@@ -26,6 +26,7 @@ LAB = os.geteuid() == 0 and os.path.exists("/dev/fuse")
         ("bench_health.py", True, "hosts"),
         ("bench_merge.py", False, "nodes merged in under 5 s"),
         ("bench_slurm.py", True, "nodes=2: srun -N 2 health"),
+        ("bench_nodecheck.py", True, "within budget: yes"),
     ],
 )
 def test_benchmark_smoke(script: str, needs_lab: bool, expect: str) -> None:
