@@ -139,3 +139,17 @@ def test_summaries_load_in_the_order_named_and_a_missing_one_is_named(
     assert [src for src, _ in got] == list(reversed(files))
     with pytest.raises(merge.MergeError, match=r"^.*gpu-node-9999\.json: No such file or directory$"):
         merge.load_sources([*files[:10], str(nodes / "gpu-node-9999.json")])
+
+
+def test_above_the_matrix_limit_healthy_hosts_are_names_only(
+    fleet: tuple[Path, dict[str, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nodes, counts = fleet
+    monkeypatch.setattr(merge, "HEALTHY_MATRIX_MAX", 100)
+    page = merge.render_html(merge.redact_merged(merge.merge(merge.load_sources([str(nodes)]))))
+    healthy = page.split("<details id='healthy'>")[1].split("</details>")[0]
+    assert (
+        "<table" not in healthy
+        and len(re.findall(r"<span data-host='gpu-node-\d+'>", healthy)) == counts["b200-ok.json"]
+    )
+    assert "<table id='matrix'>" in page  # the hosts not ok keep their matrix
