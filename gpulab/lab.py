@@ -511,6 +511,15 @@ class LabHost:
         self._boot_all(timeout)
         return time.monotonic() - t0
 
+    def set_profile(self, profile: Profile) -> None:
+        """Give the host other hardware from its next ``reboot()`` on (a part reseated or swapped in
+        maintenance): the profile the sysfs daemon and the in-host tools read at boot."""
+        for path in (self.dir / "profile.json", self.state_dir / "profile.json"):
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(profile.to_json())
+            os.replace(tmp, path)
+        self.profile = profile
+
     def down(self) -> None:
         """Stop the host and remove everything the lab made for it (the last host: the lab's route too)."""
         _teardown(self.dir, self.name, self.meta.get("index"))

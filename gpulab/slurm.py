@@ -94,7 +94,11 @@ class SlurmCluster:
     """
 
     def __init__(
-        self, hosts: Sequence[LabHost], extra_conf: Sequence[str] = (), partition: str = "gpu"
+        self,
+        hosts: Sequence[LabHost],
+        extra_conf: Sequence[str] = (),
+        partition: str = "gpu",
+        files: Mapping[str, str] | None = None,
     ) -> None:
         if not hosts:
             raise SlurmError("a Slurm cluster needs at least one lab host")
@@ -108,6 +112,7 @@ class SlurmCluster:
         self.hosts = list(hosts)
         self.nodes = {h.profile.hostname: h for h in hosts}
         self.extra_conf = list(extra_conf)
+        self.files = dict(files or {})  # path under D -> text, on the controller and every node
         self.partition = partition
         self.ctl_address = f"198.18.{hosts[0].index}.1"
         self.dir = Path(tempfile.mkdtemp(prefix="gpuhost-slurm-", dir="/tmp"))
@@ -216,7 +221,29 @@ class SlurmCluster:
         (d / "hosts").write_text(self.hosts_text())
         self.ctl_exec.write_text(self._ctl_exec_text())
         self.ctl_exec.chmod(0o755)
+        self._write_extra_here()
         return key
+
+    def _write_extra_here(self) -> None:
+        for rel, text in self.files.items():
+            path = self._file_path(rel)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            path.chmod(0o755 if text.startswith("#!") else 0o644)
+
+    def _file_path(self, rel: str) -> Path:
+        path = (self.dir / rel).resolve()
+        if not str(path).startswith(str(self.dir) + "/"):
+            raise SlurmError(f"cluster file {rel!r} is outside the cluster's directory {self.dir}")
+        return path
+
+    def _write_node_files(self, h: LabHost) -> None:
+        files = {"slurm.conf": self.conf.read_text(), "hosts": (self.dir / "hosts").read_text(), **self.files}
+        for rel, text in files.items():
+            path = self._file_path(rel)
+            mode = "755" if text.startswith("#!") else "644"
+            cmd = f"mkdir -p {shlex.quote(str(path.parent))} && cat > {shlex.quote(str(path))} && chmod {mode} {shlex.quote(str(path))}"
+            self._node_ok(h, h.exec(["/bin/sh", "-c", cmd], input=text, timeout=30), f"write {rel}")
 
     # ---- start ----------------------------------------------------------------------------
 
@@ -293,21 +320,15 @@ class SlurmCluster:
 
     def _start_node(self, h: LabHost, key: str) -> None:
         d = self.dir
-        files = {
-            "slurm.conf": self.conf.read_text(),
-            "hosts": (d / "hosts").read_text(),
-        }
         setup = (
             f"set -e; umask 022; rm -rf {d}; mkdir -p {d}/munge {d}/spool; "
             f"(umask 077; cat > {d}/munge/munge.key)"
         )
         self._node_ok(h, h.exec(["/bin/sh", "-c", setup], input=key, timeout=30), "write the munge key")
-        for name, text in files.items():
-            r = h.exec(["/bin/sh", "-c", f"cat > {d}/{name}"], input=text, timeout=30)
-            self._node_ok(h, r, f"write {name}")
+        self._write_node_files(h)
         self._started_nodes.append(h)
         munged = [
-            "systemd-run", f"--unit={MUNGE_UNIT}", "--collect", "--quiet", "-p", "Type=simple", "--",
+            "systemd-run", f"--unit={MUNGE_UNIT}", "--collect", "--quiet", "-p", "Type=simple", "-p", "TimeoutStopSec=10", "--",
             "/usr/sbin/munged", "-F", f"--key-file={d}/munge/munge.key", f"--socket={d}/munge/munge.socket",
             f"--pid-file={d}/munge/munged.pid", f"--seed-file={d}/munge/munged.seed",
         ]  # fmt: skip
@@ -318,7 +339,7 @@ class SlurmCluster:
                 raise SlurmError(f"{h.name}: munged did not create its socket within 20 s")
             time.sleep(0.1)
         slurmd = [
-            "systemd-run", f"--unit={SLURMD_UNIT}", "--collect", "--quiet", "-p", "Type=simple",
+            "systemd-run", f"--unit={SLURMD_UNIT}", "--collect", "--quiet", "-p", "Type=simple", "-p", "TimeoutStopSec=10",
             "-p", f"BindReadOnlyPaths={d}/hosts:/etc/hosts", "--setenv", f"SLURM_CONF={self.conf}",
             "--", "/usr/sbin/slurmd", "-D", "-f", str(self.conf),
         ]  # fmt: skip
@@ -373,6 +394,25 @@ class SlurmCluster:
             if name and reason and reason != "none":
                 out[name] = reason
         return out
+
+    def reconfigure(
+        self, extra_conf: Sequence[str] | None = None, files: Mapping[str, str] | None = None
+    ) -> None:
+        """Change slurm.conf's extra lines (and add files), everywhere, then ``scontrol reconfigure``.
+
+        As an operator enables a HealthCheckProgram: the same slurm.conf on every node, then
+        slurmctld and every slurmd read it again (scontrol(1) reconfigure).
+        """
+        if extra_conf is not None:
+            self.extra_conf = list(extra_conf)
+        self.files.update(files or {})
+        self.conf.write_text(self.conf_text())
+        self._write_extra_here()
+        for h in self._started_nodes:
+            self._write_node_files(h)
+        r = self.run(["scontrol", "reconfigure"], timeout=60)
+        if r.returncode != 0:
+            raise SlurmError(f"scontrol reconfigure: {(r.stderr or r.stdout).strip()}")
 
     def wait_idle(self, timeout: float = 120) -> None:
         """Wait until every node is idle again (a finished job's nodes stay 'completing' until its
