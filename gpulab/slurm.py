@@ -1,7 +1,7 @@
 """A real Slurm cluster over lab hosts: slurmctld on this machine, slurmd and munged in each host.
 
 Debian's ``slurm-wlm`` (22.05) and ``munge`` packages, installed by ``scripts/setup.sh``. Nothing
-in this machine's ``/etc`` is read or written: every file lives under one temporary directory
+in this machine's ``/etc`` is written: every file lives under one temporary directory
 ``D`` (``/tmp/gpuhost-slurm-XXXX``), the same path on the controller and, inside each host's own
 ``/tmp`` tmpfs, on every node, so one ``slurm.conf`` serves all of them (slurm.conf(5): the file
 must be the same on every node)::
@@ -24,7 +24,10 @@ then getaddrinfo()). So slurmctld and the client commands run in a private mount
 namespace whose host name is the controller's and whose ``/etc/hosts`` is ``D/hosts``
 (``unshare --mount --uts``, then ``mount --bind``); slurmd runs under the node's systemd with
 ``BindReadOnlyPaths=D/hosts:/etc/hosts`` (systemd.exec(5)), and its host name (the node name) then
-resolves to the host's lab address. Nothing listens on any address outside 198.18.0.0/15.
+resolves to the host's lab address. Nothing listens on any address outside 198.18.0.0/15. slurmd
+sends a step's I/O back to the address srun's launch request came from, so a /32 route per node
+makes this machine's connections to the nodes leave from the controller's address (``_add_routes``).
+Lab hosts cannot reach one another, so no message is relayed through a node (``TreeWidth``).
 
 Node names are the hosts' host names (slurmd takes its NodeName from gethostname(); slurmd(8)
 ``-N``), so the hosts of one cluster must have distinct ones: boot them from a profile loaded with
@@ -32,7 +35,10 @@ Node names are the hosts' host names (slurmd takes its NodeName from gethostname
 (process tree from /proc), ``TaskPlugin=task/none``, ``JobAcctGatherType=jobacct_gather/none``;
 ``SlurmdParameters=config_overrides`` lets a node with more CPUs than configured register
 (slurm.conf(5)). Teardown stops exactly what start started: the two transient units in each node
-(``systemctl stop``), and slurmctld and munged on this machine by the PIDs it started them with.
+(``systemctl stop``; a unit's processes, job steps included, are stopped with it: systemd.kill(5)
+KillMode=control-group), slurmctld and munged on this machine by the PIDs it started them with,
+and the routes. ``reconfigure()`` changes slurm.conf everywhere and runs ``scontrol reconfigure``
+(how the test turns on a HealthCheckProgram); ``files`` are extra files under ``D`` on every side.
 """
 
 from __future__ import annotations
