@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import mfusepy
 
 from gpulab import realkernel
+from gpulab.aer import FILES as AER_FILES
+from gpulab.aer import aer_text
 from gpulab.kernelio import SysfsError
 from gpulab.model import HostModel
 
@@ -52,6 +54,10 @@ class Node:
 
 def _ro(fn: Callable[[], str]) -> Node:
     return Node("file", 0o444, read=fn)
+
+
+def _aer_node(m: HostModel, bdf: str, name: str) -> Node:
+    return _ro(lambda: aer_text(m.state_dir, bdf, name))
 
 
 def _rw(fn: Callable[[], str], w: Callable[[str], None]) -> Node:
@@ -239,6 +245,9 @@ class SysfsTree:
                     "max_link_width": _ro(lambda: f"{lk.max_width}\n"),
                 }
             )
+        if self._has_aer(bdf):  # AER counters (gpulab/aer.py)
+            for aer_name in AER_FILES:
+                attrs[aer_name] = _aer_node(m, bdf, aer_name)
         if f.iommu_group is not None:
             attrs["iommu_group"] = _link(f"{SYS}/kernel/iommu_groups/{f.iommu_group}")
         drv = m.driver.get(bdf)
@@ -293,6 +302,8 @@ class SysfsTree:
             node_names += ["secondary_bus_number", "subordinate_bus_number"]
         if f.link is not None:
             node_names += ["current_link_speed", "current_link_width", "max_link_speed", "max_link_width"]
+        if self._has_aer(bdf):
+            node_names += list(AER_FILES)
         if f.iommu_group is not None:
             node_names.append("iommu_group")
         if self.model.driver.get(bdf):
@@ -300,6 +311,11 @@ class SysfsTree:
         if self._drm_nodes(bdf):
             node_names.append("drm")
         return node_names
+
+    def _has_aer(self, bdf: str) -> bool:
+        """NVIDIA GPUs (display/3D controllers) have the AER capability: the kernel shows aer_dev_*."""
+        f = self.model.functions[bdf]
+        return f.vendor == "0x10de" and f.klass.startswith("0x03")
 
     def _uevent(self, bdf: str) -> str:
         f = self.model.functions[bdf]

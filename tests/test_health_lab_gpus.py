@@ -277,6 +277,26 @@ def test_a_missing_model_mount_and_a_read_only_remount_fail(lab: Any, tmp_path: 
         h.ssh(["sh", "-c", "umount /models 2>/dev/null; rmdir /models 2>/dev/null; true"])
 
 
+def test_pcie_aer_errors_since_the_last_run_fail_once(lab: Any, tmp_path: Path) -> None:
+    """GPU 3's link logs a non-fatal AER error between two runs (sysfs aer_dev_nonfatal): the second run fails."""
+    h = boot(lab, "health-ok")
+    inject(h, {})
+    try:
+        r = h.ssh(["cat", "/sys/bus/pci/devices/0000:24:00.0/aer_dev_nonfatal"])
+        assert r.returncode == 0 and r.stdout.endswith("TOTAL_ERR_NONFATAL 0\n"), r
+        assert run_health(h, tmp_path, name="a1")["pcie_aer"]["outcome"] == "passed"
+        inject(h, {"gpus": {"0000:24:00.0": {"aer": {"nonfatal": 1, "correctable": 3}}}})
+        c = run_health(h, tmp_path, name="a2")["pcie_aer"]
+        assert c["outcome"] == "failed", c
+        assert c["reasons"] == [
+            "0000:24:00.0: PCIe AER 1 nonfatal error(s) since the last run (limits: fatal 0, non-fatal 0, correctable 100)"
+        ]
+        c = run_health(h, tmp_path, name="a3")["pcie_aer"]  # nothing new since
+        assert c["outcome"] == "passed", c
+    finally:
+        inject(h, {})
+
+
 def test_row_remap_pending_fails_the_gpu(lab: Any, tmp_path: Path) -> None:
     """nvidia-smi --query-remapped-rows says GPU 1 has a remap pending: remapped_rows fails it."""
     h = boot(lab, "health-ok")

@@ -746,3 +746,36 @@ def test_a_missing_or_read_only_mount_fails_instead_of_measuring_the_parent() ->
         "/models",
         "/data",
     ]
+
+
+def test_pcie_aer_errors_since_the_last_run() -> None:
+    """aer_dev_* TOTAL_ERR_* per GPU against the last run's: fatal/non-fatal fail, correctable over the limit."""
+
+    def night(prev: dict[str, Any] | None, **aer: dict[str, int]) -> tuple[hm.Verdict, dict[str, Any]]:
+        facts = healthy()
+        for i, b in enumerate(BDFS):
+            facts["pci"]["devices"][b]["aer"] = {
+                "correctable": 5,
+                "fatal": 0,
+                "nonfatal": 0,
+                **aer.get(f"g{i}", {}),
+            }
+        facts["kernel_log"]["previous_counters"] = prev
+        return judge("pcie_aer", facts), (health_facts.commit_state(facts) or {})["counters"]
+
+    v, n1 = night(None)
+    assert (
+        v.ok
+        and v.summary
+        == "no fatal or non-fatal AER error on 4 GPUs since boot (no earlier run) (20 correctable)"
+    )
+    v, n2 = night(n1, g2={"nonfatal": 1, "correctable": 400})
+    assert not v.ok and v.reasons == [
+        "0000:3a:00.0: PCIe AER 1 nonfatal, 395 correctable error(s) since the last run "
+        "(limits: fatal 0, non-fatal 0, correctable 100)"
+    ], v.reasons
+    v, _ = night(n2, g2={"nonfatal": 1, "correctable": 400})  # nothing new since
+    assert v.ok, v
+    v, _ = night(n2, g2={"fatal": 1, "correctable": 0})  # rebooted (lower counts) and a fatal one since
+    assert not v.ok and v.reasons[0].startswith("0000:3a:00.0: PCIe AER 1 fatal error(s)"), v
+    assert judge("pcie_aer", healthy()).skip.startswith("no AER counters in sysfs")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from pytest_gpuhost.modules.health_counters import check_clock_events
+from pytest_gpuhost.modules.health_counters import check_clock_events, check_pcie_aer
 from pytest_gpuhost.modules.health_fabric import (
     check_acs,
     check_fabric,
@@ -86,6 +86,7 @@ CHECKS: tuple[str, ...] = (
     "xid",
     "sxid",
     "pcie_link",
+    "pcie_aer",
     "nvlink",
     "fabric",
     "iommu_group_type",
@@ -116,6 +117,7 @@ _CHECK_FUNCS: dict[str, Callable[..., Verdict]] = {
     "xid": check_xid,
     "sxid": check_sxid,
     "pcie_link": check_pcie_link,
+    "pcie_aer": check_pcie_aer,
     "nvlink": check_nvlink,
     "fabric": check_fabric,
     "iommu_group_type": check_iommu_group_type,

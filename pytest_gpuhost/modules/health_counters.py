@@ -31,7 +31,7 @@ from pytest_gpuhost.modules.health_verdict import (
     skipped,
 )
 
-__all__ = ["CLOCK_EVENT_COUNTERS", "check_clock_events", "counters_state"]
+__all__ = ["CLOCK_EVENT_COUNTERS", "check_clock_events", "check_pcie_aer", "counters_state"]
 
 PREFIX = "clocks_event_reasons_counters."
 #: The counters read, and which limit each counts against ("hw", "sw_thermal", or None: reported).
@@ -57,19 +57,33 @@ def _current(facts: Facts) -> dict[str, dict[str, int]]:
     return out
 
 
+def _aer_now(facts: Facts) -> dict[str, dict[str, int]]:
+    part = facts.get("pci")
+    devices = part.get("devices") if isinstance(part, Mapping) and part.get("ok") else None
+    out: dict[str, dict[str, int]] = {}
+    for bdf, dev in (devices or {}).items():
+        aer = dev.get("aer") if isinstance(dev, Mapping) else None
+        if isinstance(aer, Mapping):
+            out[str(bdf)] = {
+                k: int(v) for k, v in aer.items() if isinstance(v, int) and not isinstance(v, bool)
+            }
+    return out
+
+
 def counters_state(facts: Facts) -> dict[str, Any] | None:
     """Return what the health state keeps of this run's counters, None when there are none."""
     gpus = _current(facts)
-    if not gpus:
+    aer = _aer_now(facts)
+    if not gpus and not aer:
         return None
     boot = ((facts.get("kernel_log") or {}).get("cursor") or {}).get("boot_id")
-    return {"version": 1, "at": facts.get("time"), "boot_id": boot, "gpus": gpus}
+    return {"version": 1, "at": facts.get("time"), "boot_id": boot, "gpus": gpus, "aer": aer}
 
 
 def _previous(facts: Facts) -> Mapping[str, Any]:
     part = facts.get("kernel_log")
     prev = part.get("previous_counters") if isinstance(part, Mapping) else None
-    return prev if isinstance(prev, Mapping) and isinstance(prev.get("gpus"), Mapping) else {}
+    return prev if isinstance(prev, Mapping) else {}
 
 
 def check_clock_events(facts: Facts, t: Thresholds) -> Verdict:
@@ -133,5 +147,54 @@ def check_clock_events(facts: Facts, t: Thresholds) -> Verdict:
         "clock_events",
         True,
         f"no GPU held down past its limit {state['window']} on {len(per_gpu)} GPUs (most {worst:g} s in all reasons){note}",
+        state=state,
+    )
+
+
+def check_pcie_aer(facts: Facts, t: Thresholds) -> Verdict:
+    """Fail a GPU whose PCIe link logged a fatal or non-fatal AER error, or too many correctable ones, since the last run."""
+    now = _aer_now(facts)
+    part = facts.get("pci")
+    if not isinstance(part, Mapping) or not part.get("ok"):
+        err = part.get("error") if isinstance(part, Mapping) else "pci: not gathered"
+        return failed("pcie_aer", f"PCI facts missing: {err}", [str(err)])
+    if not now:
+        return skipped(
+            "pcie_aer",
+            "no AER counters in sysfs for these GPUs (no AER capability, or AER handled by the firmware)",
+        )
+    prev = _previous(facts)
+    got_all = prev.get("aer")
+    before_all: Mapping[str, Any] = got_all if isinstance(got_all, Mapping) else {}
+    window = "since the last run" if prev else "since boot (no earlier run)"
+    limits = {"fatal": 0, "nonfatal": 0, "correctable": int(t["pcie_aer_correctable_max"])}
+    reasons = []
+    per: dict[str, Any] = {}
+    for bdf, vals in sorted(now.items()):
+        got = before_all.get(bdf)
+        before: Mapping[str, Any] = got if isinstance(got, Mapping) else {}
+        delta = {}
+        for k, v in vals.items():
+            was = before.get(k)
+            delta[k] = v - was if isinstance(was, int) and v >= was else v  # lower: counted again from 0
+        per[bdf] = {"since": delta, "total": vals}
+        over = [
+            f"{delta[k]} {k}" for k in ("fatal", "nonfatal", "correctable") if delta.get(k, 0) > limits[k]
+        ]
+        if over:
+            reasons.append(
+                f"{bdf}: PCIe AER {', '.join(over)} error(s) {window} (limits: fatal 0, non-fatal 0, "
+                f"correctable {limits['correctable']})"
+            )
+    state = {"window": window, "gpus": per, "limits": limits}
+    if reasons:
+        return failed(
+            "pcie_aer", f"{len(reasons)} GPU(s) with PCIe AER errors {window}", reasons, state=state
+        )
+    cor = sum(p["since"].get("correctable", 0) for p in per.values())
+    return Verdict(
+        "pcie_aer",
+        True,
+        f"no fatal or non-fatal AER error on {len(per)} GPUs {window} ({cor} correctable)",
         state=state,
     )

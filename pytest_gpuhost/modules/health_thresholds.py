@@ -130,6 +130,12 @@ THRESHOLDS: tuple[Threshold, ...] = (
         (int, float),
         "seconds of SW thermal slowdown allowed per GPU since the last run",
     ),
+    Threshold(
+        "pcie_aer_correctable_max",
+        100,
+        int,
+        "PCIe AER correctable errors allowed per GPU since the last run (fatal and non-fatal: none)",
+    ),
     Threshold("temperature_max", 85, (int, float), "hottest GPU temperature allowed, degrees C"),
     Threshold(
         "temperature_noise", 2, (int, float), "noise band around temperature_max that triggers re-reads"

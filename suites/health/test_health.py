@@ -66,6 +66,11 @@ def test_pcie_link(judge: Judge) -> None:
     judge("pcie_link")
 
 
+def test_pcie_aer(judge: Judge) -> None:
+    """No fatal or non-fatal PCIe AER error on a GPU since the last run (correctable: under the limit)."""
+    judge("pcie_aer")
+
+
 def test_nvlink(judge: Judge) -> None:
     """Every NVLink is up, as many active as the GPU model has (skipped on hosts without NVLink)."""
     judge("nvlink")

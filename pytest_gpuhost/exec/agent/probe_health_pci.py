@@ -17,6 +17,26 @@ NVIDIA_DRIVER = "/sys/bus/pci/drivers/nvidia"  # a link per function bound to nv
 ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
 GPU_CLASSES = ("0x0300", "0x0302")  # PCI class code: VGA-compatible, 3D controller
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+# PCIe AER counters per device since boot (Documentation/ABI/testing/sysfs-bus-pci-devices-aer_stats;
+# drivers/pci/pcie/aer.c aer_stats_dev_attr: one "NAME count" line per error, then "TOTAL_ERR_*").
+# Present only where the device has the AER capability and the kernel handles AER natively.
+AER_FILES = (
+    ("correctable", "aer_dev_correctable", "TOTAL_ERR_COR"),
+    ("fatal", "aer_dev_fatal", "TOTAL_ERR_FATAL"),
+    ("nonfatal", "aer_dev_nonfatal", "TOTAL_ERR_NONFATAL"),
+)
+
+
+def read_aer(base):
+    """Return a function's AER totals {"correctable", "fatal", "nonfatal"} from sysfs ({} without AER)."""
+    out = {}
+    for key, name, total in AER_FILES:
+        text = read_str(os.path.join(base, name), None, 8192)
+        for line in (text or "").splitlines():
+            label, _, count = line.strip().rpartition(" ")
+            if label == total and count.isdigit():
+                out[key] = int(count)
+    return out
 
 
 def _acs_from_config(bdf):
@@ -188,6 +208,9 @@ def fact_health_pci(params):
             "iommu_type": read_str(f"/sys/kernel/iommu_groups/{group}/type") if group else None,
             "bridges": [],
         }  # type: dict
+        aer = read_aer(base)
+        if aer:
+            dev["aer"] = aer
         for up in upstream(b, all_bridges, ranges):
             if up not in acs_cache:
                 acs = _acs_from_config(up)

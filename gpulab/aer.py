@@ -1,0 +1,50 @@
+"""PCIe AER counters of the lab's GPUs, as the kernel prints them in sysfs.
+
+The kernel keeps, per device with the AER capability, counts of each correctable, fatal and
+non-fatal error since boot and shows them in ``aer_dev_correctable``, ``aer_dev_fatal`` and
+``aer_dev_nonfatal`` (Documentation/ABI/testing/sysfs-bus-pci-devices-aer_stats;
+drivers/pci/pcie/aer.c, ``aer_stats_dev_attr``): one ``NAME count`` line per error bit that has
+a name in ``aer_correctable_error_string`` / ``aer_uncorrectable_error_string`` (Linux 6.8), then
+``TOTAL_ERR_COR`` / ``TOTAL_ERR_FATAL`` / ``TOTAL_ERR_NONFATAL``. The lab's counts are 0 unless
+the runtime fault ``gpus: {BDF: {aer: {correctable: N, fatal: N, nonfatal: N}}}`` in the host's
+``/var/lib/gpulab/faults.json`` says more (a test raises them between runs): the correctable ones
+are counted as receiver errors (RxErr), the uncorrectable ones as completion timeouts (CmpltTO).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["FILES", "aer_text"]
+
+COR = ("RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF")
+UNCOR = (
+    "Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF", "MalfTLP",
+    "ECRC", "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP", "AtomicOpBlocked", "TLPBlockedErr",
+    "PoisonTLPBlocked",
+)  # fmt: skip
+#: file -> (fault key, the named errors, total's name, the error the fault's count goes to)
+FILES = {
+    "aer_dev_correctable": ("correctable", COR, "ERR_COR", "RxErr"),
+    "aer_dev_fatal": ("fatal", UNCOR, "ERR_FATAL", "CmpltTO"),
+    "aer_dev_nonfatal": ("nonfatal", UNCOR, "ERR_NONFATAL", "CmpltTO"),
+}
+
+
+def _count(state_dir: Path | None, bdf: str, key: str) -> int:
+    if state_dir is None:
+        return 0
+    try:
+        faults = json.loads((state_dir / "faults.json").read_text())
+        return int(((faults.get("gpus") or {}).get(bdf) or {}).get("aer", {}).get(key, 0))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return 0
+
+
+def aer_text(state_dir: Path | None, bdf: str, name: str) -> str:
+    """Return what ``/sys/bus/pci/devices/BDF/NAME`` reads for one of the three AER files."""
+    key, names, total, where = FILES[name]
+    n = _count(state_dir, bdf, key)
+    lines = [f"{e} {n if e == where else 0}" for e in names]
+    return "\n".join(lines) + f"\nTOTAL_{total} {n}\n"
