@@ -159,7 +159,7 @@ def test_fix_drain_from_the_controller(cluster: Any, tmp_path: Path) -> None:
         cells = {n: s1["hosts"][n]["checks"]["drain"] for n in (n1, n2, n3)}
         assert cells[n1]["outcome"] == "passed", cells
         assert cells[n2]["outcome"] == "fixed", cells
-        assert cells[n3]["outcome"] == "passed" and "drained by someone else" in cells[n3]["summary"], cells
+        assert cells[n3]["outcome"] == "passed", cells  # a person's drain: nothing to do
         states = wait_states(c, {n2: "drained"})
         reasons = c.node_reasons()
         assert states == {n1: "idle", n2: "drained", n3: "drained"}, (states, reasons)
