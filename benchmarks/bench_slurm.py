@@ -151,6 +151,8 @@ def main() -> int:
         env = {**FAKE_ENV, "AWS_ENDPOINT_URL": url}
         print(f"{n} nodes booted in {t_boot:.1f} s, Slurm up (all nodes idle) in {t_slurm:.2f} s", flush=True)
 
+        idle_waits: list[float] = []
+
         def night(k: int) -> tuple[float, float]:
             dest = f"s3://{bucket}/night{k}/"
             argv = [
@@ -179,6 +181,9 @@ def main() -> int:
                 raise SystemExit(
                     f"bench_slurm: merge exited {p.returncode} with {len(merged['hosts'])} hosts"
                 )
+            t = time.monotonic()
+            cluster.wait_idle(timeout=300)  # type: ignore[union-attr]  # every node free for the next round
+            idle_waits.append(time.monotonic() - t)
             return t_srun, t_merge
 
         first = night(0)
@@ -195,6 +200,9 @@ def main() -> int:
         print(
             f"nodes={n}: srun -N {n} health {statistics.median(sruns):.2f} s, merge {statistics.median(merges):.2f} s,"
             f" total {statistics.median(sruns) + statistics.median(merges):.2f} s wall (median of {rounds})"
+        )
+        print(
+            f"after each job, until every node was idle again: {', '.join(f'{w:.1f}' for w in idle_waits)} s"
         )
         print(
             "CPU s per round: "
