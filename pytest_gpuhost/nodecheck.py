@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         _say([f"{PROG}: {exc}"], sys.stderr)
         return 2
     deadline = start + cfg.budget - EXIT_MARGIN
-    reserve = min(SLURM_MAX, SLURM_SHARE * cfg.budget) if cfg.slurm_drain else 0.0
+    reserve = min(SLURM_MAX, SLURM_SHARE * cfg.budget) if cfg.slurm_drain or cfg.k8s_label else 0.0
     conns: list[Any] = []
     lock = threading.Lock()
 
@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if cfg.slurm_drain:
         lines.append(_slurm(cfg, result, failures, deadline))
     if cfg.k8s_label:
-        lines.append(_kube(cfg, failures))
+        lines.append(_kube(cfg, failures, deadline))
     took = time.monotonic() - start
     state = "healthy" if not failures else f"unhealthy ({len(failures)} failure(s))"
     lines.append(
@@ -312,13 +312,15 @@ def _slurm(cfg: Config, result: nc.NodeResult, failures: list[tuple[str, str]], 
     return f"slurm: {p.why}" if p.changes else f"slurm: nothing to do: {p.why}"
 
 
-def _kube(cfg: Config, failures: list[tuple[str, str]]) -> str:
+def _kube(cfg: Config, failures: list[tuple[str, str]], deadline: float) -> str:
     try:
         from pytest_gpuhost.modules import kube_node
     except ImportError as exc:  # the optional kubernetes client
         return f"k8s: not available ({exc}): pip install 'pytest-gpuhost[k8s]'"
     try:
-        out = kube_node.apply_health(cfg.node_name, [f"{c}: {v}" for c, v in failures], cordon=cfg.k8s_cordon)
+        out = kube_node.apply_health(
+            cfg.node_name, [f"{c}: {v}" for c, v in failures], cordon=cfg.k8s_cordon, deadline=deadline
+        )
     except GpuhostError as exc:
         return f"k8s: {exc}"
     said = list(out.actions) + [f"left alone: {why}" for why in out.left]

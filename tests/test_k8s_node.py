@@ -9,6 +9,7 @@ of deploy/k8s/rbac.yaml, the patch types and the resourceVersion precondition of
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -258,3 +259,17 @@ def test_apply_health_marks_failed_then_ok_and_cordons_only_with_cordon(
     out = kube_node.apply_health(NODE, [], cordon=True, api=api)
     assert "uncordon (gpuhost cordoned it)" in out.actions and "unschedulable" not in _node(server)["spec"]
     assert _node(server)["metadata"]["labels"][LABEL] == "ok"
+
+
+def test_a_slow_api_server_is_cut_at_the_deadline(server: KubeAPIServer, tmp_path: Path) -> None:
+    """gpuhost-nodecheck has a time budget: no request outlives the deadline, none is retried."""
+    api = load_api(str(server.kubeconfig(tmp_path / "kc")))
+    server.api.delay = 4.0
+    t0 = time.monotonic()
+    with pytest.raises(KubeNodeError, match=rf"^read of node {NODE}: .*[Tt]imeout"):
+        kube_node.apply_health(NODE, ["xid 79"], api=api, deadline=t0 + 1.0)
+    assert time.monotonic() - t0 < server.api.delay - 0.5  # cut, not waited out (4 s)
+    assert [e["verb"] for e in server.api.log] == ["get"]  # one attempt, no retry
+    with pytest.raises(KubeNodeError, match="no time left in the budget; nothing more sent"):
+        kube_node.apply_health(NODE, ["xid 79"], api=api, deadline=time.monotonic() - 1)
+    assert len(server.api.log) == 1

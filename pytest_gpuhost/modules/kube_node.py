@@ -123,19 +123,22 @@ def load_api(kubeconfig: str | None = None) -> Any:
         raise KubeNodeError(
             f"Kubernetes node marks need the kubernetes package: pip install 'pytest-gpuhost[k8s]' ({exc})"
         ) from None
+    cfg = client.Configuration()
+    # One attempt per request: urllib3's default retries would repeat a timed-out read three
+    # times past a node check's budget. A conflict (409) is read and decided again by KubeNode;
+    # anything else waits for the next run.
+    cfg.retries = 0
     try:
         if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-            cfg = client.Configuration()
             config.load_incluster_config(client_configuration=cfg)
-            api_client = client.ApiClient(cfg)
         else:
-            api_client = config.new_client_from_config(config_file=kubeconfig)
+            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg, persist_config=False)
     except (ConfigException, OSError, ValueError, TypeError) as exc:
         raise KubeNodeError(
             f"no Kubernetes configuration ({kubeconfig or 'service account, KUBECONFIG, ~/.kube/config'}): "
             f"{printable(str(exc))}; run in a pod with a service account or set KUBECONFIG"
         ) from None
-    return client.CoreV1Api(api_client)
+    return client.CoreV1Api(client.ApiClient(cfg))
 
 
 def _api_error(exc: Exception, what: str) -> KubeNodeError:
@@ -156,10 +159,22 @@ class _Conflict(Exception):
 class KubeNode:
     """One node's gpuhost marks, read and written through a CoreV1Api."""
 
-    def __init__(self, name: str, api: Any = None, *, now: Any = time.time) -> None:
+    def __init__(
+        self, name: str, api: Any = None, *, now: Any = time.time, deadline: float | None = None
+    ) -> None:
         self.name = check_node_name(name)
         self._api = api
         self._now = now
+        self.deadline = deadline  # time.monotonic() by which every request must be over
+
+    def _timeout(self, what: str) -> tuple[float, float]:
+        """Each request's (connect, read) timeout: REQUEST_TIMEOUT, cut to what the deadline leaves."""
+        if self.deadline is None:
+            return REQUEST_TIMEOUT
+        left = self.deadline - time.monotonic()
+        if left < 0.05:
+            raise KubeNodeError(f"{what}: no time left in the budget; nothing more sent")
+        return (min(REQUEST_TIMEOUT[0], left), min(REQUEST_TIMEOUT[1], left))
 
     @property
     def api(self) -> Any:
@@ -177,7 +192,7 @@ class KubeNode:
     def read(self) -> NodeState:
         """Read the node's labels, annotations, cordon and resourceVersion."""
         try:
-            node = self.api.read_node(self.name, _request_timeout=REQUEST_TIMEOUT)
+            node = self.api.read_node(self.name, _request_timeout=self._timeout(f"read of node {self.name}"))
         except self._errors() as exc:
             raise _api_error(exc, f"read of node {self.name}") from None
         meta, spec = node.metadata, node.spec
@@ -192,7 +207,12 @@ class KubeNode:
     def _patch(self, state: NodeState, body: dict[str, Any]) -> None:
         body.setdefault("metadata", {})["resourceVersion"] = state.resource_version
         try:
-            self.api.patch_node(self.name, body, _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT)
+            self.api.patch_node(
+                self.name,
+                body,
+                _content_type=MERGE_PATCH,
+                _request_timeout=self._timeout(f"patch of node {self.name}"),
+            )
         except self._errors() as exc:
             if getattr(exc, "status", None) == 409:
                 raise _Conflict() from None
@@ -288,13 +308,16 @@ def _body(labels: dict[str, Any], ann: dict[str, Any], spec: dict[str, Any]) -> 
     return body
 
 
-def apply_health(node: str, failures: list[str], *, cordon: bool = False, api: Any = None) -> Outcome:
+def apply_health(
+    node: str, failures: list[str], *, cordon: bool = False, api: Any = None, deadline: float | None = None
+) -> Outcome:
     """Mark a node after a check: failed with the failures as the reason, or ok.
 
     `cordon` (the program's `--k8s-cordon`) cordons a failed node and uncordons a recovered one,
-    each only under the rules above; without it the cordon is never touched.
+    each only under the rules above; without it the cordon is never touched. `deadline`
+    (time.monotonic()) bounds every request: a node check has a time budget.
     """
-    kn = KubeNode(node, api)
+    kn = KubeNode(node, api, deadline=deadline)
     if failures:
         return kn.mark_failed("; ".join(failures), cordon=cordon)
     return kn.mark_ok(uncordon=cordon)

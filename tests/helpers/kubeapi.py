@@ -33,6 +33,7 @@ import copy
 import json
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -88,6 +89,7 @@ class KubeAPI:
     users: dict[str, str] = field(default_factory=dict)
     log: list[dict[str, Any]] = field(default_factory=list)
     before_patch: Callable[[str], None] | None = None
+    delay: float = 0.0  # seconds each answer is held back (a slow or overloaded API server)
     version: int = 1000
     lock: threading.Lock = field(default_factory=threading.Lock)
     url: str = ""
@@ -178,7 +180,10 @@ def _handler(api: KubeAPI) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
+                self.close_connection = True
 
         def _route(self, verb: str) -> tuple[str, str] | None:
             auth = self.headers.get("Authorization", "")
@@ -227,6 +232,7 @@ def _handler(api: KubeAPI) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             r = self._route("get")
+            time.sleep(api.delay)
             if r:
                 with api.lock:
                     self._send(200, copy.deepcopy(api.nodes[r[1]]))
