@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,12 +211,18 @@ def main() -> int:
             + f"; sum {sum(cpu.values()):.2f}"
         )
     finally:
+        # Each step on its own: one that fails (or a second Ctrl-C) must not leave the rest behind.
+        steps: list[Callable[[], object]] = []
         if moto is not None:
-            stop_moto(moto)
+            steps.append(lambda: stop_moto(moto))  # type: ignore[arg-type]
         if cluster is not None:
-            cluster.stop()
-        for h in hosts:
-            h.down()
+            steps.append(cluster.stop)
+        steps += [h.down for h in hosts]
+        for step in steps:
+            try:
+                step()
+            except BaseException as e:  # noqa: BLE001 - report it, then go on cleaning up
+                print(f"bench_slurm: cleanup step failed: {e!r}", file=sys.stderr)
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
         if restore_inotify is not None and INOTIFY.read_text().strip() == str(INOTIFY_WANT):
             INOTIFY.write_text(f"{restore_inotify}\n")  # leave the machine as it was
