@@ -122,17 +122,50 @@ def test_installed_health_suite_checks_a_lab_host(installed: Installed, b200: An
 
 
 @pytest.mark.lab
-def test_installed_p2p_suite_plans_on_a_lab_host(installed: Installed, lab: Any) -> None:
-    host = lab.host("proxmox-rtx6000", pristine=True)
+def test_installed_p2p_suite_plans_then_repairs_a_lab_host(installed: Installed, lab: Any) -> None:
+    host = lab.host("proxmox-rtx6000", name=f"pkg-p2p-{os.getpid()}")
     n = len(host.record())
-    r = installed.run(
-        "pytest", "--pyargs", "gpuhost_suites.p2p", *host.pytest_args(), "--check-only",
-        "--report-name=p2p", "-p", "no:cacheprovider", "-q",
-    )  # fmt: skip
+    argv = ("pytest", "--pyargs", "gpuhost_suites.p2p", *host.pytest_args(), "-p", "no:cacheprovider", "-q")
+    r = installed.run(*argv, "--check-only", "--report-name=p2p-plan")
     counts = _counts(r.stdout)
     assert r.returncode == 1 and counts.get("would fix") == 8, r.stdout[-3000:] + r.stderr[-2000:]
     assert "echo identity > /sys/kernel/iommu_groups/30/type" in r.stdout
     assert host.record()[n:] == []  # check-only wrote nothing on the host
+    r = installed.run(*argv, "--report-name=p2p")
+    counts = _counts(r.stdout)
+    assert r.returncode == 0 and counts.get("fixed", 0) >= 5, r.stdout[-3000:] + r.stderr[-2000:]
+    groups = host.ssh("cat /sys/kernel/iommu_groups/30/type").stdout.strip()
+    assert groups == "identity", groups
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("\n## Using it\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = block.replace("\\\n", " ").splitlines()
+    return [re.sub(r"\s+#.*$", "", ln).strip() for ln in lines if ln.strip()]
+
+
+def test_readme_commands_are_the_installed_suites(installed: Installed) -> None:
+    """README "Using it": one `pytest --pyargs gpuhost_suites.NAME` per suite, each option one it knows."""
+    commands = _readme_commands()
+    assert commands[0].startswith("pip install ")
+    suites: dict[str, str] = {}
+    for line in commands:
+        m = re.match(r"pytest --pyargs gpuhost_suites\.(\w+) ", line)
+        if not m:
+            continue
+        suite = m.group(1)
+        if suite not in suites:
+            r = installed.run("pytest", "--pyargs", f"gpuhost_suites.{suite}", "--help")
+            assert r.returncode == 0, r.stderr
+            suites[suite] = r.stdout
+        for flag in re.findall(r"(?<!\S)(--[a-z][\w-]*)", line):
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}\b", suites[suite]), (suite, flag)
+    assert set(suites) == {"p2p", "decommission", "health"}
+    (cp,) = [ln for ln in commands if ln.startswith("cp ")]
+    r = installed.run("bash", "-c", f"{cp} && python -c 'from pytest_gpuhost.modules.backup import load_manifest as m; "
+                      "print(m(\"node.yaml\").name)'")  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "b200-node-backup", r.stdout + r.stderr
 
 
 @pytest.mark.lab

@@ -185,8 +185,9 @@ class Installed:
     def run(
         self, *argv: str, timeout: float = 300, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
+        exe = self.venv / "bin" / argv[0]  # the venv's pytest/python; other programs from PATH
         return subprocess.run(
-            [str(self.venv / "bin" / argv[0]), *argv[1:]], cwd=self.work, env={**self.env(), **(env or {})},
+            [str(exe) if exe.exists() else argv[0], *argv[1:]], cwd=self.work, env={**self.env(), **(env or {})},
             capture_output=True, text=True, timeout=timeout, check=False,
         )  # fmt: skip
 
