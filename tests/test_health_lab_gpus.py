@@ -297,6 +297,29 @@ def test_pcie_aer_errors_since_the_last_run_fail_once(lab: Any, tmp_path: Path) 
         inject(h, {})
 
 
+def test_opt_in_nvbandwidth_fails_gpus_whose_host_copies_are_slow(lab: Any, tmp_path: Path) -> None:
+    """GPU 2 at x8 and GPU 3 at Gen4: their host<->device copies (lab nvbandwidth) fall under 48 GB/s.
+
+    dcgmi is not installed on the lab host: said in the summary of what ran, not a failure; the
+    diagnostics run in the same facts request (round trips still <= 2, run_suite asserts it).
+    """
+    h = boot(lab, "health-pcie-degraded")
+    inv = ", diag: [nvbandwidth, dcgm], h2d_bandwidth_min_gbps: 48"
+    c = run_health(h, tmp_path, host_vars=inv)["diag"]
+    assert c["outcome"] == "failed", c
+    got = [r.split(" GB/s")[0].rsplit(" ", 1)[0] for r in c["reasons"]]
+    assert got == [
+        "GPU 2 (0000:23:00.0): host_to_device_memcpy_ce",
+        "GPU 3 (0000:24:00.0): host_to_device_memcpy_ce",
+        "GPU 2 (0000:23:00.0): device_to_host_memcpy_ce",
+        "GPU 3 (0000:24:00.0): device_to_host_memcpy_ce",
+    ], c["reasons"]
+    assert c["state"]["missing"] == ["dcgmi is not installed on this host"]
+    # Not asked for: skipped, nothing run.
+    c = run_health(h, tmp_path)["diag"]
+    assert c["outcome"] == "skipped" and "opt-in" in c["summary"], c
+
+
 def test_row_remap_pending_fails_the_gpu(lab: Any, tmp_path: Path) -> None:
     """nvidia-smi --query-remapped-rows says GPU 1 has a remap pending: remapped_rows fails it."""
     h = boot(lab, "health-ok")

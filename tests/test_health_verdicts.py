@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -779,3 +780,97 @@ def test_pcie_aer_errors_since_the_last_run() -> None:
     v, _ = night(n2, g2={"fatal": 1, "correctable": 0})  # rebooted (lower counts) and a fatal one since
     assert not v.ok and v.reasons[0].startswith("0000:3a:00.0: PCIe AER 1 fatal error(s)"), v
     assert judge("pcie_aer", healthy()).skip.startswith("no AER counters in sysfs")
+
+
+def _nvb(h2d: list[str], d2h: list[str]) -> str:
+    def case(name: str, row: list[str]) -> dict[str, Any]:
+        return {
+            "name": name,
+            "status": "Passed",
+            "bandwidth_description": "memcpy CE GB/s",
+            "bandwidth_matrix": [row],
+        }
+
+    doc = {
+        "nvbandwidth": {
+            "testcases": [case("host_to_device_memcpy_ce", h2d), case("device_to_host_memcpy_ce", d2h)]
+        }
+    }
+    return json.dumps(doc)
+
+
+DCGM3 = {
+    "DCGM GPU Diagnostic": {
+        "test_categories": [
+            {
+                "category": "Deployment",
+                "tests": [{"name": "Denylist", "results": [{"gpu_ids": "0,1,2,3", "status": "PASS"}]}],
+            },
+            {
+                "category": "Hardware",
+                "tests": [
+                    {
+                        "name": "GPU Memory",
+                        "results": [
+                            {"gpu_ids": "0", "status": "PASS"},
+                            {"gpu_ids": "2", "status": "FAIL", "warnings": ["Memory error: DBE detected"]},
+                        ],
+                    }
+                ],
+            },
+        ]
+    }
+}
+
+
+def test_diag_is_opt_in_and_judges_nvbandwidth_per_model_and_dcgm_per_test() -> None:
+    facts = healthy()
+    assert (
+        judge("diag", facts).skip
+        == "active diagnostics are opt-in (inventory variable diag: [nvbandwidth, dcgm])"
+    )
+    for g in facts["gpus"]["gpus"]:
+        g["name"] = "NVIDIA H100 80GB HBM3"
+    nvb = {
+        "rc": 0,
+        "timed_out": False,
+        "stdout": _nvb(["55.10", "54.90", "26.20", "55.00"], ["55.3", "55.1", "26.4", "55.2"]),
+    }
+    facts["diag"] = {
+        "ok": True,
+        "enabled": ["nvbandwidth", "dcgm"],
+        "results": {"nvbandwidth": nvb, "dcgm": {"missing": "dcgmi is not installed on this host"}},
+    }
+    v = judge("diag", facts, diag=["nvbandwidth", "dcgm"])
+    assert not v.ok and v.reasons == [
+        "GPU 2 (0000:3a:00.0): host_to_device_memcpy_ce 26.2 GB/s < 48 GB/s",
+        "GPU 2 (0000:3a:00.0): device_to_host_memcpy_ce 26.4 GB/s < 48 GB/s",
+    ], v.reasons
+    facts["diag"]["results"]["dcgm"] = {"rc": 0, "timed_out": False, "stdout": json.dumps(DCGM3)}
+    v = judge("diag", facts, diag=["dcgm"])
+    assert not v.ok and v.reasons == [
+        "dcgmi diag Hardware: GPU Memory on GPU 2: FAIL (Memory error: DBE detected)"
+    ], v.reasons
+    dcgm4 = {
+        "version": "4.2.3",
+        "tests": [{"name": "memory", "results": [{"entity_id": 0, "status": "Pass"}]}],
+    }
+    facts["diag"]["results"]["dcgm"]["stdout"] = "WARNING: x\n" + json.dumps(dcgm4)
+    assert judge("diag", facts, diag=["dcgm"]).ok
+    facts["diag"]["results"]["dcgm"]["stdout"] = json.dumps({"DCGM GPU Diagnostic": {"version": "4.2.3"}})
+    assert judge("diag", facts, diag=["dcgm"]).reasons[0].startswith("dcgmi diag: no test results")
+    # Only dcgmi asked for, not installed: skipped with the reason.
+    facts["diag"]["results"]["dcgm"] = {"missing": "dcgmi is not installed on this host"}
+    assert judge("diag", facts, diag=["dcgm"]).skip == "dcgmi is not installed on this host"
+    # An RTX PRO 6000 has no figure: measured, reported, not judged (unless the inventory sets one).
+    facts = healthy()
+    facts["diag"] = {"ok": True, "results": {"nvbandwidth": nvb}}
+    v = judge("diag", facts, diag=["nvbandwidth"])
+    assert v.ok and "no limit for NVIDIA RTX PRO 6000" in v.summary, v
+    assert not judge("diag", facts, diag=["nvbandwidth"], h2d_bandwidth_min_gbps=40).ok
+    with pytest.raises(hm.ThresholdError, match="diag: 'gpu-burn' is not one of nvbandwidth, dcgm"):
+        hm.probe_params(hm.Thresholds.from_vars({"diag": ["gpu-burn"]}))
+    assert (
+        hm.probe_params(hm.Thresholds.from_vars({"diag": ["dcgm"], "diag_timeout": 600}))["diag_timeout"]
+        == 90
+    )

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from pytest_gpuhost.modules.health_counters import check_clock_events, check_pcie_aer
+from pytest_gpuhost.modules.health_diag import check_diag
 from pytest_gpuhost.modules.health_fabric import (
     check_acs,
     check_fabric,
@@ -100,6 +101,7 @@ CHECKS: tuple[str, ...] = (
     "mounts",
     "service",
     "service_health",
+    "diag",
 )
 
 #: Safe fixes `--fix=NAME` offers, and the check each repairs.
@@ -131,6 +133,7 @@ _CHECK_FUNCS: dict[str, Callable[..., Verdict]] = {
     "mounts": check_mounts,
     "service": check_service,
     "service_health": check_service_health,
+    "diag": check_diag,
 }
 _SAMPLED = {"temperature", "disk_free"}
 

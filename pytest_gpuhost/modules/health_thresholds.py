@@ -16,6 +16,7 @@ __all__ = [
     "Threshold",
     "ThresholdError",
     "Thresholds",
+    "diag_tools",
     "model_spec",
     "mount_specs",
     "probe_params",
@@ -28,14 +29,16 @@ __all__ = [
 #: `ecc`, the model supports ECC (its datasheet), so ECC off fails; `memory_temp_max`, the HBM's
 #: limit in C where no GPU reports its own: 95, as `nvidia-smi -q` prints "Memory Max Operating
 #: Temp : 95 C" on H100-class boards; None for B200 (always read from the GPU: HGX only, where the
-#: probe reads `nvidia-smi -q` anyway) and the RTX PRO 6000 (GDDR7: no memory temperature).
+#: probe reads `nvidia-smi -q` anyway) and the RTX PRO 6000 (GDDR7: no memory temperature);
+#: `h2d_gbps_min`, the host<->device copy bandwidth every GPU must reach (nvbandwidth, opt-in
+#: `diag`): 48 GB/s for H100/H200 as Azure's HPC health checks expect; none known for the others.
 MODELS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("B200", {"nvlinks": 18, "fabric": True, "ecc": True, "memory_temp_max": None}),
-    ("H100 PCIe", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95}),
-    ("H100 NVL", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95}),
-    ("H100", {"nvlinks": 18, "fabric": True, "ecc": True, "memory_temp_max": 95}),
-    ("H200 NVL", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95}),
-    ("H200", {"nvlinks": 18, "fabric": True, "ecc": True, "memory_temp_max": 95}),
+    ("H100 PCIe", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
+    ("H100 NVL", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
+    ("H100", {"nvlinks": 18, "fabric": True, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
+    ("H200 NVL", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
+    ("H200", {"nvlinks": 18, "fabric": True, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
     ("RTX PRO 6000", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": None}),
 )
 
@@ -163,6 +166,25 @@ THRESHOLDS: tuple[Threshold, ...] = (
     Threshold("service_port", None, int, "port of the service's HTTP health endpoint on localhost"),
     Threshold("service_health_path", "/health", str, "path of the health endpoint"),
     Threshold("service_health_timeout", 3, (int, float), "seconds to wait for the health endpoint"),
+    Threshold(
+        "diag",
+        [],
+        list,
+        "active diagnostics to run (opt-in, they load the GPUs): nvbandwidth, dcgm; where installed",
+    ),
+    Threshold("diag_level", 1, int, "dcgmi diag run level (1 quick .. 4 long)"),
+    Threshold(
+        "diag_timeout",
+        90,
+        (int, float),
+        "seconds all diagnostics of a host may take (at most 4 x probe_timeout + 10)",
+    ),
+    Threshold(
+        "h2d_bandwidth_min_gbps",
+        None,
+        (int, float),
+        "host<->device copy GB/s every GPU must reach (nvbandwidth); unset: the model's (MODELS)",
+    ),
     Threshold("reread_count", 3, int, "re-reads of a measurement inside its noise band"),
     Threshold("reread_interval", 0.5, (int, float), "seconds between re-reads"),
     Threshold("probe_timeout", 20, (int, float), "timeout of each command the health probe runs, seconds"),
@@ -241,6 +263,17 @@ def mount_specs(t: Thresholds) -> list[tuple[str, bool]]:
     return out
 
 
+DIAG_TOOLS = ("nvbandwidth", "dcgm")
+
+
+def diag_tools(t: Thresholds) -> list[str]:
+    """Return the inventory's `diag` list; an unknown name raises ThresholdError."""
+    bad = [d for d in t["diag"] if d not in DIAG_TOOLS]
+    if bad:
+        raise ThresholdError(f"inventory variable diag: {bad[0]!r} is not one of {', '.join(DIAG_TOOLS)}")
+    return list(t["diag"])
+
+
 def probe_params(t: Thresholds) -> dict[str, Any]:
     """Return the `health` fact's params for a host with these thresholds."""
     services = []
@@ -252,6 +285,10 @@ def probe_params(t: Thresholds) -> dict[str, Any]:
     return {
         "data_paths": list(t["data_paths"]),
         "mounts": [path for path, _ in mount_specs(t)],
+        "diag": diag_tools(t),
+        "diag_level": t["diag_level"],
+        # the request's bound gives each fact after `health` 4 x probe_timeout + 10 s
+        "diag_timeout": min(float(t["diag_timeout"]), 4 * float(t["probe_timeout"]) + 10),
         "services": services,
         "timeout": t["probe_timeout"],
         # the probe reads the fabric (nvidia-smi -q) only on GPUs of these models: first match wins

@@ -134,3 +134,8 @@ def test_service(judge: Judge) -> None:
 def test_service_health(judge: Judge) -> None:
     """The inference service answers its /health endpoint on localhost."""
     judge("service_health")
+
+
+def test_diag(judge: Judge) -> None:
+    """Opt-in active diagnostics (inventory `diag`): nvbandwidth host<->device copies, dcgmi diag."""
+    judge("diag")
