@@ -76,6 +76,22 @@ def _link(target: str) -> Node:
     return Node("link", 0o777, target=target)
 
 
+# a device's attributes that print one field of its PciFunction (or its PCIe link) as they are
+_ID_ATTRS = {
+    "vendor": "vendor",
+    "device": "device",
+    "subsystem_vendor": "subsystem_vendor",
+    "subsystem_device": "subsystem_device",
+    "class": "klass",
+}
+_LINK_ATTRS = {
+    "current_link_speed": "speed",
+    "current_link_width": "width",
+    "max_link_speed": "max_speed",
+    "max_link_width": "max_width",
+}
+
+
 def _noop(_v: str) -> None:
     return None
 
@@ -199,74 +215,89 @@ class SysfsTree:
         return simple.get(name)
 
     def _device(self, bdf: str, p: list[str]) -> Node | None:
+        if not p:
+            return _dir(lambda: sorted(self._device_names(bdf)))
+        if len(p) == 1:
+            return self._device_attr(bdf, p[0])
+        if p[0] != "drm" or len(p) > 3:
+            return None
+        drm = self._drm_nodes(bdf)
+        if len(p) == 2 and p[1] in drm:
+            return _dir(lambda: ["dev", "uevent"])
+        if len(p) == 3 and p[1] in drm and p[2] in ("dev", "uevent"):
+            major_minor = f"226:{int(p[1].removeprefix('card').removeprefix('renderD'))}"
+            if p[2] == "dev":
+                return _ro(lambda: major_minor + "\n")
+            return _ro(lambda: f"MAJOR=226\nMINOR={major_minor[4:]}\nDEVNAME=dri/{p[1]}\nDEVTYPE=drm_minor\n")
+        return None
+
+    def _device_attr(self, bdf: str, name: str) -> Node | None:
+        """Return the node of one entry of a device's directory (the names ``_device_names`` lists).
+
+        Only the asked-for node is built: the daemon looks every path up again for each FUSE
+        request (no kernel caching, see ``gpulab.sysfs.main``), and building all ~25 nodes of the
+        directory each time was most of the daemon's Python time.
+        """
         m = self.model
         f = m.functions[bdf]
-        attrs: dict[str, Node] = {
-            "vendor": _ro(lambda: f.vendor + "\n"),
-            "device": _ro(lambda: f.device + "\n"),
-            "subsystem_vendor": _ro(lambda: f.subsystem_vendor + "\n"),
-            "subsystem_device": _ro(lambda: f.subsystem_device + "\n"),
-            "class": _ro(lambda: f.klass + "\n"),
-            "revision": _ro(lambda: "0xa1\n"),
-            "numa_node": _ro(lambda: f"{f.numa_node}\n"),
-            "enable": _ro(lambda: "1\n" if m.driver[bdf] else "0\n"),
-            "modalias": _ro(
+        if name in _ID_ATTRS:
+            attr = _ID_ATTRS[name]
+            return _ro(lambda: getattr(f, attr) + "\n")
+        if name == "revision":
+            return _ro(lambda: "0xa1\n")
+        if name == "numa_node":
+            return _ro(lambda: f"{f.numa_node}\n")
+        if name == "enable":
+            return _ro(lambda: "1\n" if m.driver[bdf] else "0\n")
+        if name == "modalias":
+            return _ro(
                 lambda: (
                     f"pci:v0000{f.vendor[2:].upper()}d0000{f.device[2:].upper()}"
                     f"sv0000{f.subsystem_vendor[2:].upper()}sd0000{f.subsystem_device[2:].upper()}"
                     f"bc{f.klass[2:4].upper()}sc{f.klass[4:6].upper()}i{f.klass[6:8].upper()}\n"
                 )
-            ),
-            "uevent": _rw(lambda: self._uevent(bdf), _noop),
-            "driver_override": _rw(
-                lambda: (m.override.get(bdf) or "(null)") + "\n", lambda v: m.set_override(bdf, v)
-            ),
-            "reset": _wo(_noop),
-            "remove": _wo(_refuse),
-            "subsystem": _link(f"{SYS}/bus/pci"),
-            "config": Node(
+            )
+        if name == "uevent":
+            return _rw(lambda: self._uevent(bdf), _noop)
+        if name == "driver_override":
+            return _rw(lambda: (m.override.get(bdf) or "(null)") + "\n", lambda v: m.set_override(bdf, v))
+        if name == "reset":
+            return _wo(_noop)
+        if name == "remove":
+            return _wo(_refuse)
+        if name == "subsystem":
+            return _link(f"{SYS}/bus/pci")
+        if name == "config":
+            return Node(
                 "file",
                 0o644,
                 read_bin=lambda: bytes(m.config[bdf]),
                 write_bin=lambda data, off: m.config_write(bdf, off, data),
-            ),
-        }
-        if f.klass.startswith("0x0604"):
-            sec, sub = m.bus_range(bdf)
-            attrs["secondary_bus_number"] = _ro(lambda: f"{sec}\n")
-            attrs["subordinate_bus_number"] = _ro(lambda: f"{sub}\n")
-        if f.link is not None:
-            lk = f.link
-            attrs.update(
-                {
-                    "current_link_speed": _ro(lambda: lk.speed + "\n"),
-                    "current_link_width": _ro(lambda: f"{lk.width}\n"),
-                    "max_link_speed": _ro(lambda: lk.max_speed + "\n"),
-                    "max_link_width": _ro(lambda: f"{lk.max_width}\n"),
-                }
             )
-        if self._has_aer(bdf):  # AER counters (gpulab/aer.py)
-            for aer_name in AER_FILES:
-                attrs[aer_name] = _aer_node(m, bdf, aer_name)
-        if f.iommu_group is not None:
-            attrs["iommu_group"] = _link(f"{SYS}/kernel/iommu_groups/{f.iommu_group}")
-        drv = m.driver.get(bdf)
-        if drv:
-            attrs["driver"] = _link(f"{SYS}/bus/pci/drivers/{drv}")
-        drm = self._drm_nodes(bdf)
-        if drm:
-            attrs["drm"] = _dir(lambda: drm)
-        if not p:
-            return _dir(lambda: sorted(self._device_names(bdf)))
-        if len(p) == 1:
-            return attrs.get(p[0])
-        if len(p) == 2 and p[0] == "drm" and p[1] in drm:
-            return _dir(lambda: ["dev", "uevent"])
-        if len(p) == 3 and p[0] == "drm" and p[1] in drm and p[2] in ("dev", "uevent"):
-            major_minor = f"226:{int(p[1].removeprefix('card').removeprefix('renderD'))}"
-            if p[2] == "dev":
-                return _ro(lambda: major_minor + "\n")
-            return _ro(lambda: f"MAJOR=226\nMINOR={major_minor[4:]}\nDEVNAME=dri/{p[1]}\nDEVTYPE=drm_minor\n")
+        if name in ("secondary_bus_number", "subordinate_bus_number"):
+            if not f.klass.startswith("0x0604"):
+                return None
+            sec, sub = m.bus_range(bdf)
+            value = sec if name == "secondary_bus_number" else sub
+            return _ro(lambda: f"{value}\n")
+        if name in _LINK_ATTRS:
+            lk = f.link
+            if lk is None:
+                return None
+            attr = _LINK_ATTRS[name]
+            return _ro(lambda: f"{getattr(lk, attr)}\n")
+        if name in AER_FILES:  # AER counters (gpulab/aer.py)
+            return _aer_node(m, bdf, name) if self._has_aer(bdf) else None
+        if name == "iommu_group":
+            if f.iommu_group is None:
+                return None
+            return _link(f"{SYS}/kernel/iommu_groups/{f.iommu_group}")
+        if name == "driver":
+            drv = m.driver.get(bdf)
+            return _link(f"{SYS}/bus/pci/drivers/{drv}") if drv else None
+        if name == "drm":
+            drm = self._drm_nodes(bdf)
+            return _dir(lambda: drm) if drm else None
         return None
 
     def _drm_nodes(self, bdf: str) -> list[str]:
