@@ -305,28 +305,30 @@ def _handler(api: KubeAPI) -> type[BaseHTTPRequestHandler]:
 class KubeAPIServer:
     """Run a KubeAPI on 127.0.0.1 in a thread; write kubeconfigs for its users."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        """Listen on `host`: loopback, or a lab link's root-side address for a lab host to reach."""
         self.api = KubeAPI(rules={ADMIN: None, SA: service_account_rules()}, users={SA: SA_USER})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self.api))
+        self.httpd = ThreadingHTTPServer((host, 0), _handler(self.api))
         self.httpd.daemon_threads = True
-        self.api.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.api.url = f"http://{host}:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
-    def kubeconfig(self, path: Path, token: str = SA) -> Path:
-        path.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "model", "cluster": {"server": self.api.url}}],
-                    "users": [{"name": "u", "user": {"token": token}}],
-                    "contexts": [{"name": "c", "context": {"cluster": "model", "user": "u"}}],
-                    "current-context": "c",
-                }
-            ),
-            encoding="utf-8",
+    def kubeconfig_text(self, token: str = SA) -> str:
+        """A kubeconfig for this server and a user with `token`."""
+        return yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "model", "cluster": {"server": self.api.url}}],
+                "users": [{"name": "u", "user": {"token": token}}],
+                "contexts": [{"name": "c", "context": {"cluster": "model", "user": "u"}}],
+                "current-context": "c",
+            }
         )
+
+    def kubeconfig(self, path: Path, token: str = SA) -> Path:
+        path.write_text(self.kubeconfig_text(token), encoding="utf-8")
         return path
 
     def close(self) -> None:
