@@ -166,7 +166,7 @@ def _flags(script: str, program: str) -> set[str]:
 
 
 def test_the_options_the_manifests_pass_exist() -> None:
-    """Every option the pods give pytest or the merge is one the installed programs know."""
+    """Every option the pods give pytest, gpuhost-nodecheck or the merge is one the programs know."""
     scripts = "\n".join(s for _, s in _scripts())
     pytest_flags = _flags(scripts, "pytest") - {"--pyargs"}
     assert {"--host", "--node-name", "--check-only", "--fleet-json"} <= pytest_flags
@@ -207,6 +207,13 @@ def test_the_options_the_manifests_pass_exist() -> None:
             flag,
             helptext.stderr[-500:],
         )
+    nodecheck_flags = _flags(scripts, "gpuhost-nodecheck")
+    assert {"--node-name", "--k8s-label"} <= nodecheck_flags
+    nodecheck_help = subprocess.run(
+        [sys.executable, "-m", "pytest_gpuhost.nodecheck", "--help"], capture_output=True, text=True, cwd=ROOT
+    ).stdout
+    for flag in nodecheck_flags:
+        assert flag in nodecheck_help, flag
     merge_flags = _flags(scripts.replace("python -m pytest_gpuhost.merge", "MERGE"), "MERGE") | {"-o"}
     merge_help = subprocess.run(
         [sys.executable, "-m", "pytest_gpuhost.merge", "--help"], capture_output=True, text=True, cwd=ROOT
