@@ -53,6 +53,10 @@ DEFAULT_CONFIG = "/etc/gpuhost/nodecheck.yaml"
 EXIT_MARGIN = 0.25  # seconds kept at the end of the budget to print and exit
 SLURM_SHARE = 0.25  # of the budget kept for scontrol (at most SLURM_MAX seconds) with --slurm-drain
 SLURM_MAX = 2.5
+#: PATH when the program gets none: slurmd runs HealthCheckProgram with SLURMD_NODENAME as its only
+#: environment variable (seen with Slurm 22.05 in the lab: no PATH, no SLURM_CONF); the agents and
+#: scontrol it starts need nvidia-smi, dmesg, python3 and scontrol found where packages put them.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 FILE_KEYS = ("budget", "slurm_drain", "checks", "node_name", "vars", "k8s_label", "k8s_cordon")
 
 
@@ -260,6 +264,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except (_Usage, UsageError) as exc:
         _say([f"{PROG}: {exc}"], sys.stderr)
         return 2
+    if not os.environ.get("PATH"):
+        os.environ["PATH"] = DEFAULT_PATH  # inherited by the agents and scontrol
     deadline = start + cfg.budget - EXIT_MARGIN
     reserve = min(SLURM_MAX, SLURM_SHARE * cfg.budget) if cfg.slurm_drain or cfg.k8s_label else 0.0
     conns: list[Any] = []

@@ -1,8 +1,8 @@
 """gpuhost-nodecheck without Slurm: the drain rules (scontrol output parsed), options, the budget.
 
-The scontrol texts are what Slurm 22.05's `scontrol show node` prints (src/api/node_info.c,
-slurm_sprint_node_table), captured from the lab's real slurmctld (tests/test_nodecheck_slurm_lab.py
-runs the real thing). The budget tests run the real program on this machine with stand-in tools
+The scontrol text is what Slurm 22.05's `scontrol show node` printed for a lab node (captured from
+the lab's real slurmctld, 2026-12-01; src/api/node_info.c, slurm_sprint_node_table), with the
+state and reason put in; tests/test_nodecheck_slurm_lab.py runs the real thing. The budget tests run the real program on this machine with stand-in tools
 first on PATH that are slow for real: an nvidia-smi that sleeps, a python3 that never starts.
 """
 
@@ -22,29 +22,29 @@ from pytest_gpuhost.modules import slurm
 
 REPO = Path(__file__).resolve().parent.parent
 
-SHOW = """NodeName={name} Arch=x86_64 CoresPerSocket=1
-   CPUAlloc=0 CPUEfctv=1 CPUTot=1 CPULoad=0.31
+SHOW = """NodeName={name} Arch=x86_64 CoresPerSocket=1 
+   CPUAlloc=0 CPUEfctv=1 CPUTot=1 CPULoad=20.40
    AvailableFeatures=(null)
    ActiveFeatures=(null)
    Gres=(null)
-   NodeAddr=198.18.40.2 NodeHostName={name} Version=22.05.8
-   OS=Linux 6.1.0-27-amd64 #1 SMP PREEMPT_DYNAMIC Debian 6.1.115-1 (2024-11-01)
-   RealMemory=1 AllocMem=0 FreeMem=N/A Sockets=1 Boards=1
+   NodeAddr=198.18.48.2 NodeHostName={name} Version=22.05.8
+   OS=Linux 6.18.44-fc-v857 #1 SMP PREEMPT_DYNAMIC @0 
+   RealMemory=100 AllocMem=0 FreeMem=16712 Sockets=1 Boards=1
    State={state} ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A
-   Partitions=gpu
-   BootTime=2026-12-01T12:50:31 SlurmdStartTime=2026-12-01T13:40:02
-   LastBusyTime=2026-12-01T13:40:02
-   CfgTRES=cpu=1,mem=1M,billing=1
+   Partitions=gpu 
+   BootTime=2026-12-01T12:18:32 SlurmdStartTime=2026-12-01T12:50:01
+   LastBusyTime=2026-12-01T12:50:01
+   CfgTRES=cpu=1,mem=100M,billing=1
    AllocTRES=
    CapWatts=n/a
    CurrentWatts=0 AveWatts=0
    ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s
 {reason}
-"""
+"""  # noqa: W291 - scontrol's own trailing spaces
 
 
 def show(state: str, reason: str | None = None, name: str = "gpu-node-01") -> str:
-    line = f"   Reason={reason} [root@2026-12-01T13:41:07]" if reason is not None else ""
+    line = f"   Reason={reason} [root@2026-12-01T12:50:02]" if reason is not None else ""
     return SHOW.format(name=name, state=state, reason=line)
 
 
@@ -54,7 +54,7 @@ def show(state: str, reason: str | None = None, name: str = "gpu-node-01") -> st
 def test_parse_state_flags_and_reason_without_its_stamp() -> None:
     n = slurm.parse_show_node(show("MIXED+DRAIN", "gpuhost: xid: Xid 79 on 0000:13:00 [x]"), "gpu-node-01")
     assert (n.base, n.flags, n.drained, n.ours) == ("MIXED", {"DRAIN"}, True, True)
-    assert n.reason == "gpuhost: xid: Xid 79 on 0000:13:00 [x]" and n.stamp == "root@2026-12-01T13:41:07"
+    assert n.reason == "gpuhost: xid: Xid 79 on 0000:13:00 [x]" and n.stamp == "root@2026-12-01T12:50:02"
     idle = slurm.parse_show_node(show("IDLE"), "gpu-node-01")
     assert (idle.drained, idle.ours, idle.reason) == (False, False, "")
     down = slurm.parse_show_node(show("DOWN+DRAIN+NOT_RESPONDING", "maintenance"), "gpu-node-01")

@@ -28,14 +28,21 @@ PY = str(REPO / ".venv" / "bin" / "python")
 XID = "NVRM: Xid (PCI:0000:13:00): 79, pid=2231, name=python3, GPU has fallen off the bus."
 
 
+def link_conf(c: Any) -> None:
+    """Put the cluster's slurm.conf at Debian's default path inside every node.
+
+    scontrol over SSH (and under slurmd's HealthCheckProgram) reads /etc/slurm/slurm.conf; the link
+    lives in each host's own overlay root: this machine's /etc is not touched.
+    """
+    for h in c.nodes.values():
+        r = h.exec(["sh", "-c", f"mkdir -p /etc/slurm && ln -sf {c.conf} /etc/slurm/slurm.conf"])
+        assert r.returncode == 0, r.stderr
+
+
 @pytest.fixture(scope="module")
 def cluster(slurm: Any) -> Any:
     c = slurm.cluster(["health-ok", "health-ok", "health-ok"], tag="nck")
-    for h in c.nodes.values():
-        # scontrol over SSH reads Debian's default /etc/slurm/slurm.conf: point it at the cluster's
-        # (inside the host's own overlay root; this machine's /etc is not touched)
-        r = h.exec(["sh", "-c", f"mkdir -p /etc/slurm && ln -sf {c.conf} /etc/slurm/slurm.conf"])
-        assert r.returncode == 0, r.stderr
+    link_conf(c)
     return c
 
 
@@ -178,3 +185,49 @@ def test_fix_drain_from_the_controller(cluster: Any, tmp_path: Path) -> None:
     finally:
         inject(c.nodes[n2], {})
         c.run(["scontrol", "update", f"nodename={n3}", "state=resume"])
+
+
+HEALTHCHECK = "/usr/local/sbin/gpuhost-healthcheck"
+
+
+def wait_for(c: Any, done: Any, timeout: float = 60) -> tuple[dict[str, str], dict[str, str]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        states, reasons = c.node_states(), c.node_reasons()
+        if done(states, reasons) or time.monotonic() > deadline:
+            return states, reasons
+        time.sleep(0.5)
+
+
+def test_slurmd_runs_it_as_health_check_program_configured_by_file(slurm: Any) -> None:
+    """slurm.conf HealthCheckProgram: slurmd runs it with no arguments; the file turns drain on."""
+    c = slurm.cluster(
+        ["health-ok", "health-ok"],
+        tag="nhc",
+        extra_conf=[f"HealthCheckProgram={HEALTHCHECK}", "HealthCheckInterval=5", "HealthCheckNodeState=ANY"],
+    )
+    # slurmd gives the program SLURMD_NODENAME and nothing else (no PATH, no SLURM_CONF): scontrol
+    # reads the default /etc/slurm/slurm.conf, as on a real node
+    link_conf(c)
+    n1, n2 = "gpu-node-01", "gpu-node-02"
+    for h in c.nodes.values():
+        # docs/nodecheck.md's set-up: the program, no arguments, its options in /etc/gpuhost/nodecheck.yaml
+        # (written inside each node's own overlay root)
+        script = (
+            f"mkdir -p /etc/gpuhost /usr/local/sbin && printf 'slurm_drain: true\\nbudget: 10\\n' > /etc/gpuhost/nodecheck.yaml"
+            f" && printf '#!/bin/sh\\nexec {PY} -m pytest_gpuhost.nodecheck\\n' > {HEALTHCHECK} && chmod 755 {HEALTHCHECK}"
+        )
+        r = h.exec(["sh", "-c", script])
+        assert r.returncode == 0, r.stderr
+    hand_drain(c, n2)
+    inject(c.nodes[n1], {"gpus": {"0000:23:00.0": {"nvml_error": "GPU requires reset"}}})
+    try:
+        states, reasons = wait_for(c, lambda s, r: r.get(n1, "").startswith("gpuhost:"))
+        assert reasons.get(n1, "").startswith("gpuhost: gpu_count: GPU 2 (0000:23:00.0)"), (states, reasons)
+        assert states[n1] in ("drained", "draining") and reasons[n2] == "maintenance", (states, reasons)
+        inject(c.nodes[n1], {})
+        states, reasons = wait_for(c, lambda s, r: s.get(n1) == "idle")
+        assert states == {n1: "idle", n2: "drained"} and reasons == {n2: "maintenance"}, (states, reasons)
+    finally:
+        inject(c.nodes[n1], {})
+        c.run(["scontrol", "update", f"nodename={n2}", "state=resume"])
