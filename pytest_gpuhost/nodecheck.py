@@ -267,7 +267,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if not os.environ.get("PATH"):
         os.environ["PATH"] = DEFAULT_PATH  # inherited by the agents and scontrol
     deadline = start + cfg.budget - EXIT_MARGIN
-    reserve = min(SLURM_MAX, SLURM_SHARE * cfg.budget) if cfg.slurm_drain or cfg.k8s_label else 0.0
+    share = min(SLURM_MAX, SLURM_SHARE * cfg.budget)  # for scontrol, and again for the Kubernetes API
+    reserve = share * (int(cfg.slurm_drain) + int(cfg.k8s_label))
     conns: list[Any] = []
     lock = threading.Lock()
 
@@ -288,7 +289,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     failures = result.failures()
     lines = [f"{check}: {value}" for check, value in failures]
     if cfg.slurm_drain:
-        lines.append(_slurm(cfg, result, failures, deadline))
+        lines.append(_slurm(cfg, result, failures, deadline - (share if cfg.k8s_label else 0.0)))
     if cfg.k8s_label:
         lines.append(_kube(cfg, failures, deadline))
     took = time.monotonic() - start
