@@ -320,6 +320,50 @@ def test_opt_in_nvbandwidth_fails_gpus_whose_host_copies_are_slow(lab: Any, tmp_
     assert c["outcome"] == "skipped" and "opt-in" in c["summary"], c
 
 
+def test_infiniband_port_down_since_the_last_run_fails(lab: Any, tmp_path: Path) -> None:
+    """Two NDR ports and an uncabled Ethernet port (gpulab.ib): mlx5_1/1 drops between runs."""
+    from gpulab import ib
+
+    h = lab.host("health-ok", name=f"hg{os.getpid() % 100000}-ib")
+    ports = {
+        "mlx5_0/1": {},
+        "mlx5_1/1": {},
+        "mlx5_2/1": {
+            "state": "1: DOWN",
+            "phys_state": "3: Disabled",
+            "link_layer": "Ethernet",
+            "rate": "10 Gb/sec (1X QDR)",
+        },
+    }
+    ib.install(h, ports)
+    try:
+        c = run_health(h, tmp_path, name="i0")["infiniband"]  # the lab host has no nvidia_peermem
+        assert c["outcome"] == "failed" and c["reasons"] == [
+            "nvidia_peermem is not loaded: no GPUDirect RDMA over these ports (modprobe nvidia_peermem)"
+        ], c
+        inv = ", ib_peermem_required: false"
+        c = run_health(h, tmp_path, host_vars=inv, name="i1")["infiniband"]
+        assert c["outcome"] == "passed", c
+        assert (
+            c["summary"]
+            == "2 RDMA port(s) active: mlx5_0/1 400 Gb/sec (4X NDR), mlx5_1/1 400 Gb/sec (4X NDR)"
+        )
+        ib.set_port(h, "mlx5_1/1", up=False)
+        c = run_health(h, tmp_path, host_vars=inv, name="i2")["infiniband"]
+        assert c["outcome"] == "failed", c
+        assert c["reasons"] == [
+            "mlx5_1/1: DOWN / Polling (ACTIVE at the last run)",
+            "mlx5_1/1: link went down 1 time(s) since the last run (counters/link_downed)",
+        ]
+        ib.set_port(h, "mlx5_1/1", up=True, rate="200 Gb/sec (4X HDR)")  # back, but trained lower
+        c = run_health(h, tmp_path, host_vars=inv, name="i3")["infiniband"]
+        assert c["outcome"] == "failed" and c["reasons"] == [
+            "mlx5_1/1: rate 200 Gb/sec (4X HDR) < 400 Gb/sec (its rate at the last run)"
+        ], c
+    finally:
+        ib.remove(h)
+
+
 def test_row_remap_pending_fails_the_gpu(lab: Any, tmp_path: Path) -> None:
     """nvidia-smi --query-remapped-rows says GPU 1 has a remap pending: remapped_rows fails it."""
     h = boot(lab, "health-ok")

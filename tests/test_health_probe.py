@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.exec.agent import probe_health_mounts, probe_health_pci
+from pytest_gpuhost.exec.agent import probe_health_ib, probe_health_mounts, probe_health_pci
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
 from pytest_gpuhost.modules import health_facts
 
@@ -419,3 +419,29 @@ def test_mountinfo_says_which_mount_holds_each_path_and_whether_it_is_read_only(
     assert paths["/scratch"]["ro"] is True  # super block ro: the kernel remounted it after errors
     assert paths["/missing"]["mount_point"] == "/"
     assert probe_health_mounts.fact_health_mounts({"mountinfo": str(tmp_path / "none")})["ok"] is False
+
+
+def test_infiniband_ports_read_as_the_kernel_prints_them(tmp_path: Path) -> None:
+    """drivers/infiniband/core/sysfs.c: "4: ACTIVE", "5: LinkUp", "400 Gb/sec (4X NDR)", counters."""
+    port = tmp_path / "mlx5_0" / "ports" / "1"
+    (port / "counters").mkdir(parents=True)
+    for name, text in (
+        ("state", "4: ACTIVE"),
+        ("phys_state", "5: LinkUp"),
+        ("rate", "400 Gb/sec (4X NDR)"),
+        ("link_layer", "InfiniBand"),
+    ):
+        (port / name).write_text(text + "\n")
+    (port / "counters" / "link_downed").write_text("3\n")
+    got = probe_health_ib.fact_health_ib({"ib_root": str(tmp_path), "peermem_path": str(tmp_path / "none")})
+    assert got["peermem"] is False
+    p = got["ports"]["mlx5_0/1"]
+    assert (p["state_num"], p["state"], p["phys_num"], p["rate_gbps"], p["link_layer"]) == (
+        4,
+        "ACTIVE",
+        5,
+        400.0,
+        "InfiniBand",
+    )
+    assert p["counters"] == {"link_downed": 3}
+    assert probe_health_ib.fact_health_ib({"ib_root": str(tmp_path / "absent")})["ports"] == {}

@@ -81,6 +81,7 @@ def healthy() -> dict[str, Any]:
             },
         },
         "disk": {"ok": True, "paths": {"/": {"total": 100 * 2**30, "free": 50 * 2**30, "avail": 50 * 2**30}}},
+        "ib": {"ok": True, "ports": {}, "peermem": False},
         "mounts": {
             "ok": True,
             "paths": {"/": {"mount_point": "/", "fstype": "ext4", "source": "/dev/nvme0n1p2", "ro": False}},
@@ -874,3 +875,57 @@ def test_diag_is_opt_in_and_judges_nvbandwidth_per_model_and_dcgm_per_test() -> 
         hm.probe_params(hm.Thresholds.from_vars({"diag": ["dcgm"], "diag_timeout": 600}))["diag_timeout"]
         == 90
     )
+
+
+def _port(
+    state: str = "4: ACTIVE",
+    phys: str = "5: LinkUp",
+    rate: float = 400.0,
+    layer: str = "InfiniBand",
+    downed: int = 0,
+) -> dict[str, Any]:
+    return {
+        "state": state.split(": ")[1],
+        "state_num": int(state.split(":")[0]),
+        "phys_state": phys.split(": ")[1],
+        "phys_num": int(phys.split(":")[0]),
+        "rate": f"{rate:g} Gb/sec (4X NDR)",
+        "rate_gbps": rate,
+        "link_layer": layer,
+        "counters": {"link_downed": downed},
+    }
+
+
+def test_infiniband_ports_against_the_last_run_and_peermem() -> None:
+    def night(
+        prev: dict[str, Any] | None, ports: dict[str, Any], peermem: bool = True, **kw: Any
+    ) -> tuple[hm.Verdict, dict[str, Any]]:
+        facts = healthy()
+        facts["ib"] = {"ok": True, "ports": ports, "peermem": peermem}
+        facts["kernel_log"]["previous_counters"] = prev
+        return judge("infiniband", facts, **kw), (health_facts.commit_state(facts) or {})["counters"]
+
+    assert judge("infiniband", healthy()).skip.startswith("no InfiniBand/RoCE device")
+    up = {
+        "mlx5_0/1": _port(),
+        "mlx5_1/1": _port(),
+        "mlx5_2/1": _port("1: DOWN", "3: Disabled", layer="Ethernet"),
+    }
+    v, n1 = night(None, up)
+    assert v.ok and v.state["required"] == ["mlx5_0/1", "mlx5_1/1"], (
+        v
+    )  # the uncabled Ethernet port is not required
+    v, _ = night(n1, {**up, "mlx5_1/1": _port("1: DOWN", "2: Polling")})
+    assert not v.ok and v.reasons == ["mlx5_1/1: DOWN / Polling (ACTIVE at the last run)"], v
+    v, _ = night(n1, {**up, "mlx5_0/1": _port(rate=200.0, downed=2)})
+    assert not v.ok and v.reasons == [
+        "mlx5_0/1: rate 200 Gb/sec (4X NDR) < 400 Gb/sec (its rate at the last run)",
+        "mlx5_0/1: link went down 2 time(s) since the last run (counters/link_downed)",
+    ], v
+    v, _ = night(n1, up, peermem=False)
+    assert not v.ok and v.reasons == [
+        "nvidia_peermem is not loaded: no GPUDirect RDMA over these ports (modprobe nvidia_peermem)"
+    ], v
+    assert night(n1, up, peermem=False, ib_peermem_required=False)[0].ok
+    v, _ = night(n1, up, ib_ports=["mlx5_2/1"])  # the inventory names the RoCE port: it must be up
+    assert not v.ok and v.reasons == ["mlx5_2/1: DOWN / Disabled"], v

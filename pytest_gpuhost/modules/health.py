@@ -51,6 +51,7 @@ from pytest_gpuhost.modules.health_host import (
     check_sxid,
     check_xid,
 )
+from pytest_gpuhost.modules.health_ib import check_infiniband
 from pytest_gpuhost.modules.health_memory import check_memory_temperature
 from pytest_gpuhost.modules.health_mounts import check_mounts
 from pytest_gpuhost.modules.health_thresholds import (
@@ -90,6 +91,7 @@ CHECKS: tuple[str, ...] = (
     "pcie_aer",
     "nvlink",
     "fabric",
+    "infiniband",
     "iommu_group_type",
     "acs",
     "p2p",
@@ -122,6 +124,7 @@ _CHECK_FUNCS: dict[str, Callable[..., Verdict]] = {
     "pcie_aer": check_pcie_aer,
     "nvlink": check_nvlink,
     "fabric": check_fabric,
+    "infiniband": check_infiniband,
     "iommu_group_type": check_iommu_group_type,
     "acs": check_acs,
     "p2p": check_p2p,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pytest_gpuhost.modules.health_ib import ib_state
 from pytest_gpuhost.modules.health_thresholds import Thresholds
 from pytest_gpuhost.modules.health_verdict import (
     Facts,
@@ -74,10 +75,11 @@ def counters_state(facts: Facts) -> dict[str, Any] | None:
     """Return what the health state keeps of this run's counters, None when there are none."""
     gpus = _current(facts)
     aer = _aer_now(facts)
-    if not gpus and not aer:
+    ib = ib_state(facts)
+    if not gpus and not aer and not ib:
         return None
     boot = ((facts.get("kernel_log") or {}).get("cursor") or {}).get("boot_id")
-    return {"version": 1, "at": facts.get("time"), "boot_id": boot, "gpus": gpus, "aer": aer}
+    return {"version": 1, "at": facts.get("time"), "boot_id": boot, "gpus": gpus, "aer": aer, "ib": ib}
 
 
 def _previous(facts: Facts) -> Mapping[str, Any]:

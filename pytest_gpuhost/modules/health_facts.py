@@ -1,8 +1,9 @@
 """The agent facts the health checks read, asked for in one request and merged into one dict.
 
-The agent gathers a host's health in six facts (exec/agent/probe_health*.py): `health` (the
+The agent gathers a host's health in seven facts (exec/agent/probe_health*.py): `health` (the
 nvidia-smi parts and free disk, read in parallel), `health_kernel_log`, `health_pci`,
-`health_services`, `health_mounts` and `health_diag` (runs nothing unless the inventory opts in). `fact_names` says which facts hold the parts a caller wants; `merge` turns the
+`health_services`, `health_mounts`, `health_ib` and `health_diag` (runs nothing unless the
+inventory opts in). `fact_names` says which facts hold the parts a caller wants; `merge` turns the
 `facts` op's reply into the one dict the verdicts read (modules/health.py), keyed by part, with
 every command each fact ran under `commands`; `commit_state` is what `health_commit` records
 after the run.
@@ -32,6 +33,7 @@ FACT_OF_PART: Mapping[str, str] = {
     "services": "health_services",
     "mounts": "health_mounts",
     "diag": "health_diag",
+    "ib": "health_ib",
 }
 PARTS: tuple[str, ...] = tuple(FACT_OF_PART)
 

@@ -113,6 +113,22 @@ THRESHOLDS: tuple[Threshold, ...] = (
         int,
         "active NVLinks every GPU must have; unset: the model's (MODELS: 18 for B200, H100/H200 SXM)",
     ),
+    Threshold(
+        "ib_ports",
+        [],
+        list,
+        "RDMA ports (DEV/PORT, e.g. mlx5_0/1) that must be ACTIVE; unset: InfiniBand ones and those active last run",
+    ),
+    Threshold(
+        "ib_rate_min_gbps",
+        None,
+        (int, float),
+        "slowest RDMA port rate allowed; unset: its rate at the last run",
+    ),
+    Threshold("ib_link_downed_max", 0, int, "link_downed events allowed per RDMA port since the last run"),
+    Threshold(
+        "ib_peermem_required", True, bool, "nvidia_peermem must be loaded where an RDMA port is active"
+    ),
     Threshold("iommu_group_types", ["identity"], list, "IOMMU group types allowed for GPUs on nvidia"),
     Threshold(
         "acs_redirect_allowed", False, bool, "allow ACS P2P request/completion redirect on GPU bridges"

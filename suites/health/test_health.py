@@ -81,6 +81,11 @@ def test_fabric(judge: Judge) -> None:
     judge("fabric")
 
 
+def test_infiniband(judge: Judge) -> None:
+    """RDMA ports active at their rate, no link flaps since the last run, nvidia_peermem loaded."""
+    judge("infiniband")
+
+
 def test_iommu_group_type(judge: Judge) -> None:
     """The IOMMU groups of GPUs on nvidia have an allowed type (identity by default)."""
     judge("iommu_group_type")
