@@ -9,6 +9,7 @@ checkout, as `pytest --pyargs gpuhost_suites.NAME ...` (the README's "Using it" 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -48,6 +49,18 @@ def test_wheel_holds_plugin_suites_and_manifests(installed: Installed) -> None:
     (ep,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     text = zipfile.ZipFile(installed.wheel).read(ep).decode()
     assert "gpuhost = pytest_gpuhost.plugin" in text and "gpuhost_suites = gpuhost_suites.pyargs" in text
+
+
+def test_suites_import_each_other_relatively() -> None:
+    """Installed, suites/ is gpuhost_suites: an absolute `suites.x` import works only in a checkout."""
+    bad = []
+    for path in sorted((ROOT / "suites").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.split(".")[0] == "suites"]
+    assert bad == [], "write `from .x import ...` (see docs/INTERNALS.md, Suites)"
 
 
 def test_imports_come_from_the_venv_not_the_checkout(installed: Installed) -> None:
