@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 __all__ = ["FILES", "aer_text"]
 
@@ -32,13 +33,35 @@ FILES = {
 }
 
 
+_CACHE: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
+
+
+def _faults(state_dir: Path) -> dict[str, Any]:
+    """The host's faults.json, parsed once per change (the daemon serves 12 AER reads a run per host)."""
+    p = state_dir / "faults.json"
+    try:
+        st = p.stat()
+    except OSError:
+        return {}
+    key = (st.st_mtime_ns, st.st_size)
+    hit = _CACHE.get(str(p))
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data = data if isinstance(data, dict) else {}
+    _CACHE[str(p)] = (key, data)
+    return data
+
+
 def _count(state_dir: Path | None, bdf: str, key: str) -> int:
     if state_dir is None:
         return 0
     try:
-        faults = json.loads((state_dir / "faults.json").read_text())
-        return int(((faults.get("gpus") or {}).get(bdf) or {}).get("aer", {}).get(key, 0))
-    except (OSError, ValueError, AttributeError, TypeError):
+        return int(((_faults(state_dir).get("gpus") or {}).get(bdf) or {}).get("aer", {}).get(key, 0))
+    except (AttributeError, TypeError, ValueError):
         return 0
 
 
