@@ -82,7 +82,8 @@ def test_group_with_a_vfio_function_is_never_in_scope() -> None:
     ("kernel", "needle"),
     [
         ("6.1.0-18-amd64", "before 6.4) cannot change the type of a group with more than one device"),
-        ("5.10.0-28", "no /sys/kernel/iommu_groups/N/type"),
+        ("5.10.0-28", "(5.2-5.10) shows /sys/kernel/iommu_groups/N/type read-only"),
+        ("4.19.0-27-amd64", "no /sys/kernel/iommu_groups/N/type (5.2+"),
     ],
 )
 def test_old_kernels_are_refused_before_anything_is_touched(kernel: str, needle: str) -> None:
@@ -227,11 +228,14 @@ class _Writer:
 @pytest.mark.parametrize(
     ("code", "kernel", "members", "needle"),
     [
-        (errno.EPERM, "6.8.12-4-pve", 1, "EPERM: a device of the group is still bound"),
+        (errno.EPERM, "6.8.12-4-pve", 1, "owner_cnt is not zero: bound to a driver that uses the kernel DMA API"),
+        (errno.EPERM, "6.1.0-18-amd64", 1, "EPERM: a device of the group is still bound"),
         (errno.EBUSY, "6.1.0-18-amd64", 1, "EBUSY: device still bound"),
         (errno.EINVAL, "6.1.0-18-amd64", 2, "before 6.4) cannot change the type of a group with 2 devices"),
         (errno.EINVAL, "6.8.12-4-pve", 2, "does not accept 'identity'"),
         (errno.EACCES, "6.8.12-4-pve", 1, "CAP_SYS_ADMIN"),
+        (errno.EACCES, "5.10.0-28-amd64", 1, "(5.2-5.10) shows the group type read-only"),
+        (errno.ENOENT, "4.19.0-27-amd64", 1, "older than 5.2"),
     ],
 )
 def test_group_type_errors_say_what_the_kernel_meant(

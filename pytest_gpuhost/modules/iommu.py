@@ -1,9 +1,13 @@
 """IOMMU groups: their type (DMA, DMA-FQ, identity, ...) and how to change it, per kernel era.
 
-Facts (docs/FACTS.md): `/sys/kernel/iommu_groups/N/type` exists since 5.11. From 6.4 a write while a
-device of the group has a driver gives EPERM and multi-device groups may change once every
-device is unbound; from 5.11 to 6.3 a bound device gives EBUSY and a group of more than one
-device gives EINVAL whatever is bound.
+Facts (docs/FACTS.md, docs/LAB-SOURCES.md): `/sys/kernel/iommu_groups/N/type` exists since 5.2,
+read-only (0444, no store) until 5.10: opening it for writing fails with EACCES even for root
+(fs/kernfs/file.c kernfs_fop_open()); writable from 5.11 (commit 08a27c1c3ecf). From 6.4 a write
+gives EPERM while `group->owner_cnt` is non-zero: a member is bound to a driver that uses the
+kernel DMA API, or a user (a VM through vfio) claimed the group; drivers with
+`driver_managed_dma` (vfio-pci, pci-stub, pcieport) do not count, so they stay bound, and
+multi-device groups may change. From 5.11 to 6.3 a bound device gives EBUSY and a group of more
+than one device gives EINVAL whatever is bound.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.modules.pci import PciFunction
 
 __all__ = [
+    "DRIVER_MANAGED_DMA",
     "GROUPS",
     "IommuError",
     "IommuGroup",
     "SNP_PARAM",
     "SnpFacts",
+    "blocks_type_change",
     "kernel_version",
     "snp_facts",
     "snp_refusal",
@@ -32,6 +38,10 @@ __all__ = [
 
 GROUPS = "/sys/kernel/iommu_groups"
 WRITABLE = ("DMA", "DMA-FQ", "identity", "auto")
+# Drivers that set .driver_managed_dma: really_probe() -> dma_configure() never calls
+# iommu_device_use_default_domain() for them, so from 6.4 they do not raise group->owner_cnt
+# (drivers/vfio/pci/vfio_pci.c, drivers/pci/pci-stub.c, drivers/pci/pcie/portdrv.c; LAB-SOURCES).
+DRIVER_MANAGED_DMA = ("vfio-pci", "pci-stub", "pcieport")
 SNP_PARAM = "/sys/module/kvm_amd/parameters/sev_snp"  # KVM SNP host support (6.11+): Y when SNP is up
 SNP_LINE = "AMD-Vi: IOMMU SNP support enabled"  # printed by iommu_snp_enable() whenever amd_iommu_snp_en
 
@@ -92,9 +102,41 @@ def type_command(group: int, value: str) -> str:
     return f"echo {value} > {type_path(group)}"
 
 
+def blocks_type_change(driver: str | None, kernel: str) -> bool:
+    """True when a member bound to `driver` makes a type write fail (6.4+: only DMA-API drivers count)."""
+    if not driver:
+        return False
+    try:
+        era = kernel_version(kernel)
+    except ValueError:
+        return True
+    return era < (6, 4) or driver not in DRIVER_MANAGED_DMA
+
+
 def _explain(group: IommuGroup, value: str, code: int, kernel: str) -> str:
-    era = kernel_version(kernel) if kernel else (6, 4)
+    try:
+        era = kernel_version(kernel)
+    except ValueError:
+        era = (6, 4)
     bound = ", ".join(f"{m.bdf} ({m.driver})" for m in group.bound) or "none seen"
+    if code == errno.EPERM and era >= (6, 4):
+        counted = [m for m in group.bound if m.driver not in DRIVER_MANAGED_DMA]
+        vfio = [m.bdf for m in group.bound if m.driver == "vfio-pci"]
+        if counted:
+            why = "bound to a driver that uses the kernel DMA API: " + ", ".join(
+                f"{m.bdf} ({m.driver})" for m in counted
+            )
+            todo = "unbind those functions first"
+        elif vfio:
+            why = f"no DMA-API driver is bound, so a user claimed the group: a VM holds {', '.join(vfio)} through vfio"
+            todo = "this group belongs to the VM: leave it alone"
+        else:
+            why = f"nothing counted was seen bound (bound: {bound}): another user claimed the group (vfio, iommufd)"
+            todo = "find the process holding /dev/vfio/" + str(group.number)
+        return (
+            f"EPERM: kernel {kernel} (6.4+) refuses while group->owner_cnt is not zero: {why} "
+            f"(vfio-pci, pci-stub and pcieport never count: they manage DMA themselves); {todo}"
+        )
     if code == errno.EPERM:
         return f"EPERM: a device of the group is still bound to a driver (kernel {kernel} refuses while bound): bound: {bound}"
     if code == errno.EBUSY:
@@ -111,12 +153,16 @@ def _explain(group: IommuGroup, value: str, code: int, kernel: str) -> str:
             f"{errno.errorcode[code]}: the IOMMU driver refused an identity domain for the group (kernel {kernel}; "
             "an AMD IOMMU with SEV-SNP refuses it this way)"
         )
+    if code == errno.EACCES and (5, 2) <= era < (5, 11):
+        return (
+            f"EACCES: kernel {kernel} (5.2-5.10) shows the group type read-only (mode 0444, no store: the open "
+            "for writing fails for root too); it is writable from 5.11 (commit 08a27c1c3ecf): boot with "
+            "iommu=pt, or run kernel 5.11 or later (6.4+ for a GPU with its audio function)"
+        )
     if code == errno.EACCES:
         return "EACCES: needs CAP_SYS_ADMIN and CAP_SYS_RAWIO: run as root (or --sudo)"
     if code == errno.ENOENT:
-        return (
-            f"ENOENT: no {type_path(group.number)} (kernel {kernel} is older than 5.11 or the IOMMU is off)"
-        )
+        return f"ENOENT: no {type_path(group.number)} (kernel {kernel} is older than 5.2 or the IOMMU is off)"
     return f"{errno.errorcode.get(code, str(code))}: write refused"
 
 

@@ -1,7 +1,11 @@
 """Decide what suites/p2p will do on a host, from one round trip of facts (pure: no I/O here).
 
 In scope: GPUs on nvidia, or those named with --gpus. Never in scope: a GPU on vfio-pci, or any
-GPU whose IOMMU group holds a vfio-pci function (the group belongs to a VM). A journal left by an
+GPU whose IOMMU group holds a vfio-pci function (the group belongs to a VM; the refusal names the
+ports whose missing ACS made the kernel group them, modules/acs.py). From 6.4 a member on a
+driver that manages its own DMA (pcieport, pci-stub) does not block the type write and is left
+bound. Pairs whose peer traffic ACS redirect sends to the root complex are listed with what the
+operator can do. A journal left by an
 interrupted run says what the host looked like before that run touched it; its record of drivers,
 minors and the service wins over what the host shows now (a GPU it unbound shows no driver).
 """
@@ -11,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_gpuhost.modules import iommu, pci
+from pytest_gpuhost.modules import acs, iommu, pci
 from pytest_gpuhost.modules.gpu import GpuInfo
 
 __all__ = ["FunctionPlan", "GroupPlan", "P2PPlan", "make_plan", "parse_gpus_option"]
@@ -46,6 +50,7 @@ class GroupPlan:
     type: str | None
     original_type: str | None
     functions: list[FunctionPlan] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # members left bound (6.4+: pcieport, pci-stub)
 
     @property
     def identity(self) -> bool:
@@ -70,6 +75,7 @@ class GroupPlan:
             "type": self.type,
             "original_type": self.original_type,
             "functions": [f.to_dict() for f in self.functions],
+            "kept": list(self.kept),
         }
 
 
@@ -85,6 +91,8 @@ class P2PPlan:
     resumed_from: str | None = None  # run id of the interrupted run this one completes
     links: dict[str, dict[str, Any]] = field(default_factory=dict)
     model: str = ""
+    shared: dict[int, str] = field(default_factory=dict)  # group -> why it is refused (a VM's device in it)
+    redirects: list[acs.Redirect] = field(default_factory=list)  # in-scope pairs sent up by ACS
 
     @property
     def groups_to_fix(self) -> list[GroupPlan]:
@@ -126,7 +134,13 @@ class P2PPlan:
         todo = ", ".join(str(n) for n in self.needs_identity) or "none"
         excl = f"; excluded: {len(self.excluded)}" if self.excluded else ""
         resumed = f"; completes interrupted run {self.resumed_from}" if self.resumed_from else ""
-        return f"in scope: {scope}; groups to set identity: {todo}{excl}{resumed}"
+        shared = "".join(f"; refused: {why}" for why in self.shared.values())
+        redir = (
+            f"; ACS redirect: {len(self.redirects)} pair(s) through the root complex even in identity"
+            if self.redirects
+            else ""
+        )
+        return f"in scope: {scope}; groups to set identity: {todo}{excl}{shared}{redir}{resumed}"
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-able dict (journal, evidence)."""
@@ -137,6 +151,8 @@ class P2PPlan:
             "errors": self.errors,
             "kernel": self.kernel,
             "resumed_from": self.resumed_from,
+            "shared": {str(k): v for k, v in self.shared.items()},
+            "redirects": [r.describe() for r in self.redirects],
         }
 
 
@@ -173,12 +189,17 @@ def make_plan(
     kernel: str,
     selected: list[str] | None = None,
     journal: dict[str, Any] | None = None,
+    paths: dict[str, acs.GpuPath] | None = None,
 ) -> P2PPlan:
-    """Return the plan for these GPUs (from the `gpus` fact), honouring --gpus and a left-over journal."""
+    """Return the plan for these GPUs (from the `gpus` fact), honouring --gpus and a left-over journal.
+
+    `paths` (the `pci_paths` fact, modules/acs.py) explains shared groups and finds ACS redirects.
+    """
     recorded = _journal_functions(journal)
     recorded_types = _journal_types(journal)
     excluded: dict[str, str] = {}
     errors: list[str] = []
+    shared: dict[int, str] = {}
     chosen: list[GpuInfo] = []
     by_minor = {g.minor: g for g in gpus if g.minor is not None}
     wanted: set[str] = set()
@@ -199,11 +220,10 @@ def make_plan(
     for g in gpus:
         original = recorded.get(g.bdf, {}).get("driver") or g.driver
         if g.on_vfio or original == "vfio-pci":
-            why = (
-                "on vfio-pci (belongs to a VM)"
-                if g.driver == "vfio-pci"
-                else "its IOMMU group has a vfio-pci function"
-            )
+            if g.driver == "vfio-pci" or original == "vfio-pci":
+                why = "on vfio-pci (belongs to a VM)"
+            else:
+                why = _shared_group(g, paths or {}, shared)
             excluded[g.bdf] = f"{why}: never touched"
             if g.bdf in wanted:
                 errors.append(f"--gpus names {g.bdf}, which is {why}: refusing to touch it")
@@ -217,7 +237,7 @@ def make_plan(
                 errors.append(f"--gpus names {g.bdf}, which is {excluded[g.bdf]}")
             continue
         if g.group is None or g.group_type is None:
-            excluded[g.bdf] = "no IOMMU group (IOMMU off, or kernel older than 5.11)"
+            excluded[g.bdf] = "no IOMMU group type (IOMMU off, or kernel older than 5.2)"
             continue
         chosen.append(g)
 
@@ -240,6 +260,10 @@ def make_plan(
                 minor = g.minor
             gp.functions.append(FunctionPlan(m.bdf, original, m.driver, is_gpu, minor))
         gp.functions = [f for f in gp.functions if f.driver]
+        # 6.4+: a member whose driver manages its own DMA does not count as bound: leave it bound
+        keep = [f for f in gp.functions if f.current and not iommu.blocks_type_change(f.driver, kernel)]
+        gp.kept = [f"{f.bdf} ({f.driver})" for f in keep]
+        gp.functions = [f for f in gp.functions if f not in keep]
         groups[number] = gp
 
     ordered = sorted(groups.values(), key=lambda gp: gp.number)
@@ -251,8 +275,14 @@ def make_plan(
         kernel=kernel,
         resumed_from=(journal or {}).get("run_id") if journal else None,
         links={g.bdf: dict(g.function.link) for g in chosen},
+        shared=shared,
     )
     plan.gpus = [f.bdf for f in plan.rebind_order if f.is_gpu]
+    for i, a in enumerate(plan.gpus):
+        for b in plan.gpus[i + 1 :]:
+            r = acs.redirect(paths or {}, a, b)
+            if r is not None:
+                plan.redirects.append(r)
     plan.errors.extend(_era_errors(plan))
     return plan
 
@@ -265,9 +295,17 @@ def _era_errors(plan: P2PPlan) -> list[str]:
         era = iommu.kernel_version(plan.kernel)
     except ValueError:
         return []
+    if era < (5, 2):
+        return [
+            f"kernel {plan.kernel} has no /sys/kernel/iommu_groups/N/type (5.2+, writable from 5.11): "
+            "boot with iommu=pt instead"
+        ]
     if era < (5, 11):
         return [
-            f"kernel {plan.kernel} has no /sys/kernel/iommu_groups/N/type (5.11+): boot with iommu=pt instead"
+            f"kernel {plan.kernel} (5.2-5.10) shows /sys/kernel/iommu_groups/N/type read-only: the file is 0444 "
+            "with no store, so writing it fails with EACCES even as root (fs/kernfs/file.c kernfs_fop_open()); "
+            "it is writable from 5.11 (commit 08a27c1c3ecf). Nothing was changed: boot with iommu=pt (every group "
+            "identity at boot), or run kernel 6.4 or later (5.11-6.3 cannot retype a GPU with its audio function)"
         ]
     multi = [g.number for g in plan.groups_to_fix if len(g.functions) > 1 and not g.identity]
     if era < (6, 4) and multi:
@@ -277,3 +315,51 @@ def _era_errors(plan: P2PPlan) -> list[str]:
             f"(groups {groups}: GPU and audio function): boot with iommu=pt, or run kernel 6.4 or later"
         ]
     return []
+
+
+def _shared_group(g: GpuInfo, paths: dict[str, acs.GpuPath], shared: dict[int, str]) -> str:
+    """Why a GPU on nvidia is out of scope: its group also holds a VM's (vfio-pci) device.
+
+    The type of a group is one setting for all its members: changing it means unbinding the VM's
+    device, so the group is refused. The kernel groups devices that ACS does not isolate
+    (drivers/iommu/iommu.c pci_device_group()): the ports that lack it are named.
+    """
+    assert g.group is not None
+    vm = [m.bdf for m in g.group.members if m.driver == "vfio-pci"]
+    gaps = acs.isolation_gaps(paths.get(g.bdf))
+    if gaps:
+        cause = "ACS missing on " + "; ".join(p.describe() for p in gaps)
+    elif g.bdf in paths:
+        cause = "the GPU and the VM's device are functions of one device, or the ports' ACS state is unknown"
+    else:
+        cause = "the ports above it were not read (no pci_paths fact)"
+    why = (
+        f"group {g.group.number} holds {g.bdf} (nvidia) and {', '.join(vm)} (vfio-pci, a VM's): the kernel "
+        f"grouped them because {cause} (drivers/iommu/iommu.c pci_device_group()); changing the group's type "
+        f"would unbind the VM's device, so group {g.group.number} is refused and {', '.join(vm)} is never "
+        "touched. To repair it: move one of the two to a slot whose ports implement ACS (the kernel turns ACS "
+        "on at boot where the port has it: drivers/pci/pci.c pci_std_enable_acs()), or enable ACS for that "
+        "port in the BIOS"
+    )
+    shared.setdefault(g.group.number, why)
+    return why
+
+
+def redirect_advice(redirects: list[acs.Redirect]) -> str:
+    """What ACS redirect means for these pairs once their groups are identity, and the operator's options."""
+    if not redirects:
+        return ""
+    ports = sorted({p for r in redirects for p in r.ports})
+    pairs = ", ".join(f"{r.a} <-> {r.b} (switch {r.switch})" for r in redirects)
+    return (
+        f"identity domains alone do not restore direct P2P for {pairs}: ACS P2P Request/Completion Redirect is "
+        f"on at {', '.join(ports)} (the kernel sets it at boot on every port that implements it while the IOMMU "
+        "is on: drivers/pci/pci.c pci_std_enable_acs()), so their peer requests go up to the root complex and "
+        "back instead of turning in the switch (PCIe Base Spec 'Access Control Services'; NCCL troubleshooting "
+        "'PCI Access Control Services'). Options: (1) accept P2P through the root complex (lower bandwidth; none "
+        "where the root complex does not forward peer traffic); (2) boot with "
+        f"pci=disable_acs_redir={';'.join(ports)} (commit aaca43fda742, kernel-parameters.txt): those ports then "
+        "no longer isolate what is below them, so the kernel puts the devices below each of these switches in "
+        "one IOMMU group (they can only be given to a VM, or retyped, together): only where no VM's device sits "
+        "below them"
+    )

@@ -13,6 +13,7 @@ from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
 from . import persist
+from .plan import redirect_advice
 from .state import P2PState
 
 __all__ = ["RestoreSteps"]
@@ -142,9 +143,10 @@ class RestoreSteps(P2PState):
             )
             state["low"] = [v.describe() for v in low]
             if low:
+                why = self.redirect_note(low)
                 return Check(
                     False,
-                    f"{len(low)} of {len(verdicts)} pairs below threshold, e.g. {low[0].describe()}",
+                    f"{len(low)} of {len(verdicts)} pairs below threshold, e.g. {low[0].describe()}{why}",
                     state,
                 )
             return Check(True, line, state)
@@ -165,12 +167,25 @@ class RestoreSteps(P2PState):
         def fix(actions: list[Action], before: Check) -> None:
             if self.no_tool:
                 raise ProcedureError(self.no_tool)
+            why = self.redirect_note(None)
             raise ProcedureError(
-                "P2P stays below threshold with every in-scope group in identity mode: look for PCIe ACS "
-                "on the path (lspci -vvv | grep ACSCtl), a link trained down, or BIOS settings"
+                "P2P stays below threshold with every in-scope group in identity mode"
+                + (
+                    why
+                    or ": look for PCIe ACS on the path (lspci -vvv | grep ACSCtl), a link trained down, or BIOS settings"
+                )
             )
 
         return self.step("p2p bandwidth", check, plan, fix)
+
+    def redirect_note(self, low: list[p2p.PairVerdict] | None) -> str:
+        """ "; ACS redirect: ..." for the planned redirects among these pairs (all planned ones when None)."""
+        assert self.plan is not None
+        reds = self.plan.redirects
+        if low is not None:
+            bad = {frozenset((v.a, v.b)) for v in low}
+            reds = [r for r in reds if frozenset((r.a, r.b)) in bad]
+        return f"; {redirect_advice(reds)}" if reds else ""
 
     # ------------------------------------------------------------------ step 7: persisted
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_gpuhost.modules import gpu, iommu, p2p, pci
+from pytest_gpuhost.modules import acs, gpu, iommu, p2p, pci
 from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
@@ -19,11 +19,12 @@ from pytest_gpuhost.run.procedure import Procedure, ProcedureError
 from pytest_gpuhost.run.remediation import Action
 
 from . import persist
-from .plan import P2PPlan, make_plan
+from .plan import P2PPlan, make_plan, redirect_advice
 
 __all__ = ["HOST_FACTS", "P2POptions", "P2PState"]
 
-HOST_FACTS = ("gpus", "gpu_holders", "persistence", "host_info", "nvidia_smi_gpus")
+# pci_paths: the ports above each GPU with their ACS bits (why a group is shared; ACS redirect)
+HOST_FACTS = ("gpus", "gpu_holders", "persistence", "host_info", "nvidia_smi_gpus", "pci_paths")
 QUICK = 10.0  # seconds to wait for a reply to a small metadata op (readlink, journal, lock)
 
 
@@ -155,7 +156,13 @@ class P2PState(Procedure):
         gpus = self.gpus()
         if journal is None:
             journal = self._boot_record_journal(gpus)
-        self.plan = make_plan(gpus, kernel=self.kernel(), selected=self.opts.gpus, journal=journal)
+        self.plan = make_plan(
+            gpus,
+            kernel=self.kernel(),
+            selected=self.opts.gpus,
+            journal=journal,
+            paths=acs.parse_paths(self.facts.get("pci_paths")),
+        )
         self.plan.errors.extend(self.kernel_refusals(self.plan))
         smi = self.facts.get("nvidia_smi_gpus") or {}
         names = [str((smi.get(b) or {}).get("name") or "") for b in self.plan.gpus]
@@ -211,6 +218,14 @@ class P2PState(Procedure):
         ev.state("plan", plan.to_dict(), target=self.conn.name)
         for bdf, why in plan.excluded.items():
             ev.note(f"{bdf}: excluded: {why}")
+        for g in plan.groups:
+            if g.kept:
+                ev.note(
+                    f"group {g.number}: {', '.join(g.kept)} stay bound: from kernel 6.4 a driver that manages "
+                    "its own DMA (pcieport, pci-stub, vfio-pci) does not count in group->owner_cnt"
+                )
+        if plan.redirects:
+            ev.note("ACS redirect: " + redirect_advice(plan.redirects))
         try:
             self.service_state = self.service.state()
         except (ServiceError, ProcedureError) as exc:
