@@ -9,8 +9,13 @@ ends, verify, SHA256SUMS) vs `rsync -a -e ssh`; the no-op rerun of each; our bac
 upload vs rsync followed by `aws s3 sync`, each to a fresh moto server on loopback.  Goals
 (issue 5): local <= 1.2 x rsync; with S3 < rsync + aws s3 sync; no-op rerun <= 2 x rsync's.
 Both comparisons alternate the tools, --rounds rounds (default 3) for the local copy and
---s3-rounds (default 2) for S3, and compare medians, because the machine is shared.  Needs root (the lab), rsync, awscli and moto.  Prints a table and
-writes reports/bench_backup.json.
+--s3-rounds (default 3) for S3, and compare medians, because the machine is shared.  Next to each
+wall time the CPU-seconds of every party are measured and printed: the tool itself (ours: this
+process, its ssh clients and the ssh ControlMaster; rsync: rsync and its ssh; aws: the aws CLI),
+moto (the S3 server, one Python process that both tools share), and the lab node (its cgroup:
+sshd and the sender or rsync).  On this 2-core machine the sum decides the wall time once anything
+else runs, so a reviewer can see what decided a ratio.  Needs root (the lab), rsync, awscli and
+moto.  Prints a table and writes reports/bench_backup.json.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -48,6 +54,77 @@ def timed(fn: Any) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU-seconds (user + system) a live process has used, from /proc/PID/stat."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def node_cpu(h: LabHost) -> float:
+    """CPU-seconds used so far by every process of the lab node (its cgroup v2 cpu.stat)."""
+    for stat_file in (
+        Path(f"/sys/fs/cgroup/unified/gpulab/{h.name}/cpu.stat"),
+        Path(f"/sys/fs/cgroup/gpulab/{h.name}/cpu.stat"),
+    ):
+        try:
+            for line in stat_file.read_text().splitlines():
+                if line.startswith("usage_usec "):
+                    return int(line.split()[1]) / 1e6
+        except OSError:
+            continue
+    return 0.0
+
+
+def own_cpu() -> tuple[float, float]:
+    """CPU-seconds of this process and of its reaped children (rsync, aws, ssh clients)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def ssh_master_cpu(conn: Any) -> float:
+    """CPU-seconds of the connection's ssh ControlMaster (a daemon, never reaped by us)."""
+    path = getattr(getattr(getattr(conn, "launcher", None), "transport", None), "control_path", None)
+    if not path:
+        return 0.0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"-M" in argv and os.fsencode(path) in argv:
+            return proc_cpu(int(pid))
+    return 0.0
+
+
+class Cpu:
+    """CPU-seconds of each party during one timed run: the tool, moto, the lab node."""
+
+    def __init__(self, h: LabHost, moto_pid: int | None = None) -> None:
+        self.h = h
+        self.moto_pid = moto_pid
+        self.me, self.kids = own_cpu()
+        self.node = node_cpu(h)
+        self.moto = proc_cpu(moto_pid) if moto_pid else 0.0
+
+    def stop(self, extra: float = 0.0, *, tool_is_self: bool = True) -> dict[str, float]:
+        me, kids = own_cpu()
+        tool = (kids - self.kids) + (me - self.me if tool_is_self else 0.0) + extra
+        out = {"tool": tool, "node": node_cpu(self.h) - self.node}
+        if self.moto_pid:
+            out["moto"] = proc_cpu(self.moto_pid) - self.moto
+        out["total"] = sum(out.values())
+        return {k: round(v, 2) for k, v in out.items()}
+
+
 def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict[str, Any]:
     """One full run of our backup, connection included: walk, plan, stream, verify, checksums (+ S3)."""
     opts = TargetOptions(
@@ -61,6 +138,7 @@ def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict
     # every category to S3, so that aws s3 sync of the whole tree is a like-for-like comparison
     manifest = replace(manifest, categories=tuple(replace(c, s3=True) for c in manifest.categories))
     conn = open_connection(parse_host_url(f"ssh://root@{h.address}"), opts)
+    out: dict[str, Any] = {}
     try:
         b = Backup(conn, manifest, dest, stall_timeout=120)
         session = up = None
@@ -74,7 +152,7 @@ def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict
         missing = b.verify(listing)
         b.write_checksums(listing)
         b.finish()
-        out = {
+        out |= {
             "copied_files": res.copied_files,
             "copied_bytes": res.copied_bytes,
             "missing": len(missing),
@@ -85,19 +163,25 @@ def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict
         }
         if up is not None and session is not None:
             during = session.finish()
+            # as the suite's "data in S3" step: one listing of the prefix proves every object
+            # (present, with the ETag and size recorded when its upload was verified); only what
+            # it does not prove is uploaded again and checked again
             items, unverified = items_from_backup(b, listing)
-            r = up.run(up.plan(items))
+            plan = up.plan(items)
+            after = up.run(plan) if plan.upload else None
+            s3_missing = up.verify(items) if after is not None else []
             up.finish()
             out.update(
                 uploaded_during_copy=during.uploaded,
-                uploaded_after=r.uploaded,
-                upload_failed=len(r.failed) + len(during.failed),
+                uploaded_after=after.uploaded if after else 0,
+                upload_failed=len(during.failed) + (len(after.failed) if after else 0),
                 unverified=len(unverified),
-                s3_missing=len(up.verify(items)),
-                open_uploads=len(r.open_uploads_after),
+                s3_missing=len(s3_missing),
+                open_uploads=len(after.open_uploads_after if after else during.open_uploads_after),
             )
         return out
     finally:
+        out["ssh_master_cpu"] = ssh_master_cpu(conn)
         conn.close()
 
 
@@ -128,6 +212,12 @@ def aws_sync(src: Path, url: str, endpoint: str) -> subprocess.CompletedProcess[
     )
 
 
+def median_cpu(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each CPU figure over the rounds."""
+    keys = {k for r in rounds for k in r}
+    return {k: round(statistics.median(r.get(k, 0.0) for r in rounds), 2) for k in sorted(keys)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="small data scale, for CI")
@@ -137,7 +227,7 @@ def main() -> int:
     ap.add_argument(
         "--rounds", type=int, default=0, help="rounds of the local comparison (default 3; smoke 1)"
     )
-    ap.add_argument("--s3-rounds", type=int, default=2, help="rounds of the S3 comparison (default 2)")
+    ap.add_argument("--s3-rounds", type=int, default=3, help="rounds of the S3 comparison (default 3)")
     args = ap.parse_args()
     scale = "small" if args.smoke else "bench"
     args.rounds = args.rounds or (1 if args.smoke else 3)
@@ -153,6 +243,7 @@ def main() -> int:
     moto = None
     times: dict[str, float] = {}
     samples: dict[str, list[float]] = {}
+    cpu: dict[str, list[dict[str, float]]] = {}  # per sample: CPU-seconds of tool, node, moto
     info: dict[str, Any] = {"scale": scale, "host": h.name}
     try:
         # The copy's correctness check (every file verified) needs data that does not change under it:
@@ -170,25 +261,33 @@ def main() -> int:
         # warm the node's page cache equally for both tools
         h.ssh("find /data -type f -exec cat {} + >/dev/null")
         # the machine is shared: alternate the tools, round after round, and compare medians
+
+        def sample(name: str, secs: float, used: dict[str, float]) -> None:
+            samples.setdefault(name, []).append(secs)
+            cpu.setdefault(name, []).append(used)
+
+        def run_rsync(name: str, dest: Path) -> None:
+            c = Cpu(h)
+            t, r = timed(lambda: rsync(h, dest))
+            if r.returncode != 0:
+                print("rsync failed:", r.stderr.decode(errors="replace")[-2000:], file=sys.stderr)
+            sample(name, t, c.stop(tool_is_self=False))
+
+        def run_ours(name: str, dest: Path) -> None:
+            c = Cpu(h)
+            t, info[name] = timed(lambda: our_backup(h, dest))
+            sample(name, t, c.stop(info[name]["ssh_master_cpu"]))
+
         for rnd in range(args.rounds):
             for d in ("rsync", "ours"):
                 shutil.rmtree(work / d, ignore_errors=True)
             order = ("rsync", "ours") if rnd % 2 == 0 else ("ours", "rsync")
-            for tool in order:
-                if tool == "rsync":
-                    t, r = timed(lambda: rsync(h, work / "rsync"))
-                    if r.returncode != 0:
-                        print("rsync failed:", r.stderr.decode(errors="replace")[-2000:], file=sys.stderr)
-                    samples.setdefault("rsync", []).append(t)
-                else:
-                    t, info["ours"] = timed(lambda: our_backup(h, work / "ours"))
-                    samples.setdefault("ours", []).append(t)
-            for tool in order:
-                if tool == "rsync":
-                    samples.setdefault("rsync noop", []).append(timed(lambda: rsync(h, work / "rsync"))[0])
-                else:
-                    t, info["ours noop"] = timed(lambda: our_backup(h, work / "ours"))
-                    samples.setdefault("ours noop", []).append(t)
+            for suffix in ("", " noop"):
+                for tool in order:
+                    if tool == "rsync":
+                        run_rsync("rsync" + suffix, work / "rsync")
+                    else:
+                        run_ours("ours" + suffix, work / "ours")
         for k, v in samples.items():
             times[k] = statistics.median(v)
         if not args.no_s3:
@@ -207,23 +306,28 @@ def main() -> int:
                     ).create_bucket(Bucket="bench")
                     if tool == "aws":
                         shutil.rmtree(work / "rsync-s3", ignore_errors=True)
+                        c = Cpu(h, moto.pid)
                         t_r, _ = timed(lambda: rsync(h, work / "rsync-s3"))
+                        c_r = c.stop(tool_is_self=False)
+                        c_a = Cpu(h, moto.pid)
                         t_a, a = timed(
                             lambda ep=endpoint: aws_sync(work / "rsync-s3", "s3://bench/rsync", ep)
                         )
-                        samples.setdefault("rsync + aws s3 sync", []).append(t_r + t_a)
-                        samples.setdefault("aws s3 sync", []).append(t_a)
+                        sample("aws s3 sync", t_a, c_a.stop(tool_is_self=False))
+                        sample("rsync + aws s3 sync", t_r + t_a, c.stop(tool_is_self=False))
+                        cpu["rsync + aws s3 sync"][-1]["rsync"] = c_r["tool"]
                         info["aws rc"] = a.returncode
                         info["aws errors"] = a.stderr.decode(errors="replace").strip().splitlines()[-3:]
                     else:
                         shutil.rmtree(work / "ours-s3", ignore_errors=True)
                         os.environ.update(FAKE_ENV)
+                        c = Cpu(h, moto.pid)
                         t, info["ours + S3"] = timed(
                             lambda ep=endpoint: our_backup(
                                 h, work / "ours-s3", {"url": "s3://bench/ours", "endpoint": ep}
                             )
                         )
-                        samples.setdefault("ours + S3", []).append(t)
+                        sample("ours + S3", t, c.stop(info["ours + S3"]["ssh_master_cpu"]))
                     stop_moto(moto)
                     moto = None
             for k in ("rsync + aws s3 sync", "aws s3 sync", "ours + S3"):
@@ -247,13 +351,14 @@ def main() -> int:
             times["ours + S3"] / times["rsync + aws s3 sync"]
         )
     print(f"\nbackup benchmark, b200-nvl8 /data at scale {scale} ({info.get('bytes', 0) / 1e6:.0f} MB)")
+    print("  wall: median (each round); CPU-seconds, median over the rounds: tool / moto / node / sum")
     for name, secs in times.items():
-        each = ", ".join(f"{x:.2f}" for x in samples.get(name, [secs]))
-        print(
-            f"  {name:<20} {secs:8.2f} s   (median of: {each})"
-            if name in samples
-            else f"  {name:<20} {secs:8.2f} s"
+        each = ", ".join(f"{x:.2f}" for x in samples[name])
+        used = median_cpu(cpu[name])
+        parts = (
+            f"{used['tool']:6.2f} / {used.get('moto', 0.0):6.2f} / {used['node']:5.2f} / {used['total']:6.2f}"
         )
+        print(f"  {name:<20} {secs:8.2f} s  ({each})   CPU {parts}")
     for name, ratio in ratios.items():
         print(f"  {name:<45} {ratio:6.2f}")
     print(f"  ours: {info['ours']}")
@@ -264,10 +369,22 @@ def main() -> int:
     out.parent.mkdir(exist_ok=True)
     out.write_text(
         json.dumps(
-            {"times": times, "samples": samples, "ratios": ratios, "info": info}, indent=2, default=str
+            {
+                "times": times,
+                "samples": samples,
+                "cpu_seconds": cpu,
+                "cpu_median": {k: median_cpu(v) for k, v in cpu.items()},
+                "ratios": ratios,
+                "info": info,
+            },
+            indent=2,
+            default=str,
         )
     )
     bad = info["ours"]["missing"] or info["ours"]["error"] or info["ours noop"]["copied_files"]
+    s3 = info.get("ours + S3")
+    if s3 is not None:
+        bad = bad or s3["s3_missing"] or s3["unverified"] or s3["upload_failed"] or s3["open_uploads"]
     return 1 if bad else 0
 
 

@@ -13,10 +13,12 @@ everything else the client or the store reports. Callers decide by type, never b
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 from pytest_gpuhost.errors import GpuhostError
 
@@ -27,6 +29,7 @@ __all__ = [
     "S3Object",
     "S3Store",
     "S3UrlError",
+    "SignedPut",
     "make_client",
     "parse_s3_url",
     "split_s3_url",
@@ -92,15 +95,22 @@ def split_s3_url(url: str) -> tuple[str, str]:
     return bucket, key
 
 
-def make_client(endpoint: str | None = None, *, max_pool: int = 16) -> Any:
+def make_client(endpoint: str | None = None, *, max_pool: int = 16, sign_payload: bool = True) -> Any:
     """Return a boto3 S3 client: credentials from boto3's chain, optional S3-compatible endpoint.
 
     Checksums are computed only where an operation requires them: S3-compatible stores that do
     not know the newer default checksum headers otherwise refuse every upload.
+
+    `sign_payload=False` is for callers that send every body with its own checksum header
+    (`ChecksumSHA256`): the signature then covers that header instead of a SHA-256 of the body,
+    which is what botocore itself does over HTTPS when a checksum header is present
+    (`S3SigV4Auth._should_sha256_sign_payload`), also over plain HTTP, where botocore would
+    otherwise hash every body once more only to sign it (docs/backup-speed.md).
     """
     import boto3
     from botocore.config import Config
 
+    extra: dict[str, Any] = {} if sign_payload else {"s3": {"payload_signing_enabled": False}}
     cfg = Config(
         max_pool_connections=max_pool,
         retries={"max_attempts": 5, "mode": "standard"},
@@ -108,6 +118,7 @@ def make_client(endpoint: str | None = None, *, max_pool: int = 16) -> Any:
         read_timeout=120,
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
+        **extra,
     )
     return boto3.client("s3", endpoint_url=endpoint or None, config=cfg)
 
@@ -184,3 +195,93 @@ class S3Store:
         return sorted(
             f"s3://{bucket}/{o.key}" for o in self.objects(bucket, prefix) if o.key.endswith(suffix)
         )
+
+
+# A bucket name that needs no special endpoint (no access point ARN, no directory bucket `--x-s3`).
+_PLAIN_BUCKET = re.compile(r"[a-z0-9](?:[a-z0-9.]|-(?!-)){1,61}[a-z0-9]")
+
+
+class SignedPut:
+    """PutObject of one body without botocore's per-call pipeline: about half its CPU per object.
+
+    A backup uploads thousands of small files, and botocore spends about 1.2 ms of CPU on each
+    `put_object` (parameter validation, endpoint rules, event hooks, response parsing), more
+    than the upload itself (docs/backup-speed.md).  `learn()` makes the first PutObject through
+    boto3 and watches the request it sends; later ones are the same request: the URL of that
+    request with the key percent-encoded as botocore's serializer does (UTF-8, `/` and `~`
+    kept), signed by botocore's `S3SigV4Auth` with the client's credentials and the signing
+    region and service of the watched request, sent on the client's own HTTP session (its
+    pool, TLS verification, proxies and timeouts).  Anything unusual (a bucket that is not
+    plain, a signature other than SigV4, a URL that is not prefix + key) leaves it off; any
+    failure (an exception, a status other than 200) turns it off for good, and the caller makes
+    the call through boto3, which retries and reports as usual.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.sent = 0  # objects stored through this path
+        self._lock = threading.Lock()
+
+    @classmethod
+    def learn(cls, client: Any, bucket: str, key: str, call: Callable[[], Any]) -> tuple[SignedPut, Any]:
+        """Run call() (a boto3 put_object of key), watching its request; return the path and its result."""
+        seen: list[tuple[str, Any]] = []
+
+        def watch(request: Any, **_: Any) -> None:
+            seen.append((str(request.url), request.headers.get("Authorization")))
+
+        events = client.meta.events
+        events.register("before-send.s3.PutObject", watch)
+        try:
+            result = call()
+        finally:
+            events.unregister("before-send.s3.PutObject", watch)
+        fast = cls()
+        try:
+            fast._setup(client, bucket, key, seen)
+        except Exception:  # noqa: BLE001 - no fast path; boto3 does the work
+            fast.enabled = False
+        return fast, result
+
+    def _setup(self, client: Any, bucket: str, key: str, seen: list[tuple[str, Any]]) -> None:
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+
+        if not seen or not _PLAIN_BUCKET.fullmatch(bucket):
+            return
+        url, auth = seen[-1]
+        auth = auth.decode() if isinstance(auth, bytes) else str(auth or "")
+        suffix = quote(key.encode("utf-8"), safe="/~")
+        m = re.match(r"AWS4-HMAC-SHA256 Credential=[^/]+/\d{8}/([^/]+)/([^/]+)/aws4_request,", auth)
+        creds = client._get_credentials()
+        if m is None or "?" in url or not url.endswith(suffix) or creds is None:
+            return
+        self._prefix = url[: -len(suffix)]
+        self._region, self._service = m.group(1), m.group(2)
+        self._creds = creds
+        self._config = client.meta.config
+        self._session = client._endpoint.http_session
+        self._auth = S3SigV4Auth
+        self._request = AWSRequest
+        self.enabled = True
+
+    def put(self, key: str, body: bytes, headers: Mapping[str, str]) -> dict[str, str] | None:
+        """Store body under key; return the response headers (lower-case names), or None: use boto3."""
+        if not self.enabled:
+            return None
+        try:
+            req = self._request(
+                "PUT", self._prefix + quote(key.encode("utf-8"), safe="/~"), data=body, headers=dict(headers)
+            )
+            req.context["client_config"] = self._config  # its payload_signing_enabled setting
+            self._auth(self._creds.get_frozen_credentials(), self._service, self._region).add_auth(req)
+            res = self._session.send(req.prepare())
+        except Exception:  # noqa: BLE001 - boto3 makes the call again and reports
+            self.enabled = False
+            return None
+        if res.status_code != 200:
+            self.enabled = False
+            return None
+        with self._lock:
+            self.sent += 1
+        return {str(k).lower(): str(v) for k, v in res.headers.items()}
