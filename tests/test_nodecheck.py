@@ -290,3 +290,16 @@ def test_slurm_drain_without_a_reachable_slurm_says_so_and_keeps_the_budget(tmp_
 def test_started_at_counts_the_interpreter_start() -> None:
     """This test process started before the test: the budget's origin lies in the past."""
     assert 0 < time.monotonic() - cli.started_at() < 3600
+
+
+def test_the_console_script_is_the_program() -> None:
+    """pyproject.toml's [project.scripts] entry resolves to the function that runs the program."""
+    import importlib
+    import re
+
+    text = (REPO / "pyproject.toml").read_text()
+    section = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    m = re.search(r'^gpuhost-nodecheck = "([\w.]+):(\w+)"$', section, re.M)
+    assert m is not None, section
+    module, func = m.groups()
+    assert getattr(importlib.import_module(module), func) is cli.run

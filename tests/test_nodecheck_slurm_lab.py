@@ -231,3 +231,54 @@ def test_slurmd_runs_it_as_health_check_program_configured_by_file(slurm: Any) -
     finally:
         inject(c.nodes[n1], {})
         c.run(["scontrol", "update", f"nodename={n2}", "state=resume"])
+
+
+PROLOG = "/usr/local/sbin/gpuhost-prolog"
+
+
+def test_as_prolog_a_failed_node_runs_no_job_and_only_gpuhost_s_drain_is_resumed(slurm: Any) -> None:
+    """slurm.conf Prolog: exit 1 drains the node and requeues the job held (slurm.conf(5)).
+
+    gpu-node-01's prolog runs the program alone: Slurm drains with its own reason ("Prolog error"),
+    which gpuhost then never resumes. gpu-node-02's adds --slurm-drain: the gpuhost reason comes
+    first and Slurm keeps it, so the node is resumed once healthy.
+    """
+    c = slurm.cluster(["health-ok", "health-ok"], tag="npl", extra_conf=[f"Prolog={PROLOG}"])
+    link_conf(c)
+    n1, n2 = "gpu-node-01", "gpu-node-02"
+    for name, extra in ((n1, ""), (n2, " --slurm-drain")):
+        body = f"#!/bin/sh\\nexec {PY} -m pytest_gpuhost.nodecheck --budget=5{extra}\\n"
+        r = c.nodes[name].exec(
+            ["sh", "-c", f"mkdir -p /usr/local/sbin && printf '{body}' > {PROLOG} && chmod 755 {PROLOG}"]
+        )
+        assert r.returncode == 0, r.stderr
+        inject(c.nodes[name], {"gpus": {"0000:23:00.0": {"nvml_error": "GPU requires reset"}}})
+    jobs = []
+    try:
+        for name in (n1, n2):
+            r = c.run(
+                ["sbatch", "--parsable", "-w", name, "-o", "/dev/null", "--wrap", "hostname"], timeout=30
+            )
+            assert r.returncode == 0, r.stderr
+            jobs.append(r.stdout.strip().split(";")[0])
+        states, reasons = wait_for(c, lambda s, r: n1 in r and n2 in r)
+        assert states == {n1: "drained", n2: "drained"}, (states, reasons)
+        assert reasons[n1] == "Prolog error", reasons
+        assert reasons[n2].startswith("gpuhost: gpu_count: GPU 2 (0000:23:00.0)"), reasons
+        queue = c.run(["squeue", "-h", "-o", "%i %T %r"]).stdout
+        for job in jobs:  # no job ran on a failed node: requeued, held
+            assert f"{job} PENDING launch failed requeued held" in queue, queue
+
+        for name in (n1, n2):
+            inject(c.nodes[name], {})
+        r1, r2 = (nodecheck(c, n, "--slurm-drain") for n in (n1, n2))
+        assert r1.returncode == 0 and "drained by someone else ('Prolog error')" in r1.stdout, r1.stdout
+        assert r2.returncode == 0 and f"slurm: resume {n2}: healthy again" in r2.stdout, r2.stdout
+        states, reasons = wait_for(c, lambda s, r: s.get(n2) != "drained")
+        assert states[n1] == "drained" and reasons == {n1: "Prolog error"}, (states, reasons)
+    finally:
+        for name in (n1, n2):
+            inject(c.nodes[name], {})
+        if jobs:
+            c.run(["scancel", *jobs])
+        c.run(["scontrol", "update", f"nodename={n1},{n2}", "state=resume"])
