@@ -216,11 +216,14 @@ def tool(bindir: Path, name: str, body: str) -> None:
 
 
 def run(
-    tmp: Path, bindir: Path, *args: str, timeout: float = 60
+    tmp: Path, bindir: Path, *args: str, timeout: float = 60, extra_env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run the real program here, `bindir` first on PATH; no configuration file (the default is ignored)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUHOST_NODECHECK", "SLURMD_"))}
     env.update(PATH=f"{bindir}:{os.environ['PATH']}", PYTHONPATH=str(REPO), GPUHOST_NODE_NAME="nc-test")
-    env["GPUHOST_NODECHECK_CONFIG"] = str(tmp / "none.yaml") if (tmp / "none.yaml").exists() else ""
+    (tmp / "empty.yaml").write_text("")
+    env["GPUHOST_NODECHECK_CONFIG"] = str(tmp / "empty.yaml")  # never this machine's /etc/gpuhost
+    env.update(extra_env or {})
     t0 = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-m", "pytest_gpuhost.nodecheck", *args],
@@ -303,3 +306,17 @@ def test_the_console_script_is_the_program() -> None:
     assert m is not None, section
     module, func = m.groups()
     assert getattr(importlib.import_module(module), func) is cli.run
+
+
+def test_the_kernel_log_is_read_and_its_cursor_moved_only_when_xid_is_judged(tmp_path: Path) -> None:
+    assert "kernel_log" not in nc.parts_for(["ecc", "disk_free"])
+    assert "kernel_log" in nc.parts_for(["sxid"]) and "kernel_log" in nc.parts_for(nc.default_checks())
+    state = tmp_path / "state"
+    env_state = {"GPUHOST_STATE_DIR": str(state)}
+    r, _ = run(tmp_path, tmp_path, "--checks=disk_free", extra_env=env_state)
+    assert r.returncode == 0 and not (state / nc.STATE_FILE).exists(), r.stdout + r.stderr
+    r, _ = run(tmp_path, tmp_path, "--checks=xid", extra_env=env_state)
+    if "kernel log unreadable" in r.stdout:
+        pytest.skip(f"dmesg cannot read this machine's kernel log: {r.stdout.splitlines()[0]}")
+    assert r.returncode == 0 and (state / nc.STATE_FILE).is_file(), r.stdout + r.stderr
+    assert not (state / "health-state.json").exists()  # the nightly run's cursor is not touched

@@ -55,10 +55,23 @@ def default_checks() -> list[str]:
     return [c for c in hm.CHECKS if c not in NIGHTLY_ONLY]
 
 
+#: Checks that read the kernel log part (the Xid/SXid lines, and the last run's counters kept
+#: with the cursor); without one of them the kernel log is not read at all.
+KERNEL_LOG_CHECKS = frozenset({"xid", "sxid", "clock_events"})
+#: The check whose verdict moves the cursor: a run without it leaves the Xid lines for a later run.
+COMMIT_CHECK = "xid"
+
+
 def parts_for(checks: Sequence[str]) -> list[str]:
-    """Return the facts parts to read (every part but those only nightly-only checks read)."""
-    del checks  # the verdicts read parts freely; all of them but the skipped are cheap
-    return [p for p in health_facts.PARTS if p not in _SKIPPED_PARTS]
+    """Return the facts parts to read: every cheap part, the kernel log only when a check reads it.
+
+    The verdicts read parts freely (gpu_count the PCI bus, memory_temperature the fabric's -q, ...),
+    so every part but the nightly-only ones is read; the kernel log only for the checks that judge it.
+    """
+    skip = set(_SKIPPED_PARTS)
+    if not KERNEL_LOG_CHECKS & set(checks):
+        skip.add("kernel_log")
+    return [p for p in health_facts.PARTS if p not in skip]
 
 
 @dataclass
@@ -198,7 +211,7 @@ def run_checks(
     with lock:
         answered = [conns[n] for n in ("health_kernel_log", *names) if n in got and n in conns]
     result.live = answered[0] if answered else None
-    if commit and "health_kernel_log" in got and "health_kernel_log" in conns:
+    if commit and COMMIT_CHECK in result.verdicts and "health_kernel_log" in conns:
         result.committed = _commit(conns["health_kernel_log"], facts, thresholds, deadline)
     result.elapsed = time.monotonic() - t0
     return result
