@@ -273,3 +273,11 @@ def test_a_slow_api_server_is_cut_at_the_deadline(server: KubeAPIServer, tmp_pat
     with pytest.raises(KubeNodeError, match="no time left in the budget; nothing more sent"):
         kube_node.apply_health(NODE, ["xid 79"], api=api, deadline=time.monotonic() - 1)
     assert len(server.api.log) == 1
+
+
+def test_a_person_takes_over_our_cordon_by_removing_the_mark(server: KubeAPIServer, node: KubeNode) -> None:
+    node.mark_failed(REASON, cordon=True)
+    server.api.as_person(NODE, {"metadata": {"annotations": {ANN_CORDONED: None}}})  # kubectl annotate ...-
+    out = node.mark_ok(uncordon=True)
+    assert out.left == ["cordoned by someone else (no gpuhost.io/cordoned mark): left cordoned"]
+    assert _node(server)["spec"]["unschedulable"] is True
