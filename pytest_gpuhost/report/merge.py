@@ -88,6 +88,8 @@ def load_sources(sources: Sequence[str], store: S3Store | None = None) -> list[t
     # one after another take ~10 s on loopback, more over a network). Files go the same way.
     if len(found) < 4:
         return [load(src) for src in found]
+    if any(src.startswith("s3://") for src in found):
+        store.client  # noqa: B018 - made once here, not by each thread at once (the property is lazy)
     with ThreadPoolExecutor(max_workers=min(LOAD_WORKERS, len(found))) as pool:
         return list(pool.map(load, found))
 
