@@ -158,7 +158,13 @@ def test_fix_drain_from_the_controller(cluster: Any, tmp_path: Path) -> None:
         # check-only: "would fix" with the exact scontrol command, nothing changed
         s0 = run_suite(c, tmp_path, "--fix=drain", "--check-only", name="n0")
         d0 = s0["hosts"][n2]["checks"]["drain"]
-        assert d0["outcome"] == "would fix", d0
+        assert d0["outcome"] == "would fix" and d0["summary"].startswith(
+            f"drain {n2}: 'gpuhost: gpu_count: "
+        ), d0
+        assert d0["reasons"][0].startswith(
+            "gpu_count: GPU 2 (0000:23:00.0): nvidia-smi prints [GPU requires reset]"
+        )
+        assert d0["state"]["node"] == f"{n2}: IDLE", d0
         assert c.node_states()[n2] == "idle"
         assert s0["hosts"][n1]["checks"]["drain"]["outcome"] == "passed"
 
@@ -167,6 +173,10 @@ def test_fix_drain_from_the_controller(cluster: Any, tmp_path: Path) -> None:
         assert cells[n1]["outcome"] == "passed", cells
         assert cells[n2]["outcome"] == "fixed", cells
         assert cells[n3]["outcome"] == "passed", cells  # a person's drain: nothing to do
+        assert (
+            cells[n3]["summary"]
+            == f"{n3} is healthy but drained by someone else ('maintenance'): left drained"
+        )
         states = wait_states(c, {n2: "drained"})
         reasons = c.node_reasons()
         assert states == {n1: "idle", n2: "drained", n3: "drained"}, (states, reasons)

@@ -19,6 +19,7 @@ agent reports (what Slurm's NodeHostname is by default).
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 from pytest_gpuhost.errors import GpuhostError
@@ -60,8 +61,11 @@ def first_failure(hh: Any) -> str | None:
     return got[0] if got else None
 
 
-def remediation(hh: Any) -> dict[str, Any]:
-    """Return the drain remediation of one host, as `remediate(**...)` takes it."""
+def remediation(hh: Any, on_check: Callable[[Check], None] | None = None) -> dict[str, Any]:
+    """Return the drain remediation of one host, as `remediate(**...)` takes it.
+
+    `on_check` receives the first check (the test records it as the step's verdict).
+    """
     conn = hh.target.conn
     name = node_name(hh)
     state: dict[str, Any] = {}
@@ -80,7 +84,10 @@ def remediation(hh: Any) -> dict[str, Any]:
             return Check(ok=False, summary=f"cannot read the Slurm node {name}: {exc}", state={"node": name})
         state["plan"] = p
         shown = {"node": node.describe(), "healthy": not got, "failures": got[:10], "decision": p.why}
-        return Check(ok=not p.changes, summary=p.why, state=shown)
+        first = Check(ok=not p.changes, summary=p.why, state=shown)
+        if on_check is not None:
+            on_check(first)
+        return first
 
     def plan(before: Check) -> list[Action]:
         p = state.get("plan")

@@ -11,9 +11,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from pytest_gpuhost.run.remediation import Check
+
 from . import drain
 
 
-def test_drain(health: Any, remediate: Any) -> None:
+def test_drain(health: Any, remediate: Any, request: Any) -> None:
     """Slurm: drained when a check failed, resumed when healthy again (only gpuhost's own drains)."""
-    remediate(**drain.remediation(health))
+
+    def record(c: Check) -> None:
+        # the step's verdict in every output: the decision, and the host's failures as its reasons
+        props = request.node.user_properties
+        props.append(("gpuhost_host", health.name))
+        props.append(("gpuhost_check", "drain"))
+        verdict = {"check": "drain", "ok": c.ok, "summary": c.summary, "state": c.state}
+        props.append(("gpuhost_verdict", {**verdict, "reasons": list(c.state.get("failures") or [])}))
+
+    remediate(**drain.remediation(health, on_check=record))
