@@ -83,11 +83,16 @@ def boot_acs_ctl(profile: Profile, f: PciFunction) -> tuple[str, ...]:
 
 def _acs_enabled(profile: Profile, f: PciFunction, ctl: Callable[[str], tuple[str, ...]]) -> bool:
     """drivers/pci/pci.c pci_acs_enabled(): downstream and root ports need the flags; upstream
-    ports and endpoints only when they are part of a multi-function device."""
+    ports and endpoints only when they are part of a multi-function device. pci_acs_flags_enabled():
+    no ACS capability is "not enabled"; a flag the port does not implement counts as hard-wired on
+    (``acs_flags &= (cap | PCI_ACS_EC)``)."""
     pt = port_type(profile, f.bdf)
     multi = sum(1 for g in profile.pci if g.bdf[:-1] == f.bdf[:-1]) > 1
     if pt in (4, 6) or (multi and pt in (0, 5)):
-        return set(REQ_ACS_FLAGS) <= set(ctl(f.bdf))
+        cap = acs_cap(profile, f)
+        if not cap:
+            return False
+        return set(REQ_ACS_FLAGS) & set(cap) <= set(ctl(f.bdf))
     return True
 
 

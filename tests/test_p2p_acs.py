@@ -300,3 +300,51 @@ def test_kernel_5_10_type_file_is_read_only_and_nothing_is_touched(lab: Any, tmp
     assert "EACCES even as root" in run.output and "iommu=pt" in run.output
     assert run.record == [], run.record
     host.down()
+
+
+def test_lab_grouping_counts_unimplemented_acs_bits_as_on() -> None:
+    """gpulab.realkernel follows pci_acs_flags_enabled(): a downstream port that implements only SV and UF,
+    both on, isolates (RR/CR are hard-wired); one without the capability does not."""
+    import dataclasses
+
+    from gpulab import realkernel
+    from gpulab.p2p_variants import rtx6000_root_port_without_acs
+
+    base = rtx6000_root_port_without_acs(vm_gpu=None)
+
+    def group_of(cap: tuple[str, ...], ctl: tuple[str, ...]) -> set[str]:
+        pci = tuple(dataclasses.replace(f, acs_cap=cap) if f.bdf == "0000:16:00.0" else f for f in base.pci)
+        prof = dataclasses.replace(base, pci=pci)
+        parts = realkernel.kernel_group_partition(
+            prof,
+            lambda b: ctl if b == "0000:16:00.0" else realkernel.boot_acs_ctl(prof, prof.function(b)),
+        )
+        return next(s for s in parts if "0000:17:00.0" in s)
+
+    sv_uf = ("SrcValid", "UpstreamFwd")
+    assert group_of(sv_uf, sv_uf) == {"0000:17:00.0", "0000:17:00.1"}
+    assert "0000:16:00.0" in group_of(sv_uf, ("SrcValid",))
+    assert "0000:16:00.0" in group_of((), ())
+
+
+@pytest.mark.parametrize(
+    ("driver", "needle"),
+    [
+        ("vfio-pci", "a user claimed the group: a VM holds 0000:17:00.0 through vfio"),
+        ("pcieport", "another user claimed the group"),
+        ("nvidia", "bound to a driver that uses the kernel DMA API: 0000:17:00.0 (nvidia)"),
+    ],
+)
+def test_eperm_from_6_4_says_what_counts_in_owner_cnt(driver: str, needle: str) -> None:
+    import errno as e
+
+    from pytest_gpuhost.modules import iommu
+    from pytest_gpuhost.modules.pci import PciFunction
+    from tests.test_p2p_plan import _Writer
+
+    group = iommu.IommuGroup(30, "DMA-FQ", [PciFunction("0000:17:00.0", driver=driver)])
+    with pytest.raises(iommu.IommuError) as err:
+        iommu.set_type(_Writer(e.EPERM), group, "identity", kernel="6.8.12-4-pve")
+    assert needle in str(err.value) and "vfio-pci, pci-stub and pcieport never count" in str(err.value)
+    assert iommu.blocks_type_change(driver, "6.8.12-4-pve") is (driver == "nvidia")
+    assert iommu.blocks_type_change(driver, "6.1.0-18-amd64") is True
