@@ -27,7 +27,8 @@ namespace whose host name is the controller's and whose ``/etc/hosts`` is ``D/ho
 resolves to the host's lab address. Nothing listens on any address outside 198.18.0.0/15. slurmd
 sends a step's I/O back to the address srun's launch request came from, so a /32 route per node
 makes this machine's connections to the nodes leave from the controller's address (``_add_routes``).
-Lab hosts cannot reach one another, so no message is relayed through a node (``TreeWidth``).
+The nodes reach one another (and nothing else) through this machine by a routing table and rules of
+the cluster's own (``_link_nodes``), as a cluster's nodes do.
 
 Node names are the hosts' host names (slurmd takes its NodeName from gethostname(); slurmd(8)
 ``-N``), so the hosts of one cluster must have distinct ones: boot them from a profile loaded with
@@ -74,6 +75,8 @@ CTL_NAME = "gpuhost-slurmctld"
 MUNGE_UNIT = "gpuhost-slurm-munged"
 SLURMD_UNIT = "gpuhost-slurm-slurmd"
 START_TIMEOUT = 60.0
+TABLE_BASE = 30000  # routing table of a cluster: TABLE_BASE + its first host's lab index
+RULE_PRIORITY = 1000
 
 
 class SlurmError(LabError):
@@ -127,6 +130,10 @@ class SlurmCluster:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._started_nodes: list[LabHost] = []
         self._routes: list[tuple[str, str]] = []
+        self._rules: list[str] = []
+        self.table = (
+            TABLE_BASE + hosts[0].index
+        )  # a routing table of its own (the first host's index is unique)
 
     # ---- files ----------------------------------------------------------------------------
 
@@ -182,9 +189,6 @@ class SlurmCluster:
             "ReturnToService=2",
             "SlurmdParameters=config_overrides",
             "SlurmdTimeout=60",
-            # Lab hosts cannot reach one another (this machine does not forward between links), so
-            # no node may relay messages for others: slurm.conf(5) TreeWidth, at most 65533.
-            "TreeWidth=65533",
             "MailProg=/bin/true",
             "InactiveLimit=0",
             "KillWait=5",
@@ -309,6 +313,7 @@ class SlurmCluster:
         )  # fmt: skip
         self._wait("munged", sock.exists, 20)
         self._add_routes()
+        self._link_nodes()
         self._spawn("slurmctld", [str(self.ctl_exec), "slurmctld", "-D", "-c", "-f", str(self.conf)])
         self._wait("slurmctld", lambda: "is UP" in self.run(["scontrol", "ping"], timeout=10).stdout, timeout)
         for h in self.hosts:
@@ -471,6 +476,47 @@ class SlurmCluster:
                 raise SlurmError(f"ip route replace {h.address}/32 dev {dev}: {p.stderr.strip()}")
             self._routes.append((h.address, dev))
 
+    def _link_nodes(self) -> None:
+        """Let the cluster's nodes reach one another through this machine, and nothing else.
+
+        Slurm's nodes talk to each other: a step's completion goes up a tree of its nodes to the
+        first one (src/slurmd/slurmstepd/mgr.c, ``_wait_for_children_slurmstepd``: "Rank 0 timed
+        out waiting for N children" when they cannot, and the job's nodes stay COMPLETING for
+        about 80 s), and messages fan out through nodes (slurm.conf(5) TreeWidth). This machine
+        does not forward, so packets arriving from the nodes' links are routed by a table of
+        their own (ip-rule(8) ``iif``) that holds only the cluster's nodes and an unreachable
+        default, and only those links forward (``net.ipv4.conf.DEV.forwarding``, per device for
+        IPv4: ip-sysctl.rst): a node reaches the other nodes and this machine's own addresses
+        (the local table comes first), never another lab host or anything off this machine.
+        stop() removes the rules, the table and the forwarding.
+        """
+        table = str(self.table)
+        for h in self.hosts:
+            self._ip(["route", "replace", f"{h.address}/32", "dev", f"gl{h.index}-r", "table", table])
+        self._ip(["route", "replace", "unreachable", "default", "table", table])
+        for h in self.hosts:
+            dev = f"gl{h.index}-r"
+            self._ip(["rule", "add", "iif", dev, "lookup", table, "priority", str(RULE_PRIORITY)])
+            self._rules.append(dev)
+            Path(f"/proc/sys/net/ipv4/conf/{dev}/forwarding").write_text("1\n")
+
+    def _unlink_nodes(self) -> None:
+        table = str(self.table)
+        for dev in self._rules:
+            with contextlib.suppress(OSError):
+                Path(f"/proc/sys/net/ipv4/conf/{dev}/forwarding").write_text("0\n")
+            self._ip(
+                ["rule", "del", "iif", dev, "lookup", table, "priority", str(RULE_PRIORITY)], check=False
+            )
+        self._rules.clear()
+        self._ip(["route", "flush", "table", table], check=False)
+
+    @staticmethod
+    def _ip(args: list[str], check: bool = True) -> None:
+        p = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
+        if check and p.returncode != 0:
+            raise SlurmError(f"ip {' '.join(args)}: {p.stderr.strip()}")
+
     def _del_routes(self) -> None:
         for addr, dev in self._routes:
             subprocess.run(
@@ -478,6 +524,7 @@ class SlurmCluster:
                 capture_output=True, text=True, timeout=10, check=False,
             )  # fmt: skip
         self._routes.clear()
+        self._unlink_nodes()
 
     # ---- stop -------------------------------------------------------------------------------
 
