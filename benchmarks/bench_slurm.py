@@ -158,8 +158,7 @@ def main() -> int:
             dest = f"s3://{bucket}/night{k}/"
             argv = [
                 "srun", f"--nodes={n}", "--ntasks-per-node=1", f"--chdir={ROOT}", "--time=10",
-                # each node keeps its task's output in the cluster's directory: no output stream
-                # to srun (at 16 nodes on 2 loaded cores a step could hang flushing it)
+                # each node keeps its task's output in the cluster's directory (the summary goes to S3)
                 "--input=none", f"--output={cluster.dir}/job-%j-%N.out",  # type: ignore[union-attr]
                 str(ROOT / ".venv/bin/python"), "-m", "pytest", "suites/health", "--host=local://",
                 "--check-only", "-p", "no:cacheprovider", "-o", "addopts=", "-q",

@@ -19,6 +19,7 @@ is not installed (``scripts/setup.sh`` installs it) or the lab cannot run.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
@@ -69,6 +70,7 @@ def slurm(lab: Any) -> Iterator[SlurmSession]:
     if why:
         pytest.skip(why)
     session = SlurmSession(lab)
+    atexit.register(session.close)  # a safety net, as the lab's own fixture has
     try:
         yield session
     finally:
