@@ -40,7 +40,7 @@ GROUPS = "/sys/kernel/iommu_groups"
 WRITABLE = ("DMA", "DMA-FQ", "identity", "auto")
 # Drivers that set .driver_managed_dma: really_probe() -> dma_configure() never calls
 # iommu_device_use_default_domain() for them, so from 6.4 they do not raise group->owner_cnt
-# (drivers/vfio/pci/vfio_pci.c, drivers/pci/pci-stub.c, drivers/pci/pcie/portdrv.c; LAB-SOURCES).
+# (commits 70693f470848 vfio, 18c7a349d072 pci-stub, c7d469849747 pcieport; docs/LAB-SOURCES.md).
 DRIVER_MANAGED_DMA = ("vfio-pci", "pci-stub", "pcieport")
 SNP_PARAM = "/sys/module/kvm_amd/parameters/sev_snp"  # KVM SNP host support (6.11+): Y when SNP is up
 SNP_LINE = "AMD-Vi: IOMMU SNP support enabled"  # printed by iommu_snp_enable() whenever amd_iommu_snp_en
