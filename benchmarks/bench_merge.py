@@ -232,13 +232,17 @@ def main() -> int:
         )
         out = work / "fleet.html"
         r = merge_runs([str(nodes)], out, args.rounds)
+        rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the merges only, so far
         html_size = out.stat().st_size
         json_size = out.with_suffix(".json").stat().st_size
         print(
             f"merge of a directory: {r['wall']:.2f} s wall, {r['cpu']:.2f} CPU-s (median of {args.rounds}; "
             f"walls {', '.join(f'{w:.2f}' for w in r['walls'])})"
         )
-        print(f"  merged HTML {html_size / 1e6:.2f} MB, merged JSON {json_size / 1e6:.1f} MB")
+        print(
+            f"  merged HTML {html_size / 1e6:.2f} MB, merged JSON {json_size / 1e6:.1f} MB, "
+            f"peak memory of the merge {rss_mb:.0f} MB"
+        )
         print("  " + r["out"].strip().splitlines()[1] if len(r["out"].strip().splitlines()) > 1 else "")
         results = {"nodes": args.nodes, "dir": r, "html_bytes": html_size}
         if not args.no_s3:
