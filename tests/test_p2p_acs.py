@@ -80,6 +80,18 @@ def test_redirect_only_for_pairs_that_turn_in_a_switch() -> None:
     assert acs.redirect(paths, "0000:17:00.0", "0000:3a:00.0") is None  # different root ports
     assert acs.redirect(acs.parse_paths(_paths(redirect=False)), "0000:17:00.0", "0000:18:00.0") is None
     assert acs.parse_paths({"error": "x"}) == {} and acs.parse_paths(None) == {}
+    hostile = {
+        "0000:17:00.0": {
+            "driver": "nvidia",
+            "ports": [_port("$(reboot)", "root"), _port("0000:16:00.0", "<b>")],
+        },
+        "../../etc": {"driver": "nvidia", "ports": []},
+    }
+    parsed = acs.parse_paths(hostile)
+    assert list(parsed) == ["0000:17:00.0"] and [p.bdf for p in parsed["0000:17:00.0"].ports] == [
+        "0000:16:00.0"
+    ]
+    assert parsed["0000:17:00.0"].ports[0].type is None and parsed["0000:17:00.0"].ports[0].isolates() is None
 
 
 def test_plan_names_redirected_pairs_with_the_boot_option_and_its_cost() -> None:

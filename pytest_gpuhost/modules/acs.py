@@ -25,7 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_gpuhost.modules.pci import BDF_RE
+
 __all__ = [
+    "ACS_BITS",
     "REDIRECT",
     "REQ_ACS_FLAGS",
     "Port",
@@ -37,6 +40,8 @@ __all__ = [
 
 REQ_ACS_FLAGS = ("SrcValid", "ReqRedir", "CmpltRedir", "UpstreamFwd")  # drivers/iommu/iommu.c
 REDIRECT = ("ReqRedir", "CmpltRedir")
+ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
+_TYPES = ("root", "upstream", "downstream", "pcie-to-pci", "pci-to-pcie", "other")
 
 
 @dataclass(frozen=True)
@@ -103,23 +108,31 @@ def parse_paths(raw: Any) -> dict[str, GpuPath]:
         return {}
     out: dict[str, GpuPath] = {}
     for bdf, entry in raw.items():
-        if not isinstance(entry, dict):
-            continue
+        if not isinstance(entry, dict) or not BDF_RE.match(str(bdf)):
+            continue  # node data: only PCI addresses, known types and bit names are kept
         ports = []
         for p in entry.get("ports") or []:
-            acs = p.get("acs")
+            if not isinstance(p, dict) or not BDF_RE.match(str(p.get("bdf"))):
+                continue
+            acs = p.get("acs") if isinstance(p.get("acs"), dict) else None
+            kind = p.get("type") if p.get("type") in _TYPES else None
             ports.append(
                 Port(
                     str(p.get("bdf")),
-                    p.get("type"),
+                    kind,
                     bool(p.get("multifunction")),
-                    None if acs is None else bool(acs.get("present")),
-                    tuple((acs or {}).get("cap") or ()),
-                    tuple((acs or {}).get("ctl") or ()),
+                    None if acs is None or kind is None else bool(acs.get("present")),
+                    _bits((acs or {}).get("cap")),
+                    _bits((acs or {}).get("ctl")),
                 )
             )
-        out[str(bdf)] = GpuPath(str(bdf), entry.get("driver"), ports)
+        driver = entry.get("driver")
+        out[str(bdf)] = GpuPath(str(bdf), driver if isinstance(driver, str) else None, ports)
     return out
+
+
+def _bits(raw: Any) -> tuple[str, ...]:
+    return tuple(b for b in raw if b in ACS_BITS) if isinstance(raw, list) else ()
 
 
 def isolation_gaps(path: GpuPath | None) -> list[Port]:

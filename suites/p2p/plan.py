@@ -326,13 +326,19 @@ def _shared_group(g: GpuInfo, paths: dict[str, acs.GpuPath], shared: dict[int, s
     """
     assert g.group is not None
     vm = [m.bdf for m in g.group.members if m.driver == "vfio-pci"]
-    gaps = acs.isolation_gaps(paths.get(g.bdf))
+    path = paths.get(g.bdf)
+    gaps = acs.isolation_gaps(path)
+    unknown = [p for p in path.ports if p.isolates() is None] if path else []
     if gaps:
         cause = "ACS missing on " + "; ".join(p.describe() for p in gaps)
-    elif g.bdf in paths:
-        cause = "the GPU and the VM's device are functions of one device, or the ports' ACS state is unknown"
+    elif unknown:
+        cause = "of the ports above it; their ACS state could not be read: " + "; ".join(
+            p.describe() for p in unknown
+        )
+    elif path is not None:
+        cause = "the two are functions of one device, or a quirk or DMA alias joins them (no port above lacks ACS)"
     else:
-        cause = "the ports above it were not read (no pci_paths fact)"
+        cause = "of the ports above it, which were not read (no pci_paths fact)"
     why = (
         f"group {g.group.number} holds {g.bdf} (nvidia) and {', '.join(vm)} (vfio-pci, a VM's): the kernel "
         f"grouped them because {cause} (drivers/iommu/iommu.c pci_device_group()); changing the group's type "
