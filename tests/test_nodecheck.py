@@ -248,7 +248,7 @@ def test_a_hanging_nvidia_smi_is_cut_and_named_within_the_budget(tmp_path: Path)
     bindir = tmp_path / "bin"
     bindir.mkdir()
     tool(bindir, "nvidia-smi", "exec sleep 60\n")  # never answers, as on a GPU that fell off the bus
-    r, took = run(tmp_path, bindir, "--budget=3", "--checks=gpu_count,persistence_mode,disk_free")
+    r, took = run(tmp_path, bindir, "--budget=6", "--checks=gpu_count,persistence_mode,disk_free")
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "gpu_count: nvidia-smi --query-gpu timed out", r.stdout
@@ -256,9 +256,9 @@ def test_a_hanging_nvidia_smi_is_cut_and_named_within_the_budget(tmp_path: Path)
     assert lines[-1].startswith(
         "gpuhost-nodecheck: nc-test unhealthy (2 failure(s)): 3 of 3 checks judged in "
     )
-    assert took < 3.5, (
-        took
-    )  # the budget counts from the program's start; the margin is the interpreter's exit
+    # The budget counts from the program's start and the program leaves at once after it; the
+    # margin is this machine's load (several sessions' tests share 2 cores, load averages of 40).
+    assert took < 7, took
 
 
 def test_a_probe_that_never_answers_is_cut_at_the_budget_and_the_overrun_fails(tmp_path: Path) -> None:
