@@ -205,3 +205,47 @@ def test_nodecheck_drains_the_failed_nodes_and_resumes_them_when_healed(cluster:
     runs = cluster.node_exec(cluster.nodes[ok1], ["cat", log]).stdout
     assert "exit 0" in runs, runs
     assert states[ok2] == "idle"
+
+
+# ---- without the lab: what the cluster would be given --------------------------------------
+
+
+def _fake_host(name: str, index: int) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(profile=SimpleNamespace(hostname=name), index=index, address=f"198.18.{index}.2")
+
+
+def test_missing_packages_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import gpulab.slurm as gs
+
+    monkeypatch.setattr(gs, "PATH", str(tmp_path))  # nothing installed there
+    why = gs.slurm_unavailable()
+    assert why is not None
+    assert "munge, slurm-client, slurmctld, slurmd" in why and "scripts/setup.sh" in why, why
+
+
+def test_node_names_must_differ_and_conf_names_every_node() -> None:
+    import shutil
+
+    from gpulab.slurm import SlurmCluster, SlurmError
+
+    with pytest.raises(SlurmError, match=r"share the host name\(s\) gpu-node.*overrides=\{'hostname'"):
+        SlurmCluster([_fake_host("gpu-node", 5), _fake_host("gpu-node", 6)])
+    c = SlurmCluster(
+        [_fake_host("gpu-node-01", 5), _fake_host("gpu-node-02", 6)], extra_conf=["HealthCheckInterval=10"]
+    )
+    try:
+        conf = c.conf_text()
+        assert "SlurmctldHost=gpuhost-slurmctld(198.18.5.1)" in conf
+        assert "NodeName=gpu-node-02 NodeAddr=198.18.6.2 CPUs=1" in conf
+        assert f"AuthInfo=socket={c.dir}/munge/munge.socket" in conf
+        assert "HealthCheckInterval=10" in conf and "ProctrackType=proctrack/linuxproc" in conf
+        assert "/etc/" not in conf.replace("/etc/hosts", "")  # nothing of this machine's /etc
+        assert c.hosts_text().splitlines()[1:] == [
+            "198.18.5.1\tgpuhost-slurmctld",
+            "198.18.5.2\tgpu-node-01",
+            "198.18.6.2\tgpu-node-02",
+        ]
+    finally:
+        shutil.rmtree(c.dir)
