@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.exec.nodename import local_node_name, safe_host_name
 from pytest_gpuhost.exec.s3io import S3Store
 from pytest_gpuhost.redact import redact_obj
 from pytest_gpuhost.report.summary import FORMAT
 
-__all__ = ["SummaryError", "atomic_write", "load_summary", "write_summary"]
+__all__ = ["SummaryError", "atomic_write", "load_summary", "object_name", "write_summary"]
 
 
 class SummaryError(GpuhostError, ValueError):
@@ -44,16 +44,27 @@ def atomic_write(path: str, text: str) -> None:
 def write_summary(summary: Mapping[str, Any], dest: str, store: S3Store | None = None) -> str:
     """Write the fleet summary to a path or an s3:// URL; return where it went.
 
-    An s3:// prefix ending in `/` gets `<node name>.json`, so the nodes of one job can share it.
+    An s3:// prefix ending in `/` gets `<node name>.json`, so the nodes of one job can share it:
+    `object_name(summary)`, one safe path component.
     """
     text = json.dumps(redact_obj(summary), indent=1, sort_keys=False, default=str)
     if dest.startswith("s3://"):
         if dest.endswith("/"):
-            dest = dest + socket.gethostname() + ".json"
+            dest = dest + object_name(summary) + ".json"
         (store or S3Store()).put(dest, text.encode("utf-8"), content_type="application/json")
         return dest
     atomic_write(dest, text)
     return dest
+
+
+def object_name(summary: Mapping[str, Any]) -> str:
+    """The name of a run's object under a shared s3:// prefix: the one host it checked (a per-node
+    run: `local://` is named after the node), else this machine's node name ($GPUHOST_NODE_NAME or
+    its host name). Either is made a valid host name (`safe_host_name`: never `/`, `..` or markup;
+    two different names never collide), so a hostile name cannot pick another node's key."""
+    hosts = list(summary.get("hosts") or {})
+    raw = str(hosts[0]) if len(hosts) == 1 else local_node_name()
+    return safe_host_name(raw)
 
 
 def load_summary(source: str, store: S3Store | None = None) -> dict[str, Any]:
