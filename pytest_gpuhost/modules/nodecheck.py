@@ -43,10 +43,12 @@ __all__ = [
 
 STATE_FILE = "nodecheck-state.json"
 #: Checks left to the nightly suite: boot-time configuration (IOMMU, ACS, CUDA version), the P2P
-#: matrix, and the inference service (not on batch nodes).
-NIGHTLY_ONLY = frozenset({"cuda_version", "iommu_group_type", "acs", "p2p", "service", "service_health"})
+#: matrix, the inference service (not on batch nodes), and the opt-in active diagnostics.
+NIGHTLY_ONLY = frozenset(
+    {"cuda_version", "iommu_group_type", "acs", "p2p", "service", "service_health", "diag"}
+)
 #: The facts parts a node check never reads (their checks are nightly-only).
-_SKIPPED_PARTS = frozenset({"p2p", "services"})
+_SKIPPED_PARTS = frozenset({"p2p", "services", "diag"})
 COMMIT_TIMEOUT = 1.0
 
 
@@ -57,7 +59,7 @@ def default_checks() -> list[str]:
 
 #: Checks that read the kernel log part (the Xid/SXid lines, and the last run's counters kept
 #: with the cursor); without one of them the kernel log is not read at all.
-KERNEL_LOG_CHECKS = frozenset({"xid", "sxid", "clock_events"})
+KERNEL_LOG_CHECKS = frozenset({"xid", "sxid", "clock_events", "pcie_aer", "infiniband"})
 #: The check whose verdict moves the cursor: a run without it leaves the Xid lines for a later run.
 COMMIT_CHECK = "xid"
 
