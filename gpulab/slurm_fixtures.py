@@ -12,8 +12,8 @@ Loaded by ``tests/conftest.py`` (``pytest_plugins``). Use::
 
 ``cluster(profiles, tag, extra_conf=())`` boots one lab host per profile, host names
 ``gpu-node-01``... in order (the Slurm node names), and starts slurmctld here and slurmd in each;
-the same arguments give the same cluster for the rest of the session. Every cluster is stopped
-before the lab hosts go down. Tests that use ``slurm`` are skipped, with the reason, when Slurm
+the same arguments give the same cluster for the rest of the session (``release(c)`` stops one
+earlier, say at the end of a module). Every cluster is stopped before the lab hosts go down. Tests that use ``slurm`` are skipped, with the reason, when Slurm
 is not installed (``scripts/setup.sh`` installs it) or the lab cannot run.
 """
 
@@ -54,6 +54,13 @@ class SlurmSession:
         c = SlurmCluster(hosts, extra_conf=extra_conf).start()
         self._clusters[key] = c
         return c
+
+    def release(self, cluster: SlurmCluster) -> None:
+        """Stop a cluster before the session ends (a module done with it); its lab hosts stay up."""
+        for key, c in list(self._clusters.items()):
+            if c is cluster:
+                del self._clusters[key]
+        cluster.stop()
 
     def close(self) -> None:
         """Stop every cluster (idempotent); the lab fixture takes the hosts down afterwards."""

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,10 @@ XID_MSG = "NVRM: Xid (PCI:0000:13:00): 79, pid=2231, name=python3, GPU has falle
 
 
 @pytest.fixture(scope="module")
-def cluster(slurm: Any) -> Any:
-    return slurm.cluster(PROFILES, tag="slm")
+def cluster(slurm: Any) -> Iterator[Any]:
+    c = slurm.cluster(PROFILES, tag="slm")
+    yield c
+    slurm.release(c)  # the health checks it may run stop with it; the lab hosts stay for the session
 
 
 @pytest.fixture(scope="module")
