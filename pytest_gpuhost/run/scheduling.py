@@ -138,9 +138,15 @@ class HostScheduling(LoadScopeScheduling):
         super().__init__(config, log)
         known: list[str] = config.stash.get(TARGET_NAMES, [])
         self._known = list(known)
+        self._scopes: dict[str, str] = {}
 
     def _split_scope(self, nodeid: str) -> str:
-        return scope_of(nodeid, self._known)
+        # xdist asks again for every finished test (mark_test_complete); each answer compares the
+        # id with every target name, so it is kept (the names are fixed for the run)
+        scope = self._scopes.get(nodeid)
+        if scope is None:
+            scope = self._scopes[nodeid] = scope_of(nodeid, self._known)
+        return scope
 
     def schedule(self) -> None:
         assert self.collection_is_completed
