@@ -414,7 +414,9 @@ def main() -> int:
                 # pytest-html report, JSON evidence and JUnit, as a nightly run writes them.
                 # --repeat N: N rounds of the three, alternating which suite goes first; medians
                 runs: dict[str, list[dict[str, Any]]] = {"o": [], "r": [], "b": []}
+                loads: list[float] = []
                 for rnd in range(args.repeat):
+                    loads.append(os.getloadavg()[0])
                     order = ("o", "r", "b") if rnd % 2 == 0 else ("b", "o", "r")
                     for k in (k for k in order if k in kinds):
                         if k == "b":
@@ -451,6 +453,15 @@ def main() -> int:
                         + ", ".join(f"{w:.2f}" for w in r["walls"])
                         + " | testinfra "
                         + ", ".join(f"{w:.2f}" for w in b["walls"]),
+                        flush=True,
+                    )
+                    # The same round's runs are neighbours in time: their ratio is less moved by
+                    # other load on the machine than the ratio of the medians.
+                    print(
+                        "          ratio per round: "
+                        + ", ".join(f"{tb / to:.1f}x" for to, tb in zip(o["walls"], b["walls"], strict=True))
+                        + " | load average at each round's start: "
+                        + ", ".join(f"{x:.1f}" for x in loads),
                         flush=True,
                     )
         if len(kinds) < 3:

@@ -84,7 +84,8 @@ def _descendants(records: list[Exited], roots: set[int]) -> set[int]:
     parent = {r.pid: r.ppid for r in records}
     out: set[int] = set()
     for pid in parent:
-        seen, p = [], pid
+        seen: list[int] = []
+        p = pid
         while p in parent and p not in roots and p not in out and len(seen) < 64:
             seen.append(p)
             p = parent[p]
