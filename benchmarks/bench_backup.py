@@ -350,6 +350,10 @@ def main() -> int:
         ratios["ours+S3 / (rsync + aws s3 sync) (goal < 1)"] = (
             times["ours + S3"] / times["rsync + aws s3 sync"]
         )
+        # what the wall-time ratio tends to on a busy machine: all CPU-seconds spent, moto included
+        ratios["CPU-s sum, ours+S3 / (rsync + aws s3 sync)"] = (
+            median_cpu(cpu["ours + S3"])["total"] / median_cpu(cpu["rsync + aws s3 sync"])["total"]
+        )
     print(f"\nbackup benchmark, b200-nvl8 /data at scale {scale} ({info.get('bytes', 0) / 1e6:.0f} MB)")
     print("  wall: median (each round); CPU-seconds, median over the rounds: tool / moto / node / sum")
     for name, secs in times.items():
