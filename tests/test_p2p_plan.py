@@ -228,7 +228,12 @@ class _Writer:
 @pytest.mark.parametrize(
     ("code", "kernel", "members", "needle"),
     [
-        (errno.EPERM, "6.8.12-4-pve", 1, "owner_cnt is not zero: bound to a driver that uses the kernel DMA API"),
+        (
+            errno.EPERM,
+            "6.8.12-4-pve",
+            1,
+            "owner_cnt is not zero: bound to a driver that uses the kernel DMA API",
+        ),
         (errno.EPERM, "6.1.0-18-amd64", 1, "EPERM: a device of the group is still bound"),
         (errno.EBUSY, "6.1.0-18-amd64", 1, "EBUSY: device still bound"),
         (errno.EINVAL, "6.1.0-18-amd64", 2, "before 6.4) cannot change the type of a group with 2 devices"),
