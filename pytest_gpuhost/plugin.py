@@ -146,7 +146,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     hint = targets_stash.sudo_hint(item, report, call.excinfo.value if call.excinfo else None)
     if hint:
         report.sections.append(("gpuhost hint", hint))
-    html_report.add_extras(report)
+    # HTML for pytest-html only where an HTML report may be written (workers see --report-dir, not
+    # the path the controller derives from it): with --report-dir=none and no --html it is never shown
+    if settings.read(item.config).report_dir is not None or getattr(item.config.option, "htmlpath", None):
+        html_report.add_extras(report)
     return report
 
 
