@@ -171,6 +171,8 @@ def test_group_shared_with_a_vms_device_is_refused_naming_both_and_the_port() ->
     assert "group 14 holds 0000:3a:00.0 (nvidia) and 0000:3b:00.0, 0000:3b:00.1 (vfio-pci, a VM's)" in why
     assert "ACS missing on 0000:37:01.0 (root port): no ACS capability" in why
     assert "never touched" in why and plan.shared[14] in plan.summary()
+    assert "enable ACS for that port in the BIOS" in why and "give the whole group to one side" in why
+    assert "pcie_acs_override" in why and "without the IOMMU seeing it" in why
     touched = {f.bdf for g in plan.groups for f in g.functions}
     assert not touched & {"0000:3b:00.0", "0000:3b:00.1", "0000:3a:00.0"}
     named = make_plan(gpus_from(_shared_facts()), kernel=KERNEL, selected=["0000:3a:00.0"])

@@ -343,9 +343,12 @@ def _shared_group(g: GpuInfo, paths: dict[str, acs.GpuPath], shared: dict[int, s
         f"group {g.group.number} holds {g.bdf} (nvidia) and {', '.join(vm)} (vfio-pci, a VM's): the kernel "
         f"grouped them because {cause} (drivers/iommu/iommu.c pci_device_group()); changing the group's type "
         f"would unbind the VM's device, so group {g.group.number} is refused and {', '.join(vm)} is never "
-        "touched. To repair it: move one of the two to a slot whose ports implement ACS (the kernel turns ACS "
-        "on at boot where the port has it: drivers/pci/pci.c pci_std_enable_acs()), or enable ACS for that "
-        "port in the BIOS"
+        "touched. Options: (1) enable ACS for that port in the BIOS if it offers it, or move one of the two "
+        "to a slot whose ports implement ACS (the kernel turns ACS on at boot wherever the port has it: "
+        "drivers/pci/pci.c pci_std_enable_acs()): a reboot, or a power-off to move a card; (2) give the whole "
+        "group to one side (the VM takes the GPU too, or gives its device back): one GPU fewer for the other "
+        "side. Not an option: the out-of-tree pcie_acs_override patch only pretends the port isolates, and the "
+        "VM's device could then reach this GPU peer-to-peer without the IOMMU seeing it"
     )
     shared.setdefault(g.group.number, why)
     return why
