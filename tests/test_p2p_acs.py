@@ -197,7 +197,8 @@ def test_pcieport_members_stay_bound_from_6_4_and_block_before() -> None:
         "0000:3b:00.1",
     ]
     old = make_plan(gpus_from(facts), kernel="6.1.0-18-amd64")
-    assert old.errors and "14" in old.errors[0]  # 5.11-6.3: a group of several devices cannot change
+    # 5.11-6.3: a group of several devices cannot change; every member counts (pcieport too)
+    assert old.errors and "group 14: 0000:37:01.0, 0000:38:00.0, 0000:3a:00.0" in old.errors[0]
 
 
 def _config(ptype: int, acs_ctl: int | None, size: int = 4096) -> bytes:

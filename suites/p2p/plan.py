@@ -307,12 +307,17 @@ def _era_errors(plan: P2PPlan) -> list[str]:
             "it is writable from 5.11 (commit 08a27c1c3ecf). Nothing was changed: boot with iommu=pt (every group "
             "identity at boot), or run kernel 6.4 or later (5.11-6.3 cannot retype a GPU with its audio function)"
         ]
-    multi = [g.number for g in plan.groups_to_fix if len(g.functions) > 1 and not g.identity]
+    multi = [g for g in plan.groups_to_fix if len(g.functions) > 1 and not g.identity]
     if era < (6, 4) and multi:
-        groups = ", ".join(str(n) for n in multi)
+        groups = ", ".join(str(g.number) for g in multi)
+        what = (
+            "GPU and audio function"
+            if all(len(g.functions) == 2 for g in multi)
+            else "; ".join(f"group {g.number}: {', '.join(f.bdf for f in g.functions)}" for g in multi)
+        )
         return [
             f"kernel {plan.kernel} (before 6.4) cannot change the type of a group with more than one device "
-            f"(groups {groups}: GPU and audio function): boot with iommu=pt, or run kernel 6.4 or later"
+            f"(groups {groups}: {what}): boot with iommu=pt, or run kernel 6.4 or later"
         ]
     return []
 
