@@ -162,7 +162,9 @@ def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict
             "copy_s": round(res.duration, 2),
         }
         if up is not None and session is not None:
+            copied = time.perf_counter()
             during = session.finish()
+            out["upload_tail_s"] = round(time.perf_counter() - copied, 2)  # uploads left when the copy ended
             # as the suite's "data in S3" step: one listing of the prefix proves every object
             # (present, with the ETag and size recorded when its upload was verified); only what
             # it does not prove is uploaded again and checked again
@@ -304,6 +306,8 @@ def main() -> int:
                         aws_secret_access_key=FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
                         region_name=FAKE_ENV["AWS_DEFAULT_REGION"],
                     ).create_bucket(Bucket="bench")
+                    # the 1-minute load average as each run starts (other sessions' work)
+                    info.setdefault("load", []).append(f"{tool} {os.getloadavg()[0]:.1f}")
                     if tool == "aws":
                         shutil.rmtree(work / "rsync-s3", ignore_errors=True)
                         c = Cpu(h, moto.pid)
@@ -328,6 +332,7 @@ def main() -> int:
                             )
                         )
                         sample("ours + S3", t, c.stop(info["ours + S3"]["ssh_master_cpu"]))
+                        info.setdefault("ours + S3 rounds", []).append(info["ours + S3"])
                     stop_moto(moto)
                     moto = None
             for k in ("rsync + aws s3 sync", "aws s3 sync", "ours + S3"):
@@ -369,6 +374,7 @@ def main() -> int:
     print(f"  ours noop: {info['ours noop']}")
     if "ours + S3" in info:
         print(f"  ours + S3: {info['ours + S3']}; aws rc {info['aws rc']} {info['aws errors']}")
+        print(f"  load average as each S3 run started: {', '.join(info['load'])}")
     out = ROOT / "reports" / ("bench_backup_smoke.json" if args.smoke else "bench_backup.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(
