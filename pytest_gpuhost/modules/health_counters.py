@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pytest_gpuhost.modules.health_ib import ib_state
+from pytest_gpuhost.modules.health_nvlink import nvlink_state
 from pytest_gpuhost.modules.health_thresholds import Thresholds
 from pytest_gpuhost.modules.health_verdict import (
     Facts,
@@ -76,10 +77,12 @@ def counters_state(facts: Facts) -> dict[str, Any] | None:
     gpus = _current(facts)
     aer = _aer_now(facts)
     ib = ib_state(facts)
-    if not gpus and not aer and not ib:
+    nvlink = nvlink_state(facts)
+    if not gpus and not aer and not ib and nvlink is None:
         return None
     boot = ((facts.get("kernel_log") or {}).get("cursor") or {}).get("boot_id")
-    return {"version": 1, "at": facts.get("time"), "boot_id": boot, "gpus": gpus, "aer": aer, "ib": ib}
+    out = {"version": 1, "at": facts.get("time"), "boot_id": boot, "gpus": gpus, "aer": aer, "ib": ib}
+    return out if nvlink is None else {**out, "nvlink": nvlink}
 
 
 def _previous(facts: Facts) -> Mapping[str, Any]:

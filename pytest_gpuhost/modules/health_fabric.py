@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pytest_gpuhost.modules.health_nvlink import judge_nvlink_errors
 from pytest_gpuhost.modules.health_thresholds import Thresholds, model_spec
 from pytest_gpuhost.modules.health_verdict import (
     Facts,
@@ -103,6 +104,8 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
     gpus = (part or {}).get("gpus") or {}
     total = sum(len(g.get("links") or {}) for g in gpus.values())
     expected = _expected_links(facts, t)
+    # error counters since the last run (health_nvlink), read where `nvlink -s` printed links
+    counted, counters, note = judge_nvlink_errors(facts, t)
     if expected:
         short = []
         for idx, (want, label) in sorted(expected.items(), key=lambda kv: int(kv[0])):
@@ -112,12 +115,12 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
                 seen = f"{len(links)} link lines" if links else "no link lines"
                 short.append(f"{label}: {active} of {want} NVLinks active ({seen})")
         if short or part is None:
-            reasons = short or [str(err)]
+            reasons = (short or [str(err)]) + counted
             return failed(
                 "nvlink",
                 f"{len(short)} GPU(s) with fewer active NVLinks than the model has" if short else str(err),
                 reasons,
-                state={"expected": {i: w for i, (w, _) in expected.items()}},
+                state={"expected": {i: w for i, (w, _) in expected.items()}, "errors": counters},
             )
     if part is None or total == 0:
         if required:
@@ -133,10 +136,12 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
                 up += 1
             else:
                 reasons.append(f"GPU {idx} link {link}: {st.get('text') or 'down'}")
-    state = {"links_up": up, "links_total": total}
-    if reasons:
-        return failed("nvlink", f"{len(reasons)} of {total} NVLinks down", reasons, state=state)
-    return Verdict("nvlink", True, f"all {total} NVLinks up", state=state)
+    state = {"links_up": up, "links_total": total, "errors": counters}
+    if reasons or counted:
+        down = f"{len(reasons)} of {total} NVLinks down" if reasons else ""
+        grew = f"{len(counted)} NVLink error counter(s) past the limit since the last run" if counted else ""
+        return failed("nvlink", "; ".join(x for x in (down, grew) if x), reasons + counted, state=state)
+    return Verdict("nvlink", True, f"all {total} NVLinks up" + (f"; {note}" if note else ""), state=state)
 
 
 def check_fabric(facts: Facts, t: Thresholds) -> Verdict:

@@ -31,14 +31,48 @@ __all__ = [
 #: Temp : 95 C" on H100-class boards; None for B200 (always read from the GPU: HGX only, where the
 #: probe reads `nvidia-smi -q` anyway) and the RTX PRO 6000 (GDDR7: no memory temperature);
 #: `h2d_gbps_min`, the host<->device copy bandwidth every GPU must reach (nvbandwidth, opt-in
-#: `diag`): 48 GB/s for H100/H200 as Azure's HPC health checks expect; none known for the others.
+#: `diag`): 48 GB/s for H100/H200 as Azure's HPC health checks expect; none known for the others;
+#: `nvlink_errors_max`, the growth of each NVLink error counter allowed per link since the last
+#: run, per class (health_nvlink.CLASSES): 0 for every class, the defaults of the NVLink error
+#: check of facebookresearch/gcm (`check-dcgmi nvlink`: CRC data/flit, replay and recovery
+#: thresholds 0); an inventory nvlink_<class>_max overrides it.
+_NVLINK_ERRORS_MAX = {"replay": 0, "recovery": 0, "crc": 0, "link_errors": 0}
 MODELS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("B200", {"nvlinks": 18, "fabric": True, "ecc": True, "memory_temp_max": None}),
+    (
+        "B200",
+        {
+            "nvlinks": 18,
+            "fabric": True,
+            "ecc": True,
+            "memory_temp_max": None,
+            "nvlink_errors_max": _NVLINK_ERRORS_MAX,
+        },
+    ),
     ("H100 PCIe", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
     ("H100 NVL", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
-    ("H100", {"nvlinks": 18, "fabric": True, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
+    (
+        "H100",
+        {
+            "nvlinks": 18,
+            "fabric": True,
+            "ecc": True,
+            "memory_temp_max": 95,
+            "h2d_gbps_min": 48,
+            "nvlink_errors_max": _NVLINK_ERRORS_MAX,
+        },
+    ),
     ("H200 NVL", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
-    ("H200", {"nvlinks": 18, "fabric": True, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
+    (
+        "H200",
+        {
+            "nvlinks": 18,
+            "fabric": True,
+            "ecc": True,
+            "memory_temp_max": 95,
+            "h2d_gbps_min": 48,
+            "nvlink_errors_max": _NVLINK_ERRORS_MAX,
+        },
+    ),
     ("RTX PRO 6000", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": None}),
 )
 
@@ -112,6 +146,21 @@ THRESHOLDS: tuple[Threshold, ...] = (
         None,
         int,
         "active NVLinks every GPU must have; unset: the model's (MODELS: 18 for B200, H100/H200 SXM)",
+    ),
+    *(
+        Threshold(
+            f"nvlink_{cls}_max",
+            None,
+            int,
+            f"growth of each NVLink {what} counter allowed per link since the last run; "
+            "unset: the model's (MODELS: 0)",
+        )
+        for cls, what in (
+            ("replay", "replay-error"),
+            ("recovery", "recovery-error / link-recovery-event"),
+            ("crc", "CRC-error"),
+            ("link_errors", "packet/link-error (NVLink 5: Rx, Symbol, Malformed packet, ...)"),
+        )
     ),
     Threshold(
         "ib_ports",

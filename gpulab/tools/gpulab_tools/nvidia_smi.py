@@ -2,7 +2,7 @@
 
 Supports: the default table, ``-L``, ``--query-gpu=...``/``--query-compute-apps=...``/``--query-remapped-rows=...`` with
 ``--format=csv[,noheader][,nounits]``, ``-i``, ``-pm 0|1``, ``-r`` (nvidia_smi_reset.py), ``-q``, ``topo -m``,
-``topo -p2p r|w|n|a|p`` and ``nvlink -s``. A GPU that is not bound to nvidia (or whose /dev/nvidiaN is absent, as in a
+``topo -p2p r|w|n|a|p``, ``nvlink -s`` and ``nvlink -e`` (nvidia_smi_nvlink.py). A GPU that is not bound to nvidia (or whose /dev/nvidiaN is absent, as in a
 container without it) is invisible; with none visible it prints "No devices were found" (exit 6).
 """
 
@@ -634,9 +634,14 @@ def main(argv: list[str]) -> int:
             usage_error()
         return 0
     if mode == "nvlink":
+        nid = sub[sub.index("-i") + 1] if "-i" in sub and sub.index("-i") + 1 < len(sub) else None
         if "-s" in sub or "--status" in sub:
-            nid = sub[sub.index("-i") + 1] if "-i" in sub and sub.index("-i") + 1 < len(sub) else None
             nvlink_status(host, nid)
+            return 0
+        if "-e" in sub or "--errorcounters" in sub:
+            from gpulab_tools.nvidia_smi_nvlink import nvlink_errors
+
+            nvlink_errors(host, select(host, nid), ["nvlink", *sub])
             return 0
         usage_error()
     if qgpu is not None:

@@ -338,7 +338,39 @@ def part_nvlink(params, record):
                 "gbps": gbps,
                 "text": state,
             }
-    return {"ok": True, "gpus": gpus}
+    out = {"ok": True, "gpus": gpus}  # type: dict
+    if any(g["links"] for g in gpus.values()):  # a host without NVLink starts no second process
+        res = run_recorded(["nvidia-smi", "nvlink", "-e"], float(params.get("timeout", 20)), record)
+        err = res["rc"] != 0 and {"ok": False, "error": _cmd_error(res, "nvidia-smi nvlink -e")}
+        out["errors"] = err or {"ok": True, "gpus": parse_nvlink_errors(res["stdout"])}
+    return out
+
+
+_KEEP = re.compile(r"^(?!FEC |Raw ).*(errors|events|discards)$", re.IGNORECASE)
+
+
+def parse_nvlink_errors(text):
+    """`nvidia-smi nvlink -e` -> {GPU index: {"uuid", "links": {link: {counter: int}}}}: one line
+    per link and counter ("Link 0: Replay Errors: 0"; NVLink 5 "Link 0: Link recovery failed
+    events: 0"; docs/health-checks.md cites both), or "Link 0:" with its counters below. Kept:
+    error counters, not the FEC histogram nor raw per-lane counts (non-zero on healthy links)."""
+    gpus = {}  # type: dict
+    current, link = None, None  # type: dict | None, str | None
+    for raw in text.splitlines():
+        line = raw.strip()
+        m = re.match(r"^GPU (\d+):\s*.*?(?:\(UUID:\s*([^)]*)\))?$", line)
+        if m:
+            current, link = {"uuid": m.group(2), "links": {}}, None
+            gpus[m.group(1)] = current
+            continue
+        m = re.match(r"^Link (\d+):\s*(.*)$", line)
+        if m:
+            link, line = m.group(1), m.group(2).strip()
+        name, _, value = line.rpartition(":")
+        name, value = name.strip(), value.strip()
+        if current is not None and link is not None and _KEEP.match(name) and value.isdecimal():
+            current["links"].setdefault(link, {})[name] = int(value)
+    return gpus
 
 
 def part_p2p(params, record):
