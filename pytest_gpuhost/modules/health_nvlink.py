@@ -1,9 +1,9 @@
 """NVLink error counters since the last run: per GPU, link and counter (part of the `nvlink` check).
 
 Pure logic, no I/O. The probe reads `nvidia-smi nvlink -e` in the `nvlink` part, only on hosts
-where `nvidia-smi nvlink -s` printed links (`nvlink.errors`: per GPU index, per link, each error
-counter as printed). The counters count since the driver loaded (or since `nvidia-smi nvlink -r`
-reset them), so a count says nothing of last night by itself: `nvlink_state` is what the health
+where `nvidia-smi nvlink -s` printed links (`nvlink.errors`: per GPU index the number of error
+counters read, and per link the non-zero ones as printed). The counters count since the driver
+loaded (or since `nvidia-smi nvlink -r` reset them), so a count says nothing of last night by itself: `nvlink_state` is what the health
 state keeps of this run (`counters.nvlink` in health-state.json, written by
 health_facts.commit_state through health_counters.counters_state), and `judge_nvlink_errors`
 compares this run's counters with the last run's, which come back in the kernel-log part
@@ -133,7 +133,8 @@ def judge_nvlink_errors(facts: Facts, t: Thresholds) -> tuple[list[str], dict[st
         err = str(part.get("error") or "nvidia-smi nvlink -e failed")
         return [f"NVLink error counters unreadable: {err}"], {"error": err}, ""
     now = nvlink_errors_now(facts) or {}
-    if not any(now.values()):
+    read = sum(int(g.get("read") or 0) for g in (part.get("gpus") or {}).values() if isinstance(g, Mapping))
+    if not read:
         why = "nvidia-smi nvlink -e printed no error counters for links nvlink -s lists"
         return [why], {"error": why}, ""
     prev = _previous(facts)
@@ -168,12 +169,11 @@ def judge_nvlink_errors(facts: Facts, t: Thresholds) -> tuple[list[str], dict[st
                         f"{label} link {link}: {name} +{value - was} since the last run "
                         f"(now {value}; limit {limits[cls]}, {cls})"
                     )
-    state: dict[str, Any] = {"grown": grown, "reset": reset, "baseline": baseline}
-    n_links = sum(len(v) for v in now.values())
+    state: dict[str, Any] = {"grown": grown, "reset": reset, "baseline": baseline, "counters_read": read}
     if prev is None:
-        note = f"NVLink error counters of {n_links} links recorded as the baseline (first run)"
+        note = f"{read} NVLink error counters on {len(now)} GPUs recorded as the baseline (first run)"
     else:
-        note = f"no NVLink error counter past its limit since the last run on {n_links} links"
+        note = f"no NVLink error counter past its limit since the last run ({read} counters, {len(now)} GPUs)"
         if baseline:
             note += f" (baseline for {', '.join(baseline)})"
         if reset:

@@ -350,17 +350,15 @@ _KEEP = re.compile(r"^(?!FEC |Raw ).*(errors|events|discards)$", re.IGNORECASE)
 
 
 def parse_nvlink_errors(text):
-    """`nvidia-smi nvlink -e` -> {GPU index: {"uuid", "links": {link: {counter: int}}}}: one line
-    per link and counter ("Link 0: Replay Errors: 0"; NVLink 5 "Link 0: Link recovery failed
-    events: 0"; docs/health-checks.md cites both), or "Link 0:" with its counters below. Kept:
-    error counters, not the FEC histogram nor raw per-lane counts (non-zero on healthy links)."""
+    """`nvidia-smi nvlink -e` -> {GPU index: {"uuid", "read": N, "links": {link: {counter: value}}}}:
+    the non-zero error counters, "Link 0: Rx Errors: 2" (docs/health-checks.md: formats, what is left out)."""
     gpus = {}  # type: dict
     current, link = None, None  # type: dict | None, str | None
     for raw in text.splitlines():
         line = raw.strip()
         m = re.match(r"^GPU (\d+):\s*.*?(?:\(UUID:\s*([^)]*)\))?$", line)
         if m:
-            current, link = {"uuid": m.group(2), "links": {}}, None
+            current, link = {"uuid": m.group(2), "read": 0, "links": {}}, None
             gpus[m.group(1)] = current
             continue
         m = re.match(r"^Link (\d+):\s*(.*)$", line)
@@ -369,7 +367,9 @@ def parse_nvlink_errors(text):
         name, _, value = line.rpartition(":")
         name, value = name.strip(), value.strip()
         if current is not None and link is not None and _KEEP.match(name) and value.isdecimal():
-            current["links"].setdefault(link, {})[name] = int(value)
+            current["read"] += 1
+            if int(value):  # zeros are not sent: a GPU read with no link under it had none
+                current["links"].setdefault(link, {})[name] = int(value)
     return gpus
 
 
