@@ -73,7 +73,9 @@ def test_parser_reads_both_counter_sets_and_keeps_only_error_counters() -> None:
         "GPU 3: NVIDIA GB300\n\t Link 5:\n\t\t Rx Errors: 9\n\t\t Effective BER: 1e-12\n"
     )
     assert nested == {"3": {"uuid": None, "read": 1, "links": {"5": {"Rx Errors": 9}}}}
-    # hostile or odd values are not counters
+    # hostile or odd names and values are not counters
+    odd = "GPU 0: X\n\t Link 0: <b>\u202e Errors: 1\n\t Link 0: " + "x" * 200 + " Errors: 1\n"
+    assert parse_nvlink_errors(odd)["0"] == {"uuid": None, "read": 0, "links": {}}
     assert (
         parse_nvlink_errors("GPU 0: X\n\t Link 0: CRC Errors: -1\n\t Link 0: Rx Errors: ²\n")["0"]["links"]
         == {}

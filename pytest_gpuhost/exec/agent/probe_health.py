@@ -346,7 +346,7 @@ def part_nvlink(params, record):
     return out
 
 
-_KEEP = re.compile(r"^(?!FEC |Raw ).*(errors|events|discards)$", re.IGNORECASE)
+_KEEP = re.compile(r"^(?!FEC |Raw )[ -~]{0,60}(errors|events|discards)$", re.IGNORECASE)  # bounded ASCII
 
 
 def parse_nvlink_errors(text):
