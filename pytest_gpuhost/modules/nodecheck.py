@@ -59,7 +59,7 @@ def default_checks() -> list[str]:
 
 #: Checks that read the kernel log part (the Xid/SXid lines, and the last run's counters kept
 #: with the cursor); without one of them the kernel log is not read at all.
-KERNEL_LOG_CHECKS = frozenset({"xid", "sxid", "clock_events", "pcie_aer", "infiniband"})
+KERNEL_LOG_CHECKS = frozenset({"xid", "sxid", "clock_events", "pcie_aer", "infiniband", "nvlink"})
 #: The check whose verdict moves the cursor: a run without it leaves the Xid lines for a later run.
 COMMIT_CHECK = "xid"
 
