@@ -4,7 +4,12 @@ text, the comparison with the last run's counters, and what the health state kee
 from __future__ import annotations
 
 import copy
+import json
+import os
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from pytest_gpuhost.exec.agent.probe_health import parse_nvlink_errors
 from pytest_gpuhost.modules import health as hm
@@ -227,3 +232,34 @@ def test_model_table_and_h100_counter_names() -> None:
         "GPU 0 (0000:1b:00.0) link 1: CRC Errors +4 since the last run (now 9; limit 0, crc)"
     ]
     assert judge(facts2, nvlink_crc_max=4).ok
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
+def test_the_labs_nvlink_e_prints_what_the_probe_reads(tmp_path: Path) -> None:
+    """The lab's nvidia-smi nvlink -e on the B200 profile: NVLink 5 lines per link, -i, the fault."""
+    from gpulab.sysfs import StandaloneMount
+    from tests.test_lab_tools import Lab
+
+    with StandaloneMount("b200-nvl8", tmp_path / "m") as m:
+        b = Lab(m, tmp_path / "root", "b200-nvl8")
+        out = b.run("nvidia-smi", "nvlink", "-e").splitlines()
+        assert out[0] == "GPU 0: NVIDIA B200 (UUID: GPU-4fe656c6-3035-7d82-9c8d-0da4eb4f1b57)"
+        assert out[1:3] == ["\t Link 0: Malformed packet Errors: 0", "\t Link 0: Buffer overrun Errors: 0"]
+        assert "\t Link 17: Effective BER: 15e-255" in out and len(out) == 8 * (1 + 18 * 30)
+        got = parse_nvlink_errors("\n".join(out))
+        assert len(got) == 8 and all(g["read"] == 18 * 12 and g["links"] == {} for g in got.values())
+        faults = {"gpus": {"0000:43:00.0": {"nvlink_errors": {"7": {"Link recovery failed events": 2}}}}}
+        (tmp_path / "root/var/lib/gpulab/faults.json").write_text(json.dumps(faults))
+        one = parse_nvlink_errors(b.run("nvidia-smi", "nvlink", "-e", "-i", "1"))
+        assert one == {
+            "1": {
+                "uuid": "GPU-61446c06-e82e-2fe2-6288-a052bc523272",
+                "read": 18 * 12,
+                "links": {"7": {"Link recovery failed events": 2, "Total link recovery events": 2}},
+            }
+        }
+        runs = [json.loads(x) for x in (Path(m.state) / "record.jsonl").read_text().splitlines()]
+        assert [r["argv"] for r in runs if r.get("op") == "nvidia-smi"] == [
+            ["nvlink", "-e"],
+            ["nvlink", "-e", "-i", "1"],
+        ]
