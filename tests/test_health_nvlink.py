@@ -208,6 +208,7 @@ def test_unreadable_counters_fail_and_the_last_runs_state_is_carried_forward() -
     facts["nvlink"]["errors"] = {"ok": False, "error": "nvidia-smi nvlink -e timed out"}
     v = judge(facts)
     assert not v.ok and v.reasons == ["NVLink error counters unreadable: nvidia-smi nvlink -e timed out"]
+    assert v.summary == v.reasons[0]
     assert nvlink_state(facts) == state["nvlink"]  # the next run still compares with a real reading
     facts["nvlink"]["errors"] = {"ok": True, "gpus": {"0": {"uuid": None, "links": {}}}}
     assert "printed no error counters" in judge(facts).reasons[0]

@@ -140,6 +140,7 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
     if reasons or counted:
         down = f"{len(reasons)} of {total} NVLinks down" if reasons else ""
         grew = f"{len(counted)} NVLink error counter(s) past the limit since the last run" if counted else ""
+        grew = counted[0] if "error" in counters else grew  # unreadable: say so, not "past the limit"
         return failed("nvlink", "; ".join(x for x in (down, grew) if x), reasons + counted, state=state)
     return Verdict("nvlink", True, f"all {total} NVLinks up" + (f"; {note}" if note else ""), state=state)
 
