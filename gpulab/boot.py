@@ -312,6 +312,15 @@ def _inner(ns: argparse.Namespace) -> None:
     _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev,size=256m", "shm", str(r / "dev/shm"))
     # A fresh /tmp per boot (as with tmp.mount); this machine's own /tmp is not the host's business.
     _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev,size=512m", "tmpfs", str(r / "tmp"))
+    # The checkout under test is the lab's stand-in for software installed on the host: lab hosts
+    # see it (and its .venv) through the overlay of this machine's /, except where the fresh /tmp
+    # hides it (a CI clone in /tmp). Bind it back there, read-only, at the same path.
+    checkout = Path(__file__).resolve().parents[1]
+    if checkout.is_relative_to("/tmp"):
+        inside = r / checkout.relative_to("/")
+        inside.mkdir(parents=True, exist_ok=True)
+        _mount("--bind", str(checkout), str(inside))
+        _mount("-o", "remount,bind,ro", str(inside))
     if ns.state:
         _mount("--bind", ns.state, str(r / "var/lib/gpulab"))
         if ns.sysfs:

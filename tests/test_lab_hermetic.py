@@ -39,6 +39,24 @@ def test_state_dirs_of_this_machine_are_masked(lab, controller_state) -> None:
     assert "rc=0" in out  # the directory exists (empty) and is the host's own
 
 
+def test_lab_hosts_see_the_checkout_read_only(lab) -> None:
+    """Tests run the checkout's programs inside lab hosts (nodecheck, Slurm jobs): a checkout in
+    /tmp (a CI clone) is hidden by the host's fresh /tmp unless the lab binds it back, read-only."""
+    h = lab.host(PROFILE)
+    repo = Path(__file__).resolve().parents[1]
+    python = repo / ".venv" / "bin" / "python"
+    out = h.ssh(
+        [
+            "sh",
+            "-c",
+            f"test -x '{python}' && echo seen; touch '{repo}/.lab-write-probe' 2>/dev/null || echo ro",
+        ]
+    )
+    assert "seen" in out.stdout, out
+    if repo.is_relative_to("/tmp"):
+        assert "ro" in out.stdout and not (repo / ".lab-write-probe").exists()
+
+
 def test_lab_tests_carry_the_lab_marker(pytester) -> None:
     pytester.makeconftest('pytest_plugins = ["gpulab.pytest_fixtures"]')
     pytester.makepyfile(
