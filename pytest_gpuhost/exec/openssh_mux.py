@@ -5,11 +5,15 @@ As Ansible and testinfra's ssh backend do, `ssh` itself reads ssh_config (`-F` f
 `User`, `Port`, `IdentityFile`, `ProxyJump`, ssh-agent keys (passphrase-protected ones included),
 host certificates (`@cert-authority`) and `@revoked` keys in known_hosts.
 
-`OpenSSHTransport` logs in once: a ControlMaster (`ssh -M -f -N`) whose socket sits in a private
-temporary directory of ours (0700), with `ControlPersist` short so a master orphaned by a killed
-run goes away on its own.  Every channel (the agent, the fallback's commands, bulk streams,
-containers) is `ssh -S SOCKET` started as a child process: it hands its pipes to the master, so it
-pays no login.  `close` asks the master to exit and removes the directory.
+`OpenSSHTransport` logs in once: a ControlMaster whose socket sits in a private temporary
+directory of ours (0700), with `ControlPersist` short so a master orphaned by a killed run goes away
+on its own.  The first channel carries the login: one `ssh -M -S SOCKET -o ControlPersist=60 HOST
+-- COMMAND` logs in, forks the master into the background and runs COMMAND as the master's first
+client (ssh.c `control_persist_detach`), so a connect costs one `ssh` process and nothing waits
+for the login apart from the channel's own first reply.  Every later channel (the fallback's
+commands, bulk streams, containers) is `ssh -S SOCKET` started as a child process: it hands its
+pipes to the master, so it pays no login.  `close` asks the master to exit and removes the
+directory.
 
 Our options are passed on the command line, so they win over ssh_config as `-o` does:
 `BatchMode=yes` (nothing prompts), `StrictHostKeyChecking=yes` (`accept-new` only with
@@ -28,11 +32,14 @@ from __future__ import annotations
 import math
 import os
 import re
+import select
+import shlex
 import shutil
 import socket
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -69,21 +76,34 @@ def _defaults(ssh: str) -> dict[str, str]:
     prepend = [a for key, value in _PREFERENCES.values() for a in ("-o", f"{key}={value}")]
     try:
         runs = [
-            subprocess.run(
-                [ssh, "-G", "-F", "/dev/null", *extra, "gpuhost.invalid"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                stdin=subprocess.DEVNULL,
-            )
+            _config_start([ssh, "-G", "-F", "/dev/null", *extra, "gpuhost.invalid"])
             for extra in (prepend, [])
         ]
-    except (OSError, subprocess.TimeoutExpired):
+    except OSError:
         return {}
-    if any(r.returncode != 0 for r in runs):
+    outs = [_config_end(r) for r in runs]  # both ran at once
+    if any(out is None or out[0] != 0 for out in outs):
         return {}
-    found = _effective(runs[1].stdout)
+    found = _effective(outs[1][1])  # type: ignore[index]
     return {k: found[k] for k in _PREFERENCES if k in found}
+
+
+def _config_start(argv: list[str]) -> subprocess.Popen[str]:
+    """Start an `ssh -G` (its output is small: the pipes cannot fill before it is read)."""
+    return subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _config_end(proc: subprocess.Popen[str]) -> tuple[int, str, str] | None:
+    """(exit status, stdout, stderr) of an `ssh -G`, or None when it took over 10 s (killed)."""
+    try:
+        out, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return None
+    return proc.returncode, out, err
 
 
 def _effective(text: str) -> dict[str, str]:
@@ -152,38 +172,40 @@ class OpenSSHTransport:
             self._opts += ["-o", f"UserKnownHostsFile={_quote(kh)}", "-o", "GlobalKnownHostsFile=/dev/null"]
         if identity:
             self._opts += ["-i", os.path.expanduser(str(identity)), "-o", "IdentitiesOnly=yes"]
-        self.effective = self._config()
+        resolving = self._config_start()
+        defaults = _defaults(self.ssh)  # cached per process; else its two runs overlap ours
+        self.effective = self._config(resolving)
         self.host = self.effective.get("hostname", host)
         self.port = int(self.effective.get("port", port or 22))
         self.user = self.effective.get("user", user or "")
         self.jump = self.effective.get("proxyjump", "")
-        for name, default in _defaults(self.ssh).items():
+        for name, default in defaults.items():
             if self.effective.get(name) == default:
                 key, value = _PREFERENCES[name]
                 self._opts += ["-o", f"{key}={value}"]
         self._dir: str | None = None
         self._lock = threading.Lock()
+        self._carrier: MuxChannel | None = None  # the channel whose ssh is logging in
 
     @property
     def where(self) -> str:
         via = f" via {self.jump}" if self.jump and self.jump != "none" else ""
         return f"{self.user}@{self.host}:{self.port}{via}"
 
-    def _config(self) -> dict[str, str]:
-        """What ssh makes of our options and the config for this host (`ssh -G`)."""
+    def _config_start(self) -> subprocess.Popen[str]:
         try:
-            out = subprocess.run(
-                [*self._opts, "-G", self.alias],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                stdin=subprocess.DEVNULL,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            return _config_start([*self._opts, "-G", self.alias])
+        except OSError as exc:
             raise ConnectError(f"cannot run {self.ssh} -G {self.alias}: {exc}") from exc
-        if out.returncode != 0:
-            raise ConnectError(f"ssh cannot use its configuration for {self.alias}: {_tail(out.stderr)}")
-        return _effective(out.stdout)
+
+    def _config(self, proc: subprocess.Popen[str]) -> dict[str, str]:
+        """What ssh makes of our options and the config for this host (`ssh -G`)."""
+        out = _config_end(proc)
+        if out is None:
+            raise ConnectError(f"cannot run {self.ssh} -G {self.alias}: no answer within 10 s")
+        if out[0] != 0:
+            raise ConnectError(f"ssh cannot use its configuration for {self.alias}: {_tail(out[2])}")
+        return _effective(out[1])
 
     # -- the master
 
@@ -204,47 +226,36 @@ class OpenSSHTransport:
         return True
 
     def connect(self) -> None:
-        """Start the master unless it runs; raise ConnectError (one line) when ssh cannot log in."""
-        with self._lock:
-            if not self.alive():
-                self._stop_locked()
-                self._start_locked()
+        """Log in now unless a master runs (a carrier running `true`); raise ConnectError (one line)."""
+        with self.open(["true"]) as chan:
+            while chan.recv(self.login_limit):
+                pass
 
-    def _start_locked(self) -> None:
-        base = "/tmp" if len(tempfile.gettempdir()) > 60 else None  # a socket path has ~100 bytes
-        self._dir = tempfile.mkdtemp(prefix="gpuhost-ssh-", dir=base)
-        path = self.control_path
-        assert path is not None
-        argv = [
-            *self._opts,
-            "-M", "-S", path.replace("%", "%%"),
-            "-o", f"ControlPersist={CONTROL_PERSIST}",
-            "-f", "-N", "-T",
-            self.alias,
-        ]  # fmt: skip
-        log = os.path.join(self._dir, "master.log")
-        with open(log, "wb") as err:
-            # stderr to a file: the backgrounded master keeps it open, a pipe would never reach EOF
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
-            )
-        limit = (
-            self.connect_timeout + 2.0
-        )  # ssh's ConnectTimeout covers TCP and the banner; this covers the rest
-        try:
-            rc = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            self._stop_locked()
-            raise ConnectError(
-                f"cannot reach {self.where} within {self.connect_timeout:g}s: no SSH login completed"
-            ) from None
-        if rc != 0 or not self.alive():
-            with open(log, encoding="utf-8", errors="replace") as f:
-                why = _tail(f.read())
-            self._stop_locked()
-            raise ConnectError(f"ssh to {self.where} failed (exit status {rc}): {why or 'no message'}")
+    def _master_up_locked(self) -> bool:
+        """Whether a master answers; a login in progress (another thread's carrier) is waited for.
+
+        Polled (2 ms) because nothing signals a socket's creation cheaply; only threads that open
+        a channel while another one's login runs ever wait here.
+        """
+        carrier = self._carrier
+        while not self.alive():
+            if carrier is None or not carrier.logging_in():
+                return False
+            time.sleep(0.002)
+        return True
+
+    @property
+    def login_limit(self) -> float:
+        """Seconds a login may take: ssh's ConnectTimeout covers TCP and the banner, 2 s the rest."""
+        return self.connect_timeout + 2.0
+
+    def login_timeout(self) -> ConnectError:
+        return ConnectError(
+            f"cannot reach {self.where} within {self.connect_timeout:g}s: no SSH login completed"
+        )
+
+    def login_failed(self, rc: int | None, why: str) -> ConnectError:
+        return ConnectError(f"ssh to {self.where} failed (exit status {rc}): {why or 'no message'}")
 
     def _stop_locked(self) -> None:
         path, where = self.control_path, self._dir
@@ -262,6 +273,7 @@ class OpenSSHTransport:
                 pass  # ControlPersist ends it once its channels are gone
         shutil.rmtree(where, ignore_errors=True)
         self._dir = None
+        self._carrier = None
 
     @property
     def transport(self) -> _MasterLink:
@@ -285,13 +297,39 @@ class OpenSSHTransport:
             command,
         ]
 
-    def open(self, argv: Sequence[str], *, bulk: bool = False) -> MuxChannel:
-        import shlex
+    def carrier_argv(self, path: str, command: str) -> list[str]:
+        """The argv of a client that logs in, leaves the master behind and runs `command` on it."""
+        return [
+            *self._opts,
+            "-M", "-S", path.replace("%", "%%"),
+            "-o", f"ControlPersist={CONTROL_PERSIST}",
+            "-T",
+            self.alias,
+            "--",
+            command,
+        ]  # fmt: skip
 
-        self.connect()
+    def open(self, argv: Sequence[str], *, bulk: bool = False) -> MuxChannel:
+        """A channel running `argv`; without a master, this channel's ssh logs in and leaves one.
+
+        A login that fails raises ConnectError from the channel's first `recv` or `send`, as
+        `connect()` would have from here.
+        """
         command = shlex.join(argv)
+        label = f"ssh {self.where} {command}"
         try:
-            return MuxChannel(self, self.argv(command), label=f"ssh {self.where} {command}", bulk=bulk)
+            with self._lock:
+                if not self._master_up_locked():
+                    self._stop_locked()
+                    base = "/tmp" if len(tempfile.gettempdir()) > 60 else None  # a socket path: ~100 bytes
+                    self._dir = tempfile.mkdtemp(prefix="gpuhost-ssh-", dir=base)
+                    path = os.path.join(self._dir, "m")
+                    chan = MuxChannel(
+                        self, self.carrier_argv(path, command), label=label, bulk=bulk, login=True
+                    )
+                    self._carrier = chan
+                    return chan
+            return MuxChannel(self, self.argv(command), label=label, bulk=bulk)
         except OSError as exc:
             raise ConnectError(f"cannot start {self.ssh}: {exc.strerror or exc}") from exc
 
@@ -321,11 +359,85 @@ class _MasterLink:
 
 
 class MuxChannel(ProcessChannel):
-    """A program on the target, run by an `ssh` client on the master's connection."""
+    """A program on the target, run by an `ssh` client on the master's connection.
 
-    def __init__(self, owner: OpenSSHTransport, argv: Sequence[str], *, label: str, bulk: bool) -> None:
-        super().__init__(argv, label=label, bulk=bulk)
+    With `login=True` this client is the one logging in (the master's first client).  Until the
+    login is seen (the program's first byte, or the master's socket answering), `recv` and `send`
+    wait at most until the login's deadline, and a client that ends without leaving a master
+    raises ConnectError with ssh's last words; a login not done by the deadline is killed.
+    """
+
+    def __init__(
+        self, owner: OpenSSHTransport, argv: Sequence[str], *, label: str, bulk: bool, login: bool = False
+    ) -> None:
         self._owner = owner
+        self._login_by = time.monotonic() + owner.login_limit if login else None
+        super().__init__(argv, label=label, bulk=bulk)
+
+    def logging_in(self) -> bool:
+        """Whether this client's login may still be under way (not seen done, not failed, in time)."""
+        return self._login_by is not None and time.monotonic() < self._login_by and self.exit_status() is None
+
+    def _login_check(self) -> None:
+        """Called when the client ended or the deadline passed: done if a master answers, else raise."""
+        if self._owner.alive():
+            self._login_by = None
+            return
+        rc = self.exit_status(0.5)
+        if rc is None:  # the deadline passed and no master: the login hangs
+            super().close()
+            raise self._owner.login_timeout()
+        why = _tail(self.stderr_text())
+        super().close()
+        raise self._owner.login_failed(rc, why)
+
+    def recv(self, timeout: float | None) -> bytes:
+        if self._login_by is None:
+            return super().recv(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            login_by = self._login_by
+            if login_by is None:
+                return super().recv(None if end is None else max(0.0, end - time.monotonic()))
+            wait = login_by - time.monotonic()
+            if end is not None:
+                wait = min(wait, end - time.monotonic())
+            try:
+                data = super().recv(max(0.0, wait))
+            except TimeoutError:
+                if end is not None and time.monotonic() >= end:
+                    raise
+                self._login_check()  # the login's deadline: a master, or ConnectError
+                continue
+            if data:
+                self._login_by = None  # the program runs: the login is done
+            else:
+                self._login_check()  # ended with nothing printed: a master, or ConnectError
+            return data
+
+    def send(self, data: bytes) -> None:
+        if self._login_by is None:
+            return super().send(data)
+        # ssh reads our stdin only once the session runs: never block past the login's deadline
+        view = memoryview(data)
+        os.set_blocking(self._in, False)
+        try:
+            while view and self._login_by is not None:
+                try:
+                    view = view[os.write(self._in, view) :]
+                    continue
+                except BlockingIOError:
+                    pass
+                except BrokenPipeError:
+                    return  # the reader sees EOF and reports the death
+                left = self._login_by - time.monotonic()
+                if not select.select([], [self._in], [], max(0.0, left))[1]:
+                    self._login_check()
+        finally:
+            os.set_blocking(self._in, True)
+        if view:
+            super().send(bytes(view))
+        return None
 
     def lost(self) -> bool:
         # ssh exits 255 when the link fails, and also for a program killed by a signal (no exit
