@@ -387,6 +387,9 @@ class MuxChannel(ProcessChannel):
         if rc is None:  # the deadline passed and no master: the login hangs
             super().close()
             raise self._owner.login_timeout()
+        if 0 <= rc < 255:  # the program's own status: ssh(1) exits 255 for its own errors
+            self._login_by = None
+            return
         why = _tail(self.stderr_text())
         super().close()
         raise self._owner.login_failed(rc, why)
