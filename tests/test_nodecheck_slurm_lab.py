@@ -271,7 +271,11 @@ def test_as_prolog_a_failed_node_runs_no_job_and_only_gpuhost_s_drain_is_resumed
             )
             assert r.returncode == 0, r.stderr
             jobs.append(r.stdout.strip().split(";")[0])
-        states, reasons = wait_for(c, lambda s, r: n1 in r and n2 in r)
+        # a node whose prolog failed is "completing" until the job's step is cleaned up, then
+        # "drained": wait for the settled state, not only for the reasons
+        states, reasons = wait_for(
+            c, lambda s, r: n1 in r and n2 in r and s.get(n1) == s.get(n2) == "drained"
+        )
         assert states == {n1: "drained", n2: "drained"}, (states, reasons)
         assert reasons[n1] == "Prolog error", reasons
         assert reasons[n2].startswith("gpuhost: gpu_count: GPU 2 (0000:23:00.0)"), reasons
