@@ -318,16 +318,10 @@ class SlurmCluster:
         self._wait("slurmctld", lambda: "is UP" in self.run(["scontrol", "ping"], timeout=10).stdout, timeout)
         for h in self.hosts:
             self._start_node(h, key)
-        deadline = time.monotonic() + timeout
-        states: dict[str, str] = {}
-        while time.monotonic() < deadline:
-            states = self.node_states()
-            if states and all(s == "idle" for s in states.values()):
-                return
-            time.sleep(0.3)
-        raise SlurmError(
-            f"nodes not idle within {timeout:.0f} s: {states} (logs: {d}/slurmd.log in each node)"
-        )
+        try:
+            self.wait_idle(timeout)
+        except SlurmError as exc:
+            raise SlurmError(f"{exc} (logs: {d}/slurmd.log in each node)") from None
 
     def _start_node(self, h: LabHost, key: str) -> None:
         d = self.dir
