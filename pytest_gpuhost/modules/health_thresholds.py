@@ -37,6 +37,20 @@ __all__ = [
 #: check of facebookresearch/gcm (`check-dcgmi nvlink`: CRC data/flit, replay and recovery
 #: thresholds 0); an inventory nvlink_<class>_max overrides it.
 _NVLINK_ERRORS_MAX = {"replay": 0, "recovery": 0, "crc": 0, "link_errors": 0}
+# H100 and H200 share their limits: the PCIe/NVL cards, and the SXM boards on NVSwitches.
+_HOPPER_PCIE: dict[str, Any] = {
+    "nvlinks": 0,
+    "fabric": False,
+    "ecc": True,
+    "memory_temp_max": 95,
+    "h2d_gbps_min": 48,
+}
+_HOPPER_SXM: dict[str, Any] = {
+    **_HOPPER_PCIE,
+    "nvlinks": 18,
+    "fabric": True,
+    "nvlink_errors_max": _NVLINK_ERRORS_MAX,
+}
 MODELS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
         "B200",
@@ -48,30 +62,16 @@ MODELS: tuple[tuple[str, dict[str, Any]], ...] = (
             "nvlink_errors_max": _NVLINK_ERRORS_MAX,
         },
     ),
-    ("H100 PCIe", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
-    ("H100 NVL", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
+    ("H100 PCIe", dict(_HOPPER_PCIE)),
+    ("H100 NVL", dict(_HOPPER_PCIE)),
     (
         "H100",
-        {
-            "nvlinks": 18,
-            "fabric": True,
-            "ecc": True,
-            "memory_temp_max": 95,
-            "h2d_gbps_min": 48,
-            "nvlink_errors_max": _NVLINK_ERRORS_MAX,
-        },
+        dict(_HOPPER_SXM),
     ),
-    ("H200 NVL", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": 95, "h2d_gbps_min": 48}),
+    ("H200 NVL", dict(_HOPPER_PCIE)),
     (
         "H200",
-        {
-            "nvlinks": 18,
-            "fabric": True,
-            "ecc": True,
-            "memory_temp_max": 95,
-            "h2d_gbps_min": 48,
-            "nvlink_errors_max": _NVLINK_ERRORS_MAX,
-        },
+        dict(_HOPPER_SXM),
     ),
     ("RTX PRO 6000", {"nvlinks": 0, "fabric": False, "ecc": True, "memory_temp_max": None}),
 )
