@@ -82,7 +82,7 @@ _REFUSED = {
     },
     "refused": {
         "paramiko": "cannot reach 127.0.0.1:[0-9]+: Connection refused",
-        "openssh": "ssh: connect to host 127.0.0.1 port [0-9]+: Connection refused",
+        "openssh": "cannot reach root@127.0.0.1:[0-9]+: Connection refused",
     },
 }
 
@@ -194,7 +194,7 @@ def test_unreachable_within_connect_timeout(tmp_path, black_hole, ssh_client_kin
     t0 = time.monotonic()
     where = {
         "paramiko": r"cannot reach 198\.18\.254\.2:22",
-        "openssh": r"connect to host 198\.18\.254\.2 port 22",
+        "openssh": r"cannot reach root@198\.18\.254\.2:22 within 1s: timed out",
     }
     with pytest.raises(ConnectError, match=where[ssh_client_kind]):
         open_connection(

@@ -7,13 +7,21 @@ host certificates (`@cert-authority`) and `@revoked` keys in known_hosts.
 
 `OpenSSHTransport` logs in once: a ControlMaster whose socket sits in a private temporary
 directory of ours (0700), with `ControlPersist` short so a master orphaned by a killed run goes away
-on its own.  The first channel carries the login: one `ssh -M -S SOCKET -o ControlPersist=60 HOST
--- COMMAND` logs in, forks the master into the background and runs COMMAND as the master's first
-client (ssh.c `control_persist_detach`), so a connect costs one `ssh` process and nothing waits
-for the login apart from the channel's own first reply.  Every later channel (the fallback's
-commands, bulk streams, containers) is `ssh -S SOCKET` started as a child process: it hands its
-pipes to the master, so it pays no login.  `close` asks the master to exit and removes the
-directory.
+on its own.  Two ways to log in:
+
+- direct, wherever ssh would connect on its own (openssh_direct.py): we connect the TCP socket
+  with `TCP_NODELAY` and the master (`ssh -o ProxyCommand=- -M -S SOCKET -N`) logs in on it and
+  backgrounds itself; the first channel is then an ordinary client.  This takes two ~40 ms
+  Nagle/delayed-ACK stalls out of every login (docs/SSH.md).
+- carrier, where ssh must connect itself (`ProxyJump`, `ProxyCommand`, `CheckHostIP`, ...): the
+  first channel carries the login: one `ssh -M -S SOCKET -o ControlPersist=60 HOST -- COMMAND`
+  logs in, forks the master into the background and runs COMMAND as the master's first client
+  (ssh.c `control_persist_detach`); nothing waits for the login apart from the channel's own
+  first reply.
+
+Every later channel (the fallback's commands, bulk streams, containers) is `ssh -S SOCKET` started
+as a child process: it hands its pipes to the master, so it pays no login.  `close` asks the master
+to exit and removes the directory.
 
 Our options are passed on the command line, so they win over ssh_config as `-o` does:
 `BatchMode=yes` (nothing prompts), `StrictHostKeyChecking=yes` (`accept-new` only with
@@ -28,7 +36,7 @@ without it ssh uses its own files, as plain `ssh` does.  `--ssh-identity` is `-i
 
 Over 400 lines because the channel that logs in (`MuxChannel` with `login=True`: its reads and
 writes bounded by the login's deadline) and the transport that starts it are one contract.
-Measurements and what is left of the connect time: docs/SSH.md.
+Measurements of the connect time, both ways: docs/SSH.md.
 """
 
 from __future__ import annotations
@@ -45,11 +53,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from functools import lru_cache
 
 from pytest_gpuhost.errors import ConnectError
 from pytest_gpuhost.exec.channels import ProcessChannel, RawChannel
 from pytest_gpuhost.exec.launch import Launcher
+from pytest_gpuhost.exec.openssh_direct import DirectLogin, direct_refusal, tcp_connect
+from pytest_gpuhost.exec.openssh_facts import (
+    PREFERENCES,
+    client_facts,
+    config_end,
+    config_start,
+    parse_effective,
+)
 
 __all__ = ["CONTROL_PERSIST", "MuxChannel", "OpenSSHLauncher", "OpenSSHTransport", "ssh_client"]
 
@@ -57,66 +72,10 @@ __all__ = ["CONTROL_PERSIST", "MuxChannel", "OpenSSHLauncher", "OpenSSHTransport
 # fallback target's commands, short enough that a master orphaned by a killed run leaves soon.
 CONTROL_PERSIST = 60
 
-# Preferences put first where ssh_config leaves the setting at ssh's default (an operator's own
-# setting is kept).  AES-GCM: with AES-NI it costs both ends about half of chacha20-poly1305's CPU
-# (839 MB in 1.9 s vs 3.1 s on this 2-core machine).  curve25519: the key exchange paramiko used;
-# ssh's default sntrup761 hybrid cost the client 0.13 s of CPU per login here against 0.02 s
-# (median of 5), a master 0.45 s against 0.16 s of wall time.  Set KexAlgorithms in ssh_config to
-# keep the post-quantum exchange first.
-_PREFERENCES = {
-    "ciphers": ("Ciphers", "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"),
-    "kexalgorithms": ("KexAlgorithms", "^curve25519-sha256,curve25519-sha256@libssh.org"),
-}
-
 
 def ssh_client() -> str | None:
     """Return the OpenSSH client's path, or None where there is none (paramiko is used then)."""
     return shutil.which("ssh")
-
-
-@lru_cache(maxsize=8)
-def _defaults(ssh: str) -> dict[str, str]:
-    """ssh's defaults for the settings we prefer, or {} when it cannot prepend (`^`, OpenSSH 8.9+)."""
-    prepend = [a for key, value in _PREFERENCES.values() for a in ("-o", f"{key}={value}")]
-    try:
-        runs = [
-            _config_start([ssh, "-G", "-F", "/dev/null", *extra, "gpuhost.invalid"])
-            for extra in (prepend, [])
-        ]
-    except OSError:
-        return {}
-    outs = [_config_end(r) for r in runs]  # both ran at once
-    if any(out is None or out[0] != 0 for out in outs):
-        return {}
-    found = _effective(outs[1][1])  # type: ignore[index]
-    return {k: found[k] for k in _PREFERENCES if k in found}
-
-
-def _config_start(argv: list[str]) -> subprocess.Popen[str]:
-    """Start an `ssh -G` (its output is small: the pipes cannot fill before it is read)."""
-    return subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
-def _config_end(proc: subprocess.Popen[str]) -> tuple[int, str, str] | None:
-    """(exit status, stdout, stderr) of an `ssh -G`, or None when it took over 10 s (killed)."""
-    try:
-        out, err = proc.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return None
-    return proc.returncode, out, err
-
-
-def _effective(text: str) -> dict[str, str]:
-    """Parse `ssh -G` output (one `keyword value` per line; the first of a repeated keyword)."""
-    found: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        found.setdefault(key, value)
-    return found
 
 
 class OpenSSHTransport:
@@ -176,8 +135,8 @@ class OpenSSHTransport:
             self._opts += ["-o", f"UserKnownHostsFile={_quote(kh)}", "-o", "GlobalKnownHostsFile=/dev/null"]
         if identity:
             self._opts += ["-i", os.path.expanduser(str(identity)), "-o", "IdentitiesOnly=yes"]
-        resolving = self._config_start()
-        defaults = _defaults(self.ssh)  # cached per process; else its two runs overlap ours
+        resolving = self.config_start()
+        defaults, version = client_facts(self.ssh)  # cached per process; else its runs overlap ours
         self.effective = self._config(resolving)
         self.host = self.effective.get("hostname", host)
         self.port = int(self.effective.get("port", port or 22))
@@ -185,8 +144,10 @@ class OpenSSHTransport:
         self.jump = self.effective.get("proxyjump", "")
         for name, default in defaults.items():
             if self.effective.get(name) == default:
-                key, value = _PREFERENCES[name]
+                key, value = PREFERENCES[name]
                 self._opts += ["-o", f"{key}={value}"]
+        # None: the master logs in on a socket of ours (openssh_direct.py); else why ssh connects
+        self.direct_refusal = direct_refusal(self.effective, version)
         self._dir: str | None = None
         self._lock = threading.Lock()
         self._carrier: MuxChannel | None = None  # the channel whose ssh is logging in
@@ -196,20 +157,20 @@ class OpenSSHTransport:
         via = f" via {self.jump}" if self.jump and self.jump != "none" else ""
         return f"{self.user}@{self.host}:{self.port}{via}"
 
-    def _config_start(self) -> subprocess.Popen[str]:
+    def config_start(self) -> subprocess.Popen[str]:
         try:
-            return _config_start([*self._opts, "-G", self.alias])
+            return config_start([*self._opts, "-G", self.alias])
         except OSError as exc:
             raise ConnectError(f"cannot run {self.ssh} -G {self.alias}: {exc}") from exc
 
     def _config(self, proc: subprocess.Popen[str]) -> dict[str, str]:
         """What ssh makes of our options and the config for this host (`ssh -G`)."""
-        out = _config_end(proc)
+        out = config_end(proc)
         if out is None:
             raise ConnectError(f"cannot run {self.ssh} -G {self.alias}: no answer within 10 s")
         if out[0] != 0:
             raise ConnectError(f"ssh cannot use its configuration for {self.alias}: {_tail(out[2])}")
-        return _effective(out[1])
+        return parse_effective(out[1])
 
     # -- the master
 
@@ -313,6 +274,40 @@ class OpenSSHTransport:
             command,
         ]  # fmt: skip
 
+    def master_argv(self, path: str) -> list[str]:
+        """The argv of a master that logs in on its stdin/stdout (our socket) and backgrounds."""
+        return [
+            *self._opts,
+            "-o", "ProxyCommand=-",
+            "-M", "-S", path.replace("%", "%%"),
+            "-o", f"ControlPersist={CONTROL_PERSIST}",
+            "-N",
+            self.alias,
+        ]  # fmt: skip
+
+    def _login_direct_locked(self, path: str) -> None:
+        """Log in on a socket of ours (openssh_direct.py); return once the master listens, or raise."""
+        assert self._dir is not None
+        deadline = time.monotonic() + self.login_limit
+        try:
+            sock = tcp_connect(self.effective, self.connect_timeout, self.where, deadline)
+            login = DirectLogin(self.master_argv(path), sock, os.path.join(self._dir, "login.err"))
+        except BaseException:
+            self._stop_locked()
+            raise
+        rc = login.wait(deadline - time.monotonic())
+        if rc is None:
+            login.kill()  # not logged in by the deadline (a master forked just now still answers)
+        if (rc == 0 or rc is None) and self.alive():
+            login.logged_in()
+            return
+        login.kill()
+        why = _tail(login.stderr_text())
+        self._stop_locked()
+        if rc is None:
+            raise ConnectError(str(self.login_timeout()) + (f" ({why})" if why else ""))
+        raise self.login_failed(rc, why)
+
     def open(self, argv: Sequence[str], *, bulk: bool = False) -> MuxChannel:
         """A channel running `argv`; without a master, this channel's ssh logs in and leaves one.
 
@@ -328,11 +323,14 @@ class OpenSSHTransport:
                     base = "/tmp" if len(tempfile.gettempdir()) > 60 else None  # a socket path: ~100 bytes
                     self._dir = tempfile.mkdtemp(prefix="gpuhost-ssh-", dir=base)
                     path = os.path.join(self._dir, "m")
-                    chan = MuxChannel(
-                        self, self.carrier_argv(path, command), label=label, bulk=bulk, login=True
-                    )
-                    self._carrier = chan
-                    return chan
+                    if self.direct_refusal is None:
+                        self._login_direct_locked(path)
+                    else:
+                        chan = MuxChannel(
+                            self, self.carrier_argv(path, command), label=label, bulk=bulk, login=True
+                        )
+                        self._carrier = chan
+                        return chan
             return MuxChannel(self, self.argv(command), label=label, bulk=bulk)
         except OSError as exc:
             raise ConnectError(f"cannot start {self.ssh}: {exc.strerror or exc}") from exc
