@@ -307,18 +307,19 @@ def test_health_url_get_over_a_plain_socket() -> None:
     assert far["error"] == "refusing a non-local health URL"
 
 
-def test_upstream_bridges_from_the_sysfs_link_or_bus_ranges(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """One readlink gives the bridges above a GPU; a flat sysfs reads each bridge's bus range once."""
+def test_upstream_bridges_from_the_sysfs_link_or_bus_ranges(tmp_path: Path) -> None:
+    """One readlink gives the bridges above a GPU; a flat sysfs reads each bridge's bus range once.
+
+    `pci_upstream` is the agent core's one bridge walk, used by the health probe and `pci_paths`.
+    """
+    from pytest_gpuhost.exec.agent.core import pci_upstream
 
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "0000:03:00.0").symlink_to(
         "../../../devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0"
     )
-    monkeypatch.setattr(probe_health_pci, "SYS_PCI", str(linked))
-    assert probe_health_pci.upstream("0000:03:00.0", set(), {}) == [
+    assert pci_upstream(str(linked), "0000:03:00.0", set(), {}) == [
         "0000:02:00.0",
         "0000:01:00.0",
         "0000:00:01.0",
@@ -334,10 +335,9 @@ def test_upstream_bridges_from_the_sysfs_link_or_bus_ranges(
         (flat / bdf / "secondary_bus_number").write_text(f"{lo}\n")
         (flat / bdf / "subordinate_bus_number").write_text(f"{hi}\n")
     (flat / "0000:13:00.0").mkdir()
-    monkeypatch.setattr(probe_health_pci, "SYS_PCI", str(flat))
     ranges: dict[str, Any] = {}
     bridges = {"0000:10:01.0", "0000:11:00.0", "0000:12:00.0"}
-    assert probe_health_pci.upstream("0000:13:00.0", bridges, ranges) == [
+    assert pci_upstream(str(flat), "0000:13:00.0", bridges, ranges) == [
         "0000:12:00.0",
         "0000:11:00.0",
         "0000:10:01.0",
@@ -348,12 +348,10 @@ def test_upstream_bridges_from_the_sysfs_link_or_bus_ranges(
         "0000:12:00.0": (0x13, 0x13),
     }
     # the bridge set may come from a function: it is listed only for a flat sysfs
-    assert probe_health_pci.upstream("0000:13:00.0", lambda: bridges, {})[0] == "0000:12:00.0"
-    monkeypatch.setattr(probe_health_pci, "SYS_PCI", str(linked))
-    assert probe_health_pci.upstream("0000:03:00.0", lambda: pytest.fail("listed"), {})[0] == "0000:02:00.0"
-    monkeypatch.setattr(probe_health_pci, "SYS_PCI", str(flat))
+    assert pci_upstream(str(flat), "0000:13:00.0", lambda: bridges, {})[0] == "0000:12:00.0"
+    assert pci_upstream(str(linked), "0000:03:00.0", lambda: pytest.fail("listed"), {})[0] == "0000:02:00.0"
     (flat / "0000:12:00.0" / "secondary_bus_number").unlink()  # read once: the cache answers now
-    assert probe_health_pci.upstream("0000:13:00.0", bridges, ranges)[0] == "0000:12:00.0"
+    assert pci_upstream(str(flat), "0000:13:00.0", bridges, ranges)[0] == "0000:12:00.0"
 
 
 def test_pci_ids_from_uevent_or_the_single_files(tmp_path: Path) -> None:

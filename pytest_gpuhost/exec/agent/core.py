@@ -12,7 +12,14 @@ Target side: stdlib only, Python 3.6 syntax (see the package docstring).
 import sys
 import types
 
-from pytest_gpuhost.exec.agent.files import link_name, read_str, read_text, state_path, write_file
+from pytest_gpuhost.exec.agent.files import (
+    link_name,
+    pci_upstream,
+    read_str,
+    read_text,
+    state_path,
+    write_file,
+)
 from pytest_gpuhost.exec.agent.registry import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_OUTPUT,
@@ -33,6 +40,7 @@ __all__ = [
     "fact",
     "link_name",
     "op",
+    "pci_upstream",
     "read_str",
     "read_text",
     "run_process",

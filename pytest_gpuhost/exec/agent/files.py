@@ -5,6 +5,7 @@ Target side: stdlib only, Python 3.6 syntax (see the package docstring).
 
 import glob
 import os
+import re
 import select
 import signal
 import stat
@@ -68,6 +69,46 @@ def link_name(path):
         return os.path.basename(os.readlink(path))
     except OSError:
         return None
+
+
+_PCI_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+
+
+def pci_upstream(devices, bdf, bridges, ranges):
+    """Return the BDFs of the PCI bridges above `bdf`, nearest first.
+
+    `devices` is sysfs's /sys/bus/pci/devices, where BDF is a link into the device hierarchy:
+    one readlink names every bridge on the way. A flat sysfs (plain directories, as in the lab
+    and some containers) falls back to the bridges whose secondary..subordinate bus range holds
+    the device's bus, narrowest first; `ranges` caches those per bridge (None: unreadable), so
+    each is read once for all devices. `bridges` is the set of bridge BDFs, or a function that
+    returns it (called only for a flat sysfs).
+    """
+    try:
+        link = os.readlink(os.path.join(devices, bdf))
+    except OSError:
+        link = ""
+    parts = [p for p in link.split("/") if _PCI_BDF.match(p)]
+    if len(parts) > 1 and parts[-1] == bdf:
+        return list(reversed(parts[:-1]))
+    if callable(bridges):
+        bridges = bridges()
+    out = []
+    dom, bus = bdf[:4], int(bdf[5:7], 16)
+    for b in sorted(bridges):
+        if b == bdf or b[:4] != dom:
+            continue
+        if b not in ranges:
+            lo = read_str(os.path.join(devices, b, "secondary_bus_number"))
+            hi = read_str(os.path.join(devices, b, "subordinate_bus_number"))
+            try:
+                ranges[b] = (int(lo or ""), int(hi or ""))
+            except ValueError:
+                ranges[b] = None
+        r = ranges[b]
+        if r is not None and r[0] <= bus <= r[1]:
+            out.append((r[1] - r[0], b))
+    return [b for _, b in sorted(out)]
 
 
 @op("read_files")

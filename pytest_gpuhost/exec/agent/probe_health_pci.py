@@ -10,7 +10,7 @@ import errno
 import os
 import re
 
-from pytest_gpuhost.exec.agent.core import fact, link_name, read_str, read_text, run_recorded
+from pytest_gpuhost.exec.agent.core import fact, link_name, pci_upstream, read_str, read_text, run_recorded
 
 SYS_PCI = "/sys/bus/pci/devices"
 NVIDIA_DRIVER = "/sys/bus/pci/drivers/nvidia"  # a link per function bound to nvidia
@@ -84,42 +84,6 @@ def _acs_from_lspci(bdf, timeout, record):
     if re.search(r"Capabilities: \[[1-9a-f][0-9a-f]{2} v", out):
         return {"source": "lspci", "present": False, "ctl": {}}  # extended caps listed, no ACS
     return None
-
-
-def upstream(bdf, bridges, ranges):
-    """Return the BDFs of the bridges above `bdf`, nearest first.
-
-    sysfs's /sys/bus/pci/devices/BDF is a link into the device hierarchy: one readlink gives
-    every bridge on the way. A flat sysfs (plain directories, as in some containers) falls back
-    to the bridges whose secondary..subordinate bus range holds the device's bus; `ranges`
-    caches those per bridge, so each is read once for all GPUs. `bridges` is the set of bridge
-    BDFs, or a function that returns it (called only for a flat sysfs).
-    """
-    try:
-        link = os.readlink(os.path.join(SYS_PCI, bdf))
-    except OSError:
-        link = ""
-    parts = [p for p in link.split("/") if _BDF.match(p)]
-    if len(parts) > 1 and parts[-1] == bdf:
-        return list(reversed(parts[:-1]))
-    if callable(bridges):
-        bridges = bridges()
-    out = []
-    dom, bus = bdf[:4], int(bdf[5:7], 16)
-    for b in sorted(bridges):
-        if b == bdf or b[:4] != dom:
-            continue
-        if b not in ranges:
-            lo = read_str(os.path.join(SYS_PCI, b, "secondary_bus_number"))
-            hi = read_str(os.path.join(SYS_PCI, b, "subordinate_bus_number"))
-            try:
-                ranges[b] = (int(lo or ""), int(hi or ""))
-            except ValueError:
-                ranges[b] = None
-        r = ranges[b]
-        if r is not None and r[0] <= bus <= r[1]:
-            out.append((r[1] - r[0], b))
-    return [b for _, b in sorted(out)]
 
 
 def pci_ids(base):
@@ -211,7 +175,7 @@ def fact_health_pci(params):
         aer = read_aer(base)
         if aer:
             dev["aer"] = aer
-        for up in upstream(b, all_bridges, ranges):
+        for up in pci_upstream(SYS_PCI, b, all_bridges, ranges):
             if up not in acs_cache:
                 acs = _acs_from_config(up)
                 if acs is None:

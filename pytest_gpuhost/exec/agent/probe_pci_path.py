@@ -15,7 +15,7 @@ and ACS state are null ("unknown"), never guessed.
 import os
 import re
 
-from pytest_gpuhost.exec.agent.core import fact, link_name, read_str, read_text
+from pytest_gpuhost.exec.agent.core import fact, link_name, pci_upstream, read_str, read_text
 
 SYS_PCI = "/sys/bus/pci/devices"
 ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
@@ -93,44 +93,11 @@ def _bridges():
     return out
 
 
-def upstream(bdf, cache):
-    """The bridges above `bdf`, nearest first.
-
-    /sys/bus/pci/devices/BDF links into the device hierarchy, so one readlink names every
-    bridge on the way; a flat sysfs (plain directories, as in the lab) falls back to the
-    bridges whose secondary..subordinate bus range holds the device's bus, narrowest first.
-    """
-    try:
-        link = os.readlink(os.path.join(SYS_PCI, bdf))
-    except OSError:
-        link = ""
-    parts = [p for p in link.split("/") if _BDF.match(p)]
-    if len(parts) > 1 and parts[-1] == bdf:
-        return list(reversed(parts[:-1]))
-    if "ranges" not in cache:
-        ranges = {}
-        for b in _bridges():
-            lo = read_str(os.path.join(SYS_PCI, b, "secondary_bus_number"))
-            hi = read_str(os.path.join(SYS_PCI, b, "subordinate_bus_number"))
-            try:
-                ranges[b] = (int(lo or ""), int(hi or ""))
-            except ValueError:
-                continue
-        cache["ranges"] = ranges
-    dom, bus = bdf[:4], int(bdf[5:7], 16)
-    inside = [
-        (hi - lo, b)
-        for b, (lo, hi) in cache["ranges"].items()
-        if b[:4] == dom and b != bdf and lo <= bus <= hi
-    ]
-    return [b for _, b in sorted(inside)]
-
-
 @fact("pci_paths")
 def pci_paths_fact(params):
     """{GPU BDF: {"driver", "ports": [port, ...] nearest first}} for every NVIDIA display/3D function."""
     out = {}
-    cache = {}  # type: dict
+    ranges = {}  # type: dict
     ports = {}  # type: dict
     try:
         names = sorted(os.listdir(SYS_PCI))
@@ -143,7 +110,7 @@ def pci_paths_fact(params):
         ):
             continue
         chain = []
-        for up in upstream(b, cache):
+        for up in pci_upstream(SYS_PCI, b, _bridges, ranges):
             if up not in ports:
                 ports[up] = port(up)
             chain.append(ports[up])
