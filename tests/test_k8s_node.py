@@ -32,7 +32,7 @@ from pytest_gpuhost.modules.kube_node import (  # noqa: E402
     KubeNodeError,
     load_api,
 )
-from tests.helpers.kubeapi import ADMIN, SA, KubeAPIServer  # noqa: E402
+from tests.helpers.kubeapi import ADMIN, SA, KubeAPIServer, serving  # noqa: E402
 
 NODE = "gpu-node-07"
 REASON = "xid: 1 Xid error(s) since the last run: code 79 (action: reboot)"
@@ -40,12 +40,8 @@ REASON = "xid: 1 Xid error(s) since the last run: code 79 (action: reboot)"
 
 @pytest.fixture
 def server() -> Iterator[KubeAPIServer]:
-    srv = KubeAPIServer()
-    srv.api.add_node(NODE)
-    try:
+    with serving(NODE) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 @pytest.fixture

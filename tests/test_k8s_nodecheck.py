@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("kubernetes")
 
 from pytest_gpuhost.modules.kube_node import ANN_CORDONED, ANN_REASON, LABEL  # noqa: E402
-from tests.helpers.kubeapi import KubeAPIServer  # noqa: E402
+from tests.helpers.kubeapi import KubeAPIServer, serving  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PY = str(REPO / ".venv" / "bin" / "python")
@@ -29,12 +29,8 @@ NODE = "gpu-node-07"
 
 @pytest.fixture
 def server() -> Iterator[KubeAPIServer]:
-    srv = KubeAPIServer()
-    srv.api.add_node(NODE)
-    try:
+    with serving(NODE) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 def _failures(out: str) -> list[str]:

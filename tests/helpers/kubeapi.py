@@ -34,7 +34,8 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -335,3 +336,15 @@ class KubeAPIServer:
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join(timeout=5)
+
+
+@contextmanager
+def serving(*nodes: str, host: str = "127.0.0.1") -> Iterator[KubeAPIServer]:
+    """A KubeAPIServer holding `nodes`, closed at the end (the tests' `server` fixtures)."""
+    srv = KubeAPIServer(host)
+    for name in nodes:
+        srv.api.add_node(name)
+    try:
+        yield srv
+    finally:
+        srv.close()
