@@ -77,6 +77,12 @@ def test_first_channel_logs_in_and_later_ones_share_it(logged, way):
     finally:
         t.close()
     assert not t.alive()
+    from pytest_gpuhost.exec.openssh_mux import OpenSSHLauncher
+
+    how = OpenSSHLauncher(t).description  # the evidence's "via": which login, and why
+    assert how.endswith(
+        "login on a TCP_NODELAY socket of ours)" if way is None else "CheckHostIP needs ssh's own connection)"
+    )
 
 
 def test_threads_opening_during_the_login_share_it(logged, way):

@@ -457,7 +457,12 @@ class OpenSSHLauncher(Launcher):
 
     def __init__(self, transport: OpenSSHTransport) -> None:
         self.transport = transport
-        self.description = f"ssh {transport.where} (OpenSSH client)"
+        how = (
+            "login on a TCP_NODELAY socket of ours"
+            if transport.direct_refusal is None
+            else f"ssh connects itself: {transport.direct_refusal}"
+        )
+        self.description = f"ssh {transport.where} (OpenSSH client; {how})"
 
     def open(self, argv: Sequence[str]) -> RawChannel:
         return self.transport.open(argv)
