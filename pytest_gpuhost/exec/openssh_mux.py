@@ -135,7 +135,7 @@ class OpenSSHTransport:
             self._opts += ["-o", f"UserKnownHostsFile={_quote(kh)}", "-o", "GlobalKnownHostsFile=/dev/null"]
         if identity:
             self._opts += ["-i", os.path.expanduser(str(identity)), "-o", "IdentitiesOnly=yes"]
-        resolving = self.config_start()
+        resolving = self._resolve_start()
         defaults, version = client_facts(self.ssh)  # cached per process; else its runs overlap ours
         self.effective = self._config(resolving)
         self.host = self.effective.get("hostname", host)
@@ -157,7 +157,7 @@ class OpenSSHTransport:
         via = f" via {self.jump}" if self.jump and self.jump != "none" else ""
         return f"{self.user}@{self.host}:{self.port}{via}"
 
-    def config_start(self) -> subprocess.Popen[str]:
+    def _resolve_start(self) -> subprocess.Popen[str]:
         try:
             return config_start([*self._opts, "-G", self.alias])
         except OSError as exc:
