@@ -289,10 +289,13 @@ class OpenSSHTransport:
         """Log in on a socket of ours (openssh_direct.py); return once the master listens, or raise."""
         assert self._dir is not None
         deadline = time.monotonic() + self.login_limit
+        sock = None
         try:
             sock = tcp_connect(self.effective, self.connect_timeout, self.where, deadline)
             login = DirectLogin(self.master_argv(path), sock, os.path.join(self._dir, "login.err"))
         except BaseException:
+            if sock is not None:
+                sock.close()
             self._stop_locked()
             raise
         rc = login.wait(deadline - time.monotonic())
@@ -309,9 +312,11 @@ class OpenSSHTransport:
         raise self.login_failed(rc, why)
 
     def open(self, argv: Sequence[str], *, bulk: bool = False) -> MuxChannel:
-        """A channel running `argv`; without a master, this channel's ssh logs in and leaves one.
+        """A channel running `argv`; without a master, one logs in first.
 
-        A login that fails raises ConnectError from the channel's first `recv` or `send`, as
+        Direct (`direct_refusal` is None): the master logs in here and a login that fails raises
+        ConnectError from here.  Carrier: this channel's ssh logs in and leaves the master, and a
+        login that fails raises ConnectError from the channel's first `recv` or `send`, as
         `connect()` would have from here.
         """
         command = shlex.join(argv)
