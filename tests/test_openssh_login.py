@@ -68,8 +68,12 @@ def test_first_channel_logs_in_and_later_ones_share_it(logged, way):
     t = _transport(logged, way)
     try:
         with t.open(["sh", "-c", 'echo "$SSH_CONNECTION"']) as first:
-            first_conn = first.read_exact(200, 10).decode().split()[1]
+            client_addr, first_conn = first.read_exact(200, 10).decode().split()[:2]
             assert first.exit_status(5) == 0
+        if way is None:  # the master logged in on the TCP socket we connected (TCP_NODELAY set)
+            assert t.local_address == (client_addr, int(first_conn))
+        else:
+            assert t.local_address is None
         assert t.alive()  # ControlPersist: the master outlives its first client
         with t.open(["sh", "-c", 'echo "$SSH_CONNECTION"']) as later:
             assert later.read_exact(200, 10).decode().split()[1] == first_conn

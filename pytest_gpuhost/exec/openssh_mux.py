@@ -148,6 +148,7 @@ class OpenSSHTransport:
                 self._opts += ["-o", f"{key}={value}"]
         # None: the master logs in on a socket of ours (openssh_direct.py); else why ssh connects
         self.direct_refusal = direct_refusal(self.effective, version)
+        self.local_address: tuple[str, int] | None = None  # (address, port) of our socket, once direct
         self._dir: str | None = None
         self._lock = threading.Lock()
         self._carrier: MuxChannel | None = None  # the channel whose ssh is logging in
@@ -302,6 +303,7 @@ class OpenSSHTransport:
         if rc is None:
             login.kill()  # not logged in by the deadline (a master forked just now still answers)
         if (rc == 0 or rc is None) and self.alive():
+            self.local_address = sock.getsockname()[:2]  # the master's end of the link is ours
             login.logged_in()
             return
         login.kill()
