@@ -11,7 +11,7 @@ hostname canonicalisation, no `BindInterface`: `direct_refusal` says which), we 
 as ssh would (ssh_config's `HostName`, `Port`, `AddressFamily`, `BindAddress`,
 `ConnectionAttempts`, `ConnectTimeout`, `TCPKeepAlive`, as `ssh -G` resolved them), set
 `TCP_NODELAY`, and hand it to the master as its standard input and output with `ProxyCommand=-`
-(sshconnect.c `ssh_connect`: "-" means the connection is on stdin/stdout; present since OpenSSH
+(sshconnect.c `ssh_connect`: "-" means the connection is on stdin/stdout; present by OpenSSH
 6.5, and since 8.0 (commit 8e7bac35, 2019-02-27) dup()ed, so the master's later redirection of
 its stdio to /dev/null leaves the connection alone).  The master is `ssh -M -S SOCKET -N -o
 ControlPersist=...`: with ControlPersist it forks into the background once authenticated (ssh.c
