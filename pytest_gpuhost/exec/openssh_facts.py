@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import subprocess
 from functools import lru_cache
+from typing import NamedTuple
 
 from pytest_gpuhost.exec.openssh_direct import openssh_version
 
-__all__ = ["PREFERENCES", "client_facts", "config_end", "config_start", "parse_effective"]
+__all__ = ["PREFERENCES", "ClientFacts", "client_facts", "config_end", "config_start", "parse_effective"]
 
 # Preferences put first where ssh_config leaves the setting at ssh's default (an operator's own
 # setting is kept).  AES-GCM: with AES-NI it costs both ends about half of chacha20-poly1305's CPU
@@ -27,25 +28,38 @@ PREFERENCES = {
 }
 
 
+class ClientFacts(NamedTuple):
+    """What one `ssh` binary is: its defaults for PREFERENCES, its version, its `ssh -V` line."""
+
+    defaults: dict[str, str]  # {} when it cannot prepend (`^`, OpenSSH 8.9+)
+    version: tuple[int, int] | None  # None when not OpenSSH
+    banner: str  # "OpenSSH_9.2p1 Debian-2+deb12u10, OpenSSL 3.0.19 27 Jan 2026", or "unknown (why)"
+
+
 @lru_cache(maxsize=8)
-def client_facts(ssh: str) -> tuple[dict[str, str], tuple[int, int] | None]:
-    """ssh's defaults for the settings we prefer ({} when it cannot prepend: `^`, OpenSSH 8.9+),
-    and its version (`ssh -V`; None when not OpenSSH).  The three runs go at once."""
+def client_facts(ssh: str) -> ClientFacts:
+    """Run `ssh -V` and two `ssh -G` at once, once per process and binary (the evidence's client
+    version comes from here too: run/targets_stash.py)."""
     prepend = [a for key, value in PREFERENCES.values() for a in ("-o", f"{key}={value}")]
     try:
         runs = [
             config_start([ssh, "-G", "-F", "/dev/null", *extra, "gpuhost.invalid"]) for extra in (prepend, [])
         ]
         runs.append(config_start([ssh, "-V"]))
-    except OSError:
-        return {}, None
+    except OSError as exc:
+        return ClientFacts({}, None, f"unknown (ssh -V: {exc})")
     outs = [config_end(r) for r in runs]
     version_out = outs.pop()
-    version = None if version_out is None else openssh_version(version_out[2] + version_out[1])
+    if version_out is None:
+        banner = "unknown (ssh -V: no answer within 10 s)"
+    else:  # OpenSSH prints it on stderr
+        lines = (version_out[2] or version_out[1]).strip().splitlines()
+        banner = lines[0] if lines else f"unknown (ssh -V printed nothing, exit {version_out[0]})"
+    version = openssh_version(banner)
     if any(out is None or out[0] != 0 for out in outs):
-        return {}, version
+        return ClientFacts({}, version, banner)
     found = parse_effective(outs[1][1])  # type: ignore[index]
-    return {k: found[k] for k in PREFERENCES if k in found}, version
+    return ClientFacts({k: found[k] for k in PREFERENCES if k in found}, version, banner)
 
 
 def config_start(argv: list[str]) -> subprocess.Popen[str]:

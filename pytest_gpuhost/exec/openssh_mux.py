@@ -136,18 +136,18 @@ class OpenSSHTransport:
         if identity:
             self._opts += ["-i", os.path.expanduser(str(identity)), "-o", "IdentitiesOnly=yes"]
         resolving = self._resolve_start()
-        defaults, version = client_facts(self.ssh)  # cached per process; else its runs overlap ours
+        facts = client_facts(self.ssh)  # cached per process; else its runs overlap ours
         self.effective = self._config(resolving)
         self.host = self.effective.get("hostname", host)
         self.port = int(self.effective.get("port", port or 22))
         self.user = self.effective.get("user", user or "")
         self.jump = self.effective.get("proxyjump", "")
-        for name, default in defaults.items():
+        for name, default in facts.defaults.items():
             if self.effective.get(name) == default:
                 key, value = PREFERENCES[name]
                 self._opts += ["-o", f"{key}={value}"]
         # None: the master logs in on a socket of ours (openssh_direct.py); else why ssh connects
-        self.direct_refusal = direct_refusal(self.effective, version)
+        self.direct_refusal = direct_refusal(self.effective, facts.version)
         self.local_address: tuple[str, int] | None = None  # (address, port) of our socket, once direct
         self._dir: str | None = None
         self._lock = threading.Lock()

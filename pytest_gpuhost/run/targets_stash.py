@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import functools
 import shutil
-import subprocess
 from typing import Any
 
 import pytest
 
 from pytest_gpuhost.errors import AgentError, ConnectError, GpuhostError, Unreachable
+from pytest_gpuhost.exec.openssh_facts import client_facts
 from pytest_gpuhost.exec.targets import (
     TargetOptions,
     TargetPool,
@@ -161,12 +161,7 @@ def client_version(client: str) -> str:
         ssh = shutil.which("ssh")
         if ssh is None:
             return "unknown (no ssh on PATH any more)"
-        try:
-            r = subprocess.run([ssh, "-V"], capture_output=True, text=True, timeout=10, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"unknown (ssh -V: {exc})"
-        lines = (r.stderr or r.stdout).strip().splitlines()
-        return lines[0] if lines else f"unknown (ssh -V printed nothing, exit {r.returncode})"
+        return client_facts(ssh).banner  # the `ssh -V` the connection already ran
     if client == "paramiko":
         import paramiko
 
