@@ -165,43 +165,25 @@ def _flags(script: str, program: str) -> set[str]:
     return out
 
 
-def test_the_options_the_manifests_pass_exist() -> None:
-    """Every option the pods give pytest, gpuhost-nodecheck or the merge is one the programs know."""
-    scripts = "\n".join(s for _, s in _scripts())
-    pytest_flags = _flags(scripts, "pytest") - {"--pyargs"}
-    assert {"--host", "--node-name", "--check-only", "--fleet-json"} <= pytest_flags
-    helptext = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--pyargs",
-            "gpuhost_suites.health",
-            "-p",
-            "no:cacheprovider",
-            "--help",
-        ],
+def _pytest_help(*where: str) -> subprocess.CompletedProcess[str]:
+    """`pytest WHERE -p no:cacheprovider --help`, run from the checkout."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", *where, "-p", "no:cacheprovider", "--help"],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=120,
     )
+
+
+def test_the_options_the_manifests_pass_exist() -> None:
+    """Every option the pods give pytest, gpuhost-nodecheck or the merge is one the programs know."""
+    scripts = "\n".join(s for _, s in _scripts())
+    pytest_flags = _flags(scripts, "pytest") - {"--pyargs"}
+    assert {"--host", "--node-name", "--check-only", "--fleet-json"} <= pytest_flags
+    helptext = _pytest_help("--pyargs", "gpuhost_suites.health")
     if "gpuhost_suites" in helptext.stderr and "not found" in helptext.stderr:  # not installed as a package
-        helptext = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                str(ROOT / "suites" / "health"),
-                "-p",
-                "no:cacheprovider",
-                "--help",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=120,
-        )
+        helptext = _pytest_help(str(ROOT / "suites" / "health"))
     for flag in sorted(pytest_flags):
         assert re.search(rf"(^|\s){re.escape(flag)}[=\s,]", helptext.stdout, re.M), (
             flag,
