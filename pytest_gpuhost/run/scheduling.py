@@ -77,10 +77,13 @@ def host_of_nodeid(nodeid: str, known: Iterable[str] | None = None) -> str | Non
     return best
 
 
+_UNIT = "gpuhost:"  # a target's work unit is this prefix and its name
+
+
 def scope_of(nodeid: str, known: Iterable[str] | None = None) -> str:
     """Return the work unit of a test: its target's, or the test alone when it names none."""
     host = host_of_nodeid(nodeid, known)
-    return f"gpuhost:{host}" if host is not None else nodeid
+    return f"{_UNIT}{host}" if host is not None else nodeid
 
 
 def assign_units(nodeids: Sequence[str], known: Iterable[str] | None, workers: int) -> dict[str, int]:
@@ -95,7 +98,7 @@ def assign_units(nodeids: Sequence[str], known: Iterable[str] | None, workers: i
     order: dict[str, int] = {}
     for nodeid in nodeids:
         scope = scope_of(nodeid, names)
-        if scope.startswith("gpuhost:") and scope not in order:
+        if scope.startswith(_UNIT) and scope not in order:
             order[scope] = len(order) % max(1, workers)
     return order
 
@@ -104,11 +107,10 @@ def hosts_for_worker(
     nodeids: Sequence[str], known: Iterable[str] | None, index: int, workers: int
 ) -> list[str]:
     """Return the targets the host scheduler gives worker `index` of `workers`, in order."""
-    prefix = "gpuhost:"
     return [
-        s[len(prefix) :]
+        s[len(_UNIT) :]
         for s, w in assign_units(nodeids, known, workers).items()
-        if w == index and s.startswith(prefix)
+        if w == index and s.startswith(_UNIT)
     ]
 
 
