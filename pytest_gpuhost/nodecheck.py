@@ -44,6 +44,7 @@ from pytest_gpuhost.modules import health as hm
 from pytest_gpuhost.modules import nodecheck as nc
 from pytest_gpuhost.modules import slurm
 from pytest_gpuhost.redact import printable
+from pytest_gpuhost.values import as_bool
 
 __all__ = ["DEFAULT_BUDGET", "DEFAULT_CONFIG", "Config", "UsageError", "load_config", "main"]
 
@@ -104,14 +105,10 @@ def _budget(raw: Any, where: str) -> float:
 
 
 def _flag(raw: Any, where: str) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "yes", "true", "on"):
-        return True
-    if text in ("0", "no", "false", "off", ""):
-        return False
-    raise UsageError(f"{where}={raw!r}: give 1 or 0 (yes/no, true/false)")
+    try:
+        return as_bool(raw)
+    except ValueError:
+        raise UsageError(f"{where}={raw!r}: give 1 or 0 (yes/no, true/false)") from None
 
 
 def _checks(raw: Any, where: str) -> list[str]:

@@ -6,7 +6,7 @@ literal name included: a cycle hidden in a function is still a cycle a reader ha
 
 Layers, lowest first; a module may import only from its own layer or below:
 
-    base      pytest_gpuhost.errors, pytest_gpuhost.redact
+    base      pytest_gpuhost.errors, pytest_gpuhost.redact, pytest_gpuhost.values
     exec      pytest_gpuhost.exec.*           (reaches targets; never imports pytest)
     modules   pytest_gpuhost.modules.*        (host knowledge; never imports pytest)
     run       pytest_gpuhost.run.*, hookspec  (the pytest side)
@@ -37,7 +37,7 @@ def module_name(path: Path) -> str:
 
 
 def layer(mod: str) -> str:
-    if mod in ("pytest_gpuhost.errors", "pytest_gpuhost.redact", "pytest_gpuhost"):
+    if mod in ("pytest_gpuhost.errors", "pytest_gpuhost.redact", "pytest_gpuhost.values", "pytest_gpuhost"):
         return "base"
     for name in ("exec", "modules", "run", "report"):
         if mod == f"pytest_gpuhost.{name}" or mod.startswith(f"pytest_gpuhost.{name}."):

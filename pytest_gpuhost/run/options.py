@@ -23,6 +23,7 @@ import pytest
 
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.exec.targets import MAX_TIMEOUT
+from pytest_gpuhost.values import as_bool
 
 __all__ = [
     "GROUP",
@@ -217,15 +218,11 @@ def lines(raw: Any) -> list[str]:
 
 
 def boolean(raw: Any) -> bool:
-    """Take true/false, yes/no, on/off or 1/0."""
-    if isinstance(raw, bool):
-        return raw
-    word = str(raw).strip().lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off", ""):
-        return False
-    raise BadValue("expected true or false")
+    """Take true/false, yes/no, on/off or 1/0 (values.as_bool)."""
+    try:
+        return as_bool(raw)
+    except ValueError:
+        raise BadValue("expected true or false") from None
 
 
 def seconds(raw: Any) -> float:
