@@ -105,6 +105,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "lab: the test boots or uses lab hosts (set on every test that uses the `lab` fixture)"
     )
+    config.addinivalue_line("markers", "realkernel: boots Debian kernels under QEMU (gpulab.vm)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
