@@ -124,15 +124,20 @@ def test_no_module_loaded_or_unused_is_no_holder() -> None:
     )  # a process: step 3 names it
 
 
-def test_uvm_references_beyond_its_processes_are_the_kernels() -> None:
-    """A CUDA process holding /dev/nvidia-uvm no longer hides a kernel-side hold (refcnt 2, one process)."""
+def test_uvm_references_of_open_files_are_not_the_kernels() -> None:
+    """SGLang with tp=4: each CUDA context opens /dev/nvidia-uvm twice, two references per open file.
+
+    One process per GPU, each with two uvm descriptors, reads refcnt 16 (4 x 2 x 2). The fd scan
+    counts processes, so that refcnt cannot be split into the processes' and the kernel's share:
+    a healthy host is not refused; with no process holding uvm, a reference is the kernel's.
+    """
     holders = [
-        gpu.Holder(10, "python3", "python3 -m sglang.launch_server", ["/dev/nvidia0", "/dev/nvidia-uvm"], ""),
-        gpu.Holder(11, "python3", "python3 worker", ["/dev/nvidia1"], ""),
+        gpu.Holder(10 + i, "python3", "python3 -m sglang.launch_server --tp 4", [f"/dev/nvidia{i}", "/dev/nvidia-uvm"], "")
+        for i in range(4)
     ]
     counts = gpu.open_counts(holders)
-    assert counts == {"/dev/nvidia0": 1, "/dev/nvidia-uvm": 1, "/dev/nvidia1": 1}
-    found = gpu.kernel_holders(_files(drm="0", uvm="2"), counts)
-    assert found and "refcnt 2, 1 process(es)" in found[0], found
-    assert gpu.kernel_holders(_files(drm="0", uvm="1"), counts) == []  # the process's own reference
-    assert gpu.kernel_holders(_files(drm="0", uvm="2"), {"/dev/nvidia-uvm"}) == []  # a set cannot tell
+    assert counts["/dev/nvidia-uvm"] == 4
+    assert gpu.kernel_holders(_files(drm="0", uvm="16"), counts) == []
+    assert gpu.kernel_holders(_files(drm="0", uvm="2"), {"/dev/nvidia-uvm"}) == []
+    found = gpu.kernel_holders(_files(drm="0", uvm="2"), {"/dev/nvidia0": 1})
+    assert found and "no process has /dev/nvidia-uvm open" in found[0], found

@@ -145,10 +145,13 @@ def kernel_holders(files: dict[str, str | None], held: set[str] | dict[str, int]
     nv_pci_remove (open-gpu-kernel-modules kernel-open/nvidia/nv-pci.c) waits, holding the device
     lock, until the GPU's usage count drops; nvidia-drm with modeset=1 (and its fbdev client) and
     nvidia-uvm take it without an open file (NVIDIA open-gpu-kernel-modules issues #1119, #1374).
-    An open /dev/nvidia-uvm holds one reference on nvidia_uvm (chrdev_open() takes the module of
-    the cdev's file operations), so with counts, references beyond the processes holding the file
-    are the kernel's: a CUDA process no longer hides a kernel-side holder. A process that opened
-    the file twice counts once here and reads as a kernel holder: the suite then stops (safe side).
+    Each open file of a module's character device holds two references on the module
+    (chrdev_open() in fs/char_dev.c takes cdev_get() and fops_get()), and since driver 535.43.02
+    a CUDA context opens /dev/nvidia-uvm twice (UVM_MM_INITIALIZE, open-gpu-kernel-modules
+    kernel-open/nvidia-uvm/uvm_ioctl.h). The fd scan gives processes, not open files, so while any
+    process holds /dev/nvidia-uvm the kernel's share of its refcnt cannot be known: it is not
+    reported (a healthy CUDA host is never refused); with no process holding it, any reference is
+    the kernel's.
     """
     counts = held if isinstance(held, dict) else {f: 1 for f in held}
     out = []
@@ -159,11 +162,6 @@ def kernel_holders(files: dict[str, str | None], held: set[str] | dict[str, int]
         )
         out.append(f"nvidia_drm is in use by the kernel (refcnt {drm}{'; ' + modes if modes else ''})")
     uvm = _count(files.get(UVM_REFCNT))
-    users = counts.get("/dev/nvidia-uvm", 0)
-    if isinstance(held, dict) and uvm > users:
-        out.append(
-            f"nvidia_uvm is in use by the kernel (refcnt {uvm}, {users} process(es) with /dev/nvidia-uvm open)"
-        )
-    elif not isinstance(held, dict) and uvm > 0 and not users:
+    if uvm > 0 and not counts.get("/dev/nvidia-uvm", 0):
         out.append(f"nvidia_uvm is in use by the kernel (refcnt {uvm}, no process has /dev/nvidia-uvm open)")
     return out
