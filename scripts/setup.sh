@@ -50,6 +50,35 @@ if ! .venv/bin/python -c "import pytest_gpuhost, mfusepy, moto, testinfra, pytes
     || { echo "setup: pip install failed" >&2; exit 1; }
   touch .venv/.installed
 fi
+
+# ---- real-kernel tier (gpulab/vm, tests marked realkernel) -------------------------------------
+# QEMU, busybox-static, cpio, kmod (depmod) and xz from Debian; the two kernel images are fetched
+# with apt-get download into the VM cache (never installed as this machine's kernel).
+VM_CACHE=${GPUHOST_VM_CACHE:-/var/cache/gpuhost-vm}
+need_vm=()
+for t in qemu-system-x86_64:qemu-system-x86 cpio:cpio depmod:kmod xz:xz-utils; do
+  command -v "${t%%:*}" >/dev/null 2>&1 || [[ -x /usr/sbin/${t%%:*} ]] || need_vm+=("${t#*:}")
+done
+[[ -x /bin/busybox ]] && /bin/busybox --list 2>/dev/null | grep -qx insmod || need_vm+=(busybox-static)
+if ((${#need_vm[@]})); then
+  echo "setup: apt-get install ${need_vm[*]} (real-kernel VMs)"
+  apt-get update -qq || true
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_vm[@]}" >/dev/null \
+    || echo "setup: WARNING: could not install ${need_vm[*]}: the realkernel tests will skip" >&2
+fi
+mkdir -p "$VM_CACHE/debs"
+for pat in 'linux-image-6\.1\.0-[0-9]+-amd64-unsigned' 'linux-image-6\.12\.[0-9]+\+deb12-amd64-unsigned'; do
+  pkg=$(apt-cache search --names-only "^${pat}\$" 2>/dev/null | awk '{print $1}' | sort -V | tail -1)
+  if [[ -z "$pkg" ]]; then
+    echo "setup: WARNING: no package matches ^$pat (bookworm and bookworm-updates carry them)" >&2
+  elif ! compgen -G "$VM_CACHE/debs/${pkg}_*.deb" >/dev/null; then
+    echo "setup: apt-get download $pkg into $VM_CACHE/debs"
+    (cd "$VM_CACHE/debs" && apt-get download -q "$pkg" >/dev/null 2>&1) \
+      || echo "setup: WARNING: could not download $pkg: the realkernel tests will skip" >&2
+  fi
+done
+# ---- end of the real-kernel tier ----------------------------------------------------------------
+
 modprobe fuse 2>/dev/null || true
 [[ -e /dev/fuse ]] || { echo "setup: /dev/fuse is missing: the lab needs FUSE" >&2; exit 1; }
 echo "setup: ready (.venv: $(.venv/bin/python --version))"

@@ -45,10 +45,13 @@ def lab_rows(kernel: str, tmp: Path) -> dict[str, str]:
     with StandaloneMount("proxmox-rtx6000", tmp, kernel=kernel) as m:
         mnt = Path(m.mnt)
         dev = mnt / "pci/devices"
+        t = mnt / "iommu_groups/30/type"  # GPU0 and its audio function: a multi-device group
+        multi_bound = _w(t, "identity")
         for bdf, drv in (("0000:17:00.0", "nvidia"), ("0000:17:00.1", "snd_hda_intel")):
             _w(mnt / f"pci/drivers/{drv}/unbind", bdf)
         t = mnt / "iommu_groups/30/type"  # GPU0 and its audio function: a multi-device group
         rows = {
+            "multi_bound_identity": multi_bound,
             "multi_unbound_identity": _w(t, "identity"),
             "unbind_driver_link": "present" if (dev / "0000:17:00.0/driver").exists() else "absent",
         }
@@ -104,5 +107,9 @@ def test_real_kernel_facts(real: dict[str, dict[str, str]]) -> None:
             "Device_or_resource_busy" if col.startswith("6.1/") else "Operation_not_permitted"
         ), col
         assert r["multi_unbound_identity"] == ("Invalid_argument" if col.startswith("6.1/") else "ok"), col
+        assert r["multi_members_bound"] == "2", col
+        assert r["multi_bound_identity"] == (
+            "Invalid_argument" if col.startswith("6.1/") else "Operation_not_permitted"
+        ), col
         assert r["unbind_driver_link"] == "absent" and r["bind_driver_link"] == "e1000e", col
         assert r["rescan_write"] == "ok present", col

@@ -15,6 +15,7 @@ time this tier had (see docs/LAB-SOURCES.md).
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
@@ -76,7 +77,8 @@ poweroff -f
 def build(kernel: str) -> tuple[Path, Path]:
     """(vmlinuz, initramfs base cpio) for ``kernel``, built once into CACHE."""
     deb = _deb(kernel)
-    out = CACHE / "build" / deb.stem
+    key = hashlib.sha256(repr((MODULES, INIT)).encode()).hexdigest()[:12]
+    out = CACHE / "build" / f"{deb.stem}-{key}"  # rebuilt when the module list or init changes
     vmlinuz, initrd = out / "vmlinuz", out / "base.cpio"
     if vmlinuz.exists() and initrd.exists():
         return vmlinuz, initrd

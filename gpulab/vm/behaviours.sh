@@ -4,11 +4,15 @@ w() { r=$( (echo "$2" > "$1") 2>&1 ); if [ -z "$r" ]; then echo ok; else echo "$
 S=/sys/bus/pci/devices
 grp() { basename $(readlink $S/$1/iommu_group); }
 G1=$(grp 0000:01:00.0)   # e1000e behind the ACS root port: its own group
-GB=$(grp 0000:04:01.0)   # e1000 behind the pcie-pci-bridge: a multi-device group, no driver bound
+GB=$(grp 0000:04:01.0)   # e1000 behind the pcie-pci-bridge: a multi-device group
 T=/sys/kernel/iommu_groups
 echo "single_bound_initial $(cat $T/$G1/type)"
 echo "single_bound_identity $(w $T/$G1/type identity)"
 echo "single_bound_readback $(cat $T/$G1/type)"
+for d in 0000:04:01.0 0000:04:02.0; do [ -e $S/$d/driver ] || echo $d > /sys/bus/pci/drivers/e1000/bind; done
+echo "multi_members_bound $(ls -d $S/0000:04:0?.0/driver | wc -l)"
+echo "multi_bound_identity $(w $T/$GB/type identity)"
+for d in 0000:04:01.0 0000:04:02.0; do echo $d > $S/$d/driver/unbind; done
 echo "multi_unbound_identity $(w $T/$GB/type identity)"
 echo 0000:01:00.0 > $S/0000:01:00.0/driver/unbind
 echo "unbind_driver_link $( [ -e $S/0000:01:00.0/driver ] && echo present || echo absent)"
