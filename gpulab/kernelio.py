@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-__all__ = ["SysfsError", "find_holders"]
+__all__ = ["SysfsError", "find_holders", "open_file_counts"]
 
 
 class SysfsError(OSError):
@@ -51,4 +51,66 @@ def find_holders(paths: Iterable[str | os.PathLike[str]], proc: str = "/proc") -
             hit = keys.get((st.st_dev, st.st_ino))
             if hit is not None and pid not in out[hit]:
                 out[hit].append(pid)
+    return out
+
+
+_KCMP_FILE = 0
+_SYS_KCMP = {"x86_64": 312, "aarch64": 272}
+
+
+def _same_file(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two (pid, fd) name one open file (kcmp(2) KCMP_FILE; a fork or dup shares it)."""
+    import ctypes
+    import platform
+
+    nr = _SYS_KCMP.get(platform.machine())
+    if nr is None:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(nr, a[0], b[0], _KCMP_FILE, a[1], b[1]) == 0
+
+
+def open_file_counts(paths: Iterable[str | os.PathLike[str]], proc: str = "/proc") -> dict[str, int]:
+    """Return path -> how many open files (struct file) name it, as the kernel counts module references.
+
+    chrdev_open() (fs/char_dev.c) takes two module references per open file; descriptors that
+    share one open file (dup(2), or inherited through fork(2)) add none, so they are counted once
+    (told apart with kcmp(2)).
+    """
+    keys: dict[tuple[int, int], str] = {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        keys[(st.st_dev, st.st_ino)] = str(p)
+    fds: dict[str, list[tuple[int, int]]] = {v: [] for v in keys.values()}
+    me = os.getpid()
+    try:
+        pids = [int(d) for d in os.listdir(proc) if d.isdigit()] if keys else []
+    except OSError:
+        pids = []
+    for pid in pids:
+        if pid == me:
+            continue
+        fd_dir = f"{proc}/{pid}/fd"
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in names:
+            try:
+                st = os.stat(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            hit = keys.get((st.st_dev, st.st_ino))
+            if hit is not None and fd.isdigit():
+                fds[hit].append((pid, int(fd)))
+    out = {}
+    for path, entries in fds.items():
+        kept: list[tuple[int, int]] = []
+        for e in entries:
+            if not any(_same_file(e, k) for k in kept):
+                kept.append(e)
+        out[path] = len(kept)
     return out

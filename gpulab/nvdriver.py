@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from gpulab.kernelio import SysfsError, find_holders
+from gpulab.kernelio import SysfsError, open_file_counts
 from gpulab.profile import KERNEL_HOLDER_MODULES, Profile
 
 __all__ = ["NvidiaDriverMixin"]
@@ -109,9 +109,9 @@ class NvidiaDriverMixin:
     def module_refcnt(self) -> dict[str, int]:
         """Return the use count of each NVIDIA module (``/sys/module/M/refcnt``, /proc/modules).
 
-        nvidia_uvm: kernel-side retains plus processes holding ``/dev/nvidia-uvm``; nvidia_drm:
+        nvidia_uvm: kernel-side retains plus two per open file of ``/dev/nvidia-uvm``; nvidia_drm:
         GPUs it holds (fbdev/KMS clients); nvidia_modeset: nvidia_drm plus its own holds;
-        nvidia: its two dependent modules plus processes holding any ``/dev/nvidiaN``.
+        nvidia: its two dependent modules plus two per open file of any ``/dev/nvidiaN``.
         """
         with self.lock:
             held = {
@@ -120,9 +120,10 @@ class NvidiaDriverMixin:
             }
             paths = [p for b in self.gpu_bdfs if (p := self.dev_path(b)) is not None]
         uvm = [self.devdir / "nvidia-uvm"] if self.devdir is not None else []
-        found = find_holders([*paths, *uvm], self.proc)
-        uvm_users = len(found.get(str(uvm[0]), [])) if uvm else 0
-        gpu_users = sum(len(v) for k, v in found.items() if not k.endswith("nvidia-uvm"))
+        # two references per open file, as chrdev_open() takes them (cdev_get, fops_get)
+        found = open_file_counts([*paths, *uvm], self.proc)
+        uvm_users = 2 * found.get(str(uvm[0]), 0) if uvm else 0
+        gpu_users = 2 * sum(v for k, v in found.items() if not k.endswith("nvidia-uvm"))
         return {
             "nvidia_uvm": held["nvidia_uvm"] + uvm_users,
             "nvidia_drm": held["nvidia_drm"],
