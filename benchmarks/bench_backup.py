@@ -41,8 +41,8 @@ import boto3  # noqa: E402
 
 from gpulab.lab import CLIENT_KEY, Lab, LabHost  # noqa: E402
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url  # noqa: E402
-from pytest_gpuhost.modules.backup import Backup, load_manifest  # noqa: E402
-from pytest_gpuhost.modules.s3 import S3Upload, item_for, items_from_backup, parse_s3_url  # noqa: E402
+from pytest_gpuhost.modules.backup.local import Backup, load_manifest  # noqa: E402
+from pytest_gpuhost.modules.backup.s3 import S3Upload, item_for, items_from_backup, parse_s3_url  # noqa: E402
 from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto  # noqa: E402
 
 MANIFEST = ROOT / "fixtures" / "manifests" / "b200-node-backup.yaml"

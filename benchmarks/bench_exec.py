@@ -45,7 +45,7 @@ import testinfra  # noqa: E402
 from pytest_gpuhost.exec.backend import make_host  # noqa: E402
 from pytest_gpuhost.exec.connect import connect  # noqa: E402
 from pytest_gpuhost.exec.connection import ConnectionOptions  # noqa: E402
-from pytest_gpuhost.exec.ssh import SSHLauncher, SSHTransport  # noqa: E402
+from pytest_gpuhost.exec.ssh.paramiko import SSHLauncher, SSHTransport  # noqa: E402
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url  # noqa: E402
 from tests.helpers.sshd import start_sshd  # noqa: E402
 

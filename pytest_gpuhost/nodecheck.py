@@ -1,6 +1,6 @@
 """`gpuhost-nodecheck`: the node health program for Slurm (and Kubernetes), check-only, time-bounded.
 
-Runs the fast check-only subset of suites/health on this node (modules/nodecheck.py: the same
+Runs the fast check-only subset of suites/health on this node (modules/health/fast.py: the same
 agent facts and verdicts, one connection per fact, in parallel) within a time budget counted from
 the program's start, prints one line per failed check (`CHECK: VALUE`), and exits
 
@@ -40,9 +40,9 @@ from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.exec.nodename import ENV as NODE_NAME_ENV
 from pytest_gpuhost.exec.nodename import check_node_name, safe_host_name
 from pytest_gpuhost.exec.targets import MAX_TIMEOUT, TargetOptions, open_connection, parse_host_url
-from pytest_gpuhost.modules import health as hm
-from pytest_gpuhost.modules import nodecheck as nc
 from pytest_gpuhost.modules import slurm
+from pytest_gpuhost.modules.health import checks as hm
+from pytest_gpuhost.modules.health import fast as nc
 from pytest_gpuhost.redact import printable
 from pytest_gpuhost.values import as_bool
 

@@ -30,7 +30,7 @@ from pytest_gpuhost.run.targets_stash import (
     targets_key,
 )
 
-pytest_plugins = ["pytest_gpuhost.run.scheduling", "pytest_gpuhost.report.fleet"]
+pytest_plugins = ["pytest_gpuhost.run.scheduling", "pytest_gpuhost.run.limit", "pytest_gpuhost.report.fleet"]
 
 # Re-exported: suites and older conftests import these from here.
 __all__ = [

@@ -11,7 +11,7 @@ Layers, lowest first; a module may import only from its own layer or below:
     modules   pytest_gpuhost.modules.*        (host knowledge; never imports pytest)
     run       pytest_gpuhost.run.*, hookspec  (the pytest side)
     report    pytest_gpuhost.report.*
-    plugin    pytest_gpuhost.plugin, the deprecated re-export shims, suites.*
+    plugin    pytest_gpuhost.plugin, pytest_gpuhost.nodecheck, pytest_gpuhost.merge, suites.*
 
 Exit 1 when anything is found, so CI can run it. `--max-lines N` (default 500) is the size limit.
 """

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
-from pytest_gpuhost.modules.backup import Backup, BackupError, Category, Manifest, Progress, load_manifest
+from pytest_gpuhost.modules.backup.local import (
+    Backup,
+    BackupError,
+    Category,
+    Manifest,
+    Progress,
+    load_manifest,
+)
 from pytest_gpuhost.modules.process import Selection
 
 HOSTILE = [

@@ -18,7 +18,13 @@ import pytest
 
 from pytest_gpuhost.exec.agent.probe_backup_walk import glob_compile, glob_match
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
-from pytest_gpuhost.modules.backup import Backup, Category, Manifest, ManifestError, load_manifest
+from pytest_gpuhost.modules.backup.local import (
+    Backup,
+    Category,
+    Manifest,
+    ManifestError,
+    load_manifest,
+)
 from pytest_gpuhost.modules.process import Selection
 
 NOBODY = 65534

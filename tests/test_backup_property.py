@@ -35,10 +35,10 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url  # noqa: E402
-from pytest_gpuhost.modules.backup import Backup, Category, Manifest, RemoteFile  # noqa: E402
-from pytest_gpuhost.modules.destination import DestinationError, per_target  # noqa: E402
+from pytest_gpuhost.modules.backup.destination import DestinationError, per_target  # noqa: E402
+from pytest_gpuhost.modules.backup.local import Backup, Category, Manifest, RemoteFile  # noqa: E402
+from pytest_gpuhost.modules.backup.s3 import S3Upload, items_from_backup, parse_s3_url  # noqa: E402
 from pytest_gpuhost.modules.process import Selection  # noqa: E402
-from pytest_gpuhost.modules.s3 import S3Upload, items_from_backup, parse_s3_url  # noqa: E402
 from suites.decommission.notes import STEPS  # noqa: E402
 from suites.decommission.notes import verdict as suite_verdict  # noqa: E402
 from tests.helpers.hostile_tree import (  # noqa: E402

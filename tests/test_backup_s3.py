@@ -12,9 +12,9 @@ import pytest
 
 from pytest_gpuhost.exec.s3io import make_client
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
-from pytest_gpuhost.modules.backup import Backup, Category, Manifest
+from pytest_gpuhost.modules.backup.local import Backup, Category, Manifest
+from pytest_gpuhost.modules.backup.s3 import S3Upload, items_from_backup, key_for, parse_s3_url
 from pytest_gpuhost.modules.process import Selection
-from pytest_gpuhost.modules.s3 import S3Upload, items_from_backup, key_for, parse_s3_url
 from tests.helpers.s3server import start_moto, stop_moto
 
 

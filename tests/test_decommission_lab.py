@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.modules.s3 import key_for
+from pytest_gpuhost.modules.backup.s3 import key_for
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "fixtures" / "manifests" / "b200-node-backup.yaml"

@@ -8,7 +8,7 @@ import unicodedata
 import pytest
 
 from pytest_gpuhost.errors import GpuhostError
-from pytest_gpuhost.modules.destination import DestinationError, host_component, per_target
+from pytest_gpuhost.modules.backup.destination import DestinationError, host_component, per_target
 
 HOSTILE = [
     "..",

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.exec.agent.probe_health import parse_nvlink_errors
-from pytest_gpuhost.modules import health as hm
-from pytest_gpuhost.modules import health_facts
-from pytest_gpuhost.modules.health_nvlink import nvlink_state
+from pytest_gpuhost.modules.health import checks as hm
+from pytest_gpuhost.modules.health import facts as health_facts
+from pytest_gpuhost.modules.health.nvlink import nvlink_state
 
 # NVLink 4 (H100), as stas00/ml-engineering compute/accelerator/nvidia/debug.md shows it: the GPU
 # line, three lines per link, a blank line between links (tabs then a space before "Link").

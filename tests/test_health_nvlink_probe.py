@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
-from pytest_gpuhost.modules import health_facts
+from pytest_gpuhost.modules.health import facts as health_facts
 
 NVIDIA_SMI = """#!/bin/sh
 echo "$*" >> "$FAKE/starts"

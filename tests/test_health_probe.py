@@ -17,7 +17,7 @@ import pytest
 
 from pytest_gpuhost.exec.agent import probe_health_ib, probe_health_mounts, probe_health_pci
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
-from pytest_gpuhost.modules import health_facts
+from pytest_gpuhost.modules.health import facts as health_facts
 
 CSV = """\
 0, 00000000:17:00.0, NVIDIA RTX PRO 6000 Blackwell Server Edition, GPU-aaaa, 570.133.07, Enabled, 41, 0, 0, [N/A], 0, 0x0000000000000000, 5, 5, 16, 16

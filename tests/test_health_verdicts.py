@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.modules import health as hm
-from pytest_gpuhost.modules import health_facts
-from pytest_gpuhost.modules import health_xid as hm_xid
+from pytest_gpuhost.modules.health import checks as hm
+from pytest_gpuhost.modules.health import facts as health_facts
+from pytest_gpuhost.modules.health import xid as hm_xid
 
 BDFS = ["0000:17:00.0", "0000:18:00.0", "0000:3a:00.0", "0000:3b:00.0"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_gpuhost.errors import TargetError
-from pytest_gpuhost.exec.inventory import load_inventory, select_targets
+from pytest_gpuhost.exec.inventory.load import load_inventory, select_targets
 
 YAML = """
 all:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuhost.errors import GpuhostError, TargetError
-from pytest_gpuhost.exec.inventory import InventoryWarning, load_inventory, read_inventory
+from pytest_gpuhost.exec.inventory.load import InventoryWarning, load_inventory, read_inventory
 from pytest_gpuhost.exec.targets import TargetSpec
 
 REPO = Path(__file__).resolve().parent.parent

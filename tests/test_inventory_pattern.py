@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuhost.exec.inventory import PatternError, compile_pattern, read_inventory, select_targets
+from pytest_gpuhost.exec.inventory.load import (
+    PatternError,
+    compile_pattern,
+    read_inventory,
+    select_targets,
+)
 from pytest_gpuhost.exec.targets import TargetSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,8 +97,8 @@ def test_a_host_list_file(tmp_path: Path) -> None:
         names(f"@{tmp_path / 'missing'}")
 
 
-def test_one_host_matcher_is_compatible_with_compile_limit() -> None:
-    # report/limit.py's Matcher: match(name, groups) -> bool
+def test_one_host_match_by_name_and_groups() -> None:
+    # run/limit.py and the merge call match(name, groups) -> bool for one host
     m = compile_pattern("gpu:!rack1")
     assert m("gpu-node-03", ["gpu", "rack2"]) and not m("gpu-node-01", ["gpu", "rack1"])
     m = compile_pattern("rack1 and not gpu-node-02")
@@ -107,3 +112,18 @@ def test_select_is_linear_enough(tmp_path: Path) -> None:
     path.write_text("all:\n  children:\n    rack:\n      hosts:\n        node[00000:19999]: {}\n")
     specs = read_inventory(path).specs
     assert len(select_targets(specs, "rack:!~node0[0-8]:&node1*")) == 10000
+
+
+def test_boolean_expressions_and_their_errors() -> None:
+    m = compile_pattern("rack1 and not gpu-02 or gpu-1*")
+    assert (
+        m("gpu-01", ["rack1"])
+        and not m("gpu-02", ["rack1"])
+        and m("gpu-10", [])
+        and not m("gpu-03", ["rack2"])
+    )
+    m = compile_pattern("not (rack1 or rack2)")
+    assert m("x", []) and not m("gpu-03", ["rack2"])
+    for bad in ("", "rack1 and", "(rack1", "rack1 rack2", "and"):
+        with pytest.raises(PatternError):
+            compile_pattern(bad)

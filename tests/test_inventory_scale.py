@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuhost.errors import TargetError
-from pytest_gpuhost.exec import inventory_model
-from pytest_gpuhost.exec.inventory import read_inventory
+from pytest_gpuhost.exec.inventory import model as inventory_model
+from pytest_gpuhost.exec.inventory.load import read_inventory
 
 
 def _names(tmp_path: Path, key: str) -> list[str]:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuhost import nodecheck as cli
-from pytest_gpuhost.modules import nodecheck as nc
 from pytest_gpuhost.modules import slurm
+from pytest_gpuhost.modules.health import fast as nc
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuhost.errors import TargetError
-from pytest_gpuhost.exec.inventory_names import valid_host_name
+from pytest_gpuhost.exec.inventory.names import valid_host_name
 from pytest_gpuhost.exec.nodename import ENV, check_node_name, local_node_name, safe_host_name
 from pytest_gpuhost.exec.targets import parse_host_url
 

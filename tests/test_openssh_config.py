@@ -216,7 +216,7 @@ def test_operators_algorithms_are_left_alone(tmp_path):
     """curve25519/AES-GCM go first only where ssh_config leaves ssh's defaults."""
     if shutil.which("ssh") is None:
         pytest.skip("no OpenSSH client (ssh) installed")
-    from pytest_gpuhost.exec.openssh_mux import OpenSSHTransport
+    from pytest_gpuhost.exec.ssh.openssh import OpenSSHTransport
 
     cfg = _config(tmp_path / "ssh_config", "Host pq\n  KexAlgorithms sntrup761x25519-sha512@openssh.com\n")
     mine = OpenSSHTransport("pq", ssh_config=cfg, connect_timeout=10)

@@ -1,7 +1,7 @@
 """The OpenSSH transport's login, both ways it is made.
 
 - direct: the master logs in on a TCP socket of ours (`TCP_NODELAY` from the first byte,
-  `ProxyCommand=-`; exec/openssh_direct.py), wherever ssh would connect on its own;
+  `ProxyCommand=-`; exec/ssh/direct.py), wherever ssh would connect on its own;
 - carrier: where ssh must connect itself (`ProxyJump`, `ProxyCommand`, `CheckHostIP`, ...), the
   first channel's `ssh` logs in and runs its program (here: `CheckHostIP yes` in an ssh_config).
 
@@ -39,7 +39,7 @@ def way(request, tmp_path) -> str | None:
 
 
 def _transport(sshd, config=None, **kw):
-    from pytest_gpuhost.exec.openssh_mux import OpenSSHTransport
+    from pytest_gpuhost.exec.ssh.openssh import OpenSSHTransport
 
     base = {"identity": sshd.identity, "known_hosts": sshd.known_hosts, "connect_timeout": 5.0}
     t = OpenSSHTransport(sshd.host, sshd.port, sshd.user, ssh_config=config, **{**base, **kw})
@@ -81,7 +81,7 @@ def test_first_channel_logs_in_and_later_ones_share_it(logged, way):
     finally:
         t.close()
     assert not t.alive()
-    from pytest_gpuhost.exec.openssh_mux import OpenSSHLauncher
+    from pytest_gpuhost.exec.ssh.openssh import OpenSSHLauncher
 
     how = OpenSSHLauncher(t).description  # the evidence's "via": which login, and why
     assert how.endswith(
@@ -137,7 +137,7 @@ def test_a_failed_login_is_a_connect_error_of_one_line(sshd, tmp_path, way):
 
 def test_a_login_that_hangs_after_the_banner_is_cut_at_its_deadline(tmp_path, way):
     """A server that sends its banner and then nothing: ssh would wait on; we stop at the deadline."""
-    from pytest_gpuhost.exec.openssh_mux import OpenSSHTransport
+    from pytest_gpuhost.exec.ssh.openssh import OpenSSHTransport
 
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
@@ -190,7 +190,7 @@ def test_direct_connection_honours_bind_address_and_address_family(logged, tmp_p
     """Where we connect for ssh, ssh_config's BindAddress and AddressFamily still hold."""
     config = tmp_path / "bind_config"
     config.write_text("Host *\n    BindAddress 127.0.0.2\n")
-    from pytest_gpuhost.exec.openssh_mux import OpenSSHTransport
+    from pytest_gpuhost.exec.ssh.openssh import OpenSSHTransport
 
     base = {"identity": logged.identity, "known_hosts": logged.known_hosts, "connect_timeout": 5.0}
     t = OpenSSHTransport(logged.host, logged.port, logged.user, ssh_config=str(config), **base)
@@ -211,7 +211,7 @@ def test_direct_connection_honours_bind_address_and_address_family(logged, tmp_p
 
 
 def test_direct_connection_refused_is_one_line(tmp_path):
-    from pytest_gpuhost.exec.openssh_mux import OpenSSHTransport
+    from pytest_gpuhost.exec.ssh.openssh import OpenSSHTransport
     from tests.helpers.sshd import free_port
 
     port = free_port()
@@ -240,14 +240,14 @@ def test_direct_connection_refused_is_one_line(tmp_path):
     ],
 )
 def test_when_ssh_connects_itself(config, version, why):
-    from pytest_gpuhost.exec.openssh_direct import direct_refusal
+    from pytest_gpuhost.exec.ssh.direct import direct_refusal
 
     got = direct_refusal({"hostname": "h", "port": "22", **config}, version)
     assert (got is None) if why is None else (why in (got or ""))
 
 
 def test_openssh_version_parsing():
-    from pytest_gpuhost.exec.openssh_direct import openssh_version
+    from pytest_gpuhost.exec.ssh.direct import openssh_version
 
     assert openssh_version("OpenSSH_9.2p1 Debian-2+deb12u10, OpenSSL 3.0.19 27 Jan 2026") == (9, 2)
     assert openssh_version("OpenSSH_for_Windows_8.1p1, LibreSSL 3.0.2") is None

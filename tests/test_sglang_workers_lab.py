@@ -14,7 +14,7 @@ import pytest
 
 from gpulab.lab import CLIENT_KEY
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url
-from pytest_gpuhost.modules.backup import load_manifest
+from pytest_gpuhost.modules.backup.local import load_manifest
 from pytest_gpuhost.modules.process import Proc, ProcessTable, Selection, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import pytest
 
 from pytest_gpuhost.errors import AgentError, ConnectError
 from pytest_gpuhost.exec.connect import connect
-from pytest_gpuhost.exec.ssh import SSHLauncher, SSHTransport
+from pytest_gpuhost.exec.ssh.paramiko import SSHLauncher, SSHTransport
 from pytest_gpuhost.exec.targets import TargetOptions, TargetPool, open_connection, parse_host_url
 from tests.helpers.sshd import keygen, start_sshd
 

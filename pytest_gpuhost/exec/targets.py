@@ -27,8 +27,8 @@ from pytest_gpuhost.exec.connect import connect
 from pytest_gpuhost.exec.connection import Connection, ConnectionOptions
 from pytest_gpuhost.exec.launch import Launcher, LocalLauncher, PrefixLauncher
 from pytest_gpuhost.exec.nodename import local_node_name
-from pytest_gpuhost.exec.openssh_mux import OpenSSHLauncher, OpenSSHTransport, ssh_client
-from pytest_gpuhost.exec.ssh import HOST_KEY_POLICIES, SSHLauncher, SSHTransport
+from pytest_gpuhost.exec.ssh.openssh import OpenSSHLauncher, OpenSSHTransport, ssh_client
+from pytest_gpuhost.exec.ssh.paramiko import HOST_KEY_POLICIES, SSHLauncher, SSHTransport
 
 __all__ = [
     "SCHEMES",
@@ -92,7 +92,7 @@ class TargetSpec:
 class TargetOptions:
     """Connection settings shared by every target of a run (the plugin fills it from options).
 
-    SSH targets go through the system's OpenSSH client where `ssh` is on PATH (openssh_mux.py),
+    SSH targets go through the system's OpenSSH client where `ssh` is on PATH (ssh/openssh.py),
     else through paramiko (ssh.py); both read `ssh_config` (None: the user's and the system's).
     """
 

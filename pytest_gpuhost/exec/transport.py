@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pytest_gpuhost.exec.channels import ProcessChannel, RawChannel
 from pytest_gpuhost.exec.launch import Launcher, LocalLauncher, PrefixLauncher
-from pytest_gpuhost.exec.ssh import HOST_KEY_POLICIES, SSHChannel, SSHLauncher, SSHTransport
+from pytest_gpuhost.exec.ssh.paramiko import HOST_KEY_POLICIES, SSHChannel, SSHLauncher, SSHTransport
 
 __all__ = [
     "HOST_KEY_POLICIES",

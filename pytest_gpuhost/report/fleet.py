@@ -1,8 +1,4 @@
-"""Fleet runs: host selection with `--limit`, and the fleet outputs the controller writes.
-
-`--limit EXPR` (ini `gpuhost_limit`, see `limit.py`) keeps the targets whose name or inventory
-group matches. It is applied in `pytest_gpuhost_targets`, in every process alike, so every xdist
-worker collects the same hosts in the same order.
+"""Fleet runs: the fleet outputs the controller writes (host selection, `--limit`, is `run/limit.py`).
 
 On the controller (never in an xdist worker) the run record (`run/record.py`) holds every test
 that ran against a target; at the end of the session it becomes:
@@ -31,7 +27,6 @@ import pytest
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.redact import printable, redact, redact_argv, redact_obj
 from pytest_gpuhost.report.files import load_summary, write_summary
-from pytest_gpuhost.report.limit import LimitError, Matcher, compile_limit
 from pytest_gpuhost.report.prometheus import prometheus_text, write_prometheus
 from pytest_gpuhost.report.summary import (
     BAD,
@@ -45,7 +40,6 @@ from pytest_gpuhost.report.summary import (
     summary_lines,
 )
 from pytest_gpuhost.run import record, settings
-from pytest_gpuhost.run.scheduling import TARGET_NAMES
 
 __all__ = [
     "BAD",
@@ -53,9 +47,7 @@ __all__ = [
     "GOOD",
     "FleetRecorder",
     "FleetReport",
-    "LimitError",
     "compare",
-    "compile_limit",
     "fleet_judgements",
     "host_status",
     "iter_cells",
@@ -67,7 +59,6 @@ __all__ = [
 ]
 
 _REPORT = pytest.StashKey["FleetReport"]()
-_LIMIT = pytest.StashKey[Matcher]()
 
 
 def _opt(config: pytest.Config, dest: str) -> tuple[str | None, str]:
@@ -78,45 +69,12 @@ def _opt(config: pytest.Config, dest: str) -> tuple[str | None, str]:
     return (str(value), str(s.sources[key])) if value else (None, "")
 
 
-def _limit_matcher(config: pytest.Config) -> Matcher | None:
-    """Return the compiled --limit (compiled once; the targets hook may run before our configure)."""
-    if _LIMIT in config.stash:
-        return config.stash[_LIMIT]
-    limit, where = _opt(config, "gpuhost_limit")
-    if not limit:
-        return None
-    try:
-        config.stash[_LIMIT] = compile_limit(limit)
-    except LimitError as exc:
-        raise pytest.UsageError(
-            f"{where}={limit!r}: {exc}; write an Ansible pattern or and/or/not, "
-            "e.g. --limit 'rack1:!gpu-node-07' or --limit 'rack1 and not gpu-node-07'"
-        ) from None
-    return config.stash[_LIMIT]
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    _limit_matcher(config)
     run_record = record.install(config)
     if run_record is not None:
         report = FleetReport(config, run_record)
         config.stash[_REPORT] = report
         config.pluginmanager.register(report, "gpuhost-fleet-report")
-
-
-@pytest.hookimpl(wrapper=True, optionalhook=True)
-def pytest_gpuhost_targets(config: pytest.Config, targets: list[Any]) -> Any:
-    """Apply --limit after every other implementation, and record the final target names."""
-    result = yield
-    match = _limit_matcher(config)
-    if match is not None and targets:  # no target at all is the "no target" usage error, said elsewhere
-        try:
-            targets[:] = match.select(targets)
-        except LimitError as exc:
-            limit, where = _opt(config, "gpuhost_limit")
-            raise pytest.UsageError(f"{where}={limit!r}: {exc}") from None
-    config.stash[TARGET_NAMES] = [str(t.name) for t in targets]
-    return result
 
 
 class FleetReport:

@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from pytest_gpuhost.modules.health_xid import ACTIONS
+from pytest_gpuhost.modules.health.xid import ACTIONS
 from pytest_gpuhost.redact import redact
 from pytest_gpuhost.report.files import atomic_write
 from pytest_gpuhost.run.record import BAD, GOOD

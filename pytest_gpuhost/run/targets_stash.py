@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.errors import AgentError, ConnectError, GpuhostError, Unreachable
-from pytest_gpuhost.exec.openssh_facts import client_facts
+from pytest_gpuhost.exec.ssh.client_facts import client_facts
 from pytest_gpuhost.exec.targets import (
     TargetOptions,
     TargetPool,
@@ -70,7 +70,7 @@ def load_targets(config: pytest.Config, s: Settings) -> list[Any]:
         except GpuhostError as exc:
             raise sources["hosts"].error(str(exc), raw=url) from None
     if s.inventory:
-        from pytest_gpuhost.exec.inventory import load_inventory  # YAML, only when an inventory is given
+        from pytest_gpuhost.exec.inventory.load import load_inventory  # YAML, only when an inventory is given
 
         try:
             specs.extend(load_inventory(s.inventory))

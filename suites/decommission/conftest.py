@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.modules.backup import Progress, load_manifest
-from pytest_gpuhost.modules.destination import DestinationError, per_target
-from pytest_gpuhost.modules.s3 import parse_s3_url
+from pytest_gpuhost.modules.backup.destination import DestinationError, per_target
+from pytest_gpuhost.modules.backup.local import Progress, load_manifest
+from pytest_gpuhost.modules.backup.s3 import parse_s3_url
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Remediation, WouldFix
 from pytest_gpuhost.run.targets_stash import targets_key
@@ -42,7 +42,7 @@ def destinations(config: pytest.Config, target_name: str) -> tuple[str, str | No
     """Return this target's backup directory and S3 URL, one place per target by construction.
 
     Refused with one line (before anything is stopped) when several targets would share a place:
-    see pytest_gpuhost/modules/destination.py.
+    see pytest_gpuhost/modules/backup/destination.py.
     """
     names = [str(t.name) for t in config.stash.get(targets_key, [])] or [target_name]
     backup_dir, _ = options.get(config, "backup_dir")

@@ -6,9 +6,9 @@ import hashlib
 import os
 from collections.abc import Mapping, Sequence
 
-from pytest_gpuhost.modules.backup import Listing
+from pytest_gpuhost.modules.backup.local import Listing
+from pytest_gpuhost.modules.backup.s3 import items_from_backup
 from pytest_gpuhost.modules.process import ProcessTable
-from pytest_gpuhost.modules.s3 import items_from_backup
 from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check

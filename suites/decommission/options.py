@@ -20,7 +20,7 @@ def _manifest(raw: Any) -> str:
     path = Path(str(raw).strip())
     if not path.is_file():
         raise BadValue("no such file; pass a manifest such as fixtures/manifests/b200-node-backup.yaml")
-    from pytest_gpuhost.modules.backup import BackupError, load_manifest
+    from pytest_gpuhost.modules.backup.local import BackupError, load_manifest
 
     try:
         load_manifest(path)

@@ -14,9 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuhost.modules.backup import Backup, Listing, Manifest, Progress
+from pytest_gpuhost.modules.backup.local import (
+    Backup,
+    Listing,
+    Manifest,
+    Progress,
+)
+from pytest_gpuhost.modules.backup.s3 import S3Location, S3Upload
 from pytest_gpuhost.modules.process import ProcessTable
-from pytest_gpuhost.modules.s3 import S3Location, S3Upload
 from pytest_gpuhost.run.procedure import Procedure
 
 __all__ = ["APPS_QUERY", "GPU_QUERY", "DecommissionState", "csv_rows", "mb"]

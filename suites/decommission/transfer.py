@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_gpuhost.modules.backup import BackupPlan, RemoteFile
-from pytest_gpuhost.modules.s3 import item_for, items_from_backup
+from pytest_gpuhost.modules.backup.local import BackupPlan, RemoteFile
+from pytest_gpuhost.modules.backup.s3 import item_for, items_from_backup
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.errors import GpuhostError
-from pytest_gpuhost.modules import health as hm
-from pytest_gpuhost.modules import health_facts
+from pytest_gpuhost.modules.health import checks as hm
+from pytest_gpuhost.modules.health import facts as health_facts
 from pytest_gpuhost.run import evidence, scheduling
 from pytest_gpuhost.run.remediation import Action, Check
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pytest_gpuhost.errors import GpuhostError
-from pytest_gpuhost.modules import health as hm
 from pytest_gpuhost.modules import slurm
+from pytest_gpuhost.modules.health import checks as hm
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Action, Check
 

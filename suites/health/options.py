@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.modules.health import FIXES
+from pytest_gpuhost.modules.health.checks import FIXES
 from pytest_gpuhost.run.options import BadValue, Option, lines, read, register
 
 __all__ = ["OPTIONS", "addoption", "fixes", "validate"]

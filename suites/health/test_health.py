@@ -2,7 +2,7 @@
 
 All checks of a host are judged from one `health` facts request (suites/health/conftest.py);
 thresholds come from the inventory's host and group variables (defaults:
-pytest_gpuhost.modules.health.THRESHOLDS, docs/fleet.md). Checks only report unless a safe fix
+pytest_gpuhost.modules.health.checks.THRESHOLDS, docs/fleet.md). Checks only report unless a safe fix
 is allowed with `--fix=persistence` / `--fix=service`; under `--check-only` those show as
 "would fix" with the exact command.
 

@@ -181,7 +181,7 @@ def compare_local(
 def s3_key(prefix: str, category: str, src_root: bytes, rel: bytes) -> str:
     """Return the S3 key of a node file: the engine's documented %XX escaping, written again here."""
     # UTF-8 sequences stay as they are; bytes that are not valid UTF-8, control characters and
-    # `%` become %XX (the layout modules/s3.py documents)
+    # `%` become %XX (the layout modules/backup/s3.py documents)
     text = []
     for ch in local_rel(category, src_root, rel).decode("utf-8", "surrogateescape"):
         o = ord(ch)

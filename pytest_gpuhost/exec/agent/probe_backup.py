@@ -2,7 +2,7 @@
 
 Stdlib only, Python 3.6 syntax (see exec/agent/__init__.py).  The same probe also runs alone as
 the bulk sender on a second raw channel (`probe_program("probe_backup", "send_main()")`, see
-pytest_gpuhost.modules.backup_stream), and the controller imports it for the wire constants
+pytest_gpuhost.modules.backup.stream), and the controller imports it for the wire constants
 below: the wire format is defined here, once.  The listing is probe_backup_walk.py.
 
 File names travel as {"p": str} when they are valid UTF-8 and as {"pb": base64 of the bytes}

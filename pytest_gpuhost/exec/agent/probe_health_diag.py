@@ -1,12 +1,12 @@
 """Agent probe: the `health_diag` fact, active diagnostics where installed, opt-in and time-bounded.
 
 Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).  Nothing runs
-unless the inventory asks (`diag: [nvbandwidth, dcgm]`, modules/health_thresholds.py): then, in
+unless the inventory asks (`diag: [nvbandwidth, dcgm]`, modules/health/thresholds.py): then, in
 the same request as the other health facts, `nvbandwidth -j -t host_to_device_memcpy_ce
 device_to_host_memcpy_ce` (NVIDIA/nvbandwidth: CE copies between host memory and each GPU) and
 `dcgmi diag -r LEVEL -j` (DCGM's diagnostic, JSON), each under what is left of `diag_timeout`.
 A tool that is not installed is reported as such (the check skips with that reason).  The
-copies use the GPUs: an opt-in for nodes drained of work.  modules/health_diag.py judges.
+copies use the GPUs: an opt-in for nodes drained of work.  modules/health/diag.py judges.
 """
 
 import os

@@ -8,7 +8,7 @@ process: per port of every RDMA device, `/sys/class/infiniband/DEV/ports/N/` `st
 drivers/infiniband/core/sysfs.c state_show, phys_state_show, rate_show, show_pma_counter).
 GPUDirect RDMA needs the nvidia_peermem module (NVIDIA GPUDirect RDMA documentation), seen as
 /sys/module/nvidia_peermem.  suites/health asks for it in the same request as the other facts;
-modules/health_ib.py judges it.
+modules/health/ib.py judges it.
 """
 
 import os

@@ -2,7 +2,7 @@
 
 Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).  Read-only: one
 read of /proc/self/mountinfo, no process.  suites/health asks for it in the same request as the
-`health` fact (modules/health_facts.py merges it as the `mounts` part; modules/health_mounts.py
+`health` fact (modules/health/facts.py merges it as the `mounts` part; modules/health/mounts.py
 judges it).
 """
 

@@ -3,7 +3,7 @@
 Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).  Read-only: sysfs
 files and links, config space where it is readable, `lspci -vvv` for a bridge whose extended
 config space is not (only root sees it).  suites/health asks for it in the same request as the
-`health` fact (modules/health_facts.py merges the two).
+`health` fact (modules/health/facts.py merges the two).
 """
 
 import errno

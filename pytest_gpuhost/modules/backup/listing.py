@@ -1,0 +1,162 @@
+"""What the node holds: the backup_walk listing, its files, and the items that are not verified."""
+
+from __future__ import annotations
+
+import base64
+import errno
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, NamedTuple
+
+from pytest_gpuhost.exec.agent import probe_backup as wire
+from pytest_gpuhost.modules.backup.manifest import BackupError, Manifest
+
+__all__ = ["Item", "Listing", "RemoteFile", "listing_from", "reason", "unname", "wire_name"]
+
+
+class Item(NamedTuple):
+    """A path in scope that is not verified in the backup, and why (one blocks safe-to-terminate)."""
+
+    path: str
+    why: str
+
+
+def unname(item: dict[str, Any], key: str = "p", bkey: str = "pb") -> bytes:
+    """Return the path bytes of a wire name ({"p": str} or {"pb": base64})."""
+    if bkey in item:
+        return base64.b64decode(item[bkey])
+    return str(item[key]).encode("utf-8")
+
+
+def wire_name(raw: bytes) -> dict[str, str]:
+    """Return the wire form of a path given as bytes."""
+    try:
+        return {"p": raw.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"pb": base64.b64encode(raw).decode("ascii")}
+
+
+_REASONS = {
+    wire.NOT_REGULAR: "changed type since the listing: no longer a regular file",
+    errno.ELOOP: "changed type since the listing: now a symlink",
+    errno.ENOTDIR: "changed type since the listing: a directory on its path is not one now",
+    errno.ENOENT: "vanished since the listing",
+    errno.EACCES: "cannot open: permission denied",
+    errno.EPERM: "cannot open: operation not permitted",
+    errno.ENAMETOOLONG: "path too long",
+}
+
+
+def reason(code: int) -> str:
+    """Return the reason for a node-side failure code (an errno, or a probe_backup BK_ code)."""
+    return _REASONS.get(code) or (os.strerror(code) if code > 0 else f"failed (code {code})")
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file or symlink on the node, as listed by backup_walk."""
+
+    category: str
+    path: bytes  # absolute path on the node, raw bytes
+    kind: str  # "f" regular file, "l" symlink
+    size: int
+    mtime_ns: int
+    mode: int
+    link: bytes | None = None
+    anchor_len: int = 0  # path[:anchor_len] is the operator's root: only below it is O_NOFOLLOW
+    allocated: int | None = None  # bytes allocated on the node (less than size when sparse)
+
+    @cached_property
+    def key(self) -> str:
+        """Path inside the backup directory (str with surrogateescape for non-UTF-8 bytes)."""
+        rel = self.path.lstrip(b"/")
+        parts = rel.split(b"/")
+        if not rel or any(part in (b"", b".", b"..") for part in parts):
+            raise BackupError(f"refusing unsafe node path {self.path!r}")
+        return self.category + "/" + os.fsdecode(rel)
+
+    @property
+    def display(self) -> str:
+        return self.path.decode("utf-8", "backslashreplace")
+
+    def wire(self) -> dict[str, Any]:
+        """Return the path as backup_hash takes it (name and anchor)."""
+        return dict(wire_name(self.path), a=self.anchor_len)
+
+
+@dataclass
+class Listing:
+    """What the node holds for each category (one backup_walk round trip)."""
+
+    files: list[RemoteFile]
+    skipped: list[dict[str, Any]]  # left out by the manifest's rules (max_size, not a file or link)
+    errors: list[dict[str, Any]]  # could not be listed: each is an unverified item
+    duration: float
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for f in self.files:
+            t = out.setdefault(f.category, {"files": 0, "links": 0, "bytes": 0, "allocated": 0})
+            if f.kind == "l":
+                t["links"] += 1
+            else:
+                t["files"] += 1
+                t["bytes"] += f.size
+                t["allocated"] += f.size if f.allocated is None else f.allocated
+        return out
+
+    def unlisted(self) -> list[Item]:
+        """Return an item for each path in scope the node could not list."""
+        return [Item(e["path"], str(e.get("error") or "cannot list")) for e in self.errors]
+
+
+def listing_from(manifest: Manifest, res: dict[str, Any]) -> Listing:
+    """Turn a backup_walk result into a Listing (a path listed twice in one category: once)."""
+    files: list[RemoteFile] = []
+    skipped: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    for cat in manifest.categories:
+        part = res["categories"].get(cat.name, {})
+        for e in part.get("entries", []):
+            link = None
+            if e["t"] == "l":
+                link = base64.b64decode(e["lb"]) if "lb" in e else str(e["l"]).encode("utf-8")
+            files.append(
+                RemoteFile(
+                    cat.name,
+                    unname(e),
+                    e["t"],
+                    int(e["s"]),
+                    int(e["m"]),
+                    int(e["o"]),
+                    link,
+                    int(e.get("a", 0)),
+                    int(e["b"]) if "b" in e else None,
+                )
+            )
+        for s in part.get("skipped", []):
+            skipped.append(
+                {
+                    "category": cat.name,
+                    "path": unname(s).decode("utf-8", "backslashreplace"),
+                    "size": s.get("s"),
+                    "why": s.get("why"),
+                }
+            )
+        for err in part.get("errors", []):
+            errors.append(
+                {
+                    "category": cat.name,
+                    "path": unname(err).decode("utf-8", "backslashreplace"),
+                    "errno": err.get("errno"),
+                    "error": err.get("error"),
+                }
+            )
+    seen: set[str] = set()
+    unique = []
+    for f in files:
+        if f.key not in seen:
+            seen.add(f.key)
+            unique.append(f)
+    return Listing(unique, skipped, errors, float(res.get("duration", 0.0)))

@@ -1,0 +1,91 @@
+"""What the backup can prove: every path in scope verified, or an item saying why not; SHA256SUMS."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pytest_gpuhost.modules.backup.listing import Item, Listing, RemoteFile
+
+__all__ = ["sha256_file", "unverified", "write_checksums"]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def unverified(
+    listing: Listing,
+    items: dict[str, dict[str, Any]],
+    local: Callable[[RemoteFile], Path],
+    *,
+    seen_current: dict[str, tuple[dict[str, Any], int, int]],
+    failures: dict[str, str],
+    rehash_local: bool = False,
+) -> list[Item]:
+    """Return an Item for each path in scope that is not verified: unlisted, failed, or differing.
+
+    items: the verified state; seen_current: what plan() found current moments ago (trusted
+    without another stat); failures: the last transfer's reason per key, said instead of "never
+    copied".
+    """
+    missing = listing.unlisted()
+    for f in listing.files:
+        rec = items.get(f.key)
+        if rec is None:
+            why = failures.get(f.key)
+            missing.append(Item(f.display, f"not copied: {why}" if why else "never copied"))
+            continue
+        seen = seen_current.get(f.key)
+        if not rehash_local and seen is not None and seen == (rec, f.size, f.mtime_ns):
+            continue
+        path = local(f)
+        try:
+            lst = os.lstat(path)
+        except OSError as exc:
+            too_long = exc.errno == errno.ENAMETOOLONG
+            missing.append(
+                Item(f.display, "local path too long" if too_long else "missing in the backup directory")
+            )
+            continue
+        if f.kind == "l":
+            if not stat.S_ISLNK(lst.st_mode) or os.fsencode(os.readlink(path)) != f.link:
+                missing.append(Item(f.display, "link differs"))
+            continue
+        if rec.get("s") != f.size or rec.get("m") != f.mtime_ns:
+            why = failures.get(f.key) or "changed on the node since it was copied"
+            missing.append(Item(f.display, why))
+        elif not stat.S_ISREG(lst.st_mode) or lst.st_size != f.size or lst.st_mtime_ns != f.mtime_ns:
+            missing.append(Item(f.display, "local copy altered"))
+        elif rehash_local and sha256_file(path) != rec.get("sha256"):
+            missing.append(Item(f.display, "local copy corrupt (SHA-256)"))
+    return missing
+
+
+def write_checksums(dest: Path, listing: Listing, items: dict[str, dict[str, Any]]) -> Path:
+    """Write DEST/SHA256SUMS (sha256sum -c compatible, node hashes) for the listed files."""
+    out = dest / "SHA256SUMS"
+    lines = []
+    for f in sorted(listing.files, key=lambda f: f.key):
+        rec = items.get(f.key)
+        if rec is None or f.kind != "f" or "sha256" not in rec:
+            continue
+        name = os.fsencode(f.key)
+        if b"\\" in name or b"\n" in name or b"\r" in name:
+            esc = name.replace(b"\\", b"\\\\").replace(b"\n", b"\\n").replace(b"\r", b"\\r")
+            lines.append(b"\\" + rec["sha256"].encode() + b"  " + esc + b"\n")
+        else:
+            lines.append(rec["sha256"].encode() + b"  " + name + b"\n")
+    tmp = out.with_name(".SHA256SUMS.tmp")
+    tmp.write_bytes(b"".join(lines))
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,283 @@
+"""Health checks of the paths between GPUs: PCIe link, NVLink, IOMMU group types, ACS, P2P.
+
+Pure logic, no I/O (facts in, verdicts out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pytest_gpuhost.modules.health.nvlink import judge_nvlink_errors
+from pytest_gpuhost.modules.health.thresholds import Thresholds, model_spec
+from pytest_gpuhost.modules.health.verdict import (
+    Facts,
+    Verdict,
+    facts_gpus,
+    facts_part,
+    failed,
+    gpu_label,
+    int_or_none,
+    skipped,
+)
+from pytest_gpuhost.modules.parsers import P2P_STATUS_LEGEND
+
+_GEN_BY_SPEED = {
+    "2.5": 1,
+    "5.0": 2,
+    "5": 2,
+    "8.0": 3,
+    "8": 3,
+    "16.0": 4,
+    "16": 4,
+    "32.0": 5,
+    "32": 5,
+    "64.0": 6,
+    "64": 6,
+}
+
+
+def _sysfs_gen(speed: Any) -> int | None:
+    if not isinstance(speed, str):
+        return None
+    return _GEN_BY_SPEED.get(speed.split(" ")[0])
+
+
+def check_pcie_link(facts: Facts, t: Thresholds) -> Verdict:
+    gpus, err = facts_gpus(facts)
+    if err:
+        return failed("pcie_link", f"nvidia-smi failed: {err}", [err])
+    pci, _ = facts_part(facts, "pci")
+    devices = (pci or {}).get("devices") or {}
+    reasons = []
+    links = {}
+    for g in gpus:
+        gen, gen_max = g.get("pcie.link.gen.current"), g.get("pcie.link.gen.max")
+        width, width_max = g.get("pcie.link.width.current"), g.get("pcie.link.width.max")
+        # sysfs where the driver does not report the link (older facts kept it with the PCI part)
+        sys_link = g.get("sysfs_link") or (devices.get(str(g.get("bdf"))) or {}).get("link") or {}
+        if not isinstance(gen, int):
+            gen, gen_max = _sysfs_gen(sys_link.get("speed")), _sysfs_gen(sys_link.get("max_speed"))
+        if not isinstance(width, int):
+            width, width_max = int_or_none(sys_link.get("width")), int_or_none(sys_link.get("max_width"))
+        links[str(g.get("bdf"))] = {"gen": gen, "gen_max": gen_max, "width": width, "width_max": width_max}
+        want_gen = t["pcie_gen_min"] if t["pcie_gen_min"] is not None else gen_max
+        want_width = t["pcie_width_min"] if t["pcie_width_min"] is not None else width_max
+        if isinstance(gen, int) and isinstance(want_gen, int) and gen < want_gen:
+            reasons.append(f"{gpu_label(g)}: PCIe Gen{gen}, below Gen{want_gen} (max Gen{gen_max})")
+        if isinstance(width, int) and isinstance(want_width, int) and width < want_width:
+            reasons.append(f"{gpu_label(g)}: PCIe x{width}, below x{want_width} (max x{width_max})")
+    state = {"links": links}
+    if not links:
+        return skipped("pcie_link", "no GPU on nvidia to check")
+    if reasons:
+        return failed("pcie_link", f"degraded PCIe link: {reasons[0]}", reasons, state=state)
+    shapes = sorted({f"Gen{v['gen']} x{v['width']}" for v in links.values()})
+    return Verdict(
+        "pcie_link", True, f"all {len(links)} links at their maximum ({', '.join(shapes)})", state=state
+    )
+
+
+def _expected_links(facts: Facts, t: Thresholds) -> dict[str, tuple[int, str]]:
+    """Return {nvidia-smi index: (active links expected, GPU label)} for GPUs that must have NVLinks."""
+    smi_gpus, _ = facts_gpus(facts)
+    out = {}
+    for g in smi_gpus:
+        want = t["nvlink_active_min"]
+        if want is None:
+            spec = model_spec(str(g.get("name") or ""))
+            want = spec["nvlinks"] if spec else None
+        if want:
+            out[str(g.get("index"))] = (int(want), gpu_label(g))
+    return out
+
+
+def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
+    """Judge every GPU's NVLinks: each reported link up, and as many active as the model has.
+
+    A GPU whose links are all down may print no link lines at all (or not appear in
+    `nvidia-smi nvlink -s`): the count expected from the model (thresholds MODELS, or
+    `nvlink_active_min`) catches it.
+    """
+    part, err = facts_part(facts, "nvlink")
+    required = t["nvlink_required"]
+    gpus = (part or {}).get("gpus") or {}
+    total = sum(len(g.get("links") or {}) for g in gpus.values())
+    expected = _expected_links(facts, t)
+    # error counters since the last run (health_nvlink), read where `nvlink -s` printed links
+    counted, counters, note = judge_nvlink_errors(facts, t)
+    if expected:
+        short = []
+        for idx, (want, label) in sorted(expected.items(), key=lambda kv: int(kv[0])):
+            links = (gpus.get(idx) or {}).get("links") or {}
+            active = sum(1 for st in links.values() if st.get("up"))
+            if active < want:
+                seen = f"{len(links)} link lines" if links else "no link lines"
+                short.append(f"{label}: {active} of {want} NVLinks active ({seen})")
+        if short or part is None:
+            reasons = (short or [str(err)]) + counted
+            return failed(
+                "nvlink",
+                f"{len(short)} GPU(s) with fewer active NVLinks than the model has" if short else str(err),
+                reasons,
+                state={"expected": {i: w for i, (w, _) in expected.items()}, "errors": counters},
+            )
+    if part is None or total == 0:
+        if required:
+            return failed(
+                "nvlink", "no NVLink reported, but nvlink_required is set", [str(err or "no links")]
+            )
+        return skipped("nvlink", "no NVLink on this host" + (f" ({err})" if err else ""))
+    reasons = []
+    up = 0
+    for idx, g in sorted(gpus.items(), key=lambda kv: int(kv[0])):
+        for link, st in sorted((g.get("links") or {}).items(), key=lambda kv: int(kv[0])):
+            if st.get("up"):
+                up += 1
+            else:
+                reasons.append(f"GPU {idx} link {link}: {st.get('text') or 'down'}")
+    state = {"links_up": up, "links_total": total, "errors": counters}
+    if reasons or counted:
+        down = f"{len(reasons)} of {total} NVLinks down" if reasons else ""
+        grew = f"{len(counted)} NVLink error counter(s) past the limit since the last run" if counted else ""
+        grew = counted[0] if "error" in counters else grew  # unreadable: say so, not "past the limit"
+        return failed("nvlink", "; ".join(x for x in (down, grew) if x), reasons + counted, state=state)
+    return Verdict("nvlink", True, f"all {total} NVLinks up" + (f"; {note}" if note else ""), state=state)
+
+
+def check_fabric(facts: Facts, t: Thresholds) -> Verdict:
+    """On NVSwitch GPU models: every GPU's fabric trained (State Completed, Status Success), FM running.
+
+    Until Fabric Manager has trained the fabric, CUDA fails on those GPUs (error 802, "system
+    not yet initialized"); the probe reads the fabric only for models in thresholds MODELS
+    with `fabric` (B200, H100/H200 SXM).
+    """
+    part = facts.get("fabric")
+    if part is None:
+        return skipped("fabric", "no NVSwitch GPU model on this host (thresholds MODELS: fabric)")
+    got, err = facts_part(facts, "fabric")
+    if got is None:
+        return failed("fabric", f"fabric state unreadable: {err}", [str(err)])
+    smi_gpus, _ = facts_gpus(facts)
+    labels = {str(g.get("bdf")): gpu_label(g) for g in smi_gpus}
+    fab = got.get("gpus") or {}
+    reasons = []
+    for bdf in sorted(set(labels) | set(fab)):
+        label = labels.get(bdf, f"GPU ? ({bdf})")
+        st = fab.get(bdf)
+        if st is None:
+            reasons.append(f"{label}: nvidia-smi -q shows no Fabric section")
+        elif st.get("state") != "Completed":
+            reasons.append(f"{label}: fabric state {st.get('state')} (not trained: CUDA fails until it is)")
+        elif st.get("status") != "Success":
+            reasons.append(f"{label}: fabric training finished with status {st.get('status')}")
+    unit = str(got.get("unit") or "nvidia-fabricmanager.service")
+    svc = got.get("service") or {}
+    active = svc.get("ActiveState")
+    if active != "active":
+        what = (
+            "not installed"
+            if svc.get("LoadState") == "not-found"
+            else (svc.get("error") or f"{active} ({svc.get('SubState')})")
+        )
+        reasons.append(f"{unit}: {what}")
+    state = {"gpus": fab, "service": svc}
+    if reasons:
+        return failed("fabric", reasons[0], reasons, state=state)
+    return Verdict("fabric", True, f"fabric trained on {len(fab)} GPUs; {unit} active", state=state)
+
+
+def _nvidia_devices(facts: Facts) -> tuple[dict[str, Any], str | None]:
+    pci, err = facts_part(facts, "pci")
+    if pci is None:
+        return {}, err
+    return {b: d for b, d in (pci.get("devices") or {}).items() if d.get("driver") == "nvidia"}, None
+
+
+def check_iommu_group_type(facts: Facts, t: Thresholds) -> Verdict:
+    devs, err = _nvidia_devices(facts)
+    if err:
+        return failed("iommu_group_type", f"sysfs unreadable: {err}", [str(err)])
+    if not devs:
+        return skipped("iommu_group_type", "no GPU on nvidia (GPUs on vfio-pci belong to VMs)")
+    allowed = list(t["iommu_group_types"])
+    reasons = []
+    types = {}
+    for b, d in sorted(devs.items()):
+        typ = d.get("iommu_type")
+        types[b] = typ
+        if d.get("iommu_group") is None:
+            continue  # IOMMU off: no translation on the path
+        if typ not in allowed:
+            reasons.append(
+                f"{b}: IOMMU group {d.get('iommu_group')} is {typ}, expected {' or '.join(allowed)}"
+            )
+    state = {"types": types}
+    if reasons:
+        return failed(
+            "iommu_group_type",
+            f"{len(reasons)} GPU IOMMU group(s) not {'/'.join(allowed)}",
+            reasons,
+            state=state,
+        )
+    shown = sorted({str(v) for v in types.values()})
+    return Verdict("iommu_group_type", True, f"GPU IOMMU groups: {', '.join(shown)}", state=state)
+
+
+def check_acs(facts: Facts, t: Thresholds) -> Verdict:
+    devs, err = _nvidia_devices(facts)
+    if err:
+        return failed("acs", f"sysfs unreadable: {err}", [str(err)])
+    bridges: dict[str, Mapping[str, Any]] = {}
+    for d in devs.values():
+        for br in d.get("bridges") or []:
+            bridges[br["bdf"]] = br.get("acs") or {}
+    if not bridges:
+        return skipped("acs", "no upstream bridge found for the GPUs")
+    unknown = sorted(b for b, a in bridges.items() if a.get("source") == "unknown")
+    if len(unknown) == len(bridges):
+        return skipped(
+            "acs", f"ACS state unknown on {len(unknown)} bridge(s): config space unreadable and no lspci"
+        )
+    reasons = []
+    for b, a in sorted(bridges.items()):
+        ctl = a.get("ctl") or {}
+        on = [k for k in ("ReqRedir", "CmpltRedir") if ctl.get(k)]
+        if on and not t["acs_redirect_allowed"]:
+            reasons.append(
+                f"bridge {b}: ACS {'+ '.join(on)}+ redirects peer traffic through the root complex"
+            )
+    state = {"bridges": {b: dict(a) for b, a in bridges.items()}, "unknown": unknown}
+    note = f"; unknown on {', '.join(unknown)}" if unknown else ""
+    if reasons:
+        return failed("acs", f"ACS redirect on {len(reasons)} GPU bridge(s){note}", reasons, state=state)
+    return Verdict(
+        "acs", True, f"no ACS redirect on {len(bridges) - len(unknown)} GPU bridge(s){note}", state=state
+    )
+
+
+def check_p2p(facts: Facts, t: Thresholds) -> Verdict:
+    if not t["p2p_required"]:
+        return skipped("p2p", "not required (p2p_required: false)")
+    part, err = facts_part(facts, "p2p")
+    if part is None:
+        return failed("p2p", f"P2P matrix unavailable: {err}", [str(err)])
+    labels = list(part.get("labels") or [])
+    matrix = [list(r) for r in part.get("matrix") or []]
+    if len(labels) < 2:
+        return skipped("p2p", f"{len(labels)} GPU: no pair to check")
+    reasons = []
+    for i, row in enumerate(matrix):
+        for j, cell in enumerate(row):
+            if j <= i or cell in ("X", "OK"):
+                continue
+            reasons.append(
+                f"{labels[i]} <-> {labels[j]}: {cell} ({P2P_STATUS_LEGEND.get(cell, 'unknown code')})"
+            )
+    pairs = len(labels) * (len(labels) - 1) // 2
+    state = {"labels": labels, "matrix": matrix}
+    if reasons:
+        return failed(
+            "p2p", f"P2P not available for {len(reasons)} of {pairs} GPU pairs", reasons, state=state
+        )
+    return Verdict("p2p", True, f"P2P OK for all {pairs} GPU pairs", state=state)
