@@ -127,17 +127,38 @@ def test_no_module_loaded_or_unused_is_no_holder() -> None:
 def test_uvm_references_of_open_files_are_not_the_kernels() -> None:
     """SGLang with tp=4: each CUDA context opens /dev/nvidia-uvm twice, two references per open file.
 
-    One process per GPU, each with two uvm descriptors, reads refcnt 16 (4 x 2 x 2). The fd scan
-    counts processes, so that refcnt cannot be split into the processes' and the kernel's share:
-    a healthy host is not refused; with no process holding uvm, a reference is the kernel's.
+    One process per GPU, each with two uvm descriptors, reads refcnt 16 (4 x 2 x 2): no kernel
+    holder. One reference more is the kernel's; a bare set of files cannot tell.
     """
     holders = [
-        gpu.Holder(10 + i, "python3", "python3 -m sglang.launch_server --tp 4", [f"/dev/nvidia{i}", "/dev/nvidia-uvm"], "")
+        gpu.Holder(
+            10 + i,
+            "python3",
+            "sglang --tp 4",
+            [f"/dev/nvidia{i}", "/dev/nvidia-uvm"],
+            "",
+            {f"/dev/nvidia{i}": 1, "/dev/nvidia-uvm": 2},
+        )
         for i in range(4)
     ]
     counts = gpu.open_counts(holders)
-    assert counts["/dev/nvidia-uvm"] == 4
+    assert counts["/dev/nvidia-uvm"] == 8
     assert gpu.kernel_holders(_files(drm="0", uvm="16"), counts) == []
+    found = gpu.kernel_holders(_files(drm="0", uvm="17"), counts)
+    assert found and "refcnt 17, 8 descriptor(s)" in found[0], found
     assert gpu.kernel_holders(_files(drm="0", uvm="2"), {"/dev/nvidia-uvm"}) == []
     found = gpu.kernel_holders(_files(drm="0", uvm="2"), {"/dev/nvidia0": 1})
-    assert found and "no process has /dev/nvidia-uvm open" in found[0], found
+    assert found and "0 descriptor(s)" in found[0], found
+
+
+def test_parse_holders_reads_the_agents_fd_counts() -> None:
+    raw = [
+        {
+            "pid": 5,
+            "comm": "python3",
+            "cmdline": "x",
+            "files": ["/dev/nvidia-uvm"],
+            "fds": {"/dev/nvidia-uvm": 2},
+        }
+    ]
+    assert gpu.open_counts(gpu.parse_holders(raw)) == {"/dev/nvidia-uvm": 2}

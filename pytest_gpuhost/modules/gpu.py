@@ -39,6 +39,7 @@ class Holder:
     cmdline: str
     files: list[str] = field(default_factory=list)
     cgroup: str = ""
+    fds: dict[str, int] = field(default_factory=dict)  # path -> descriptors naming it
 
     def describe(self) -> str:
         """Return "pid 1234 (python3) holds /dev/nvidia0: CMDLINE"."""
@@ -92,6 +93,7 @@ def parse_holders(raw: Any) -> list[Holder]:
             str(h.get("cmdline") or ""),
             list(h.get("files") or []),
             str(h.get("cgroup") or ""),
+            {str(k): int(v) for k, v in (h.get("fds") or {}).items()},
         )
         for h in raw
     ]
@@ -129,11 +131,15 @@ def _count(text: str | None) -> int:
 
 
 def open_counts(holders: list[Holder]) -> dict[str, int]:
-    """How many processes hold each device file open (each holds a reference on its module)."""
+    """How many descriptors name each device file, across processes (one per file without the agent's fd count).
+
+    A descriptor is at most one open file (dup(2) and fork(2) share one), so twice this count bounds
+    the references the processes hold on the file's module from above.
+    """
     out: dict[str, int] = {}
     for h in holders:
         for f in set(h.files):
-            out[f] = out.get(f, 0) + 1
+            out[f] = out.get(f, 0) + max(1, h.fds.get(f, 1))
     return out
 
 
@@ -148,10 +154,10 @@ def kernel_holders(files: dict[str, str | None], held: set[str] | dict[str, int]
     Each open file of a module's character device holds two references on the module
     (chrdev_open() in fs/char_dev.c takes cdev_get() and fops_get()), and since driver 535.43.02
     a CUDA context opens /dev/nvidia-uvm twice (UVM_MM_INITIALIZE, open-gpu-kernel-modules
-    kernel-open/nvidia-uvm/uvm_ioctl.h). The fd scan gives processes, not open files, so while any
-    process holds /dev/nvidia-uvm the kernel's share of its refcnt cannot be known: it is not
-    reported (a healthy CUDA host is never refused); with no process holding it, any reference is
-    the kernel's.
+    kernel-open/nvidia-uvm/uvm_ioctl.h). With descriptor counts (`open_counts`), a uvm refcnt above
+    two per descriptor is the kernel's for certain (a descriptor is at most one open file, so a
+    healthy CUDA host is never refused); a bare set of files cannot tell, and only a refcnt with no
+    process holding /dev/nvidia-uvm is reported.
     """
     counts = held if isinstance(held, dict) else {f: 1 for f in held}
     out = []
@@ -162,6 +168,12 @@ def kernel_holders(files: dict[str, str | None], held: set[str] | dict[str, int]
         )
         out.append(f"nvidia_drm is in use by the kernel (refcnt {drm}{'; ' + modes if modes else ''})")
     uvm = _count(files.get(UVM_REFCNT))
-    if uvm > 0 and not counts.get("/dev/nvidia-uvm", 0):
+    fds = counts.get("/dev/nvidia-uvm", 0)
+    if isinstance(held, dict) and uvm > 2 * fds:
+        out.append(
+            f"nvidia_uvm is in use by the kernel (refcnt {uvm}, {fds} descriptor(s) of /dev/nvidia-uvm hold"
+            f" at most {2 * fds}: two references per open file)"
+        )
+    elif not isinstance(held, dict) and uvm > 0 and not fds:
         out.append(f"nvidia_uvm is in use by the kernel (refcnt {uvm}, no process has /dev/nvidia-uvm open)")
     return out

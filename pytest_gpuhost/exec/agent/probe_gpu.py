@@ -148,7 +148,7 @@ def _proc_holders(prefix="/dev/nvidia"):
         pid = int(os.path.basename(pid_dir))
         if pid == me:
             continue
-        files = set()
+        files = {}  # path -> descriptors naming it (each open file holds two module references)
         try:
             fds = os.listdir(pid_dir + "/fd")
         except OSError:
@@ -159,7 +159,7 @@ def _proc_holders(prefix="/dev/nvidia"):
             except OSError:
                 continue
             if target.startswith(prefix):
-                files.add(target)
+                files[target] = files.get(target, 0) + 1
         if not files:
             continue
         cmdline = ""
@@ -174,6 +174,7 @@ def _proc_holders(prefix="/dev/nvidia"):
                 "comm": read_str(pid_dir + "/comm", ""),
                 "cmdline": cmdline,
                 "files": sorted(files),
+                "fds": files,
                 "cgroup": ((read_str(pid_dir + "/cgroup", "") or "").splitlines() or [""])[-1],
             }
         )
@@ -182,7 +183,7 @@ def _proc_holders(prefix="/dev/nvidia"):
 
 @fact("gpu_holders")
 def gpu_holders_fact(params):
-    """Processes with /dev/nvidia* open: pid, comm, cmdline, which files (scans /proc/*/fd)."""
+    """Processes with /dev/nvidia* open: pid, comm, cmdline, which files and how many fds each (scans /proc/*/fd)."""
     return _proc_holders(params.get("prefix", "/dev/nvidia"))
 
 
