@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     gpus = pick_gpus(args)
     fds = []
-    for dev in ("nvidiactl", "nvidia-uvm"):
+    # two /dev/nvidia-uvm descriptors, as CUDA from driver 535.43.02 holds them (UVM_MM_INITIALIZE)
+    for dev in ("nvidiactl", "nvidia-uvm", "nvidia-uvm"):
         try:
             fds.append(os.open(path("dev", dev), os.O_RDONLY))
         except OSError:

@@ -196,7 +196,9 @@ def _run(plan: Plan, parent: int, dev: Dev, record: Record) -> None:
     signal.signal(signal.SIGTERM, on_term)
     fds = []
     if plan.minors:
-        for name in ("nvidiactl", "nvidia-uvm", *(f"nvidia{m}" for m in plan.minors)):
+        # CUDA (driver >= 535.43.02) opens /dev/nvidia-uvm twice per process: the VA space and the
+        # UVM_MM_INITIALIZE descriptor (open-gpu-kernel-modules kernel-open/nvidia-uvm/uvm_ioctl.h)
+        for name in ("nvidiactl", "nvidia-uvm", "nvidia-uvm", *(f"nvidia{m}" for m in plan.minors)):
             try:
                 fds.append(os.open(dev(name), os.O_RDONLY))
             except OSError:
