@@ -224,7 +224,7 @@ def prepare_root(
 
 
 def make_dev(dev: Path, nvidia_minors: Iterable[int]) -> None:
-    """Mount a tmpfs at ``dev`` with the usual nodes and the GPU files (regular files, by design)."""
+    """Mount a tmpfs at ``dev`` with the usual nodes and the GPU nodes (character devices)."""
     dev.mkdir(parents=True, exist_ok=True)
     if not os.path.ismount(dev):
         subprocess.run(
@@ -249,10 +249,13 @@ def make_dev(dev: Path, nvidia_minors: Iterable[int]) -> None:
     ):
         if not (dev / name).is_symlink():
             (dev / name).symlink_to(target)
+    # Character devices, as on a real host, but of /dev/null's major:minor (1:3): no nvidia driver is
+    # registered here, so NVIDIA's numbers (195:N) would open with ENXIO. Each node is its own inode,
+    # so the /proc/*/fd scans still tell them apart; opens and closes go through chrdev_open().
     for name in [f"nvidia{m}" for m in nvidia_minors] + ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]:
         p = dev / name
         if not p.exists():
-            p.touch()
+            os.mknod(p, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
             p.chmod(0o666)
 
 

@@ -1015,7 +1015,7 @@ class Lab:
             else:
                 boot.make_dev(m.dir / "dev", [])
                 for f in sorted((d / "dev").iterdir()):
-                    if f.name.startswith("nvidia") and f.is_file():
+                    if f.name.startswith("nvidia") and (f.is_char_device() or f.is_file()):
                         (m.dir / "dev" / f.name).touch()
                         _run(["mount", "--bind", str(f), str(m.dir / "dev" / f.name)])
                 netns.add_container_link(host.name, host.index, m.cid, k - 1)

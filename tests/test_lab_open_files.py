@@ -71,3 +71,21 @@ def test_fork_shares_the_open_file(tmp_path: Path) -> None:
         for p in (grandchild, pid):
             os.kill(p, 9)
         os.waitpid(pid, 0)
+
+
+def test_gpu_nodes_are_character_devices(tmp_path: Path) -> None:
+    """/dev/nvidia* are character devices on a real host (and on 6.1/6.12 under QEMU), not regular files."""
+    import stat
+    import subprocess as sp
+
+    from gpulab import boot
+
+    dev = tmp_path / "dev"
+    boot.make_dev(dev, [0, 1])
+    try:
+        for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
+            assert stat.S_ISCHR(os.stat(dev / name).st_mode), name
+        fd = os.open(dev / "nvidia-uvm", os.O_RDONLY)
+        os.close(fd)
+    finally:
+        sp.run(["umount", str(dev)], check=False)
