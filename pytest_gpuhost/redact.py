@@ -4,8 +4,10 @@ Every output goes through `redact` (`redact_obj` for JSON-like data, `redact_arg
 vectors): evidence when it is recorded, failure text and captured sections on each report, JUnit
 properties, the JSON evidence file, the fleet summary (and so its Prometheus textfile, HTML section
 and terminal lines), the merge's outputs. Files the suites write (NOTES.md, stop logs) call
-`redact` too. It errs on the side of hiding: a value that merely looks like a credential is
-replaced, but prose keeps its words (`passwd: password updated successfully`).
+`redact` too. It hides what a secret looks like: known formats, and values under a secret's
+name judged by the name's last word and, where that is ambiguous, the value's own shape; the
+words LLM hosts are made of (`--max-total-tokens 65536`, `--tokenizer-path /models/...`,
+`"bos_token_id": 151643`) and prose (`passwd: password updated successfully`) stay whole.
 
 The patterns cover the families a secret scanner such as detect-secrets (Apache-2.0) knows
 (AWS, GitHub, GitLab, Slack, JWT, private keys, Basic auth in URLs, Azure, Stripe, OpenAI-style
@@ -21,6 +23,7 @@ a backup manifest unreadable.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,37 +37,80 @@ __all__ = [
     "redact_obj",
     "remember",
     "remember_env",
+    "name_kind",
     "secret_name",
 ]
 
 MASK = "***"
 
-_SECRET_WORDS = frozenset(
+# A name is a secret's name by its last word, or by its last two (`AWS_SECRET_ACCESS_KEY`,
+# `--hf-token`, `apiKey`), never because a secret word sits inside another word
+# (`--tokenizer-path`, `--max-total-tokens`, `bos_token_id`, `TOKENIZERS_PARALLELISM`,
+# `detokenizer`). Unambiguous last words hide any value but a boolean, an empty one, a
+# reference (`$VAR`) or an absolute path; `KEY` and `TOKEN` after another word are ambiguous
+# (`pad_token`, `sort_key`) and hide a value only when it is shaped like a secret (`_secret_shaped`).
+_SECRET_LAST = frozenset(
     {
-        "KEY",
-        "KEYS",
-        "APIKEY",
-        "TOKEN",
-        "TOKENS",
         "SECRET",
         "SECRETS",
         "PASSWORD",
         "PASSWORDS",
         "PASSWD",
-        "PASS",
+        "PASSPHRASE",
         "CREDENTIAL",
         "CREDENTIALS",
-        "PASSPHRASE",
+        "APIKEY",
+    }
+)
+_AMBIGUOUS_LAST = frozenset({"KEY", "TOKEN"})
+_ALONE = frozenset({"KEY", "TOKEN", "PASS", "PWD", "AUTH"})  # `--key X`, `token: X`, `-pass X`
+_CREDENTIAL_QUALIFIERS = frozenset(
+    {
+        "API",
+        "ACCESS",
+        "SECRET",
+        "PRIVATE",
         "AUTH",
+        "SESSION",
+        "REFRESH",
+        "BEARER",
+        "CLIENT",
+        "HF",
+        "HUGGINGFACE",
+        "HUGGING",
+        "FACE",
+        "GITHUB",
+        "GH",
+        "GITLAB",
+        "SLACK",
+        "OPENAI",
+        "ANTHROPIC",
+        "NPM",
+        "PYPI",
+        "WANDB",
+        "SECURITY",
+        "MASTER",
+        "SIGNING",
+        "ENCRYPTION",
+        "ID",
+        "OAUTH",
+        "WEBHOOK",
+        "BOT",
+        "APP",
+        "SERVICE",
+        "SSH",
+        "LICENSE",
+        "STRIPE",
+        "DEPLOY",
+        "PERSONAL",
+        "REGISTRY",
+        "DOCKER",
+        "NGC",
     }
 )
 _WORD = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
-# Lower-case names are matched narrowly ("monkey=3" is not a secret, "api_key=..." is).
-_LOWER_SECRET = (
-    r"[\w.-]*(?:password|passwd|passphrase|token|secret|credential|api[_-]?key|access[_-]?key"
-    r"|private[_-]?key|secret[_-]?key|auth[_-]?key)s?[\w.-]*"
-)
-_UPPER_SECRET = r"[A-Z0-9_]*(?:KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PASSPHRASE)S?[A-Z0-9_]*"
+_BOOLEAN = frozenset({"true", "false", "yes", "no", "on", "off", "none", "null", "nil", "0", "1"})
+_NAME = r"[A-Za-z_][\w.-]*"
 
 # Values seen under a secret name (env var, flag, name=value) are hidden wherever they appear
 # later, e.g. when a command echoes $MY_TOKEN without its name.
@@ -90,9 +136,9 @@ def remember(value: str) -> None:
 
 
 def remember_env(env: Mapping[str, str]) -> None:
-    """Remember the values of secret-looking variables of an environment (paths excluded)."""
+    """Remember the values of an environment's secrets (by name, or shaped like one under `KEY`/`TOKEN`)."""
     for name, value in env.items():
-        if secret_name(name) and len(value) >= 8 and not value.startswith("/"):
+        if len(value) >= 8 and _hide(name, value):
             remember(value)
 
 
@@ -107,11 +153,64 @@ def _mask_whole(match: re.Match[str]) -> str:
 
 
 def _name_value(match: re.Match[str]) -> str:
-    """Mask a `name: value`, unless it is prose: `passwd: password updated successfully`."""
-    value, rest = match.group(2), match.string[match.end() :]
+    """Mask a `name: value` whose name is a secret's, unless it is prose (`passwd: password updated`)."""
+    value, rest = match.group(3), match.string[match.end() :]
+    hide = _hide(match.group(2), value)
+    if not hide:  # the value may hold a pair of its own: `Environment=HF_TOKEN=hf_...`
+        return match.group(1) + _NAME_VALUE.sub(_name_value, value) if "=" in value else match.group(0)
     if "=" not in match.group(1) and value.isalpha() and re.match(r" +[A-Za-z]", rest):
         return match.group(0)
-    return _keep_and_mask(match)
+    if hide == "remember":
+        remember(value)
+    return match.group(1) + MASK
+
+
+def _flag_value(match: re.Match[str]) -> str:
+    """Mask `--name VALUE` whose name is a secret's (`--api-key X`, `--token X`, `--key X`)."""
+    hide = _hide(match.group(2), match.group(3))
+    if not hide:
+        return match.group(0)
+    if hide == "remember":
+        remember(match.group(3))
+    return match.group(1) + MASK
+
+
+def _secret_shaped(value: str) -> bool:
+    """Tell whether a value looks like a key or token by itself: long, one token, mixed, high entropy.
+
+    Hex digests and GPU UUIDs are long too; they are not hidden under an ambiguous name
+    (`cache_key: e3b0...`) because a lowercase hex alphabet is one class only.
+    """
+    v = value.strip("\"'")
+    if len(v) < 16 or not re.fullmatch(r"[A-Za-z0-9_+/=.~-]+", v) or v.startswith(("/", "./", "~/")):
+        return False
+    if re.fullmatch(r"[0-9a-f-]+|[0-9A-F-]+", v):
+        return False  # a digest, a UUID, a serial: evidence, not a key
+    classes = sum(any(f(c) for c in v) for f in (str.isupper, str.islower, str.isdigit))
+    if classes < 2:
+        return False
+    counts = {c: v.count(c) for c in set(v)}
+    entropy = -sum(n / len(v) * math.log2(n / len(v)) for n in counts.values())
+    return entropy >= 3.0
+
+
+def _hide(name: str, value: str) -> str:
+    """Return "remember" (hide, and everywhere later), "hide" (here only) or "" (honest)."""
+    kind = name_kind(name)
+    if not kind:
+        return ""
+    v = value.strip("\"'")
+    if MASK in v:
+        return "hide"  # already masked (`NAME='***'` from shlex.quote): shown as NAME=***
+    if re.fullmatch(r"-?\d+(?:\.\d+)?[,;]?", v) or re.fullmatch(
+        r"[\w.-]+(?:/[\w.-]+)*/[\w-]+\.[A-Za-z]\w*", v
+    ):
+        return ""  # a number, or a relative file path (`s3 key: data/shard-00001.arrow`)
+    if not v or v.lower() in _BOOLEAN or v.startswith(("$", "/", "./", "../", "~/")):
+        return ""
+    if kind == "secret":
+        return "remember"
+    return "remember" if _secret_shaped(v) else ""
 
 
 def _user_password(match: re.Match[str]) -> str:
@@ -135,6 +234,7 @@ def _key_body_line(match: re.Match[str]) -> str:
 
 _Repl = str | Callable[[re.Match[str]], str]
 _VALUE = r"(\"[^\"\n]*\"|'[^'\n]*'|[^\s\"']+)"
+_NAME_VALUE = re.compile(r"((?<![\w-])(?:--?)?(" + _NAME + r")[\"']?[ \t]*[:=](?!=)[ \t]*)" + _VALUE)
 
 _PATTERNS: list[tuple[re.Pattern[str], _Repl]] = [
     # Private key blocks (PEM, OpenSSH, PGP); a block cut before its END line: its base64 lines.
@@ -195,38 +295,38 @@ _PATTERNS: list[tuple[re.Pattern[str], _Repl]] = [
         ),
         _keep_and_mask,
     ),
-    # name=value, name: value, "name": "value" for secret-looking names.
+    # name=value, name: value, "name": "value", and `--name VALUE`, when the name is a secret's
+    # (`_name_value` decides by the name's words and the value's shape).
+    (_NAME_VALUE, _name_value),
     (
-        re.compile(
-            r"((?<![\w-])(?:"
-            + _UPPER_SECRET
-            + r"|(?i:"
-            + _LOWER_SECRET
-            + r"))[\"']?[ \t]*[:=][ \t]*)"
-            + _VALUE
-        ),
-        _name_value,
-    ),
-    # --password VALUE, --token VALUE, --key VALUE (space separated command-line flags).
-    (
-        re.compile(r"(?i)((?<![\w-])--?" + _LOWER_SECRET + r"[ \t]+)(?!-)" + _VALUE),
-        _keep_and_mask,
-    ),
-    (
-        re.compile(r"(?i)((?<![\w-])--(?:[\w-]*-)?(?:key|secret|pass|pwd)[ \t]+)(?!-)" + _VALUE),
-        _keep_and_mask,
+        re.compile(r"((?<![\w-])--?(" + _NAME + r")[ \t]+)(?!-)" + _VALUE),
+        _flag_value,
     ),
 ]
 
 
 @functools.lru_cache(maxsize=4096)
-def secret_name(name: str) -> bool:
-    """Tell whether an environment variable, flag or field name looks like it holds a credential.
+def name_kind(name: str) -> str:
+    """Classify a variable, flag or field name: "secret", "ambiguous" or "" (not a secret's name).
 
-    The name is split into words (`AWS_SECRET_ACCESS_KEY`, `--api-key`, `SecretAccessKey`), so
-    `MONKEY` or `keyboard` are not secrets while `DB_PASSWORD` and `x-auth-token` are.
+    By its words (`AWS_SECRET_ACCESS_KEY`, `--api-key`, `SecretAccessKey`, `hf_token`), the last
+    deciding: `DB_PASSWORD` and `x-auth-token` are secrets' names, `pad_token` and `sort_key`
+    ambiguous, and `MONKEY`, `keyboard`, `--max-total-tokens`, `bos_token_id` not at all.
     """
-    return any(word.upper() in _SECRET_WORDS for word in _WORD.findall(name))
+    words = [w.upper() for w in _WORD.findall(name)]
+    if not words:
+        return ""
+    last = words[-1]
+    if last in _SECRET_LAST or (len(words) == 1 and last in _ALONE):
+        return "secret"
+    if last in _AMBIGUOUS_LAST:
+        return "secret" if words[-2] in _CREDENTIAL_QUALIFIERS else "ambiguous"
+    return ""
+
+
+def secret_name(name: str) -> bool:
+    """Tell whether a name holds a credential whatever its value (see `name_kind`)."""
+    return name_kind(name) == "secret"
 
 
 def redact(text: str) -> str:
@@ -240,8 +340,8 @@ def redact(text: str) -> str:
     for pattern, repl in _PATTERNS:
         out = pattern.sub(repl, out)
     for value in sorted(_known, key=len, reverse=True):
-        if value in out:
-            out = out.replace(value, MASK)
+        if value in out:  # whole tokens only: a remembered "Qwen3-27B" must not eat "Qwen3-27B-FP8"'s prefix
+            out = re.sub(r"(?<![A-Za-z0-9])" + re.escape(value) + r"(?![A-Za-z0-9])", MASK, out)
     if len(_memo) >= _MEMO_MAX:
         _memo.clear()
     _memo[text] = out
@@ -249,11 +349,14 @@ def redact(text: str) -> str:
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Return a copy of an environment with secret-looking names' values masked (and remembered)."""
+    """Return a copy of an environment with secrets' values masked (and remembered)."""
+    out = {}
     for name, value in env.items():
-        if secret_name(name):
+        hide = _hide(name, str(value))
+        if hide:
             remember(str(value))
-    return {k: (MASK if secret_name(k) else redact(str(v))) for k, v in env.items()}
+        out[name] = MASK if hide else redact(str(value))
+    return out
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
@@ -262,25 +365,25 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
     Handles `--password VALUE` split over two arguments as well as everything `redact` finds.
     """
     out: list[str] = []
-    hide_next = False
+    flag = ""
     for arg in argv:
-        if hide_next and not arg.startswith("-"):
+        if flag and not arg.startswith("-") and _hide(flag, arg):
             remember(arg)
             out.append(MASK)
-            hide_next = False
+            flag = ""
             continue
-        hide_next = arg.startswith("-") and "=" not in arg and secret_name(arg.lstrip("-"))
+        flag = arg.lstrip("-") if arg.startswith("-") and "=" not in arg else ""
         out.append(redact(arg))
     return out
 
 
 def redact_obj(obj: Any) -> Any:
-    """Redact every string in a JSON-like structure; dict values under secret names are masked."""
+    """Redact every string in a JSON-like structure; dict values under secrets' names are masked."""
     if isinstance(obj, str):
         return redact(obj)
     if isinstance(obj, Mapping):
         return {
-            k: (MASK if isinstance(k, str) and secret_name(k) and isinstance(v, str) else redact_obj(v))
+            k: (MASK if isinstance(k, str) and isinstance(v, str) and _hide(k, v) else redact_obj(v))
             for k, v in obj.items()
         }
     if isinstance(obj, list | tuple):
