@@ -35,7 +35,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import mfusepy
+try:
+    import mfusepy
+except OSError as exc:  # mfusepy raises OSError at import where libfuse is missing: tests skip on ImportError
+    raise ImportError(f"mfusepy cannot load libfuse ({exc}): apt-get install fuse3") from exc
 
 from gpulab.model import HostModel, SysfsError
 from gpulab.profile import ProfileError, default_domain_for, load_profile

@@ -13,7 +13,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import mfusepy
+try:
+    import mfusepy
+except OSError as exc:  # mfusepy raises OSError at import where libfuse is missing: tests skip on ImportError
+    raise ImportError(f"mfusepy cannot load libfuse ({exc}): apt-get install fuse3") from exc
 
 from gpulab import realkernel
 from gpulab.aer import FILES as AER_FILES

@@ -10,12 +10,15 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-import mfusepy
 import pytest
 
 from gpulab.model import HostModel
 from gpulab.profile import load_profile
-from gpulab.sysfs_tree import SysfsTree
+
+SysfsTree = pytest.importorskip(
+    "gpulab.sysfs_tree", reason="the lab's sysfs needs libfuse", exc_type=ImportError
+).SysfsTree
+mfusepy = pytest.importorskip("mfusepy")  # loaded by gpulab.sysfs_tree just above
 
 PROFILES = sorted(
     p.stem for p in (Path(__file__).resolve().parents[1] / "fixtures" / "profiles").glob("*.yaml")
