@@ -182,3 +182,17 @@ def test_sparse_file_is_sparse_locally_and_whole_in_s3(aws_env, tmp_path):
     body = aws_env.client().get_object(Bucket=bucket, Key=loc.key(key_for(f.key)))["Body"].read()
     assert len(body) == 12 * 1024 * 1024 and body == (src / "disk.img").read_bytes()
     assert hashlib.sha256(body).hexdigest() == rec["sha256"]
+
+
+def test_an_object_this_backup_did_not_verify_is_not_counted(aws_env, backed_up):
+    """An object with the right key and size that no run of ours checked against the node's SHA-256."""
+    b, listing = backed_up
+    bucket = aws_env.make_bucket("foreign")
+    loc = parse_s3_url(f"s3://{bucket}/node-a")
+    client = aws_env.client()
+    items, _ = items_from_backup(b, listing)
+    item = next(i for i in items if i.rel.endswith("f3.txt"))
+    client.put_object(Bucket=bucket, Key=loc.key(key_for(item.rel)), Body=b"x" * item.size)
+    up = S3Upload(b.dest, loc, endpoint=aws_env.url)
+    found = dict(up.verify([item]))
+    assert found == {item.rel: "in the bucket but not verified against the node's SHA-256"}

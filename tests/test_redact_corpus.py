@@ -56,7 +56,7 @@ def test_argv_and_env_keep_llm_words() -> None:
         "HF_TOKEN": "hf_x",
         "MAX_TOKENS": "512",
         "PAD_TOKEN": "<|endoftext|>",
-        "RUNNER_TOKEN": "Zx9Qm2Lp7Rk4Wv1Tn6Yb",
+        "RUNNER_TOKEN": "Wq3Er5Ty7Ui9Op1As2Df",
     }
     assert r.redact_env(env) == {**env, "HF_TOKEN": r.MASK, "RUNNER_TOKEN": r.MASK}
     # Nothing honest was remembered: the model path and the numbers show everywhere later.

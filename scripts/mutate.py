@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Break each named safety check in a copy of the tree and require a test to fail.
+
+Every check that protects a host, a backup or a secret is listed below with the tests that guard
+it. For each, the checkout is copied to a temporary directory, the one line is changed there (the
+checkout itself is never touched), and the guarding tests run against the copy; a mutation that
+leaves them green "survived", and the script exits 1. `--list` prints the mutations; names given
+on the command line run only those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COPY = ("pytest_gpuhost", "suites", "gpulab", "tests", "fixtures", "conftest.py", "pyproject.toml")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    why: str  # what the check protects
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = (
+    Mutation(
+        "arrival-sha256",
+        "a copied file takes its final name only when its SHA-256 equals the node's",
+        "pytest_gpuhost/modules/backup/writer.py",
+        "if digest != node_sha:",
+        "if False:",
+        ("tests/test_backup_writer.py",),
+    ),
+    Mutation(
+        "s3-object-proof",
+        "an object no run of ours checked against the node's SHA-256 is not counted as backed up",
+        "pytest_gpuhost/modules/backup/s3.py",
+        'elif rec is None or rec.get("sha256") != item.sha256:',
+        "elif False:",
+        ("tests/test_backup_s3.py::test_an_object_this_backup_did_not_verify_is_not_counted",),
+    ),
+    Mutation(
+        "uvm-kernel-holder",
+        "a kernel-side nvidia_uvm hold (an unbind would block forever) stops the p2p run",
+        "pytest_gpuhost/modules/gpu.py",
+        "if isinstance(held, dict) and uvm > 2 * fds:",
+        "if False:",
+        ("tests/test_p2p_kernel_refusals.py",),
+    ),
+    Mutation(
+        "uvm-one-ref-per-file",
+        "a CUDA process's two references per open /dev/nvidia-uvm never read as a kernel hold",
+        "pytest_gpuhost/modules/gpu.py",
+        "if isinstance(held, dict) and uvm > 2 * fds:",
+        "if isinstance(held, dict) and uvm > fds:",
+        ("tests/test_p2p_kernel_refusals.py",),
+    ),
+    Mutation(
+        "redact-ambiguous-shape",
+        "a key-shaped value under an ambiguous name (RUNNER_TOKEN=...) is hidden",
+        "pytest_gpuhost/redact.py",
+        'return "remember" if _secret_shaped(v) else ""',
+        'return ""',
+        ("tests/test_redact_corpus.py",),
+    ),
+)
+
+
+def run_one(m: Mutation, python: str, *, control: bool = False) -> tuple[str, float]:
+    """Return ("killed"|"survived"|"error: ...", seconds); control: leave the line as it is."""
+    with tempfile.TemporaryDirectory(prefix="gpuhost-mutant-") as tmp:
+        work = Path(tmp)
+        for name in COPY:
+            src = ROOT / name
+            if src.is_dir():
+                shutil.copytree(src, work / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            else:
+                shutil.copy2(src, work / name)
+        target = work / m.path
+        text = target.read_text()
+        if text.count(m.old) != 1:
+            return f"error: {m.path} holds {text.count(m.old)} copies of the line to change", 0.0
+        if not control:
+            target.write_text(text.replace(m.old, m.new))
+        env = {**os.environ, "PYTHONPATH": str(work), "PYTHONDONTWRITEBYTECODE": "1"}
+        t0 = time.monotonic()
+        r = subprocess.run(
+            [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        took = time.monotonic() - t0
+        if r.returncode == 1:
+            return "killed", took
+        if r.returncode == 0:
+            return "survived", took
+        tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
+        return f"error: pytest exit {r.returncode}: {tail[0][:200]}", took
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the mutations and exit")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    unknown = set(args.names) - {m.name for m in MUTATIONS}
+    if unknown:
+        print(f"mutate: unknown mutation(s) {', '.join(sorted(unknown))}; --list shows them", file=sys.stderr)
+        return 2
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.why} ({m.path})")
+        return 0
+    bad = 0
+    for m in chosen:
+        control, _ = run_one(m, sys.executable, control=True)
+        if control != "survived":  # unmutated, the guarding tests must pass, or a kill proves nothing
+            print(
+                f"{m.name:24} {'error':10}         the guarding tests fail without the mutation ({control})"
+            )
+            bad += 1
+            continue
+        verdict, took = run_one(m, sys.executable)
+        bad += verdict != "killed"
+        print(f"{m.name:24} {verdict:10} {took:5.1f} s  {m.why}")
+    print(f"mutate: {len(chosen) - bad} of {len(chosen)} mutations killed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
