@@ -17,7 +17,9 @@ from typing import Any
 
 import yaml
 
+from gpulab import realkernel
 from gpulab.profile_types import (
+    ACS_BITS,
     KERNEL_RE,
     Container,
     FileTree,
@@ -201,9 +203,6 @@ class _V:
         if not isinstance(v, str) or not BDF_RE.match(v):
             raise self.fail(where, f"{v!r} is not a PCI address like 0000:17:00.0")
         return v
-
-
-ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
 
 
 def _acs(v: _V, f: Mapping[str, Any], w: str, key: str = "acs") -> tuple[str, ...] | None:
@@ -470,8 +469,6 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
     if prof.kernel_enables_acs:
         # groups follow ACS (drivers/iommu/iommu.c pci_device_group()); a profile must not claim
         # an isolation its ports cannot give
-        from gpulab import realkernel
-
         why = realkernel.check_groups(prof)
         if why:
             raise v.fail("pci", why)

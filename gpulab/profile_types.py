@@ -8,6 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# The ACS capability bits a profile may name (PCIe Base Spec 7.7.8, include/uapi/linux/pci_regs.h PCI_ACS_*).
+ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
+
 __all__ = [
     "Container",
     "FileTree",

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gpulab.profile import ACS_BITS, PciFunction, Profile
+from gpulab.profile_types import ACS_BITS, PciFunction, Profile
 
 __all__ = [
     "ACS_CAP_DEFAULT",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Print import cycles, layer violations and oversized modules in `pytest_gpuhost/` and `suites/`.
+"""Print import cycles, layer violations and oversized modules in `pytest_gpuhost/`, `suites/`, `gpulab/`.
 
 Every import counts, at module level or inside a function, `importlib.import_module("...")` with a
 literal name included: a cycle hidden in a function is still a cycle a reader has to hold in mind.
@@ -13,7 +13,9 @@ Layers, lowest first; a module may import only from its own layer or below:
     report    pytest_gpuhost.report.*
     plugin    pytest_gpuhost.plugin, pytest_gpuhost.nodecheck, pytest_gpuhost.merge, suites.*
 
-Exit 1 when anything is found, so CI can run it. `--max-lines N` (default 500) is the size limit.
+gpulab/ is checked for cycles too, and no module of the plugin or the suites may import it.
+Exit 1 when a problem is found, so CI can run it. A module over `--max-lines N` (default 500) is a
+warning only: a module grows until it holds two ideas, and then splits along them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pytest_gpuhost", "suites")
+PACKAGES = ("pytest_gpuhost", "suites", "gpulab")
 LAYERS = ("base", "exec", "modules", "run", "report", "plugin")
 NO_PYTEST = ("exec", "modules", "base")
 
@@ -148,17 +150,22 @@ def main(argv: list[str] | None = None) -> int:
         for dep in sorted(deps):
             if mod.startswith("pytest_gpuhost") and dep.startswith("suites"):
                 problems.append(f"layer: {mod} imports the suite module {dep}")
+            elif mod.startswith(("pytest_gpuhost", "suites")) and dep.startswith("gpulab"):
+                problems.append(f"layer: {mod} imports the lab module {dep} (the plugin knows no lab)")
             elif LAYERS.index(layer(dep)) > mine:
                 problems.append(f"layer: {mod} ({layer(mod)}) imports {dep} ({layer(dep)})")
         if layer(mod) in NO_PYTEST and uses_pytest(paths[mod]):
             problems.append(f"layer: {mod} ({layer(mod)}) imports pytest")
+    warnings = []
     for _mod, path in sorted(paths.items()):
         n = len(path.read_text(encoding="utf-8").splitlines())
         if n > args.max_lines:
-            problems.append(f"size: {path.relative_to(ROOT)} has {n} lines (limit {args.max_lines})")
-    for line in problems:
+            warnings.append(
+                f"warning: {path.relative_to(ROOT)} has {n} lines: split it where it holds two ideas"
+            )
+    for line in problems + warnings:
         print(line)
-    print(f"check_imports: {len(paths)} modules, {len(problems)} problem(s)")
+    print(f"check_imports: {len(paths)} modules, {len(problems)} problem(s), {len(warnings)} warning(s)")
     return 1 if problems else 0
 
 

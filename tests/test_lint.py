@@ -50,8 +50,8 @@ def test_extensionless_python_scripts_are_linted() -> None:
     assert not missing, f"not linted by `ruff check .`: {missing}"
 
 
-def test_no_import_cycles_layer_breaks_or_oversized_modules() -> None:
-    """scripts/check_imports.py: imports only go down the layers, no cycle, no module over 500 lines."""
+def test_no_import_cycles_or_layer_breaks() -> None:
+    """scripts/check_imports.py: imports only go down the layers, no cycle (gpulab/ included), no lab import."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts/check_imports.py")], capture_output=True, text=True, timeout=120
     )

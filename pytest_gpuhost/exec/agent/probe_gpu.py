@@ -148,7 +148,8 @@ def _proc_holders(prefix="/dev/nvidia"):
         pid = int(os.path.basename(pid_dir))
         if pid == me:
             continue
-        files = {}  # path -> descriptors naming it (each open file holds two module references)
+        # path -> descriptors naming it (each open file holds two module references)
+        files = {}  # type: dict[str, int]
         try:
             fds = os.listdir(pid_dir + "/fd")
         except OSError:
