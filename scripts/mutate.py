@@ -68,6 +68,14 @@ MUTATIONS = (
         ("tests/test_p2p_kernel_refusals.py",),
     ),
     Mutation(
+        "multi-device-group-5.11-6.3",
+        "before 6.4 a group of several devices is refused at plan time, driverless members counted",
+        "suites/p2p/plan.py",
+        "multi = [g for g in plan.groups_to_fix if len(g.members) > 1 and not g.identity]",
+        "multi = [g for g in plan.groups_to_fix if len(g.functions) > 1 and not g.identity]",
+        ("tests/test_p2p_plan.py",),
+    ),
+    Mutation(
         "redact-ambiguous-shape",
         "a key-shaped value under an ambiguous name (RUNNER_TOKEN=...) is hidden",
         "pytest_gpuhost/redact.py",

@@ -333,3 +333,22 @@ def test_run_lock_and_journal_on_a_local_target(tmp_path: Path) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_driverless_audio_function_still_makes_the_group_unchangeable_before_6_4() -> None:
+    """5.11-6.3 refuse a group of two devices with EINVAL whatever the members' drivers.
+
+    iommu_group_store_type() checks iommu_group_device_count() != 1 before it looks at any driver
+    (drivers/iommu/iommu.c, v5.11 to v6.3); the real 6.1 kernel under QEMU answered EINVAL for a
+    group whose members had no driver (docs/LAB-SOURCES.md). The plan must refuse at step 1, not
+    stop the service, unbind and roll back for nothing.
+    """
+    facts = copy.deepcopy(FACTS)
+    for g in facts["gpus"]:
+        for m in g["group_members"][1:]:
+            m["driver"] = None  # the GPU's HDMI audio function without snd_hda_intel
+    plan = make_plan(gpus_from(facts), kernel="6.1.0-18-amd64")
+    assert plan.errors and "before 6.4) cannot change the type of a group with more than one device" in (
+        plan.errors[0]
+    )
+    assert make_plan(gpus_from(facts), kernel=KERNEL).errors == []  # 6.4+: unbound members are fine

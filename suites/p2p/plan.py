@@ -51,6 +51,9 @@ class GroupPlan:
     original_type: str | None
     functions: list[FunctionPlan] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)  # members left bound (6.4+: pcieport, pci-stub)
+    # every device of the group, with a driver or not: 5.11-6.3 refuse a group of more than one
+    # whatever its members' drivers (iommu_group_store_type(): iommu_group_device_count() != 1)
+    members: list[str] = field(default_factory=list)
 
     @property
     def identity(self) -> bool:
@@ -248,6 +251,7 @@ def make_plan(
         if number in groups:
             continue
         gp = GroupPlan(number, g.group.type, recorded_types.get(number, g.group.type))
+        gp.members = [m.bdf for m in g.group.members]
         for m in g.group.members:
             rec = recorded.get(m.bdf, {})
             original = rec.get("driver") or m.driver
@@ -307,13 +311,13 @@ def _era_errors(plan: P2PPlan) -> list[str]:
             "it is writable from 5.11 (commit 08a27c1c3ecf). Nothing was changed: boot with iommu=pt (every group "
             "identity at boot), or run kernel 6.4 or later (5.11-6.3 cannot retype a GPU with its audio function)"
         ]
-    multi = [g for g in plan.groups_to_fix if len(g.functions) > 1 and not g.identity]
+    multi = [g for g in plan.groups_to_fix if len(g.members) > 1 and not g.identity]
     if era < (6, 4) and multi:
         groups = ", ".join(str(g.number) for g in multi)
         what = (
             "GPU and audio function"
-            if all(len(g.functions) == 2 for g in multi)
-            else "; ".join(f"group {g.number}: {', '.join(f.bdf for f in g.functions)}" for g in multi)
+            if all(len(g.members) == 2 for g in multi)
+            else "; ".join(f"group {g.number}: {', '.join(g.members)}" for g in multi)
         )
         return [
             f"kernel {plan.kernel} (before 6.4) cannot change the type of a group with more than one device "
