@@ -76,6 +76,14 @@ MUTATIONS = (
         ("tests/test_p2p_plan.py",),
     ),
     Mutation(
+        "snp-amd-iommu-pt",
+        "amd_iommu=pt (no AMD option) never reads as SNP off, so an SNP host's GPU is not retyped and lost",
+        "pytest_gpuhost/modules/iommu.py",
+        'return "iommu=pt" in (cmdline or "").split()',
+        'return any(w in ("iommu=pt", "amd_iommu=pt") for w in (cmdline or "").split())',
+        ("tests/test_p2p_kernel_refusals.py",),
+    ),
+    Mutation(
         "redact-ambiguous-shape",
         "a key-shaped value under an ambiguous name (RUNNER_TOKEN=...) is hidden",
         "pytest_gpuhost/redact.py",

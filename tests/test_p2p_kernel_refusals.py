@@ -34,11 +34,30 @@ def test_snp_from_kvm_amd_when_the_log_rotated() -> None:
     assert f.evidence == [f"{iommu.SNP_PARAM} = Y"]
 
 
+PT_LOG = (
+    "[    0.80] AMD-Vi: SNP: IOMMU disabled or configured in passthrough mode, SNP cannot be supported.\n"
+)
+
+
 def test_iommu_pt_means_snp_off() -> None:
     """iommu_snp_enable() refuses SNP in passthrough mode: such a host is not SNP (and is identity anyway)."""
-    f = snp_facts(CMDLINE + " iommu=pt", SNP_LOG, None, [])
+    f = snp_facts(CMDLINE + " iommu=pt", PT_LOG, None, [])
     assert not f.snp
     assert snp_refusal(f, "6.14.8-2-pve", [30]) is None
+
+
+def test_amd_iommu_pt_is_no_option_and_leaves_snp_on() -> None:
+    """parse_amd_iommu_options() knows no "pt": passthrough stays off, SNP stays on (6.13-6.19 lose the GPU)."""
+    f = snp_facts(CMDLINE + " amd_iommu=pt", SNP_LOG, None, ["/sys/class/iommu/ivhd0"])
+    assert f.snp
+    assert snp_refusal(f, "6.14.8-2-pve", [30]) is not None
+    # with the kernel log unreadable, amd_iommu=pt must not rule SNP out
+    blind = snp_facts(CMDLINE + " amd_iommu=pt", None, None, ["/sys/class/iommu/ivhd0"])
+    assert blind.unknown is not None and "not ruled out" in blind.unknown
+
+
+def test_the_kernel_log_wins_over_the_command_line() -> None:
+    assert snp_facts(CMDLINE + " iommu=pt", SNP_LOG, None, []).snp
 
 
 def test_intel_and_amd_without_snp_are_not_refused() -> None:

@@ -210,7 +210,9 @@ class SnpFacts:
 
 
 def _cmdline_pt(cmdline: str) -> bool:
-    return any(w in ("iommu=pt", "amd_iommu=pt") for w in (cmdline or "").split())
+    """`iommu=pt` only: `amd_iommu=pt` is no option of the AMD driver (parse_amd_iommu_options() in
+    drivers/iommu/amd/init.c prints "AMD-Vi: Unknown option - 'pt'" and passthrough stays off)."""
+    return "iommu=pt" in (cmdline or "").split()
 
 
 def snp_facts(
@@ -220,7 +222,9 @@ def snp_facts(
 
     `kernel_log` is None when it could not be read (dmesg needs root or kernel.dmesg_restrict=0).
     `iommu=pt` turns SNP off (drivers/iommu/amd/init.c iommu_snp_enable(): "SNP: IOMMU disabled
-    or configured in passthrough mode, SNP cannot be supported"), so a host booted with it is not SNP.
+    or configured in passthrough mode, SNP cannot be supported"), so a host booted with it is not SNP,
+    unless its kernel log or kvm_amd says SNP is on (the host's word wins: a wrong "off" would let
+    an identity write through and lose the GPU). `amd_iommu=pt` is not an option and counts for nothing.
     """
     names = [c.rsplit("/", 1)[-1] for c in iommu_classes]
     vendor = None
@@ -235,7 +239,7 @@ def snp_facts(
     if param in ("Y", "1"):
         vendor = vendor or "amd"
         ev.append(f"{SNP_PARAM} = {param}")
-    if _cmdline_pt(cmdline):
+    if _cmdline_pt(cmdline) and not ev:  # the kernel's own word wins over what the command line asked
         return SnpFacts(vendor, False, ["/proc/cmdline has iommu=pt (SNP off)"])
     unknown = None
     if not ev and kernel_log is None and vendor != "intel":
