@@ -44,6 +44,14 @@ MUTATIONS = (
         ("tests/test_backup_writer.py",),
     ),
     Mutation(
+        "reserved-category-names",
+        "a category named NOTES.md or SHA256SUMS is refused before the servers are stopped",
+        "pytest_gpuhost/modules/backup/manifest.py",
+        "elif name.casefold() in {r.casefold() for r in RESERVED}:",
+        "elif False:",
+        ("tests/test_backup_manifest.py",),
+    ),
+    Mutation(
         "s3-object-proof",
         "an object no run of ours checked against the node's SHA-256 is not counted as backed up",
         "pytest_gpuhost/modules/backup/s3.py",

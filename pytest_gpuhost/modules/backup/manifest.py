@@ -22,6 +22,9 @@ from pytest_gpuhost.modules.process import Selection, parse_selection
 __all__ = ["Category", "Manifest", "ManifestError", "load_manifest", "parse_size"]
 
 META = ".gpuhost"  # the backup directory's own folder: never a category name
+# What the backup and the decommission suite write at the top of the backup directory: a category
+# of the same name would be a directory where a file must go (IsADirectoryError after the stop).
+RESERVED = frozenset({META, "NOTES.md", "SHA256SUMS", ".SHA256SUMS.tmp", ".", ".."})
 MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds; anything longer is a typo, not a plan
 _TOP_KEYS = {"name", "description", "version", "stop", "categories", "gpu_idle_mib", "gpu_idle_timeout"}
 _CATEGORY_KEYS = {"roots", "include", "exclude", "max_size", "s3", "description"}
@@ -174,8 +177,14 @@ def _check_stop(c: _Checker, stop: Any) -> None:
 
 def _check_category(c: _Checker, name: Any, spec: Any) -> None:
     key = f"categories.{name}"
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (META, ".", ".."):
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         c.bad(key, name, "a plain folder name (letters, digits, _ . -)")
+    elif name.casefold() in {r.casefold() for r in RESERVED}:
+        c.bad(
+            key,
+            name,
+            f"a folder name other than {', '.join(sorted(RESERVED - {'.', '..'}))} (the backup writes those)",
+        )
     if not isinstance(spec, dict):
         c.bad(key, spec, "a mapping with roots (absolute paths)")
         return
