@@ -443,3 +443,14 @@ def test_infiniband_ports_read_as_the_kernel_prints_them(tmp_path: Path) -> None
     )
     assert p["counters"] == {"link_downed": 3}
     assert probe_health_ib.fact_health_ib({"ib_root": str(tmp_path / "absent")})["ports"] == {}
+
+
+def test_header_versions_read_both_spellings() -> None:
+    from pytest_gpuhost.exec.agent.probe_health import header_versions
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "fixtures" / "outputs" / "nvidia-smi-610.57.04-gtx1650.txt").read_text()
+    assert header_versions(text) == ("610.57.04", "13.3")
+    old = "| NVIDIA-SMI 570.133.20   Driver Version: 570.133.20   CUDA Version: 12.8     |"
+    assert header_versions(old) == ("570.133.20", "12.8")
+    assert header_versions("NVIDIA-SMI has failed") == (None, None)

@@ -218,13 +218,19 @@ def part_smi(params, record, driver=None):
     if res["rc"] != 0:
         return {"ok": False, "error": _cmd_error(res, "nvidia-smi")}
     out = {"ok": True, "cuda_version": None, "driver_version": None}  # type: dict
-    m = re.search(r"CUDA Version:\s*([0-9.]+)", res["stdout"])
-    if m:
-        out["cuda_version"] = m.group(1)
-    m = re.search(r"Driver Version:\s*([0-9.]+)", res["stdout"])
-    if m:
-        out["driver_version"] = m.group(1)
+    out["driver_version"], out["cuda_version"] = header_versions(res["stdout"])
     return out
+
+
+def header_versions(text):
+    """Return (driver, CUDA) versions from plain nvidia-smi's header, either spelling, or None each.
+
+    Up to 595: `Driver Version: 570.133.20   CUDA Version: 12.8`; from 610: `KMD Version: 610.57.04
+    CUDA UMD Version: 13.3` (fixtures/outputs/nvidia-smi-610.57.04-gtx1650.txt).
+    """
+    driver = re.search(r"(?:Driver|KMD) Version:\s*([0-9.]+)", text)
+    cuda = re.search(r"CUDA (?:UMD )?Version:\s*([0-9.]+)", text)
+    return (driver.group(1) if driver else None), (cuda.group(1) if cuda else None)
 
 
 def part_remap(params, record):
