@@ -348,7 +348,8 @@ def test_a_driverless_audio_function_still_makes_the_group_unchangeable_before_6
         for m in g["group_members"][1:]:
             m["driver"] = None  # the GPU's HDMI audio function without snd_hda_intel
     plan = make_plan(gpus_from(facts), kernel="6.1.0-18-amd64")
-    assert plan.errors and "before 6.4) cannot change the type of a group with more than one device" in (
-        plan.errors[0]
+    assert (
+        plan.errors
+        and "before 6.4) cannot change the type of a group with more than one device" in (plan.errors[0])
     )
     assert make_plan(gpus_from(facts), kernel=KERNEL).errors == []  # 6.4+: unbound members are fine

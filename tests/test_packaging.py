@@ -176,7 +176,7 @@ def test_readme_commands_are_the_installed_suites(installed: Installed) -> None:
             assert re.search(rf"(?<![\w-]){re.escape(flag)}\b", suites[suite]), (suite, flag)
     assert set(suites) == {"p2p", "decommission", "health"}
     (cp,) = [ln for ln in commands if ln.startswith("cp ")]
-    r = installed.run("bash", "-c", f"{cp} && python -c 'from pytest_gpuhost.modules.backup import load_manifest as m; "
+    r = installed.run("bash", "-c", f"{cp} && python -c 'from pytest_gpuhost.modules.backup.manifest import load_manifest as m; "
                       "print(m(\"node.yaml\").name)'")  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip() == "b200-node-backup", r.stdout + r.stderr
 
