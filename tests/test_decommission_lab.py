@@ -176,6 +176,22 @@ def test_decommission_b200(b200, s3_endpoint, tmp_path):
         ["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=dest, capture_output=True, text=True
     )
     assert sums.returncode == 0, sums.stdout[-2000:]
+    # the stop step's evidence shows every server's command line whole, except its API key
+    # (sglang-dp6 runs with --api-key in the b200-nvl8 profile)
+    key = "Rk8Lq2Zm4Xp7Wn3VtQ9xY"
+    artefacts = [
+        *(tmp_path / "reports").glob("*.json"),
+        *(tmp_path / "reports").glob("*.html"),
+        dest / "NOTES.md",
+    ]
+    texts = {p.name: p.read_text(errors="replace") for p in artefacts}
+    assert texts and not [n for n, t in texts.items() if key in t], "the API key reached an artefact"
+    evidence = next(t for n, t in texts.items() if n.endswith(".json"))
+    assert (
+        "--api-key ***" in evidence
+        and "--base-gpu-id 6 --tp 1 --mem-fraction-static 0.88 --api-key ***" in evidence
+    )
+    assert "--model-path /data/models/Qwen3-235B-A22B-FP8 --port 30006" in evidence
 
     # a rerun changes nothing and passes everywhere
     rc, out, counts = run_suite(argv, env)
