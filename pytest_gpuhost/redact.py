@@ -206,7 +206,8 @@ def _hide(name: str, value: str) -> str:
         r"[\w.-]+(?:/[\w.-]+)*/[\w-]+\.[A-Za-z]\w*", v
     ):
         return ""  # a number, or a relative file path (`s3 key: data/shard-00001.arrow`)
-    if not v or v.lower() in _BOOLEAN or v.startswith(("$", "/", "./", "../", "~/")):
+    # an option (`hf_token: --key-file`, where "name: value" was made by joining words) is no value
+    if not v or v.lower() in _BOOLEAN or v.startswith(("$", "/", "./", "../", "~/", "-")):
         return ""
     if kind == "secret":
         return "remember"
