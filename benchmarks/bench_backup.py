@@ -7,7 +7,7 @@
 Measured, each from a cold destination: our local backup (walk, bulk stream, SHA-256 on both
 ends, verify, SHA256SUMS) vs `rsync -a -e ssh`; the no-op rerun of each; our backup plus S3
 upload vs rsync followed by `aws s3 sync`, each to a fresh moto server on loopback.  Goals
-(issue 5): local <= 1.2 x rsync; with S3 < rsync + aws s3 sync; no-op rerun <= 2 x rsync's.
+(the project's targets): local <= 1.2 x rsync; with S3 < rsync + aws s3 sync; no-op rerun <= 2 x rsync's.
 Both comparisons alternate the tools, --rounds rounds (default 3) for the local copy and
 --s3-rounds (default 3) for S3, and compare medians, because the machine is shared.  Next to each
 wall time the CPU-seconds of every party are measured and printed: the tool itself (ours: this

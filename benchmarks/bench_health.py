@@ -12,7 +12,7 @@ and prints wall time (ours twice: without reports, like the testinfra suite, and
 pytest-html/JSON/JUnit reports a nightly run writes; both after one untimed "previous night" run
 of ours, whose time is printed too, since a nightly run finds the state the last one left), SSH
 round trips per host for our facts (and for the connection as a whole, agent start included)
-and commands per host for testinfra. Goals (issue 6): <= 2 round trips
+and commands per host for testinfra. Goals: <= 2 round trips
 per host for the facts; 16 hosts >= 5x faster than testinfra; 16 hosts <= 3x the time of 1.
 
 Every run also gets a CPU account (the machine has few cores, so CPU decides the wall time of a

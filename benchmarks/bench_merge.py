@@ -16,7 +16,7 @@ from getrusage of the child):
 * the merged HTML's size, and Chromium's load time: `chromium --headless --dump-dom` of the
   report minus the same of an empty page (Chromium's own start), median of --rounds.
 
-Goal (issue 14): 1,000 nodes merged in under 5 s here, the HTML usable (size and load time quoted).
+Goal: 1,000 nodes merged in under 5 s here, the HTML usable (size and load time quoted).
 
     python benchmarks/bench_merge.py               # 1,000 nodes, 3 rounds
     python benchmarks/bench_merge.py --nodes 10000 --rounds 1 --no-s3

@@ -1,4 +1,4 @@
-"""Variants of the lab's Intel Proxmox machine (`proxmox-rtx6000`) for the ACS topologies of issue 12.
+"""Variants of the lab's Intel Proxmox machine (`proxmox-rtx6000`) for the ACS topologies real hosts show.
 
 ``rtx6000_root_port_without_acs(vm_gpu=...)``: the same host with the kernel enabling ACS at boot
 (``kernel_enables_acs``: drivers/pci/pci.c ``pci_std_enable_acs()`` sets SV RR CR UF on every port

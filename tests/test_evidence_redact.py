@@ -106,7 +106,7 @@ def test_canary_secret_reaches_no_output_file(
     assert os.environ["GPUHOST_CANARY"] == canary
 
 
-#: Every secret form of issue 13, with the secret each line holds (the canary).
+#: Every secret form an operator's command lines hold, with the secret each line holds (the canary).
 CORPUS = [
     ("aws configure set aws_secret_access_key wJalrXUtnFEMI/K7MDENG/Canary01xyz", "Canary01xyz"),
     ("curl -u deploy:Canary02pw https://repo.example/x", "Canary02pw"),

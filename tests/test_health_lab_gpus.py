@@ -1,4 +1,4 @@
-"""suites/health against one lab host per failure mode, over real SSH (issue 15).
+"""suites/health against one lab host per failure mode, over real SSH.
 
 Each host boots a profile (fixtures/profiles/health-*.yaml) that emulates one real failure with
 what the driver prints; the suite runs with an inventory that says no more than an operator's

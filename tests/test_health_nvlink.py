@@ -1,4 +1,4 @@
-"""NVLink error counters since the last run (issue 15): the parser on real `nvidia-smi nvlink -e`
+"""NVLink error counters since the last run: the parser on real `nvidia-smi nvlink -e`
 text, the comparison with the last run's counters, and what the health state keeps."""
 
 from __future__ import annotations

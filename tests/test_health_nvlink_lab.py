@@ -1,4 +1,4 @@
-"""NVLink error counters since the last run on lab hosts, over real SSH (issue 15).
+"""NVLink error counters since the last run on lab hosts, over real SSH.
 
 The B200 host's nvidia-smi prints `nvlink -e` with NVLink 5's counters (0 unless the fault
 `nvlink_errors` says more); two runs of suites/health: the first is the baseline, then counters

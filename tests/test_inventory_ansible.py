@@ -263,7 +263,7 @@ def test_host_port_keys_and_ipv6(tmp_path: Path) -> None:
 
 
 def test_markup_host_name_stops_the_run_with_one_line(pytester: pytest.Pytester) -> None:
-    # issue 13: this name became live HTML in the report's test-id column; now it never gets there
+    # this name once became live HTML in the report's test-id column; now it never gets there
     pytester.makefile(
         ".yaml", fleet='all:\n  hosts:\n    "<img src=x onerror=alert(1)>": {gpuhost_url: "local://"}\n'
     )

@@ -1,4 +1,4 @@
-"""The lab reproduces what real kernels and NVIDIA drivers do (issue 12, lab side).
+"""The lab reproduces what real kernels and NVIDIA drivers do (the lab side).
 
 Each test names the behaviour and its source; docs/LAB-SOURCES.md has the table. The sysfs
 daemon is mounted standalone (no lab host boot), on the AMD EPYC SEV-SNP profile of the seed's

@@ -1,4 +1,4 @@
-"""`local://` is named after the node (issue 14): its host name made safe, or --node-name.
+"""`local://` is named after the node: its host name made safe, or --node-name.
 
 The host name is set for real: each run goes into a UTS namespace of its own (`unshare --uts`,
 root only) whose host name the test chooses, a hostile one included, and the plugin reads it with

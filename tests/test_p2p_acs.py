@@ -1,4 +1,4 @@
-"""suites/p2p and PCIe ACS, and the kernel's errno rules per series (issue 12 items 7 and 9, suite side).
+"""suites/p2p and PCIe ACS, and the kernel's errno rules per series (the suite side).
 
 Unit tests: modules/acs.py (the kernel's pci_acs_enabled() rules, ACS redirect between two GPUs of
 one switch), the plan (a group shared with a VM's device, pcieport members from 6.4), the agent's

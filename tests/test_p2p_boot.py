@@ -1,4 +1,4 @@
-"""suites/p2p's boot unit on the lab's proxmox-rtx6000 host, under the host's real systemd (issue 12, item 3).
+"""suites/p2p's boot unit on the lab's proxmox-rtx6000 host, under the host's real systemd.
 
 Two reboots after a repair. Stand-ins for Proxmox's pve-ha-lrm.service and pve-guests.service
 (their [Install] and ordering lines as upstream ships them: pve-ha-manager

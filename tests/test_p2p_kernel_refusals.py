@@ -1,4 +1,4 @@
-"""What the kernel will refuse or never finish, decided from step 1's facts (issue 12, suite side).
+"""What the kernel will refuse or never finish, decided from step 1's facts (the suite side).
 
 Pure functions of pytest_gpuhost.modules.{iommu,gpu}; the lab tests in test_p2p_real_host.py run
 the suite end to end on the AMD SEV-SNP profile. Kernel-side holders are tested here because a lab

@@ -1,4 +1,4 @@
-"""suites/p2p measurement (issue 12, item 4): expected bandwidth from the link's maximum, the cupy
+"""suites/p2p measurement: expected bandwidth from the link's maximum, the cupy
 probe's error handling, size and median, and one direction convention for every tool's matrix.
 
 The cupy probe runs against a stand-in ``cupy`` module put in ``sys.modules``: it answers the CUDA

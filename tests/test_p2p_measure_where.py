@@ -1,4 +1,4 @@
-"""suites/p2p measures P2P where a tool exists (issue 12, item 5), on the lab's proxmox-rtx6000 host.
+"""suites/p2p measures P2P where a tool exists, on the lab's proxmox-rtx6000 host.
 
 A stock Proxmox host has neither cupy nor nvbandwidth; the CUDA stack lives in the container. With
 nvbandwidth taken off the host, the suite measures in the container and says so; with it taken

@@ -1,4 +1,4 @@
-"""suites/p2p on the lab's AMD EPYC SEV-SNP machine (issue 12, suite side), over real SSH.
+"""suites/p2p on the lab's AMD EPYC SEV-SNP machine (the suite side), over real SSH.
 
 The AMD profile (`proxmox-epyc-snp`, docs/LAB-SOURCES.md) refuses or breaks identity domains per
 kernel series. The suite must refuse before it stops the service or writes anything, and, when a
@@ -107,7 +107,7 @@ exec REAL "$@"
 
 def test_first_nvidia_smi_after_rebind_waits_for_the_firmware(lab: Any, tmp_path: Path) -> None:
     """6 s of firmware start per GPU: the first nvidia-smi after the rebind outlasts its 20 s limit; the
-    suite waits for the GPUs to come up instead of failing step 5 (issue 12 item 8)."""
+    suite waits for the GPUs to come up instead of failing step 5."""
     from gpulab.profile import load_profile
 
     host = lab.host(load_profile("proxmox-rtx6000", {"gsp_boot_s": 6.0}), name=f"p2pgsp-{os.getpid()}")

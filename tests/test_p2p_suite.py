@@ -301,7 +301,7 @@ def pytest_gpuhost_before_fix(item, target, remediation, actions, check_only):
 
 def test_blocked_unbind_is_reported_rolled_back_and_completed_next_run(host: Any, tmp_path: Path) -> None:
     """A GPU user appears after the holders check: its nvidia unbind blocks; the run reports it within the
-    watchdog, rebinds what it unbound, and starts NOTHING (issue 12 item 2: the pending removal would take
+    watchdog, rebinds what it unbound, and starts NOTHING (the pending removal would take
     the GPU from under the service): "reboot needed"; once the user is gone the next run converges."""
     host.reset()
     holder_file = tmp_path / "holder.pid"
@@ -343,7 +343,7 @@ def pytest_gpuhost_before_fix(item, target, remediation, actions, check_only):
 
 
 def test_stopped_container_is_not_a_lost_host(host: Any, tmp_path: Path) -> None:
-    """The container stops mid-run (issue 12 item 6): the host's steps go on, the host's undo (start
+    """The container stops mid-run: the host's steps go on, the host's undo (start
     nvidia-persistenced) still runs at the end, the report names the container as unreachable, and the
     journal stays for the run that will start the service."""
     host.reset()

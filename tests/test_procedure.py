@@ -4,7 +4,7 @@ A small suite runs under pytester against a local:// host and a `pct:101` contai
 through it by a stand-in `pct` (which, like Proxmox's, refuses with "CT 101 not running" once the
 container is stopped). Stopping the container must lose the container's link only: the host's
 steps go on and the host's undo still runs in the teardown, and the report names the container
-as unreachable (issue 12 item 6).
+as unreachable.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every node of a Slurm or Kubernetes job runs the health suite against `local://` and writes its
 own summary; the merge keys hosts by target name, so each node must be called after itself, not
-`local` (issue 14: a merge of 16 nodes showed one host). The name is the machine's host name
+`local` (a merge of 16 such nodes would show one host). The name is the machine's host name
 (`socket.gethostname()`, what `hostname` prints and what Slurm's `NodeHostname` defaults to), or
 the operator's `--node-name`, or `$GPUHOST_NODE_NAME` (for where a flag cannot be passed, or the
 host name is not the node's: a Kubernetes pod's host name is the pod's, so a DaemonSet sets the

@@ -82,7 +82,7 @@ def link_max_gbps(link: dict[str, Any]) -> float | None:
     """Return what a GPU's PCIe link carries under load: its maximum speed and width, not the current.
 
     An idle GPU drops its link to 2.5 GT/s (Gen1) and retrains on load (open-gpu-kernel-modules
-    #731 as issue 12 cites it; Syllo/nvtop#6; open-mpi/hwloc#653), so the current speed says
+    #731; Syllo/nvtop#6; open-mpi/hwloc#653), so the current speed says
     nothing about what a copy will reach. A device's maximum can exceed its slot's (hwloc#653: a
     Gen4 card in a Gen3 port), so the link counts at the lower of the GPU's and its upstream
     port's maximum (`port_max_*`, the parent device in sysfs) when both are known. Falls back to

@@ -1,6 +1,6 @@
 """A Slurm node's drain state through `scontrol`, run on the node over its Connection.
 
-The rules (issue 14; the same as LBNL NHC's and Azure's node health checks, docs/nodecheck.md):
+The rules (the same as LBNL NHC's and Azure's node health checks, docs/nodecheck.md):
 
 - a node gpuhost finds unhealthy is drained with the reason `gpuhost: <check>: <value>`
   (`scontrol update NodeName=N State=DRAIN Reason=...`): running jobs finish, no new ones start;

@@ -556,7 +556,7 @@ def nvlink_status(host: Host, ids: str | None) -> None:
 
     Fault ``nvlinks_down``: a list of link numbers (printed ``<inactive>``), or ``"all"``: the GPU's
     line with no link lines under it, as drivers print for a GPU whose NVLinks are all down
-    (issue 15: "prints no link lines at all in some driver outputs").
+    (some drivers print no link lines at all for such a GPU).
     """
     for g in select(host, ids):
         sys.stdout.write(f"GPU {g.index}: {g.name} (UUID: {g.spec['uuid']})\n")
