@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 __all__ = ["SysfsError", "find_holders", "open_file_counts"]
 
@@ -15,10 +15,13 @@ class SysfsError(OSError):
         super().__init__(err, os.strerror(err) + (f" ({why})" if why else ""))
 
 
-def find_holders(paths: Iterable[str | os.PathLike[str]], proc: str = "/proc") -> dict[str, list[int]]:
-    """Return path -> PIDs holding that file open, found through ``/proc/*/fd`` by st_dev/st_ino.
+def _descriptors(
+    paths: Iterable[str | os.PathLike[str]], proc: str
+) -> tuple[list[str], Iterator[tuple[str, int, int]]]:
+    """Return (the paths that exist, an iterator of (path, pid, fd) for each descriptor naming one).
 
-    Paths that do not exist are left out. Processes that vanish mid-scan are skipped.
+    Files are matched by st_dev/st_ino through ``/proc/*/fd``; this process and processes that
+    vanish mid-scan are skipped.
     """
     keys: dict[tuple[int, int], str] = {}
     for p in paths:
@@ -27,30 +30,45 @@ def find_holders(paths: Iterable[str | os.PathLike[str]], proc: str = "/proc") -
         except OSError:
             continue
         keys[(st.st_dev, st.st_ino)] = str(p)
-    out: dict[str, list[int]] = {v: [] for v in keys.values()}
-    if not keys:
-        return out
-    me = os.getpid()
-    try:
-        pids = [int(d) for d in os.listdir(proc) if d.isdigit()]
-    except OSError:
-        return out
-    for pid in pids:
-        if pid == me:
-            continue
-        fd_dir = f"{proc}/{pid}/fd"
+
+    def scan() -> Iterator[tuple[str, int, int]]:
+        if not keys:
+            return
+        me = os.getpid()
         try:
-            fds = os.listdir(fd_dir)
+            pids = [int(d) for d in os.listdir(proc) if d.isdigit()]
         except OSError:
-            continue
-        for fd in fds:
+            return
+        for pid in pids:
+            if pid == me:
+                continue
+            fd_dir = f"{proc}/{pid}/fd"
             try:
-                st = os.stat(f"{fd_dir}/{fd}")
+                names = os.listdir(fd_dir)
             except OSError:
                 continue
-            hit = keys.get((st.st_dev, st.st_ino))
-            if hit is not None and pid not in out[hit]:
-                out[hit].append(pid)
+            for fd in names:
+                try:
+                    st = os.stat(f"{fd_dir}/{fd}")
+                except OSError:
+                    continue
+                hit = keys.get((st.st_dev, st.st_ino))
+                if hit is not None and fd.isdigit():
+                    yield hit, pid, int(fd)
+
+    return list(keys.values()), scan()
+
+
+def find_holders(paths: Iterable[str | os.PathLike[str]], proc: str = "/proc") -> dict[str, list[int]]:
+    """Return path -> PIDs holding that file open, found through ``/proc/*/fd`` by st_dev/st_ino.
+
+    Paths that do not exist are left out. Processes that vanish mid-scan are skipped.
+    """
+    found, descriptors = _descriptors(paths, proc)
+    out: dict[str, list[int]] = {path: [] for path in found}
+    for path, pid, _fd in descriptors:
+        if pid not in out[path]:
+            out[path].append(pid)
     return out
 
 
@@ -77,35 +95,10 @@ def open_file_counts(paths: Iterable[str | os.PathLike[str]], proc: str = "/proc
     share one open file (dup(2), or inherited through fork(2)) add none, so they are counted once
     (told apart with kcmp(2)).
     """
-    keys: dict[tuple[int, int], str] = {}
-    for p in paths:
-        try:
-            st = os.stat(p)
-        except OSError:
-            continue
-        keys[(st.st_dev, st.st_ino)] = str(p)
-    fds: dict[str, list[tuple[int, int]]] = {v: [] for v in keys.values()}
-    me = os.getpid()
-    try:
-        pids = [int(d) for d in os.listdir(proc) if d.isdigit()] if keys else []
-    except OSError:
-        pids = []
-    for pid in pids:
-        if pid == me:
-            continue
-        fd_dir = f"{proc}/{pid}/fd"
-        try:
-            names = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in names:
-            try:
-                st = os.stat(f"{fd_dir}/{fd}")
-            except OSError:
-                continue
-            hit = keys.get((st.st_dev, st.st_ino))
-            if hit is not None and fd.isdigit():
-                fds[hit].append((pid, int(fd)))
+    found, descriptors = _descriptors(paths, proc)
+    fds: dict[str, list[tuple[int, int]]] = {path: [] for path in found}
+    for path, pid, fd in descriptors:
+        fds[path].append((pid, fd))
     out = {}
     for path, entries in fds.items():
         kept: list[tuple[int, int]] = []
