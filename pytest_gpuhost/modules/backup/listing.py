@@ -39,6 +39,7 @@ def wire_name(raw: bytes) -> dict[str, str]:
 
 _REASONS = {
     wire.NOT_REGULAR: "changed type since the listing: no longer a regular file",
+    wire.CHANGED: "changed while it was read (size, mtime or ctime moved)",
     errno.ELOOP: "changed type since the listing: now a symlink",
     errno.ENOTDIR: "changed type since the listing: a directory on its path is not one now",
     errno.ENOENT: "vanished since the listing",

@@ -17,6 +17,7 @@ import yaml
 
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.exec.agent.probe_backup_walk import glob_compile
+from pytest_gpuhost.exec.s3io import S3UrlError, parse_s3_url
 from pytest_gpuhost.modules.process import Selection, parse_selection
 
 __all__ = ["Category", "Manifest", "ManifestError", "load_manifest", "parse_size"]
@@ -27,7 +28,7 @@ META = ".gpuhost"  # the backup directory's own folder: never a category name
 RESERVED = frozenset({META, "NOTES.md", "SHA256SUMS", ".SHA256SUMS.tmp", ".", ".."})
 MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds; anything longer is a typo, not a plan
 _TOP_KEYS = {"name", "description", "version", "stop", "categories", "gpu_idle_mib", "gpu_idle_timeout"}
-_CATEGORY_KEYS = {"roots", "include", "exclude", "max_size", "s3", "description"}
+_CATEGORY_KEYS = {"roots", "include", "exclude", "max_size", "s3", "in_s3", "description"}
 _STOP_KEYS = {"units", "match", "gpu_holders", "term_timeout", "kill_timeout"}
 _MATCH_KEYS = {"argv0", "module", "args", "name"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
@@ -56,6 +57,13 @@ class Category:
     exclude: tuple[str, ...] = ()
     max_size: int | None = None
     s3: bool = False
+    # (root, s3://BUCKET/PREFIX): where the node's own pipeline already put a root's files, as
+    # `aws s3 sync ROOT s3://BUCKET/PREFIX` lays them out; they are verified there, not copied
+    in_s3: tuple[tuple[str, str], ...] = ()
+
+    def in_s3_url(self, root: str) -> str | None:
+        """Return the s3:// URL a root's files are already in, or None."""
+        return dict(self.in_s3).get(root)
 
     def wire(self) -> dict[str, Any]:
         """Return the category as the node's backup_walk takes it."""
@@ -212,8 +220,47 @@ def _check_category(c: _Checker, name: Any, spec: Any) -> None:
             c.bad(f"{key}.max_size", v, "a size of 0 or more: bytes, or a number with K, M, G, T")
     if "s3" in spec and not isinstance(spec["s3"], bool):
         c.bad(f"{key}.s3", spec["s3"], "true or false (unquoted)")
+    if "in_s3" in spec:
+        _check_in_s3(c, key, spec)
     if "description" in spec:
         c.text(f"{key}.description", spec["description"])
+
+
+def _check_in_s3(c: _Checker, key: str, spec: dict[str, Any]) -> None:
+    """`in_s3: s3://B/P` (a category of one root) or `in_s3: {ROOT: s3://B/P, ...}`."""
+    v = spec["in_s3"]
+    roots = spec.get("roots")
+    roots = [roots] if isinstance(roots, str) else roots if isinstance(roots, list) else []
+    norm = {os.path.normpath(r) for r in roots if isinstance(r, str)}
+    if isinstance(v, str):
+        if len(norm) != 1:
+            c.bad(f"{key}.in_s3", v, "a mapping {root: s3://BUCKET/PREFIX} when the category has several roots")
+        pairs = [(next(iter(norm), ""), v)]
+    elif isinstance(v, dict) and v:
+        pairs = list(v.items())
+    else:
+        c.bad(f"{key}.in_s3", v, "s3://BUCKET/PREFIX, or a mapping {root: s3://BUCKET/PREFIX}")
+        return
+    for root, url in pairs:
+        if not isinstance(root, str) or os.path.normpath(root) not in norm:
+            c.bad(f"{key}.in_s3", root, "one of the category's roots")
+        try:
+            if not isinstance(url, str):
+                raise S3UrlError("not text")
+            parse_s3_url(url)
+        except S3UrlError:
+            c.bad(f"{key}.in_s3.{root}", url, "an s3://BUCKET/PREFIX URL")
+    if spec.get("s3") is True:
+        c.bad(f"{key}.s3", True, "false or absent with in_s3 (the files are verified where they already are)")
+
+
+def _in_s3_pairs(spec: dict[str, Any], roots: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    v = spec.get("in_s3")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return ((roots[0], v),)
+    return tuple((os.path.normpath(r), u) for r, u in v.items())
 
 
 def validate_manifest(doc: Any) -> list[str]:
@@ -271,10 +318,12 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     cats = []
     for name, spec in doc["categories"].items():
         roots = [spec["roots"]] if isinstance(spec["roots"], str) else spec["roots"]
+        norm = tuple(os.path.normpath(r) for r in roots)
         cats.append(
             Category(
                 name=name,
-                roots=tuple(os.path.normpath(r) for r in roots),
+                roots=norm,
+                in_s3=_in_s3_pairs(spec, norm),
                 include=tuple(spec.get("include") or ("**",)),
                 exclude=tuple(spec.get("exclude") or ()),
                 max_size=parse_size(spec.get("max_size")),

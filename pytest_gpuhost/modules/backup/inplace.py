@@ -1,0 +1,338 @@
+"""Verify a node's files against objects already in S3, where other tools put them: no re-upload.
+
+A manifest root with `in_s3: s3://BUCKET/PREFIX` says where the node's own pipeline put its
+files, laid out as `aws s3 sync ROOT s3://BUCKET/PREFIX` writes them (`PREFIX/<path below the
+root>`; a root that is a file: `PREFIX/<its name>`).  Each file is proved against its object
+by the strongest thing the object carries, computed on the node in one read of the file:
+
+1. a full-object checksum: SHA-256, then SHA-1 (`HeadObject` with `ChecksumMode=ENABLED`);
+2. the ETag of a single-part upload, which is the MD5 of the body unless the object is
+   encrypted with SSE-KMS or SSE-C (S3 API reference, "Common Response Headers": ETag);
+3. a multipart ETag `MD5(part MD5s)-N`, recomputed with the object's own part sizes
+   (`HeadObject` with `PartNumber`; parts other than the last are one size for every tool we
+   know, and the exact sizes are asked for when that guess does not fit);
+4. a full-object CRC64NVME, CRC32C or CRC32 checksum (the AWS SDKs' default since 2025 is a
+   CRC), only where nothing above is there: a CRC finds corruption, not a forgery.
+
+An object with none of these (an SSE-KMS or SSE-C object without a checksum, or a composite
+checksum of a multipart upload with a non-MD5 ETag) is "cannot be verified", with what would
+verify it, and never counts as a pass.  A missing object, one of another size or other bytes
+is to be sent again.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_gpuhost.exec.s3io import S3Location, parse_s3_url
+from pytest_gpuhost.modules.backup.listing import Listing, RemoteFile, reason
+from pytest_gpuhost.modules.backup.manifest import Manifest
+
+__all__ = ["InPlace", "InPlaceResult", "ObjectFacts", "Proof", "choose", "multipart_etag", "object_key"]
+
+_MD5 = re.compile(r"^[0-9a-f]{32}$")
+_MULTIPART = re.compile(r"^([0-9a-f]{32})-(\d+)$")
+# full-object checksums in the order they are preferred, with the node-side digest of each
+_CHECKSUMS = (
+    ("ChecksumSHA256", "sha256", "SHA-256 checksum"),
+    ("ChecksumSHA1", "sha1", "SHA-1 checksum"),
+)
+_CRCS = (
+    ("ChecksumCRC64NVME", "crc64nvme", "CRC64NVME checksum"),
+    ("ChecksumCRC32C", "crc32c", "CRC32C checksum"),
+    ("ChecksumCRC32", "crc32", "CRC32 checksum"),
+)
+
+
+def object_key(f: RemoteFile, location: S3Location) -> str | None:
+    """Return the key `aws s3 sync ROOT s3://BUCKET/PREFIX` gives f, or None if it has no key.
+
+    S3 keys are UTF-8: a name that is not cannot have been written there by those tools.
+    """
+    rel = f.path[f.anchor_len :].lstrip(b"/")
+    try:
+        text = rel.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return location.key(text)
+
+
+@dataclass(frozen=True)
+class ObjectFacts:
+    """What S3 says about one object: from the listing, and HEAD where the listing is not enough."""
+
+    key: str
+    size: int
+    etag: str
+    checksums: dict[str, str] = field(default_factory=dict)  # ChecksumSHA256 etc., base64
+    checksum_type: str | None = None  # FULL_OBJECT / COMPOSITE; None where the server says nothing
+    sse: str | None = None  # aws:kms, aws:kms:dsse, SSE-C (customer key), or None
+    part_sizes: tuple[int, ...] = ()  # of a multipart object, when known
+
+
+@dataclass(frozen=True)
+class Need:
+    """How an object is to be proved: the digests the node computes, and what a match proves."""
+
+    want: tuple[str, ...]
+    how: str
+    parts: tuple[int, ...] = ()
+    expect: str = ""  # hex digest (or multipart ETag) the node's bytes must give
+
+
+def multipart_etag(part_md5s: Iterable[str]) -> str:
+    """Return the ETag S3 gives a multipart upload with these part MD5s (hex): MD5(concat)-N."""
+    parts = [bytes.fromhex(h) for h in part_md5s]
+    return hashlib.md5(b"".join(parts)).hexdigest() + f"-{len(parts)}"  # noqa: S324 - S3's ETag
+
+
+def _full(obj: ObjectFacts, value: str) -> bool:
+    """Whether a checksum covers the whole object (not a checksum of part checksums)."""
+    if obj.checksum_type:
+        return obj.checksum_type == "FULL_OBJECT"
+    return "-" not in value and not _MULTIPART.match(obj.etag)
+
+
+def choose(obj: ObjectFacts) -> Need | str:
+    """Return how to prove the object, or why it cannot be verified and what would verify it."""
+    for header, name, how in _CHECKSUMS:
+        value = obj.checksums.get(header)
+        if value and _full(obj, value):
+            return Need((name,), how, expect=base64.b64decode(value).hex())
+    if obj.sse is None and _MD5.match(obj.etag):
+        return Need(("md5",), "MD5 ETag (single-part upload)", expect=obj.etag)
+    m = _MULTIPART.match(obj.etag)
+    if obj.sse is None and m and obj.part_sizes:
+        n = len(obj.part_sizes)
+        return Need(
+            (),
+            f"multipart ETag ({n} parts of {obj.part_sizes[0]} bytes)",
+            parts=obj.part_sizes,
+            expect=obj.etag,
+        )
+    for header, name, how in _CRCS:
+        value = obj.checksums.get(header)
+        if value and _full(obj, value):
+            return Need((name,), how, expect=base64.b64decode(value).hex())
+    if obj.sse:
+        return (
+            f"cannot be verified: encrypted with {obj.sse}, so its ETag is not an MD5, and it has no"
+            " full-object checksum; a copy in place with one would verify it (aws s3api copy-object"
+            " --checksum-algorithm SHA256 onto the same key), or let the backup send it again"
+        )
+    if m and not obj.part_sizes:
+        return "cannot be verified: a multipart ETag whose part sizes S3 did not give (HeadObject PartNumber)"
+    return (
+        f"cannot be verified: ETag {obj.etag!r} is not an MD5 and the object has no full-object checksum;"
+        " a copy in place with --checksum-algorithm SHA256 would verify it"
+    )
+
+
+@dataclass(frozen=True)
+class Proof:
+    """The outcome for one file under an in_s3 root."""
+
+    file: RemoteFile
+    url: str  # s3://BUCKET/KEY (or the location, when the file has no key)
+    ok: bool
+    how: str  # what proved it, or why not
+    send: bool = False  # missing or different: to be sent again
+    quick: tuple[int, int, int, int] | None = None  # size, mtime, ctime, inode when hashed
+
+
+@dataclass
+class InPlaceResult:
+    proofs: list[Proof] = field(default_factory=list)
+    hashed_bytes: int = 0
+    heads: int = 0
+    duration: float = 0.0
+
+    @property
+    def proved(self) -> set[str]:
+        """Backup keys (RemoteFile.key) of the files proved in place."""
+        return {p.file.key for p in self.proofs if p.ok}
+
+    @property
+    def to_send(self) -> list[RemoteFile]:
+        return [p.file for p in self.proofs if p.send]
+
+    @property
+    def unverifiable(self) -> list[Proof]:
+        return [p for p in self.proofs if not p.ok and not p.send]
+
+
+class InPlace:
+    """Prove the files under a manifest's in_s3 roots against the objects already there."""
+
+    def __init__(
+        self,
+        conn: Any,
+        manifest: Manifest,
+        client_for: Callable[[S3Location], Any],
+        *,
+        workers: int | None = None,
+        s3_workers: int = 16,
+        op_timeout: float = 3600.0,
+    ) -> None:
+        self.conn = conn
+        self.manifest = manifest
+        self.client_for = client_for
+        self.workers = workers
+        self.s3_workers = s3_workers
+        self.op_timeout = op_timeout
+
+    def files(self, listing: Listing) -> list[tuple[RemoteFile, S3Location]]:
+        """Return each regular file under an in_s3 root, with the location of its root."""
+        cats = {c.name: c for c in self.manifest.categories if c.in_s3}
+        out = []
+        for f in listing.files:
+            cat = cats.get(f.category)
+            if cat is None or f.kind != "f":
+                continue
+            root = f.path[: f.anchor_len].decode("utf-8", "surrogateescape")
+            url = cat.in_s3_url(root) or cat.in_s3_url(f.path.decode("utf-8", "surrogateescape"))
+            if url is not None:
+                out.append((f, parse_s3_url(url)))
+        return out
+
+    def check(self, listing: Listing) -> InPlaceResult:
+        """Prove every file under an in_s3 root: one listing per prefix, HEADs in parallel, one
+        digest call on the node for all the files that need bytes read."""
+        started = time.monotonic()
+        result = InPlaceResult()
+        pairs = self.files(listing)
+        listings: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+        for _, loc in pairs:
+            if (loc.bucket, loc.prefix) not in listings:
+                listings[(loc.bucket, loc.prefix)] = self._list(loc)
+        todo: list[tuple[RemoteFile, S3Location, str, dict[str, Any]]] = []
+        for f, loc in pairs:
+            key = object_key(f, loc)
+            if key is None:
+                result.proofs.append(
+                    Proof(f, loc.url, False, "cannot be an S3 key: the name is not UTF-8", send=False)
+                )
+                continue
+            url = f"s3://{loc.bucket}/{key}"
+            obj = listings[(loc.bucket, loc.prefix)].get(key)
+            if obj is None:
+                result.proofs.append(Proof(f, url, False, f"not in {loc.url}", send=True))
+            elif obj["size"] != f.size:
+                result.proofs.append(
+                    Proof(
+                        f,
+                        url,
+                        False,
+                        f"different: {obj['size']} bytes in S3, {f.size} on the node",
+                        send=True,
+                    )
+                )
+            else:
+                todo.append((f, loc, key, obj))
+        with ThreadPoolExecutor(max_workers=self.s3_workers, thread_name_prefix="s3head") as pool:
+            facts = list(pool.map(lambda t: self._facts(t[1], t[2], t[3], f_size=t[0].size), todo))
+        result.heads = sum(n for _, n in facts)
+        needs: list[tuple[RemoteFile, str, Need]] = []
+        for (f, loc, key, _), (head, _) in zip(todo, facts, strict=True):
+            url = f"s3://{loc.bucket}/{key}"
+            how = choose(head) if isinstance(head, ObjectFacts) else head
+            if isinstance(how, str):
+                result.proofs.append(Proof(f, url, False, how))
+            else:
+                needs.append((f, url, how))
+        if needs:
+            wire = [
+                dict(f.wire(), want=sorted({"sha256", *n.want}), parts=list(n.parts)) for f, _, n in needs
+            ]
+            params: dict[str, Any] = {"files": wire}
+            if self.workers:
+                params["workers"] = self.workers
+            got = self.conn.call("backup_digests", timeout=self.op_timeout, **params)
+            for (f, url, n), d in zip(needs, got, strict=True):
+                result.proofs.append(self._judge(f, url, n, d))
+                result.hashed_bytes += int(d.get("s") or 0)
+        result.duration = time.monotonic() - started
+        return result
+
+    # -- S3 side
+
+    def _list(self, loc: S3Location) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        pager = self.client_for(loc).get_paginator("list_objects_v2")
+        prefix = loc.prefix + "/" if loc.prefix else ""
+        for page in pager.paginate(Bucket=loc.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []) or []:
+                out[obj["Key"]] = {"etag": str(obj["ETag"]).strip('"'), "size": int(obj["Size"])}
+        return out
+
+    def _facts(
+        self, loc: S3Location, key: str, listed: dict[str, Any], *, f_size: int
+    ) -> tuple[ObjectFacts | str, int]:
+        """HEAD the object (and its first part, for a multipart ETag); return (facts or why, HEADs)."""
+        client = self.client_for(loc)
+        try:
+            head = client.head_object(Bucket=loc.bucket, Key=key, ChecksumMode="ENABLED")
+        except Exception as exc:  # noqa: BLE001 - one line per object, never a traceback
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
+            if str(code) in ("400", "BadRequest"):
+                return "cannot be verified: HEAD refused (400): an SSE-C object needs its customer key", 1
+            return f"cannot be verified: HEAD failed: {code}", 1
+        etag = str(head.get("ETag", listed["etag"])).strip('"')
+        sse = head.get("ServerSideEncryption")
+        if head.get("SSECustomerAlgorithm"):
+            sse = "SSE-C (customer key)"
+        elif sse not in ("aws:kms", "aws:kms:dsse"):
+            sse = None  # AES256 (SSE-S3) keeps the MD5 ETag
+        checks = {
+            k: str(v) for k, v in head.items() if k.startswith("Checksum") and k != "ChecksumType" and v
+        }
+        obj = ObjectFacts(
+            key, int(head.get("ContentLength", listed["size"])), etag, checks, head.get("ChecksumType"), sse
+        )
+        m = _MULTIPART.match(etag)
+        heads = 1
+        if m and sse is None and not any(_full(obj, checks[h]) for h, _, _ in _CHECKSUMS if h in checks):
+            n = int(m.group(2))
+            first = client.head_object(Bucket=loc.bucket, Key=key, PartNumber=1)
+            heads += 1
+            size = int(first["ContentLength"])
+            last = f_size - size * (n - 1)
+            if 0 < last <= size:
+                sizes = (size,) * (n - 1) + (last,)
+            else:  # parts of several sizes: ask for each
+                sizes = tuple(
+                    int(client.head_object(Bucket=loc.bucket, Key=key, PartNumber=i)["ContentLength"])
+                    for i in range(1, n + 1)
+                )
+                heads += n
+            obj = ObjectFacts(key, obj.size, etag, checks, obj.checksum_type, sse, sizes)
+        return obj, heads
+
+    # -- the node's bytes against the object
+
+    @staticmethod
+    def _judge(f: RemoteFile, url: str, need: Need, d: dict[str, Any]) -> Proof:
+        if "errno" in d:
+            return Proof(f, url, False, f"not read on the node: {reason(int(d.get('errno') or 0))}")
+        quick = (int(d["s"]), int(d["m"]), int(d["c"]), int(d["i"]))
+        if need.parts:
+            got = multipart_etag(d["pm"]) if d.get("pm") else "(part sizes do not fit the file)"
+        else:
+            got = d["d"][need.want[0]]
+        if got != need.expect:
+            return Proof(
+                f,
+                url,
+                False,
+                f"different bytes: {need.how} is {need.expect}, the node's file gives {got}",
+                send=True,
+                quick=quick,
+            )
+        return Proof(f, url, True, f"{need.how} matches the node's file", quick=quick)
