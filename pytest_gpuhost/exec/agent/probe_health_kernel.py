@@ -6,6 +6,20 @@ is missing); only lines after the cursor of the last committed run count.  The c
 timestamp and the keys of the lines at it) lives in health-state.json under the agent's state
 directory (`state_path`: /var/lib/gpuhost by default), which `health_commit` writes after a
 successful run; nothing else here changes the host.
+
+Besides the Xid lines (`NVRM: Xid (PCI:dddd:bb:dd): N, ...`; drivers before about 340 print no
+`PCI:`, e.g. `NVRM: Xid (0000:01:00): 8, Channel 00000000`, fixtures/outputs/kernlog-xid-no-pci-
+prefix-304.txt), the driver reports a GPU lost from the bus in records of its own, with or
+without an Xid 79 next to them (fixtures/outputs/kernlog-fallen-off-bus-*.txt):
+
+- at probe, when the GPU's PMC_BOOT_0 and PMC_BOOT_42 read all ones (open-gpu-kernel-modules,
+  returning NV_ERR_GPU_IS_LOST), one record of three lines: `NVRM: The NVIDIA GPU 0000:b3:00.0` /
+  `NVRM: (PCI ID: 10de:26b5) installed in this system has` / `NVRM: fallen off the bus and is not
+  responding to commands.`; dmesg prints the second and third lines indented, with no timestamp;
+- at run time, `NVRM: GPU 0000:06:00.0: GPU has fallen off the bus.`.
+
+Each is reported as an Xid 79 on that GPU (`record: "fallen_off_bus"`), once per GPU and run
+whether or not the driver also logged the Xid 79 line.
 """
 
 import calendar
@@ -20,8 +34,17 @@ from pytest_gpuhost.exec.agent.core import OpError, fact, op, read_str, read_tex
 STATE_FILE = "health-state.json"  # under the agent's state directory (state_path)
 _ISO = re.compile(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:[,.](\d+))?(Z|[+-]\d\d:?\d\d)?\s+(.*)$")
 _RAW = re.compile(r"^\[\s*(\d+(?:\.\d+)?)\]\s?(.*)$")
-_XID = re.compile(r"\bXid \(PCI:([0-9A-Fa-f:.]+)\):\s*(\d+)\b,?\s*(.*)$")
+_XID = re.compile(r"\bXid \((?:PCI:)?([0-9A-Fa-f:.]+)\):\s*(\d+)\b,?\s*(.*)$")
 _SXID = re.compile(r"\bSXid \(PCI:([0-9A-Fa-f:.]+)\):\s*(\d+)\b,?\s*(.*)$")
+_FALLEN = (
+    re.compile(
+        r"NVRM: The NVIDIA GPU ([0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2})\.\d\b.*fallen off the bus", re.S
+    ),
+    re.compile(r"NVRM: GPU ([0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2})\.\d: GPU has fallen off the bus"),
+)
+XID_FALLEN_OFF_THE_BUS = 79
+# "Xid 45 ... caused by previous Xid 149" (fixtures/outputs/kernlog-xid45-caused-by-previous.txt)
+_CAUSE = re.compile(r"\bcaused by previous Xid (\d+)\b")
 
 
 def read_state(path):
@@ -59,7 +82,9 @@ def _btime():
 
 
 def _line_key(ts, msg):
-    return hashlib.sha1(f"{ts:.6f} {msg}".encode("utf-8", "replace")).hexdigest()[:16]
+    """Return the cursor key of a record: its time and first line (continuation lines not in it)."""
+    first = msg.split("\n", 1)[0]
+    return hashlib.sha1(f"{ts:.6f} {first}".encode("utf-8", "replace")).hexdigest()[:16]
 
 
 def _dmesg_lines(timeout, record):
@@ -72,11 +97,14 @@ def _dmesg_lines(timeout, record):
     if res["rc"] != 0:
         return [], mode, res
     btime = _btime() if mode == "raw" else None
-    lines = []
+    lines = []  # type: list
     for text in res["stdout"].splitlines():
         m = (_ISO if mode == "iso" else _RAW).match(text)
         if not m:
-            continue  # continuation lines carry no timestamp; Xid lines always have one
+            # dmesg prints the further lines of a multi-line record indented, with no timestamp
+            if lines and text[:1].isspace() and text.strip():
+                lines[-1] = (lines[-1][0], lines[-1][1] + "\n" + text.strip())
+            continue
         if mode == "iso":
             lines.append((_iso_epoch(m), m.group(9)))
         else:
@@ -85,7 +113,8 @@ def _dmesg_lines(timeout, record):
 
 
 def _events(new):
-    xid, sxid = [], []
+    """Return (Xid events, SXid events) of (epoch, message) lines; see the module docstring."""
+    xid, sxid, fallen = [], [], []
     for ts, msg in new:
         m = _SXID.search(msg)
         if m:
@@ -94,6 +123,29 @@ def _events(new):
         m = _XID.search(msg)
         if m:
             xid.append({"ts": ts, "bdf": m.group(1).lower(), "code": int(m.group(2)), "msg": msg})
+            cause = _CAUSE.search(m.group(3))
+            if cause:
+                xid[-1]["cause"] = int(cause.group(1))
+            continue
+        for pattern in _FALLEN:
+            m = pattern.search(msg)
+            if m:
+                fallen.append(
+                    {
+                        "ts": ts,
+                        "bdf": m.group(1).lower(),
+                        "code": XID_FALLEN_OFF_THE_BUS,
+                        "msg": msg.replace("\n", " "),
+                        "record": "fallen_off_bus",
+                    }
+                )
+                break
+    lost = {e["bdf"] for e in xid if e["code"] == XID_FALLEN_OFF_THE_BUS}
+    for e in fallen:
+        if e["bdf"] not in lost:
+            lost.add(e["bdf"])
+            xid.append(e)
+    xid.sort(key=lambda e: e["ts"])
     return xid, sxid
 
 

@@ -18,7 +18,7 @@ from pytest_gpuhost.modules.health.verdict import (
     median,
     skipped,
 )
-from pytest_gpuhost.modules.health.xid import FAILING, action_of, reset_signals, settle, worst
+from pytest_gpuhost.modules.health.xid import FAILING, event_action, is_ignored, reset_signals, settle, worst
 
 
 def _kernel_errors(check: str, facts: Facts, key: str, ignore: Sequence[int], label: str) -> Verdict:
@@ -64,9 +64,11 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
     window = "since boot (first run; baseline recorded)" if part.get("first_run") else "since the last run"
     rows = []
     for e in events:
-        action, name = action_of(int(e.get("code", -1)))
-        rows.append({**{k: e.get(k) for k in ("ts", "bdf", "code", "msg")}, "action": action, "name": name})
-    counted = [r for r in rows if r["action"] in FAILING and int(r["code"]) not in ignore]
+        action, name = event_action(e)
+        row = {k: e.get(k) for k in ("ts", "bdf", "code", "msg")}
+        row.update({k: e[k] for k in ("cause", "record") if k in e})
+        rows.append({**row, "action": action, "name": name})
+    counted = [r for r in rows if r["action"] in FAILING and not is_ignored(r, ignore)]
     passed = [r for r in rows if r not in counted]
     fresh_keys = {(r["code"], r["bdf"], r["ts"]) for r in counted}
     owed_all, done = settle(part, sorted(ignore), reset_signals(facts))
@@ -108,8 +110,13 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
     return Verdict("xid", True, f"no Xid errors {window}{note}", state=state)
 
 
-_ACTION_TEXT = {"reset_gpu": "a GPU reset", "reboot": "a reboot"}
+_ACTION_TEXT = {
+    "drain_p2p": "its P2P traffic drained",
+    "reset_gpu": "a GPU reset",
+    "reboot": "a reboot",
+}
 _NOT_SEEN = {
+    "drain_p2p": "its recovery action has not read None since, and no reboot seen since",
     "reset_gpu": "no reset of that GPU and no reboot seen since",
     "reboot": "the host has not rebooted since",
 }

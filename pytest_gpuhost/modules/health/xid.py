@@ -17,11 +17,30 @@ happened:
   applied only by a GPU reset (NVIDIA "GPU Memory Error Management"); the driver logs no kernel
   line for a reset (docs/health-checks.md). A GPU that never said so stays owed until a reboot:
   stricter, never a false recovery.
+
+An Xid is judged by its line, not only its code (`event_action`):
+
+- "Xid 45 ... caused by previous Xid 149": the driver tearing down channels after an earlier
+  error (NVIDIA's catalogue: Xid 45 "not solo: follow the other Xid"); it is judged as the worse of
+  itself and the Xid it names, so an NVLink or ECC error behind it is never read as harmless
+  (fixtures/outputs/kernlog-xid45-caused-by-previous.txt);
+- Xid 154 "GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)": the
+  driver's new recovery action, NVML's `nvmlDeviceGpuRecoveryAction_t` (nvml.h: 0 NONE,
+  1 GPU_RESET, 2 NODE_REBOOT, 3 DRAIN_P2P, 4 DRAIN_AND_RESET, 5 GPU_RESET_BUS) with the driver's
+  words for it, which differ between drivers (590/595: "GPU Reset Required", "Node Reboot
+  Required"; 610: "PF FLR", "OS Reboot"; fixtures/outputs/kernlog-xid154-*.txt); a change to
+  None asks for nothing, one the table does not know is "unknown";
+- the driver's own "fallen off the bus" records arrive as an Xid 79 from the probe
+  (exec/agent/probe_health_kernel.py).
+
+"Drain P2P" (stop the GPU's peer-to-peer traffic, then ask the driver again) is owed like a
+reset: settled by a reboot, or by the GPU's reset signals clearing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -30,7 +49,11 @@ __all__ = [
     "OWED",
     "RESET_SIGNALS",
     "XID_CATALOGUE",
+    "RECOVERY_ACTIONS",
     "action_of",
+    "event_action",
+    "is_ignored",
+    "recovery_action",
     "pending_after",
     "reset_signals",
     "settle",
@@ -38,11 +61,21 @@ __all__ = [
 ]
 
 #: Actions, mildest first (the order `worst` ranks them in).
-ACTIONS: tuple[str, ...] = ("none", "restart_app", "check_fabric", "unknown", "reset_gpu", "reboot")
+ACTIONS: tuple[str, ...] = (
+    "none",
+    "restart_app",
+    "check_fabric",
+    "unknown",
+    "drain_p2p",
+    "reset_gpu",
+    "reboot",
+)
 #: Actions that fail the node's xid check.
-FAILING = frozenset({"check_fabric", "unknown", "reset_gpu", "reboot"})
+FAILING = frozenset({"check_fabric", "unknown", "drain_p2p", "reset_gpu", "reboot"})
 #: Actions the node owes until the host shows they happened (kept across nights).
-OWED = frozenset({"reset_gpu", "reboot"})
+OWED = frozenset({"drain_p2p", "reset_gpu", "reboot"})
+#: Owed actions a GPU's own signals can settle (a reboot settles every one).
+_GPU_SETTLED = frozenset({"drain_p2p", "reset_gpu"})
 
 #: code -> (action, NVIDIA's name for the Xid).
 XID_CATALOGUE: Mapping[int, tuple[str, str]] = {
@@ -81,9 +114,90 @@ def action_of(code: int) -> tuple[str, str]:
     return XID_CATALOGUE.get(int(code), ("unknown", ""))
 
 
+#: NVML's GPU recovery action (nvml.h `nvmlDeviceGpuRecoveryAction_t`) -> the action owed.
+RECOVERY_ACTIONS: Mapping[int, str] = {
+    0: "none",
+    1: "reset_gpu",
+    2: "reboot",
+    3: "drain_p2p",
+    4: "reset_gpu",  # DRAIN_AND_RESET: drain the work, then reset the GPU
+    5: "reset_gpu",  # GPU_RESET_BUS
+}
+#: The driver's and nvidia-smi's words for them (Xid 154 text, `GPU Recovery Action` of -q,
+#: the `gpu_recovery_action` query field), lower case.
+_RECOVERY_WORDS: Mapping[str, str] = {
+    "none": "none",
+    "gpu reset required": "reset_gpu",
+    "gpu reset": "reset_gpu",
+    "reset": "reset_gpu",
+    "pf flr": "reset_gpu",
+    "drain and reset": "reset_gpu",
+    "node reboot required": "reboot",
+    "node reboot": "reboot",
+    "os reboot": "reboot",
+    "reboot": "reboot",
+    "drain p2p": "drain_p2p",
+}
+_XID154_TO = re.compile(r"recovery action changed from .*? to (0x[0-9a-fA-F]+|\d+)\s*(?:\(([^)]*)\))?")
+
+
+def recovery_action(value: Any) -> str | None:
+    """Return the action a GPU recovery action asks for: by NVML's number or the driver's words.
+
+    None for no value (N/A, [Not Supported], empty); "unknown" for a value neither knows.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return RECOVERY_ACTIONS.get(value, "unknown")
+    text = str(value or "").strip().strip("[]").lower()
+    if not text or text in ("n/a", "not supported", "unknown error"):
+        return None
+    if text in _RECOVERY_WORDS:
+        return _RECOVERY_WORDS[text]
+    try:
+        return RECOVERY_ACTIONS.get(int(text, 0), "unknown")
+    except ValueError:
+        return "unknown"
+
+
+def event_action(e: Mapping[str, Any]) -> tuple[str, str]:
+    """Return (action, name) of one Xid line: by its code, its Xid 154 action, its cause.
+
+    An Xid 154 whose text names no action is judged by the catalogue (a reset).
+    """
+    code = int(e.get("code", -1))
+    action, name = action_of(code)
+    msg = str(e.get("msg") or "")
+    if code == 154:
+        m = _XID154_TO.search(msg)
+        if m:
+            words = (m.group(2) or "").strip()
+            action = _RECOVERY_WORDS.get(words.lower()) or recovery_action(int(m.group(1), 0)) or "unknown"
+            name = f"{name}: {words or m.group(1)}"
+    cause = e.get("cause")
+    if isinstance(cause, int) and not isinstance(cause, bool):
+        by, by_name = action_of(cause)
+        if ACTIONS.index(by) > ACTIONS.index(action):
+            action, name = by, f"{by_name or 'Xid ' + str(cause)} (caused by Xid {cause})"
+    return action, name
+
+
 def worst(actions: Sequence[str]) -> str:
     """Return the strongest of `actions` ("none" for none)."""
     return max(actions, key=ACTIONS.index, default="none")
+
+
+def is_ignored(e: Mapping[str, Any], ignore: Collection[int]) -> bool:
+    """Return whether an Xid line is ignored: its code and the code of its cause are all in `ignore`.
+
+    ("Xid 45 ... caused by previous Xid 149" with 45 ignored still counts, as an Xid 149.)
+    """
+    codes = {int(e.get("code", -1))}
+    cause = e.get("cause")
+    if isinstance(cause, int) and not isinstance(cause, bool):
+        codes.add(cause)
+    return codes <= set(ignore)
 
 
 #: What says a GPU needs a reset, by name in a pending entry's `marks`.
@@ -156,7 +270,7 @@ def settle(
         sig = signals.get(_bus_key(entry.get("bdf"))) or {}
         marks = sorted(set(entry.get("marks") or []) | {k for k, v in sig.items() if v == 1})
         if (
-            entry.get("action") == "reset_gpu"
+            entry.get("action") in _GPU_SETTLED
             and entry.get("marks")
             and not any(v == 1 for v in sig.values())
             and all(sig.get(m) == 0 for m in entry["marks"])
@@ -169,8 +283,8 @@ def settle(
     skip = set(ignore)
     for e in part.get("xid") or []:
         code = int(e.get("code", -1))
-        action, _ = action_of(code)
-        if action in OWED and code not in skip:
+        action, _ = event_action(e)
+        if action in OWED and not is_ignored(e, skip):
             sig = signals.get(_bus_key(e.get("bdf"))) or {}
             owed.append(
                 {
