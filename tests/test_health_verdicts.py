@@ -356,7 +356,12 @@ def test_reset_signals_read_the_cells_and_the_remap_query() -> None:
     facts["gpus"]["gpus"][1]["cell_errors"] = {"temperature.gpu": "GPU requires reset"}
     facts["remap"] = {"ok": True, "gpus": {BDFS[3]: {"remapped_rows.pending": 1}}}
     sig = hm_xid.reset_signals(facts)
-    assert sig["0000:18:00"] == {"reset_required": None, "nvml_reset_required": 1, "remap_pending": None}
+    assert sig["0000:18:00"] == {
+        "reset_required": None,
+        "nvml_reset_required": 1,
+        "remap_pending": None,
+        "recovery_action": None,
+    }
     assert sig["0000:3b:00"]["remap_pending"] == 1 and sig["0000:17:00"]["nvml_reset_required"] == 0
 
 

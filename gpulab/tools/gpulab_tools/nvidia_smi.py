@@ -175,6 +175,7 @@ def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
         # a reset clears them (nvidia_smi_reset.py)
         "reset_status.reset_required": (_yesno(_fault(host, g, "reset_required")), ""),
         "reset_status.drain_and_reset_recommended": (_yesno(_fault(host, g, "drain_and_reset")), ""),
+        "gpu_recovery_action": (_recovery_action(host, g), ""),
         "clocks_throttle_reasons.active": (str(h.get("throttle_reasons", "0x0000000000000000")), ""),
         "clocks_event_reasons.active": (str(h.get("throttle_reasons", "0x0000000000000000")), ""),
         # clocks_event_reasons_counters.* (R550+): microseconds since the driver loaded that each
@@ -212,7 +213,42 @@ def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
         "vbios_version": ("98.02.2E.00.04", ""),
         "minor_number": (str(g.minor), ""),
     }
+    for name in _absent_fields(host):
+        fields.pop(name, None)
     return fields
+
+
+def _driver_major(host: Host) -> int:
+    try:
+        return int(str(host.driver_version).split(".")[0])
+    except ValueError:
+        return 0
+
+
+def _absent_fields(host: Host) -> tuple[str, ...]:
+    """The --query-gpu fields the modelled driver does not have.
+
+    `nvidia-smi --help-query-gpu` of 590.48.01, 595.71.05 and 610.57.04 lists no
+    reset_status.reset_required but gpu_recovery_action; 570 lists the first, not the second.
+    """
+    if _driver_major(host) >= 590:
+        return ("reset_status.reset_required",)
+    return ("gpu_recovery_action",)
+
+
+def _recovery_action(host: Host, g: GpuView) -> str:
+    """The GPU's recovery action as nvidia-smi prints it (-q `GPU Recovery Action : Reset` on a GPU
+    the driver marked for reset; NVML's nvmlDeviceGpuRecoveryAction_t: None, Reset, Reboot, Drain
+    P2P, Drain and Reset): fault recovery_action, else from the faults reset_required and
+    drain_and_reset (the scratch bits a reset clears), else None."""
+    got = _fault(host, g, "recovery_action")
+    if got:
+        return str(got)
+    if _fault(host, g, "reset_required"):
+        return "Reset"
+    if _fault(host, g, "drain_and_reset"):
+        return "Drain and Reset"
+    return "None"
 
 
 def parse_format(fmt: str | None) -> tuple[bool, bool]:
@@ -444,6 +480,8 @@ def query_all(host: Host, ids: str | None) -> None:
         mem = _memory_temp(g, host)
         kv("Memory Current Temp", f"{mem} C" if mem != "N/A" else "N/A", 8)
         kv("Memory Max Operating Temp", _memory_temp_max(g, host), 8)
+        if _driver_major(host) >= 590:
+            kv("GPU Recovery Action", _recovery_action(host, g))
         o.append("    Processes")
         for p in g.holders:
             if p.kind != "C":

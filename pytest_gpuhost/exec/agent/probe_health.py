@@ -45,7 +45,10 @@ QUERY_FIELDS = (
     "pcie.link.width.current",
     "pcie.link.width.max",
     # Yes while the GPU needs a reset (the driver's reset-required bit, cleared only by a reset):
-    # health_xid settles an owed reset by it; R5xx drivers without it drop it (no retry after)
+    # health_xid settles an owed reset by it; R5xx drivers without it drop it (no retry after).
+    # Drivers from 590 have no such field (--help-query-gpu of 590.48.01, 595.71.05, 610.57.04)
+    # but gpu_recovery_action, NVML's recovery action (None, Reset, Reboot, Drain P2P, Drain and
+    # Reset): asked for in its place (FIELD_SUCCESSOR), under its own name
     "reset_status.reset_required",
     # Enabled/Disabled ([N/A] where the GPU has no ECC): health_memory fails ECC left off on a
     # model that supports it; the memory (HBM) temperature, N/A on GDDR boards
@@ -71,6 +74,9 @@ SYSFS_LINK = (
 # A field a driver renamed: its new name, asked for in its place (R535 renamed clocks_throttle_reasons.*
 # to clocks_event_reasons.*; `nvidia-smi --help-query-gpu` of either driver lists its own name).
 FIELD_RENAMED = {"clocks_throttle_reasons.active": "clocks_event_reasons.active"}
+# A field a driver replaced by another that says more, in other values: asked for in its place
+# where the driver lacks it, and reported under the new name (not as the old field).
+FIELD_SUCCESSOR = {"reset_status.reset_required": "gpu_recovery_action"}
 # nvidia-smi prints an NVML error in brackets in a cell (nvmlErrorString: "GPU requires reset",
 # "GPU is lost", "Unknown Error", ...). These two mean "no value here", not "the GPU is in trouble".
 NO_VALUE = ("N/A", "Not Supported")
@@ -131,7 +137,7 @@ def part_gpus(params, record):
         if res["rc"] != 0 and name in fields and name not in ("index", "pci.bus_id"):
             # Older or newer drivers lack some fields: ask for the field's other name, or drop
             # it, and ask again, still in this request; the verdicts say which (never a silent skip).
-            new = FIELD_RENAMED.get(name)
+            new = FIELD_RENAMED.get(name) or FIELD_SUCCESSOR.get(name)
             if new and new not in fields and new not in dropped:
                 fields[fields.index(name)] = new
                 renamed[name] = new
@@ -154,7 +160,7 @@ def part_gpus(params, record):
             "dropped": dropped,
             "renamed": renamed,
         }
-    back = {new: old for old, new in renamed.items()}
+    back = {new: old for old, new in renamed.items() if FIELD_RENAMED.get(old) == new}
     gpus = []
     for line in res["stdout"].splitlines():
         if not line.strip():

@@ -18,7 +18,15 @@ from pytest_gpuhost.modules.health.verdict import (
     median,
     skipped,
 )
-from pytest_gpuhost.modules.health.xid import FAILING, event_action, is_ignored, reset_signals, settle, worst
+from pytest_gpuhost.modules.health.xid import (
+    FAILING,
+    event_action,
+    is_ignored,
+    recovery_owed,
+    reset_signals,
+    settle,
+    worst,
+)
 
 
 def _kernel_errors(check: str, facts: Facts, key: str, ignore: Sequence[int], label: str) -> Verdict:
@@ -73,7 +81,10 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
     fresh_keys = {(r["code"], r["bdf"], r["ts"]) for r in counted}
     owed_all, done = settle(part, sorted(ignore), reset_signals(facts))
     owed = [p for p in owed_all if (p.get("code"), p.get("bdf"), p.get("ts")) not in fresh_keys]
-    action = worst([r["action"] for r in counted] + [str(p.get("action")) for p in owed])
+    asked = recovery_owed(facts)
+    action = worst(
+        [r["action"] for r in counted] + [str(p.get("action")) for p in owed] + [a["action"] for a in asked]
+    )
     state: dict[str, Any] = {
         "window": window,
         "since": part.get("since"),
@@ -81,6 +92,7 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
         "action": action,
         "owed": owed,
         "done": done,
+        "recovery_actions": asked,
         "ignored_codes": sorted({int(r["code"]) for r in passed}),
     }
     notes = []
@@ -99,6 +111,11 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
         f"{_NOT_SEEN[str(p.get('action'))]} ({p.get('msg')})"
         for p in owed
     ]
+    reasons += [
+        f"{a['bdf']}: the driver's recovery action is {a['value']!r}: the GPU needs "
+        f"{_ACTION_TEXT.get(str(a['action']), 'an action the driver names')}"
+        for a in asked
+    ]
     if reasons:
         parts = []
         if counted:
@@ -106,6 +123,8 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
             parts.append(f"{len(counted)} Xid error(s) {window}: code {', '.join(map(str, codes))}")
         if owed:
             parts.append(f"{len(owed)} earlier Xid(s) still owed")
+        if asked:
+            parts.append(f"{len(asked)} GPU(s) with a recovery action")
         return failed("xid", f"{'; '.join(parts)} (action: {action}){note}", reasons, state=state)
     return Verdict("xid", True, f"no Xid errors {window}{note}", state=state)
 

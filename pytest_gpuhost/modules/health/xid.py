@@ -34,7 +34,10 @@ An Xid is judged by its line, not only its code (`event_action`):
   (exec/agent/probe_health_kernel.py).
 
 "Drain P2P" (stop the GPU's peer-to-peer traffic, then ask the driver again) is owed like a
-reset: settled by a reboot, or by the GPU's reset signals clearing.
+reset: settled by a reboot, or by the GPU's signals clearing - on drivers from 590, whose
+nvidia-smi has no `reset_status.reset_required`, the `gpu_recovery_action` query field reading
+None again after it asked for something (`reset_signals`). A GPU whose recovery action is not
+None fails the check by itself (`recovery_owed`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ __all__ = [
     "event_action",
     "is_ignored",
     "recovery_action",
+    "recovery_owed",
     "pending_after",
     "reset_signals",
     "settle",
@@ -201,7 +205,7 @@ def is_ignored(e: Mapping[str, Any], ignore: Collection[int]) -> bool:
 
 
 #: What says a GPU needs a reset, by name in a pending entry's `marks`.
-RESET_SIGNALS: tuple[str, ...] = ("reset_required", "remap_pending", "nvml_reset_required")
+RESET_SIGNALS: tuple[str, ...] = ("reset_required", "remap_pending", "nvml_reset_required", "recovery_action")
 
 
 def _bus_key(bdf: Any) -> str:
@@ -218,8 +222,9 @@ def _bus_key(bdf: Any) -> str:
 def reset_signals(facts: Mapping[str, Any]) -> dict[str, dict[str, int | None]]:
     """Return per GPU ("dddd:bb:dd") whether it says it needs a reset: 1 yes, 0 no, None unknown.
 
-    From the `gpus` part (`reset_status.reset_required`; a cell nvidia-smi printed as
-    `[GPU requires reset]`) and the `remap` part (`remapped_rows.pending`).
+    From the `gpus` part (`reset_status.reset_required` up to R580, `gpu_recovery_action` other
+    than None from R590; a cell nvidia-smi printed as `[GPU requires reset]`) and the `remap` part
+    (`remapped_rows.pending`).
     """
     out: dict[str, dict[str, int | None]] = {}
     gpus = facts.get("gpus")
@@ -229,10 +234,12 @@ def reset_signals(facts: Mapping[str, Any]) -> dict[str, dict[str, int | None]]:
                 continue
             errors = g.get("cell_errors") if isinstance(g.get("cell_errors"), Mapping) else {}
             req = g.get("reset_status.reset_required")
+            asks = recovery_action(g.get("gpu_recovery_action"))
             out[_bus_key(g.get("bdf"))] = {
                 "reset_required": req if req in (0, 1) else None,
                 "nvml_reset_required": 1 if "GPU requires reset" in (errors or {}).values() else 0,
                 "remap_pending": None,
+                "recovery_action": None if asks is None else int(asks != "none"),
             }
     remap = facts.get("remap")
     if isinstance(remap, Mapping) and remap.get("ok"):
@@ -240,6 +247,28 @@ def reset_signals(facts: Mapping[str, Any]) -> dict[str, dict[str, int | None]]:
             pending = row.get("remapped_rows.pending") if isinstance(row, Mapping) else None
             if pending in (0, 1):
                 out.setdefault(_bus_key(bdf), dict.fromkeys(RESET_SIGNALS))["remap_pending"] = pending
+    return out
+
+
+def recovery_owed(facts: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Return the GPUs whose driver asks for a recovery action now: bdf, action, value.
+
+    From the `gpu_recovery_action` query field (R590+; None where the driver has no such field or
+    the GPU asks for nothing). The driver keeps the action until it is done (a GPU reset, a
+    reboot), so this needs no kernel line: an Xid 154 that rotated out of the kernel log, or one
+    logged before this host was first checked, still fails the node.
+    """
+    out: list[dict[str, Any]] = []
+    gpus = facts.get("gpus")
+    if not (isinstance(gpus, Mapping) and gpus.get("ok")):
+        return out
+    for g in gpus.get("gpus") or []:
+        if not isinstance(g, Mapping):
+            continue
+        action = recovery_action(g.get("gpu_recovery_action"))
+        if action not in (None, "none"):
+            value = (g.get("raw") or {}).get("gpu_recovery_action", g.get("gpu_recovery_action"))
+            out.append({"bdf": g.get("bdf"), "action": action, "value": value})
     return out
 
 
