@@ -84,13 +84,38 @@ _BAD_FIELD = re.compile(r'Field "([^"]+)" is not a valid field to query')
 _BUS_ID = re.compile(r"^([0-9a-f]+):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
 
 
+# A line that says what went wrong, in what nvidia-smi prints when it fails ("Failed to initialize
+# NVML: Driver/library version mismatch", "NVIDIA-SMI has failed because it couldn't communicate
+# with the NVIDIA driver", "No devices were found", "Unable to determine the device handle ...").
+_SAYS_ERROR = re.compile(
+    r"fail|error|unable|mismatch|couldn't|cannot|invalid|not a valid|not found|no devices", re.IGNORECASE
+)
+
+
+def error_line(text):
+    """Return the line of a failed tool's output that says the error, and its last line after it.
+
+    nvidia-smi's NVML errors end with a detail line: `Failed to initialize NVML: Driver/library
+    version mismatch` then `NVML library version: 580.178` (exit 18; fixtures/outputs/nvidia-smi-
+    nvml-mismatch-580.txt), so the last line alone says nothing of the error. Without a line that
+    says one, the last line.
+    """
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    says = [ln for ln in lines if _SAYS_ERROR.search(ln)]
+    first = says[0] if says else lines[-1]
+    out = first if first == lines[-1] else f"{first}; {lines[-1]}"
+    return out[:400]
+
+
 def _cmd_error(res, what):
     if res["timed_out"]:
         return what + " timed out"
     if res["rc"] == 127:
         return what + ": command not found"
-    err = (res.get("stderr") or res.get("stdout") or "").strip().splitlines()
-    return f"{what} exited {res['rc']}" + (": " + err[-1] if err else "")
+    err = error_line(res.get("stderr") or res.get("stdout") or "")
+    return f"{what} exited {res['rc']}" + (": " + err if err else "")
 
 
 def csv_cell(text):
