@@ -319,6 +319,7 @@ def part_fabric(params, record):
         return {"ok": False, "error": _cmd_error(res, "nvidia-smi -q")}
     gpus = {}  # type: dict
     mem_max = {}  # type: dict
+    mem_max_tlimit = {}  # type: dict
     bdf = None
     in_fabric = False
     for line in res["stdout"].splitlines():
@@ -331,6 +332,14 @@ def part_fabric(params, record):
         t = re.match(r"^\s{8}Memory Max Operating Temp\s*:\s*([0-9.]+)\s*C\s*$", line)
         if bdf and t:
             mem_max[bdf] = float(t.group(1))
+            continue
+        # Drivers that print temperatures as T.Limit (the margin below the GPU's own limit, 0 C at
+        # the limit: "GPU T.Limit Temp : 59 C" next to "GPU Max Operating T.Limit Temp : 0 C") print
+        # "Memory Max Operating T.Limit Temp : 0 C" (N/A on GDDR): the reference, not the limit in
+        # C; kept apart, never read as a limit (fixtures/outputs/nvidia-smi-q-550.90.12-h200-tlimit.txt)
+        t = re.match(r"^\s{8}Memory Max Operating T\.Limit Temp\s*:\s*(-?[0-9.]+)\s*C\s*$", line)
+        if bdf and t:
+            mem_max_tlimit[bdf] = float(t.group(1))
             continue
         if bdf and line.strip() == "Fabric" and indent == 4:
             in_fabric = True
@@ -350,7 +359,14 @@ def part_fabric(params, record):
     unit = dict(ln.partition("=")[::2] for ln in show.get("stdout", "").splitlines() if "=" in ln)
     if show["rc"] != 0 and not unit:
         unit = {"error": _cmd_error(show, "systemctl show " + FABRIC_UNIT)}
-    return {"ok": True, "gpus": gpus, "unit": FABRIC_UNIT, "service": unit, "memory_temp_max": mem_max}
+    return {
+        "ok": True,
+        "gpus": gpus,
+        "unit": FABRIC_UNIT,
+        "service": unit,
+        "memory_temp_max": mem_max,
+        "memory_temp_max_tlimit": mem_max_tlimit,
+    }
 
 
 def part_nvlink(params, record):

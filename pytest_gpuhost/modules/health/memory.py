@@ -5,6 +5,12 @@ supports ECC, so ECC off is a misconfiguration, not "not supported"; `memory_tem
 limit); an inventory variable overrides the model's value, and the GPU's own limit, where the
 probe read it (`Memory Max Operating Temp` in `nvidia-smi -q`, read on NVSwitch models for the
 fabric), comes before the model's.
+
+Drivers that print temperatures as T.Limit margins print `Memory Max Operating T.Limit Temp : 0 C`
+instead: 0 C is the limit itself as the reference of a margin, and no memory margin is printed
+next to it, so such a GPU states no limit in C (an H200 on 550.90.12,
+fixtures/outputs/nvidia-smi-q-550.90.12-h200-tlimit.txt). Its memory is judged by the model's
+limit, and the verdict says the GPU gave its own only as a T.Limit reference.
 """
 
 from __future__ import annotations
@@ -45,9 +51,9 @@ def ecc_off(facts: Facts, t: Thresholds) -> tuple[list[str], dict[str, Any]]:
     return reasons, {"ecc.mode.current": modes}
 
 
-def _fabric_limit(facts: Facts, bdf: str) -> float | None:
+def _fabric_limit(facts: Facts, bdf: str, key: str = "memory_temp_max") -> float | None:
     part = facts.get("fabric")
-    limits = part.get("memory_temp_max") if isinstance(part, Mapping) and part.get("ok") else None
+    limits = part.get(key) if isinstance(part, Mapping) and part.get("ok") else None
     v = limits.get(bdf) if isinstance(limits, Mapping) else None
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
@@ -80,7 +86,13 @@ def check_memory_temperature(facts: Facts, t: Thresholds) -> Verdict:
         elif (own := _fabric_limit(facts, bdf)) is not None:
             limits[bdf] = (own, "the GPU's Memory Max Operating Temp")
         elif spec.get("memory_temp_max") is not None:
-            limits[bdf] = (float(spec["memory_temp_max"]), f"the model's ({g.get('name')})")
+            source = f"the model's ({g.get('name')})"
+            if (ref := _fabric_limit(facts, bdf, "memory_temp_max_tlimit")) is not None:
+                source = (
+                    f"the model's ({g.get('name')}; the GPU prints its own only as a T.Limit "
+                    f"reference, Memory Max Operating T.Limit Temp {ref:g} C)"
+                )
+            limits[bdf] = (float(spec["memory_temp_max"]), source)
         else:
             unknown.append(f"{gpu_label(g)} ({g.get('name')})")
             continue
