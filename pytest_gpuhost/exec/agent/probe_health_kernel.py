@@ -7,8 +7,8 @@ timestamp and the keys of the lines at it) lives in health-state.json under the 
 directory (`state_path`: /var/lib/gpuhost by default), which `health_commit` writes after a
 successful run; nothing else here changes the host.
 
-Besides the Xid lines (`NVRM: Xid (PCI:dddd:bb:dd): N, ...`; drivers before about 340 print no
-`PCI:`, e.g. `NVRM: Xid (0000:01:00): 8, Channel 00000000`, fixtures/outputs/kernlog-xid-no-pci-
+Besides the Xid lines (`NVRM: Xid (PCI:dddd:bb:dd): N, ...`; older drivers print no `PCI:`, e.g.
+304.64's `NVRM: Xid (0000:01:00): 8, Channel 00000000`, fixtures/outputs/kernlog-xid-no-pci-
 prefix-304.txt), the driver reports a GPU lost from the bus in records of its own, with or
 without an Xid 79 next to them (fixtures/outputs/kernlog-fallen-off-bus-*.txt):
 

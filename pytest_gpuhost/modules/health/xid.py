@@ -27,9 +27,9 @@ An Xid is judged by its line, not only its code (`event_action`):
 - Xid 154 "GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)": the
   driver's new recovery action, NVML's `nvmlDeviceGpuRecoveryAction_t` (nvml.h: 0 NONE,
   1 GPU_RESET, 2 NODE_REBOOT, 3 DRAIN_P2P, 4 DRAIN_AND_RESET, 5 GPU_RESET_BUS) with the driver's
-  words for it, which differ between drivers (590/595: "GPU Reset Required", "Node Reboot
-  Required"; 610: "PF FLR", "OS Reboot"; fixtures/outputs/kernlog-xid154-*.txt); a change to
-  None asks for nothing, one the table does not know is "unknown";
+  words for it, which differ between drivers ("GPU Reset Required" and "Node Reboot Required" in
+  580 and 595 logs, "PF FLR" and "OS Reboot" in later ones; fixtures/outputs/kernlog-xid154-*.txt);
+  a change to None asks for nothing, one the table does not know is "unknown";
 - the driver's own "fallen off the bus" records arrive as an Xid 79 from the probe
   (exec/agent/probe_health_kernel.py).
 
