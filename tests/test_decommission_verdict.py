@@ -27,6 +27,7 @@ def test_each_thing_left_is_one_problem() -> None:
         s3_configured=False,
         s3_missing=[("/data/c", "sha256 differs")],
         open_uploads=["node/data/big.bin"],
+        in_place_missing=[("/data/data/s.arrow", "cannot be verified: encrypted with aws:kms")],
     )
     assert problems == [
         "step 'inventory': not run",
@@ -38,6 +39,7 @@ def test_each_thing_left_is_one_problem() -> None:
         "categories data marked s3 but no --backup-to",
         "not in S3: /data/c (sha256 differs)",
         "open multipart upload: node/data/big.bin",
+        "not proved where it already is in S3: /data/data/s.arrow (cannot be verified: encrypted with aws:kms)",
     ]
     missing = {k: v for k, v in ALL_PASSED.items() if k != "gpus idle"}
     assert verdict(missing, running=[], local_missing=[]) == ["step 'gpus idle': not run"]

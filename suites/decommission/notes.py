@@ -13,6 +13,7 @@ from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
+from . import in_s3
 from .state import DecommissionState
 
 __all__ = ["STEPS", "NotesSteps", "verdict"]
@@ -29,13 +30,15 @@ def verdict(
     s3_configured: bool = True,
     s3_missing: Sequence[tuple[str, str]] = (),
     open_uploads: Sequence[str] = (),
+    in_place_missing: Sequence[tuple[str, str]] = (),
 ) -> list[str]:
     """Return why the node is not safe to terminate; an empty list is the only "safe".
 
     Pure: the step reads the node, the backup and the bucket, then asks this. Safe means every
     step passed or was fixed (the S3 step may be skipped when no category is marked s3), no
     process the manifest selects still runs, and every in-scope path (`(path, why)` items, as
-    `Backup.verify` and the S3 verify return them) is verified in every destination.
+    `Backup.verify` and the S3 verify return them) is verified in every destination; a file
+    under an in_s3 root counts only once proved against its object there.
     """
     problems: list[str] = []
     for step in STEPS:
@@ -50,6 +53,7 @@ def verdict(
         problems.append(f"categories {', '.join(s3_categories)} marked s3 but no --backup-to")
     problems += [f"not in S3: {p} ({why})" for p, why in s3_missing]
     problems += [f"open multipart upload: {k}" for k in open_uploads]
+    problems += [f"not proved where it already is in S3: {p} ({why})" for p, why in in_place_missing]
     return problems
 
 
@@ -96,12 +100,14 @@ class NotesSteps(DecommissionState):
             "| category | files | links | bytes | allocated on the node | destinations |",
             "|---|---|---|---|---|---|",
         ]
-        totals = listing.totals()
+        totals = (self._node_listing or listing).totals()
         for cat in self.manifest.categories:
             t = totals.get(cat.name, {"files": 0, "links": 0, "bytes": 0, "allocated": 0})
             where = f"{self.dest / cat.name}"
             if cat.s3 and self.s3 is not None:
                 where += f", {self.s3.url}/{cat.name}"
+            for root, url in cat.in_s3:
+                where += f", {printable(root)} already in {printable(url)}"
             lines.append(
                 f"| {cat.name} | {t['files']} | {t['links']} | {t['bytes']} | {t.get('allocated', 0)} | {where} |"
             )
@@ -112,6 +118,7 @@ class NotesSteps(DecommissionState):
             lines += [f"- `{printable(p)}`: {printable(why)}" for p, why in missing[:200]]
             if len(missing) > 200:
                 lines.append(f"- ... and {len(missing) - 200} more (see the safe-to-terminate step)")
+        lines += self.in_place_notes()
         sums = self.dest / "SHA256SUMS"
         digest = hashlib.sha256(sums.read_bytes()).hexdigest() if sums.exists() else "(not written)"
         lines += [
@@ -129,6 +136,36 @@ class NotesSteps(DecommissionState):
                 f"{', '.join(self.s3_cats()) or 'none'}"
             )
         return "\n".join(lines) + "\n"
+
+    def in_place_notes(self) -> list[str]:
+        """NOTES.md lines on the files under in_s3 roots: how each was proved, or why it was not."""
+        r = self._in_place
+        if r is None or not r.proofs:
+            return []
+        out = ["", f"## Verified where it already was in S3 ({len(r.proved)} of {len(r.proofs)})", ""]
+        by_how: dict[str, int] = {}
+        for p in r.proofs:
+            if p.ok:
+                how = p.how.removesuffix(" matches the node's file")
+                by_how[how] = by_how.get(how, 0) + 1
+        out += [f"- {n} files by {how}" for how, n in sorted(by_how.items())]
+        proved_bytes = sum(p.file.size for p in r.proofs if p.ok)
+        out.append(
+            f"- {proved_bytes} bytes proved from the node's own reads of them, none copied off the node"
+        )
+        bad = [p for p in r.proofs if not p.ok]
+        if bad:
+            out += ["", f"### Not proved there ({len(bad)})", ""]
+            out += [
+                f"- `{printable(redact(p.file.display))}` ({printable(redact(p.url))}): {printable(p.how)}"
+                for p in bad[:200]
+            ]
+        shown = [p for p in r.proofs if p.ok][:200]
+        out += ["", "### How each file was proved", ""]
+        out += [f"- `{printable(redact(p.file.display))}`: {printable(p.how)}" for p in shown]
+        if len(r.proved) > len(shown):
+            out.append(f"- ... and {len(r.proved) - len(shown)} more (see the evidence of step 5)")
+        return out
 
     def step_notes_saved(self) -> Step:
         """Step 6: NOTES.md says what the node was, what ran, what was kept and where."""
@@ -169,7 +206,7 @@ class NotesSteps(DecommissionState):
         def check() -> Check:
             table = ProcessTable.read(self.conn, gpu_holders=self.manifest.stop.gpu_holders)
             running = [f"PID {p.pid} {p.cmdline}" for p, _ in table.select(self.manifest.stop)]
-            listing = self.backup.walk()
+            full, listing = self.walk_local()
             s3_missing: list[tuple[str, str]] = []
             open_uploads: list[str] = []
             if self.s3_cats() and self.s3 is not None:
@@ -184,8 +221,9 @@ class NotesSteps(DecommissionState):
                 s3_configured=self.s3 is not None,
                 s3_missing=s3_missing,
                 open_uploads=open_uploads,
+                in_place_missing=[(p.file.display, p.how) for p in in_s3.not_proved(self._in_place)],
             )
-            state = {"problems": problems, "files": len(listing.files)}
+            state = {"problems": problems, "files": len(full.files), "in_place": self.in_place_summary()}
             if problems:
                 head = "\n  ".join(problems[:30])
                 more = f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else ""
@@ -194,7 +232,7 @@ class NotesSteps(DecommissionState):
                 )
             self.event("safe to terminate")
             return Check(
-                True, f"safe to terminate: {len(listing.files)} files verified in every destination", state
+                True, f"safe to terminate: {len(full.files)} files verified in every destination", state
             )
 
         def fix(actions: list[Action], before: Check) -> None:

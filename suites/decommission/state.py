@@ -8,19 +8,22 @@ link, whose loss makes the later steps fail at once, and the verdict naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pytest_gpuhost.exec.s3io import make_client
+from pytest_gpuhost.modules.backup.inplace import InPlace, InPlaceResult, Proof
 from pytest_gpuhost.modules.backup.local import (
     Backup,
     Listing,
     Manifest,
     Progress,
 )
-from pytest_gpuhost.modules.backup.s3 import S3Location, S3Upload
+from pytest_gpuhost.modules.backup.s3 import S3Location, S3Upload, parse_s3_url
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.run.procedure import Procedure
 
@@ -88,6 +91,9 @@ class DecommissionState(Procedure):
         self._listing: Listing | None = None
         self._backup: Backup | None = None
         self._s3: S3Upload | None = None
+        self._in_place: InPlaceResult | None = None
+        self._node_listing: Listing | None = None  # every file, also those proved in place
+        self._in_place_uploads: dict[str, S3Upload] = {}
 
     # ---------------------------------------------------------------- shared state
 
@@ -218,3 +224,82 @@ class DecommissionState(Procedure):
     def s3_cats(self) -> list[str]:
         """The manifest's categories marked s3."""
         return [c.name for c in self.manifest.categories if c.s3]
+
+    # ---------------------------------------------------------------- files already in S3
+
+    def in_place_cats(self) -> list[str]:
+        """The manifest's categories with a root already in S3 (in_s3)."""
+        return [c.name for c in self.manifest.categories if c.in_s3]
+
+    def check_in_place(self, listing: Listing) -> InPlaceResult:
+        """Prove the files under in_s3 roots where they are (reusing this run's earlier proofs).
+
+        An S3 location that cannot be read (credentials, no such bucket) proves nothing: every
+        file under it is an item with the one-line reason, and goes to the local backup.
+        """
+        client = make_client(self.endpoint)
+        checker = InPlace(self.conn.connection(), self.manifest, lambda loc: client)
+        try:
+            res = checker.check(listing, self._in_place)
+        except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code") or type(exc).__name__
+            why = f"S3 not readable: {code}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            res = InPlaceResult(
+                [Proof(f, loc.url, False, why, location=loc.url) for f, loc in checker.files(listing)]
+            )
+        self._in_place = res
+        return res
+
+    def local_view(self, listing: Listing) -> Listing:
+        """The listing without the files proved where they already are (nothing to copy for them)."""
+        proved = self._in_place.proved if self._in_place is not None else set()
+        if not proved:
+            return listing
+        held = self.backup.state.items  # a file sent back from the local copy stays in it
+        keep = [f for f in listing.files if f.key not in proved or "sha256" in held.get(f.key, {})]
+        return dataclasses.replace(listing, files=keep)
+
+    def walk_local(self) -> tuple[Listing, Listing]:
+        """Walk the node; prove the in_s3 files; return (every file, those the local backup holds)."""
+        listing = self.backup.walk()
+        self._node_listing = listing
+        if self.in_place_cats():
+            self.check_in_place(listing)
+        return listing, self.local_view(listing)
+
+    def in_place_summary(self) -> dict[str, Any]:
+        """Counts of the latest in-place check, for the evidence (empty when there is none)."""
+        r = self._in_place
+        if r is None:
+            return {}
+        return {
+            "proved": len(r.proved),
+            "to_send": len(r.to_send),
+            "cannot_verify": [(p.file.display, p.how) for p in r.unverifiable][:200],
+            "hashed_bytes": r.hashed_bytes,
+            "heads": r.heads,
+            "seconds": round(r.duration, 3),
+        }
+
+    def in_place_line(self) -> str:
+        """'; N verified where they already are in S3 (...)' for a step's summary, or ''."""
+        r = self._in_place
+        if r is None or not r.proofs:
+            return ""
+        return (
+            f"; {len(r.proved)} verified where they already are in S3, {len(r.to_send)} to send there,"
+            f" {len(r.unverifiable)} that cannot be verified there"
+        )
+
+    def in_place_upload(self, url: str) -> S3Upload:
+        """The uploader that sends a missing or changed file back to its in_s3 location."""
+        if url not in self._in_place_uploads:
+            self._in_place_uploads[url] = S3Upload(
+                self.dest,
+                parse_s3_url(url),
+                endpoint=self.endpoint,
+                progress=self.progress,
+                progress_interval=2.0,
+                part_size=self.part_size,
+            )
+        return self._in_place_uploads[url]

@@ -9,6 +9,7 @@ from pytest_gpuhost.modules.backup.s3 import item_for, items_from_backup
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
+from . import in_s3
 from .state import DecommissionState, mb
 
 __all__ = ["TransferSteps"]
@@ -24,7 +25,7 @@ class TransferSteps(DecommissionState):
         plan_box: list[BackupPlan] = []
 
         def check() -> Check:
-            listing = self.backup.walk()
+            _, listing = self.walk_local()
             self._listing = listing
             plan = self.backup.plan(listing)
             plan_box[:] = [plan]
@@ -38,10 +39,16 @@ class TransferSteps(DecommissionState):
             }
             if listing.errors:
                 state["walk_errors"] = listing.errors
+            in_place = self.in_place_summary()
+            if in_place:
+                state["in_place"] = in_place
             if not plan.copy and not plan.links and not plan.rehash and not missing and not listing.errors:
                 self.backup.write_checksums(listing)
                 return Check(
-                    True, f"{len(listing.files)} files verified in {self.dest} ({plan.summary()})", state
+                    True,
+                    f"{len(listing.files)} files verified in {self.dest} ({plan.summary()})"
+                    + self.in_place_line(),
+                    state,
                 )
             return Check(
                 False,
@@ -125,7 +132,7 @@ class TransferSteps(DecommissionState):
                 )
 
         def verify() -> Check:
-            listing = self.backup.walk()
+            _, listing = self.walk_local()
             self._listing = listing
             missing = self.backup.verify(listing)
             self.backup.write_checksums(listing)
@@ -135,7 +142,9 @@ class TransferSteps(DecommissionState):
                     False, f"{len(missing)} files not verified in {self.dest}: {head}", {"missing": missing}
                 )
             return Check(
-                True, f"{len(listing.files)} files verified in {self.dest}", {"totals": listing.totals()}
+                True,
+                f"{len(listing.files)} files verified in {self.dest}" + self.in_place_line(),
+                {"totals": listing.totals(), "in_place": self.in_place_summary()},
             )
 
         return self.step("artifacts backed up", check, plan, fix, verify)
@@ -178,15 +187,15 @@ class TransferSteps(DecommissionState):
     # ---------------------------------------------------------------- 5 data in S3
 
     def step_data_in_s3(self) -> Step:
-        """Step 5: the categories marked s3 are in the bucket with the same SHA-256; no upload left open."""
+        """Step 5: the categories marked s3 are in the bucket with the same SHA-256, the in_s3 files
+        are proved where they already are (or sent back there); no upload left open."""
 
         box: dict[str, Any] = {}
 
-        def check() -> Check:
-            if not self.s3_cats():
-                return Check(True, "no category is marked s3", skip="the manifest marks no category for S3")
+        def backup_to() -> tuple[bool, str, dict[str, Any]]:
+            """The categories marked s3, under --backup-to."""
             if self.s3 is None:
-                return Check(
+                return (
                     False,
                     f"categories {', '.join(self.s3_cats())} are marked s3 but there is no "
                     "--backup-to=s3://BUCKET/PREFIX",
@@ -206,50 +215,84 @@ class TransferSteps(DecommissionState):
                 "not_in_local_backup": len(unverified),
             }
             if not plan.upload and not open_uploads and not unverified:
-                return Check(True, f"{len(items)} objects verified in {self.s3.url}", state)
+                return True, f"{len(items)} objects verified in {self.s3.url}", state
             summary = f"{len(plan.upload)} objects ({mb(plan.upload_bytes)}) to upload to {self.s3.url}"
             if unverified:
                 summary += f"; {len(unverified)} files not in the local backup yet"
             if open_uploads:
                 summary += f"; {len(open_uploads)} interrupted multipart uploads to abort"
-            return Check(False, summary, state)
+            return False, summary, state
+
+        def in_place() -> tuple[bool, str, dict[str, Any]]:
+            """The files under in_s3 roots: proved there, or to be sent back there."""
+            self.walk_local()
+            to_send, unverified = in_s3.sends(self._in_place, self.backup)
+            box.update(sends=to_send, send_unverified=unverified)
+            bad = in_s3.not_proved(self._in_place)
+            cannot = [p for p in bad if not p.send]
+            n_send = sum(len(v) for v in to_send.values())
+            state = dict(self.in_place_summary(), not_in_local_backup=len(unverified))
+            if not bad:
+                return (
+                    True,
+                    f"{len(self._in_place.proofs) if self._in_place else 0} files proved in place",
+                    state,
+                )
+            summary = f"{n_send + len(unverified)} files to send back to where they belong in S3"
+            if cannot:
+                head = "; ".join(f"{p.file.display} ({p.how})" for p in cannot[:3])
+                summary += f"; {len(cannot)} cannot be verified there: {head}"
+            return False, summary, state
+
+        def check() -> Check:
+            parts = []
+            if self.s3_cats():
+                parts.append(("backup_to", *backup_to()))
+            if self.in_place_cats():
+                parts.append(("in_place", *in_place()))
+            if not parts:
+                return Check(True, "no category is marked s3", skip="the manifest marks no category for S3")
+            ok = all(p[1] for p in parts)
+            return Check(ok, "; ".join(p[2] for p in parts), {p[0]: p[3] for p in parts})
 
         def plan(before: Check) -> list[Action]:
-            if self.s3 is None:
-                return []
-            p = box["plan"]
-            n_unverified = len(box["unverified"])
-            actions = [
-                Action(
-                    f"upload {len(p.upload) + n_unverified} objects "
-                    f"({mb(p.upload_bytes)} known now) to {self.s3.url}",
-                    f"boto3 put_object / multipart upload (ChecksumSHA256) to {self.endpoint or 'AWS'}",
-                )
-            ]
-            if before.state.get("open_multipart_uploads"):
+            actions = []
+            if self.s3 is not None and "plan" in box:
+                p = box["plan"]
+                n_unverified = len(box["unverified"])
                 actions.append(
                     Action(
-                        "abort interrupted multipart uploads under the prefix", "boto3 abort_multipart_upload"
+                        f"upload {len(p.upload) + n_unverified} objects "
+                        f"({mb(p.upload_bytes)} known now) to {self.s3.url}",
+                        f"boto3 put_object / multipart upload (ChecksumSHA256) to {self.endpoint or 'AWS'}",
+                    )
+                )
+                if before.state.get("backup_to", {}).get("open_multipart_uploads"):
+                    actions.append(
+                        Action(
+                            "abort interrupted multipart uploads under the prefix",
+                            "boto3 abort_multipart_upload",
+                        )
+                    )
+            for url, items in sorted(box.get("sends", {}).items()):
+                actions.append(
+                    Action(
+                        f"send {len(items)} missing or changed files ({mb(sum(i.size for i in items))}) back to {url}",
+                        "boto3 put_object / multipart upload (ChecksumSHA256) from the verified local copy, "
+                        "each to its own key; nothing that cannot be verified is overwritten",
                     )
                 )
             return actions
 
-        def fix(actions: list[Action], before: Check) -> None:
-            if self.s3 is None:
-                raise ProcedureError("no --backup-to=s3://BUCKET/PREFIX given")
-            if box["unverified"]:
-                head = ", ".join(p for p, _ in box["unverified"][:5])
-                raise ProcedureError(
-                    f"{len(box['unverified'])} files are not in the verified local backup: {head}"
-                )
-            self.event(f"S3 upload started: {len(box['plan'].upload)} objects to {self.s3.url}")
-            res = self.s3_upload.run(box["plan"])
-            self.s3_upload.finish()
+        def upload(up: Any, plan: Any, where: str) -> None:
+            self.event(f"S3 upload started: {len(plan.upload)} objects to {where}")
+            res = up.run(plan)
+            up.finish()
             self._measure("uploaded objects", res.uploaded)
             self._measure("uploaded bytes", res.uploaded_bytes, "B")
             self._measure("upload time", round(res.duration, 3), "s")
             self._state(
-                "S3 result",
+                f"S3 result ({where})",
                 {
                     "uploaded": res.uploaded,
                     "aborted_uploads": res.aborted_uploads,
@@ -257,7 +300,9 @@ class TransferSteps(DecommissionState):
                     "open_uploads_after": res.open_uploads_after,
                 },
             )
-            self.event(f"S3: {res.uploaded} objects, {mb(res.uploaded_bytes)} in {res.duration:.1f} s")
+            self.event(
+                f"S3: {res.uploaded} objects, {mb(res.uploaded_bytes)} in {res.duration:.1f} s to {where}"
+            )
             if not res.ok:
                 lines = [f"{p}: {why}" for p, why in res.failed[:20]]
                 raise ProcedureError(
@@ -265,17 +310,40 @@ class TransferSteps(DecommissionState):
                     + "\n".join(lines)
                 )
 
+        def fix(actions: list[Action], before: Check) -> None:
+            unverified = [*box.get("unverified", []), *box.get("send_unverified", [])]
+            if unverified:
+                head = ", ".join(p for p, _ in unverified[:5])
+                raise ProcedureError(f"{len(unverified)} files are not in the verified local backup: {head}")
+            if self.s3_cats():
+                if self.s3 is None:
+                    raise ProcedureError("no --backup-to=s3://BUCKET/PREFIX given")
+                upload(self.s3_upload, box["plan"], self.s3.url)
+            for url, items in sorted(box.get("sends", {}).items()):
+                up = self.in_place_upload(url)
+                upload(up, up.plan(items), url)
+
         def verify() -> Check:
-            assert self.s3 is not None
-            missing = self.s3_upload.verify(box["items"])
-            open_uploads = self.s3_upload.open_uploads()
-            if missing or open_uploads:
-                head = "; ".join(f"{p} ({why})" for p, why in missing[:10])
+            problems: list[str] = []
+            n = 0
+            if self.s3_cats():
+                assert self.s3 is not None
+                missing = self.s3_upload.verify(box["items"])
+                open_uploads = self.s3_upload.open_uploads()
+                problems += [f"{p} ({why})" for p, why in missing]
+                problems += [f"open multipart upload {k}" for k, _ in open_uploads]
+                n += len(box["items"])
+            if self.in_place_cats():
+                self.walk_local()
+                bad = in_s3.not_proved(self._in_place)
+                problems += [f"{p.file.display} ({p.how})" for p in bad]
+                n += len(self._in_place.proofs) if self._in_place else 0
+            if problems:
                 return Check(
                     False,
-                    f"{len(missing)} objects not verified, {len(open_uploads)} uploads open: {head}",
-                    {"missing": missing},
+                    f"{len(problems)} objects not verified: {'; '.join(problems[:10])}",
+                    {"missing": problems},
                 )
-            return Check(True, f"{len(box['items'])} objects verified in {self.s3.url}")
+            return Check(True, f"{n} objects verified in S3" + self.in_place_line())
 
         return self.step("data in s3", check, plan, fix, verify)

@@ -312,7 +312,11 @@ def _digest_one(opener, item):
 
         size, sha = read_file(fd, st, data, hole)
         after = os.fstat(fd)
-        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (
+            st.st_size,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+        ):
             return {"errno": CHANGED, "error": "changed while it was read"}
         out = {"s": size, "m": st.st_mtime_ns, "c": st.st_ctime_ns, "i": st.st_ino, "sha256": sha.hex()}
         out["d"] = {n: d.digest().hex() for n, d in sums}

@@ -23,6 +23,7 @@ is to be sent again.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import re
 import time
@@ -145,6 +146,8 @@ class Proof:
     how: str  # what proved it, or why not
     send: bool = False  # missing or different: to be sent again
     quick: tuple[int, int, int, int] | None = None  # size, mtime, ctime, inode when hashed
+    etag: str = ""  # the object's ETag when it was judged
+    location: str = ""  # the in_s3 URL of the file's root
 
 
 @dataclass
@@ -202,11 +205,16 @@ class InPlace:
                 out.append((f, parse_s3_url(url)))
         return out
 
-    def check(self, listing: Listing) -> InPlaceResult:
+    def check(self, listing: Listing, previous: InPlaceResult | None = None) -> InPlaceResult:
         """Prove every file under an in_s3 root: one listing per prefix, HEADs in parallel, one
-        digest call on the node for all the files that need bytes read."""
+        digest call on the node for all the files that need bytes read.
+
+        A proof of `previous` (this run's earlier check) is kept without reading the file again
+        when the file's size and mtime and the object's ETag and size are what they were.
+        """
         started = time.monotonic()
         result = InPlaceResult()
+        before = {p.file.key: p for p in previous.proofs if p.ok and p.quick} if previous else {}
         pairs = self.files(listing)
         listings: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
         for _, loc in pairs:
@@ -234,30 +242,44 @@ class InPlace:
                         send=True,
                     )
                 )
+            elif (
+                (old := before.get(f.key)) is not None
+                and old.quick is not None
+                and (old.quick[:2] == (f.size, f.mtime_ns) and old.etag == obj["etag"] and old.url == url)
+            ):
+                result.proofs.append(old)
             else:
                 todo.append((f, loc, key, obj))
         with ThreadPoolExecutor(max_workers=self.s3_workers, thread_name_prefix="s3head") as pool:
             facts = list(pool.map(lambda t: self._facts(t[1], t[2], t[3], f_size=t[0].size), todo))
         result.heads = sum(n for _, n in facts)
-        needs: list[tuple[RemoteFile, str, Need]] = []
+        needs: list[tuple[RemoteFile, str, Need, str]] = []
         for (f, loc, key, _), (head, _) in zip(todo, facts, strict=True):
             url = f"s3://{loc.bucket}/{key}"
             how = choose(head) if isinstance(head, ObjectFacts) else head
             if isinstance(how, str):
                 result.proofs.append(Proof(f, url, False, how))
             else:
-                needs.append((f, url, how))
+                needs.append((f, url, how, head.etag if isinstance(head, ObjectFacts) else ""))
         if needs:
             wire = [
-                dict(f.wire(), want=sorted({"sha256", *n.want}), parts=list(n.parts)) for f, _, n in needs
+                dict(f.wire(), want=sorted({"sha256", *n.want}), parts=list(n.parts)) for f, _, n, _ in needs
             ]
             params: dict[str, Any] = {"files": wire}
             if self.workers:
                 params["workers"] = self.workers
             got = self.conn.call("backup_digests", timeout=self.op_timeout, **params)
-            for (f, url, n), d in zip(needs, got, strict=True):
-                result.proofs.append(self._judge(f, url, n, d))
+            for (f, url, n, etag), d in zip(needs, got, strict=True):
+                result.proofs.append(self._judge(f, url, n, d, etag))
                 result.hashed_bytes += int(d.get("s") or 0)
+        where = {f.key: loc.url for f, loc in pairs}
+        result.proofs = sorted(
+            (
+                p if p.location else dataclasses.replace(p, location=where.get(p.file.key, ""))
+                for p in result.proofs
+            ),
+            key=lambda p: p.file.path,
+        )
         result.duration = time.monotonic() - started
         return result
 
@@ -318,7 +340,7 @@ class InPlace:
     # -- the node's bytes against the object
 
     @staticmethod
-    def _judge(f: RemoteFile, url: str, need: Need, d: dict[str, Any]) -> Proof:
+    def _judge(f: RemoteFile, url: str, need: Need, d: dict[str, Any], etag: str) -> Proof:
         if "errno" in d:
             return Proof(f, url, False, f"not read on the node: {reason(int(d.get('errno') or 0))}")
         quick = (int(d["s"]), int(d["m"]), int(d["c"]), int(d["i"]))
@@ -335,4 +357,4 @@ class InPlace:
                 send=True,
                 quick=quick,
             )
-        return Proof(f, url, True, f"{need.how} matches the node's file", quick=quick)
+        return Proof(f, url, True, f"{need.how} matches the node's file", quick=quick, etag=etag)

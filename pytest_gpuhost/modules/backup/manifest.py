@@ -234,7 +234,9 @@ def _check_in_s3(c: _Checker, key: str, spec: dict[str, Any]) -> None:
     norm = {os.path.normpath(r) for r in roots if isinstance(r, str)}
     if isinstance(v, str):
         if len(norm) != 1:
-            c.bad(f"{key}.in_s3", v, "a mapping {root: s3://BUCKET/PREFIX} when the category has several roots")
+            c.bad(
+                f"{key}.in_s3", v, "a mapping {root: s3://BUCKET/PREFIX} when the category has several roots"
+            )
         pairs = [(next(iter(norm), ""), v)]
     elif isinstance(v, dict) and v:
         pairs = list(v.items())

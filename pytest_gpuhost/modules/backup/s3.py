@@ -77,6 +77,7 @@ class S3Item:
     sha256: str  # hex, from the node, verified on arrival
     size: int
     link: bytes | None = None  # symlink target: the object body
+    key: str | None = None  # the object's whole key, where it is not PREFIX/<rel> (an in_s3 root)
 
 
 @dataclass
@@ -143,6 +144,10 @@ class S3Upload:
 
     # -- listing and planning
 
+    def key_of(self, item: S3Item) -> str:
+        """Return the object key of an item."""
+        return item.key if item.key is not None else self.loc.key(key_for(item.rel))
+
     def list_prefix(self) -> dict[str, dict[str, Any]]:
         """Map key -> {etag, size} for every object under the prefix (1000 keys per request)."""
         out: dict[str, dict[str, Any]] = {}
@@ -158,7 +163,7 @@ class S3Upload:
         listing = self.list_prefix() if listing is None else listing
         plan = S3Plan()
         for item in items:
-            key = self.loc.key(key_for(item.rel))
+            key = self.key_of(item)
             obj = listing.get(key)
             rec = self.state.items.get(key)
             if (
@@ -215,7 +220,7 @@ class S3Upload:
         return UploadSession(self, expected, expected_bytes, skip_current)
 
     def _upload_one(self, item: S3Item, tick: Callable[[int], None]) -> dict[str, Any]:
-        key = self.loc.key(key_for(item.rel))
+        key = self.key_of(item)
         meta = {"sha256": item.sha256}
         if item.link is not None:
             meta["symlink"] = "1"
@@ -328,7 +333,7 @@ class S3Upload:
         listing = self.list_prefix()
         missing = []
         for item in items:
-            key = self.loc.key(key_for(item.rel))
+            key = self.key_of(item)
             obj = listing.get(key)
             rec = self.state.items.get(key)
             if obj is None:

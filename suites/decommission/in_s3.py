@@ -1,0 +1,41 @@
+"""Files the node's own pipeline already put in S3 (manifest `in_s3`): what step 5 sends back.
+
+A file under an in_s3 root that is missing there or differs was copied to the local backup by
+step 4 (verified on arrival like every other file); step 5 sends it to its own key under the
+root's location, with its SHA-256 as the S3 checksum, and proves it there again. A file that
+cannot be verified in place is never overwritten: it stays an item of the verdict, named with
+what would verify it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pytest_gpuhost.modules.backup.inplace import InPlaceResult, Proof
+from pytest_gpuhost.modules.backup.local import Backup
+from pytest_gpuhost.modules.backup.s3 import S3Item
+
+__all__ = ["not_proved", "sends"]
+
+
+def sends(
+    result: InPlaceResult | None, backup: Backup
+) -> tuple[dict[str, list[S3Item]], list[tuple[str, str]]]:
+    """Return ({in_s3 URL: items to send there}, (path, why) of those not in the local backup yet)."""
+    out: dict[str, list[S3Item]] = {}
+    unverified: list[tuple[str, str]] = []
+    for p in result.proofs if result is not None else ():
+        if not p.send:
+            continue
+        rec = backup.state.items.get(p.file.key)
+        if rec is None or rec.get("s") is None or "sha256" not in rec:
+            unverified.append((p.file.display, f"{p.how}; not in the local backup yet"))
+            continue
+        key = p.url.removeprefix("s3://").partition("/")[2]
+        out.setdefault(p.location, []).append(S3Item(p.file.key, rec["sha256"], int(rec["s"]), key=key))
+    return out, unverified
+
+
+def not_proved(result: InPlaceResult | None) -> Sequence[Proof]:
+    """The files under in_s3 roots that are not proved where they are."""
+    return [p for p in result.proofs if not p.ok] if result is not None else []

@@ -1,0 +1,109 @@
+"""suites/decommission with the node's data already in S3 (manifest in_s3), on the b200-nvl8 lab host.
+
+The node's pipeline put /data/data in the bucket with `aws s3 sync` before the hand-back, as on
+the seed's node. The suite proves it there from the node's bytes and copies none of it; what is
+missing or changed in the bucket is sent back to its own key; an object nothing can prove (SSE-KMS
+without a checksum) keeps the node from being "safe", named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pytest_gpuhost.exec.s3io import make_client
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = ROOT / "fixtures" / "manifests" / "b200-node-backup.yaml"
+
+
+@pytest.fixture(scope="module")
+def b200(lab):
+    return lab.host("b200-nvl8", data_scale="small")
+
+
+def _pull(h, src: str, into: Path) -> None:
+    """Copy a directory of the lab node here over real SSH (tar), as the pipeline's own copy."""
+    r = subprocess.run([*h.ssh_argv(), f"tar -C {src} -cf - ."], capture_output=True, timeout=120, check=True)
+    with tarfile.open(fileobj=io.BytesIO(r.stdout)) as t:
+        t.extractall(into, filter="data")
+
+
+def _run(argv: list[str], env: dict[str, str]) -> tuple[int, str, dict[str, int]]:
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|fixed|failed|skipped|would fix|error)", tail)}
+    return r.returncode, r.stdout[-20000:] + r.stderr[-3000:], counts
+
+
+def test_data_already_in_s3_is_proved_there_not_copied(b200, s3_endpoint, tmp_path, monkeypatch):
+    h = b200
+    h.reset()
+    env = {**os.environ, **s3_endpoint.env}
+    bucket = s3_endpoint.make_bucket("dflash")
+    pipeline = tmp_path / "pipeline"
+    _pull(h, "/data/data", pipeline)
+    files = sorted(p for p in pipeline.rglob("*") if p.is_file())
+    assert len(files) > 10
+    aws = str(Path(sys.executable).with_name("aws"))
+    subprocess.run(
+        [aws, "--endpoint-url", s3_endpoint.url, "s3", "sync", str(pipeline), f"s3://{bucket}/dflash/"],
+        env=env, check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    client = s3_endpoint.client()
+    gone, changed = (str(p.relative_to(pipeline)) for p in files[:2])
+    client.delete_object(Bucket=bucket, Key=f"dflash/{gone}")
+    size = (pipeline / changed).stat().st_size
+    client.put_object(Bucket=bucket, Key=f"dflash/{changed}", Body=os.urandom(size))  # same size, other bytes
+
+    doc = yaml.safe_load(MANIFEST.read_text())
+    doc["categories"]["data"] = {"roots": ["/data/data"], "in_s3": f"s3://{bucket}/dflash/"}
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    dest = tmp_path / "backup"
+    argv = [
+        sys.executable, "-m", "pytest", str(ROOT / "suites" / "decommission"), *h.pytest_args(),
+        f"--manifest={manifest}", f"--backup-dir={dest}", f"--backup-to=s3://{bucket}/node",
+        f"--s3-endpoint={s3_endpoint.url}", f"--report-dir={tmp_path / 'reports'}", "-p", "no:cacheprovider",
+        "-q", "-o", "decommission_stall_timeout=10", "-o", "decommission_s3_part_mib=5",
+    ]  # fmt: skip
+
+    rc, out, counts = _run(argv, env)
+    assert rc == 0, out
+    # only the missing and the changed file were copied off the node; the rest was proved in place
+    local = sorted(
+        p.relative_to(dest / "data" / "data" / "data") for p in (dest / "data").rglob("*") if p.is_file()
+    )
+    assert [str(p) for p in local] == sorted([gone, changed]), local
+    for rel in (gone, changed):
+        body = client.get_object(Bucket=bucket, Key=f"dflash/{rel}")["Body"].read()
+        assert hashlib.sha256(body).digest() == hashlib.sha256((pipeline / rel).read_bytes()).digest()
+    notes = (dest / "NOTES.md").read_text()
+    assert f"## Verified where it already was in S3 ({len(files)} of {len(files)})" in notes, notes
+    assert "MD5 ETag (single-part upload)" in notes
+    # nothing of data went under --backup-to
+    assert client.list_objects_v2(Bucket=bucket, Prefix="node/data/").get("KeyCount", 0) == 0
+
+    rc, out, counts = _run(argv, env)
+    assert rc == 0 and counts.get("passed") == 7, out
+
+    # an object that nothing can prove: same bytes, but SSE-KMS (ETag not an MD5) and no checksum
+    kms = str(files[3].relative_to(pipeline))
+    for k, v in s3_endpoint.env.items():
+        monkeypatch.setenv(k, v)
+    raw = make_client(s3_endpoint.url)  # sends no checksum unless asked
+    raw.put_object(
+        Bucket=bucket, Key=f"dflash/{kms}", Body=(pipeline / kms).read_bytes(), ServerSideEncryption="aws:kms"
+    )
+    rc, out, counts = _run(argv, env)
+    assert rc != 0, out
+    assert "NOT safe to terminate" in out and kms in out and "aws:kms" in out, out
