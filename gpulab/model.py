@@ -6,7 +6,8 @@ nvidia minor numbers and legacy persistence mode, and it applies the errno rules
 ``drivers/base/bus.c`` and ``drivers/iommu/iommu.c`` for the profile's kernel era (see
 ``docs/FACTS.md`` and ``docs/LAB-SOURCES.md``). An nvidia unbind waits, like the driver's
 nv_pci_remove(), until the GPU's usage count is zero: no process holds its ``/dev/nvidiaN`` and
-no kernel module (nvidia-uvm, nvidia-modeset, nvidia-drm) holds it. Legacy persistence mode does
+no kernel module (nvidia-uvm, nvidia-modeset, nvidia-drm) holds it; nvidia-drm with modeset=Y
+holds every GPU it found at load on drivers before 580.105.08 (``Profile.nvkms_holds_gpus``). Legacy persistence mode does
 not hold it: nv_pci_remove() tears it down (rm_disable_gpu_state_persistence()). Every write is
 appended to ``STATE/record.jsonl``; kernel messages go to ``STATE/kmsg`` (the lab's dmesg).
 """
@@ -103,6 +104,14 @@ class HostModel(ConfigSpaceMixin, NvidiaDriverMixin):
             self.minor: dict[str, int] = dict(self.boot.minor)
             self.persistence: dict[str, int] = {b: 0 for b in self.gpu_bdfs}
             self.kholders: dict[str, list[str]] = {b: [] for b in self.gpu_bdfs}
+            # nvidia-drm (modeset=Y) registered a DRM device for each GPU on nvidia when it loaded:
+            # its nvkms_open_gpu() holds the usage count; a GPU bound later gets none (before
+            # 580.105.08 there is no nvidia_modeset_probe() on bind). Profile.nvkms_holds_gpus.
+            self.nvkms: set[str] = (
+                {b for b in self.gpu_bdfs if self.driver.get(b) == "nvidia"}
+                if self.profile.nvkms_holds_gpus
+                else set()
+            )
             for kh in self.profile.kernel_holders:
                 if self.driver.get(kh.bdf) == "nvidia":
                     self.kholders[kh.bdf].append(kh.module)
@@ -125,6 +134,7 @@ class HostModel(ConfigSpaceMixin, NvidiaDriverMixin):
                 "minors": dict(self.minor),
                 "persistence": dict(self.persistence),
                 "kernel_holders": {b: list(v) for b, v in self.kholders.items() if v},
+                "nvkms_open": sorted(self.nvkms),
                 "gsp_ready": dict(self.gsp_ready),
                 "dma_broken_groups": sorted(self.dma_broken),
             }
@@ -251,7 +261,7 @@ class HostModel(ConfigSpaceMixin, NvidiaDriverMixin):
                     # Scan /proc outside the lock: it takes milliseconds and reads must not wait.
                     held = bool(self.holders(bdf))
                     with self.lock:
-                        if not held and not self.kholders.get(bdf):
+                        if not held and not self.kholders.get(bdf) and bdf not in self.nvkms:
                             self._detach(bdf)
                             break
                     if not told:
@@ -345,7 +355,7 @@ class HostModel(ConfigSpaceMixin, NvidiaDriverMixin):
                 if self.owner_cnt(group):
                     raise SysfsError(errno.EPERM)
                 if new == "identity" and self.profile.snp_enabled:
-                    self._snp_identity(group)
+                    new = self._snp_identity(group)
                 self.gtype[group] = new
                 return
             # 5.11 .. 6.3
@@ -353,6 +363,8 @@ class HostModel(ConfigSpaceMixin, NvidiaDriverMixin):
                 raise SysfsError(errno.EINVAL, "Group has more than one device")
             if bound and not (value == "DMA-FQ" and cur == "DMA"):
                 raise SysfsError(errno.EBUSY, "Device is still bound to driver")
+            if new == "identity" and self.profile.snp_enabled:
+                new = self._snp_identity(group)
             self.gtype[group] = new
 
     def owner_cnt(self, group: int) -> int:
@@ -369,14 +381,26 @@ class HostModel(ConfigSpaceMixin, NvidiaDriverMixin):
                     n += 1
             return n
 
-    def _snp_identity(self, group: int) -> None:
-        """Apply the SNP rule for an identity request on ``group`` (called with the lock held)."""
+    def _snp_identity(self, group: int) -> str:
+        """Apply the SNP rule for an identity request on ``group``; return the type the group gets.
+
+        Called with the lock held; raises the errno of a refusal.
+        """
         how = self.profile.snp_identity
         if how == "accept":
             # 6.13 .. 7.0: the static identity domain attaches; DTE[Mode]=0 is then refused by
             # the SNP IOMMU on the first DMA (commit ba17de98545d's log).
             self.dma_broken.add(group)
-            return
+            return "identity"
+        if how == "fallback":
+            # 5.11 .. 6.4: iommu_group_alloc_default_domain() allocates IOMMU_DOMAIN_DMA when the
+            # driver returns no domain of the requested type, warns, and the write succeeds. The
+            # type is IOMMU_DOMAIN_IDENTITY (__IOMMU_DOMAIN_PT, 4); a PCI group has no name.
+            self.kmsg(
+                "iommu: Failed to allocate default IOMMU domain of type 4 for group (null) - "
+                "Falling back to IOMMU_DOMAIN_DMA"
+            )
+            return "DMA"
         raise SysfsError({"ENOMEM": errno.ENOMEM, "EINVAL": errno.EINVAL}.get(how, errno.ENODEV))
 
     def set_persistence(self, bdf: str, value: str) -> None:

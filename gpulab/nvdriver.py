@@ -110,7 +110,9 @@ class NvidiaDriverMixin:
         """Return the use count of each NVIDIA module (``/sys/module/M/refcnt``, /proc/modules).
 
         nvidia_uvm: kernel-side retains plus two per open file of ``/dev/nvidia-uvm``; nvidia_drm:
-        GPUs it holds (fbdev/KMS clients); nvidia_modeset: nvidia_drm plus its own holds;
+        the holds named ``nvidia_drm`` (profile, ``ctl/kernel_holders``); its KMS hold through
+        nvkms_open_gpu() (``HostModel.nvkms``) takes no module reference and counts nowhere;
+        nvidia_modeset: nvidia_drm plus its own holds;
         nvidia: its two dependent modules plus two per open file of any ``/dev/nvidiaN``.
         """
         with self.lock:

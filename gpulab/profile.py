@@ -68,6 +68,7 @@ MANAGERS = ("systemd", "none")
 CONTAINER_KINDS = ("pct", "lxc")
 GENERATORS = ("b200-data",)
 IOMMU_VENDORS = ("intel", "amd")
+SNP_IDENTITY = ("ENODEV", "ENOMEM", "EINVAL", "accept", "fallback")  # Profile.snp_identity
 # Modules that take a GPU's usage count without any open file (open-gpu-kernel-modules
 # kernel-open/nvidia/nv.c nv_open_device() callers other than the char device: nvidia-uvm retains
 # GPUs it registered, nvidia-modeset/nvidia-drm keep a GPU open for KMS and fbdev; issues #1119, #1374).
@@ -170,7 +171,27 @@ def _iommu(v: _V, data: Mapping[str, Any]) -> IommuInfo:
     snp = v.get(d, "snp", "iommu.", bool, False)
     if snp and vendor != "amd":
         raise v.fail("iommu.snp", "SEV-SNP needs the AMD IOMMU (vendor: amd)")
-    return IommuInfo(vendor, snp)
+    backport = v.get(d, "snp_backport", "iommu.", bool, False)
+    if backport and not snp:
+        raise v.fail("iommu.snp_backport", "a backport of SNP host support needs snp: true")
+    return IommuInfo(vendor, snp, backport)
+
+
+# What only a kernel with SNP host support prints (drivers/iommu/amd/init.c iommu_snp_enable(),
+# arch/x86/virt/svm/sev.c snp_rmptable_init(), drivers/crypto/ccp/sev-dev.c, arch/x86/kvm/svm/sev.c).
+SNP_LOG_WORD = "SNP"
+
+
+def _without_snp_lines(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The profile data with every SNP line of its boot log dropped (a kernel without SNP host support
+    prints none: mainline before 6.9 never sets amd_iommu_snp_en)."""
+    out = dict(data)
+    out["kernel_log"] = [
+        line
+        for line in data.get("kernel_log") or []
+        if not (isinstance(line, dict) and SNP_LOG_WORD in str(line.get("msg", "")))
+    ]
+    return out
 
 
 class _V:
@@ -239,6 +260,11 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
         raise v.fail("default_domain", f"{default_domain!r} is not one of {', '.join(DOMAIN_TYPES)}")
     driver_version = str(v.get(data, "driver_version", "", (str, float, int), "570.133.07"))
     cuda_version = str(v.get(data, "cuda_version", "", (str, float, int), "12.8"))
+    iommu = _iommu(v, data)
+    m = KERNEL_RE.match(kernel)
+    assert m is not None
+    if iommu.snp and (int(m.group(1)), int(m.group(2))) < (6, 9) and not iommu.snp_backport:
+        data = _without_snp_lines(data)  # Profile.snp_kernel: no SNP host support, no SNP line
 
     pci: list[PciFunction] = []
     seen: set[str] = set()
@@ -419,7 +445,6 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
             raise v.fail(f"files[{i}].generator", f"{gen!r} is not one of {', '.join(GENERATORS)}")
         files.append(FileTree(v.get(t, "root", f"files[{i}].", str), gen))
 
-    iommu = _iommu(v, data)
     holders: list[KernelHolder] = []
     for i, kh in enumerate(_seq(v, data, "kernel_holders")):
         w = f"kernel_holders[{i}]."
@@ -436,8 +461,8 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
             raise v.fail(f"module_params.{mod}", f"expected a mapping, got {kv!r}")
         params[str(mod)] = {str(k): _param(val) for k, val in kv.items()}
     snp_identity = v.get(data, "snp_identity", "", str, "")
-    if snp_identity and snp_identity not in ("ENODEV", "ENOMEM", "EINVAL", "accept"):
-        raise v.fail("snp_identity", f"{snp_identity!r} is not one of ENODEV, ENOMEM, EINVAL, accept")
+    if snp_identity and snp_identity not in SNP_IDENTITY:
+        raise v.fail("snp_identity", f"{snp_identity!r} is not one of {', '.join(SNP_IDENTITY)}")
     gsp = v.get(data, "gsp_boot_s", "", float, 0.0)
     if gsp < 0:
         raise v.fail("gsp_boot_s", f"{gsp!r} is negative")

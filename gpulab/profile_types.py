@@ -65,10 +65,15 @@ class PciFunction:
 
 @dataclass(frozen=True)
 class IommuInfo:
-    """The host's IOMMU: ``intel`` (VT-d) or ``amd`` (AMD-Vi), and whether the AMD IOMMU runs SEV-SNP."""
+    """The host's IOMMU: ``intel`` (VT-d) or ``amd`` (AMD-Vi), and whether the AMD IOMMU runs SEV-SNP.
+
+    ``snp_backport``: the kernel is a distribution kernel older than 6.9 that carries the SNP host
+    support mainline got in 6.9 (a backport); without it such a kernel never enables SNP on the IOMMU.
+    """
 
     vendor: str = "intel"
     snp: bool = False
+    snp_backport: bool = False
 
 
 @dataclass(frozen=True)
@@ -219,27 +224,54 @@ class Profile:
         return "none"
 
     @property
+    def snp_kernel(self) -> bool:
+        """Say whether this kernel can enable SEV-SNP on the AMD IOMMU at all.
+
+        Mainline from 6.9: the SNP host setup of the x86/sev branch pulled as x86_sev_for_v6.9_rc1
+        (commits 216d106c7ff7 "x86/sev: Add SEV-SNP host initialization support" and 04d65a9dbb33
+        "iommu/amd: Don't rely on external callers to enable IOMMU SNP support", tip, January 2024:
+        "Currently, the expectation is that the kernel will call amd_iommu_snp_enable() ... to set
+        the amd_iommu_snp_en flag"; from then the IOMMU's own init does it). Before 6.9
+        amd_iommu_snp_enable() had no caller in mainline (the SNP host patches were out of tree), so ``amd_iommu_snp_en`` stays false and "IOMMU SNP support enabled" is never
+        printed. A distribution kernel may carry the backport: ``iommu.snp_backport``.
+        """
+        return self.kernel_version >= (6, 9) or self.iommu.snp_backport
+
+    @property
     def snp_enabled(self) -> bool:
         """Say whether the AMD IOMMU runs with SEV-SNP (``amd_iommu_snp_en``).
 
-        ``iommu=pt`` turns it off: drivers/iommu/amd/init.c iommu_snp_enable() refuses SNP when
+        Needs a kernel with SNP host support (``snp_kernel``). ``iommu=pt`` turns it off:
+        drivers/iommu/amd/init.c iommu_snp_enable() refuses SNP when
         ``iommu_default_passthrough()`` ("SNP: IOMMU disabled or configured in passthrough mode,
         SNP cannot be supported.").
         """
-        return self.iommu.vendor == "amd" and self.iommu.snp and self.default_domain != "identity"
+        return (
+            self.iommu.vendor == "amd"
+            and self.iommu.snp
+            and self.snp_kernel
+            and self.default_domain != "identity"
+        )
 
     @property
     def snp_identity(self) -> str:
         """Return what writing ``identity`` to a group's ``type`` does on this SNP kernel.
 
-        ``"ENODEV"``: the AMD driver refuses to allocate an identity domain under SNP (commit
-        8388f7df936b, drivers/iommu/amd/iommu.c amd_iommu_domain_alloc() returns NULL) and 6.6-6.8's
-        iommu_setup_default_domain() turns the NULL domain into -ENODEV. ``"ENOMEM"``: once the
-        core passes allocation errors through as ERR_PTR, the same refusal reads "Cannot allocate
-        memory" (quoted in commit ba17de98545d); the lab starts that at 6.11, a boundary NOT
-        verified against the tree. ``"accept"``: 6.13 (commit 4402f2627d30 "iommu/amd: Implement
-        global identity domain") hands out a static identity domain that skips the SNP check; the
-        write succeeds and DMA then fails with ILLEGAL_DEV_TABLE_ENTRY. ``"EINVAL"``: commit
+        The AMD driver refuses to allocate an identity domain under SNP (commit 8388f7df936b,
+        drivers/iommu/amd/iommu.c amd_iommu_domain_alloc() returns NULL); what the core makes of
+        that NULL depends on the series. ``"fallback"``: 5.11 to 6.4, iommu_group_store_type() ->
+        iommu_change_dev_def_domain() -> iommu_group_alloc_default_domain(), which on a NULL
+        domain of another type than DMA allocates ``IOMMU_DOMAIN_DMA`` instead and only warns
+        ("Failed to allocate default IOMMU domain of type %u for group %s - Falling back to
+        IOMMU_DOMAIN_DMA"): the write returns success and the type reads back ``DMA``; only a
+        backport-carrying distribution kernel has SNP on in this range (``snp_kernel``).
+        ``"ENODEV"``: 6.5-6.10, iommu_setup_default_domain() turns the NULL domain into -ENODEV
+        (6.6/6.7 read; mainline has SNP on only from 6.9). ``"ENOMEM"``: once the core passes
+        allocation errors through as ERR_PTR, the same refusal reads "Cannot allocate memory"
+        (quoted in commit ba17de98545d); the lab starts that at 6.11, a boundary NOT verified
+        against the tree. ``"accept"``: 6.13 (commit 4402f2627d30 "iommu/amd: Implement global
+        identity domain") hands out a static identity domain that skips the SNP check; the write
+        succeeds and DMA then fails with ILLEGAL_DEV_TABLE_ENTRY. ``"EINVAL"``: commit
         ba17de98545d "iommu/amd: Block identity domain when SNP enabled" (7.0, stable 6.19.y)
         refuses the attach. ``profile.raw["snp_identity"]`` overrides (a distribution kernel
         may carry the fix, or not). Empty when SNP is off.
@@ -256,7 +288,26 @@ class Profile:
             return "accept"
         if v >= (6, 11):
             return "ENOMEM"
-        return "ENODEV"
+        if v >= (6, 5):
+            return "ENODEV"
+        return "fallback"
+
+    @property
+    def nvkms_holds_gpus(self) -> bool:
+        """Say whether nvidia-drm's KMS holds every GPU bound to nvidia at boot so that its unbind waits.
+
+        modeset=Y: nv_drm_dev_load() (kernel-open/nvidia-drm/nvidia-drm-drv.c) allocates an NVKMS
+        device per GPU, whose nvkms_open_gpu() (src/nvidia-modeset/kapi/src/nvkms-kapi.c) raises the
+        GPU's usage count through nvidia_dev_get() -> nv_open_device() and takes no reference on
+        the nvidia_drm module. Before 580.105.08 (580.94.06 on the 580.94 branch) nv_pci_remove()
+        (kernel-open/nvidia/nv-pci.c) has no nvidia_modeset_remove() call and waits for that count
+        forever; from then on the unbind tears the DRM device down first. Read in the stored tags of
+        NVIDIA/open-gpu-kernel-modules (580.95.05 without, 580.105.08 with).
+        """
+        if self.module_params.get("nvidia_drm", {}).get("modeset") != "Y":
+            return False
+        v = tuple(int(x) for x in re.findall(r"\d+", self.driver_version)[:3])
+        return v < ((580, 94, 6) if v[:2] == (580, 94) else (580, 105, 8))
 
     def function(self, bdf: str) -> PciFunction:
         """Return the PCI function at ``bdf`` (KeyError when the profile has none)."""

@@ -158,11 +158,15 @@ class SysfsTree:
         if not rest:
             kids = ["parameters"] if params else []
             if name in NVIDIA_MODULES:
-                kids += ["refcnt", "initstate", "holders"]
+                kids += ["refcnt", "initstate", "holders", "version"]
             return _dir(lambda: kids)
         if len(rest) == 1 and name in NVIDIA_MODULES:
             if rest[0] == "refcnt":
                 return _ro(lambda: f"{m.module_refcnt()[name]}\n")
+            if rest[0] == "version":
+                # MODULE_VERSION(NV_VERSION_STRING) in nv.c, uvm.c, nvidia-modeset-linux.c and
+                # nvidia-drm-linux.c: kernel/module/sysfs.c shows it as /sys/module/M/version
+                return _ro(lambda: f"{m.profile.driver_version}\n")
             if rest[0] == "initstate":
                 return _ro(lambda: "live\n")
             if rest[0] == "holders":

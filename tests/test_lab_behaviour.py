@@ -199,7 +199,10 @@ def test_amd_snp_host_shows_snp_and_6_14_accepts_identity_then_dma_fails(lab):
     """The seed's machine (AMD EPYC, SEV-SNP, kernel 6.14): the facts a suite gathers show SNP, and
     a group type write to identity is accepted (commit 4402f2627d30) while the GPU's first DMA
     then faults (ILLEGAL_DEV_TABLE_ENTRY, commit ba17de98545d's log). docs/LAB-SOURCES.md."""
-    host = lab.host("proxmox-epyc-snp", pristine=True)
+    # a driver whose unbind tears nvidia-modeset down first: on the seed's 570 with modeset=Y
+    # nvkms_open_gpu() holds every GPU (tests/test_lab_nvkms.py)
+    prof = load_profile("proxmox-epyc-snp", {"driver_version": "580.105.08"})
+    host = lab.host(prof, name=f"e614-{os.getpid()}", pristine=True)
     log = host.ssh("dmesg").stdout
     assert "AMD-Vi: IOMMU SNP support enabled." in log and "kvm_amd: SEV-SNP enabled" in log
     assert "DMAR" not in log
@@ -216,12 +219,16 @@ def test_amd_snp_host_shows_snp_and_6_14_accepts_identity_then_dma_fails(lab):
     assert "ILLEGAL_DEV_TABLE_ENTRY device=17:00.0" in host.ssh("dmesg").stdout
 
 
-def test_amd_snp_host_on_6_8_refuses_identity_with_enodev(lab):
-    """Kernel 6.8 (Proxmox VE 8): amd_iommu_domain_alloc() returns NULL for an identity domain
-    under SNP and iommu_setup_default_domain() answers -ENODEV; the group keeps its type."""
-    prof = load_profile("proxmox-epyc-snp", {"kernel": "6.8.12-4-pve"})
+def test_amd_snp_host_on_a_6_8_backport_refuses_identity_with_enodev(lab):
+    """A 6.8 distribution kernel carrying the 6.9 SNP host support (mainline 6.8 has no SNP on its
+    IOMMU): amd_iommu_domain_alloc() returns NULL for an identity domain under SNP and
+    iommu_setup_default_domain() answers -ENODEV; the group keeps its type."""
+    from gpulab.snp_variants import SNP_LINE, epyc_snp_backport
+
+    prof = epyc_snp_backport("6.8.12-4-pve", driver_version="580.105.08")
     host = lab.host(prof, name=f"e68-{os.getpid()}", pristine=True)
     assert host.ssh("uname -r").stdout.strip() == "6.8.12-4-pve"
+    assert SNP_LINE in host.ssh("dmesg").stdout
     stop_gpu_holders(host)
     unbind(host, GPU0, "nvidia")
     unbind(host, AUDIO0, "snd_hda_intel")

@@ -120,13 +120,43 @@ def test_refused_write_errno_is_explained(code: int) -> None:
     assert "refused an identity domain" in str(exc.value) and "SEV-SNP" in str(exc.value)
 
 
-def _files(drm: str | None = None, uvm: str | None = None, modeset: str = "Y") -> dict[str, str | None]:
-    return {gpu.MODESET: modeset, gpu.FBDEV: "Y", gpu.DRM_REFCNT: drm, gpu.UVM_REFCNT: uvm}
+def _files(
+    drm: str | None = None,
+    uvm: str | None = None,
+    modeset: str = "Y",
+    version: str | None = "580.105.08",
+    fbdev: str = "Y",
+) -> dict[str, str | None]:
+    return {
+        gpu.MODESET: modeset,
+        gpu.FBDEV: fbdev,
+        gpu.DRM_REFCNT: drm,
+        gpu.UVM_REFCNT: uvm,
+        gpu.NV_VERSION: None if version is None else version + "\n",
+    }
 
 
 def test_modeset_fbdev_holds_the_gpu_without_an_open_file() -> None:
-    found = gpu.kernel_holders(_files(drm="1", uvm="0"), set())
+    found = gpu.kernel_holders(_files(drm="1", uvm="0", version="570.133.07"), set())
     assert len(found) == 1 and "nvidia_drm" in found[0] and "refcnt 1" in found[0] and "modeset=Y" in found[0]
+
+
+def test_modeset_holds_the_gpu_with_refcnt_zero_before_580_105_08() -> None:
+    """nvkms_open_gpu() raises the GPU's usage count, not nvidia_drm's refcnt: refcnt 0 still blocks an
+    unbind on a driver whose nv_pci_remove() has no nvidia_modeset_remove() (before 580.105.08)."""
+    for version, fbdev in (("570.133.07", "Y"), ("580.95.05", "N"), ("580.94.03", "Y")):
+        found = gpu.kernel_holders(_files(drm="0", uvm="0", version=version, fbdev=fbdev), {})
+        assert len(found) == 1, (version, found)
+        assert "nvkms_open_gpu()" in found[0] and f"driver {version} predates 580.105.08" in found[0]
+        assert "refcnt 0" in found[0] and f"fbdev={fbdev}" in found[0]
+    # from 580.105.08 (580.94.06 on its branch) the unbind tears nvidia-modeset down first
+    for version in ("580.105.08", "580.94.06", "590.48.01", "595.45.04"):
+        assert gpu.kernel_holders(_files(drm="1", uvm="0", version=version), {}) == [], version
+    # the version unread: an unbind that may never return is not risked
+    found = gpu.kernel_holders(_files(drm="0", uvm="0", version=None), {})
+    assert found and "driver version unknown" in found[0]
+    # modeset=N: nvidia-drm registers no KMS device, whatever its refcnt
+    assert gpu.kernel_holders(_files(drm="1", uvm="0", modeset="N", version="570.133.07"), set()) == []
 
 
 def test_uvm_held_by_the_kernel_versus_by_a_process() -> None:

@@ -17,6 +17,12 @@ from tests.test_p2p_suite import NVIDIA, host_state, run_suite, sh
 
 AMD = "proxmox-epyc-snp"
 GROUPS = [30, 31, 32, 33]
+# the seed's module parameters without nvidia-drm's KMS (which holds the GPUs on driver 570)
+NO_MODESET = {
+    "nvidia_drm": {"modeset": False, "fbdev": False},
+    "nvidia": {"NVreg_EnableGpuFirmware": 1},
+    "kvm_amd": {"sev": True, "sev_es": True, "sev_snp": True},
+}
 
 
 def _touched(run: Any) -> list[dict[str, Any]]:
@@ -50,29 +56,26 @@ def test_snp_host_is_refused_before_anything_changes(snp: Any, tmp_path: Path, c
     assert [st["groups"][g] for g in GROUPS] == ["DMA-FQ"] * 4, st["groups"]
 
 
-def test_snp_on_6_8_names_enodev(lab: Any, tmp_path: Path) -> None:
-    """Kernel 6.8 (Proxmox VE 8): no kvm_amd sev_snp parameter yet; the AMD-Vi boot line decides; ENODEV named."""
-    from gpulab.profile import load_profile
+def test_snp_on_a_6_8_backport_kernel_is_decided_from_its_log(lab: Any, tmp_path: Path) -> None:
+    """A 6.8 distribution kernel carrying the 6.9 SNP host support (mainline 6.8 has none): no kvm_amd
+    sev_snp parameter yet; the AMD-Vi boot line decides, not the release; ENODEV and the backport named."""
+    from gpulab.snp_variants import epyc_snp_backport
 
-    host = lab.host(load_profile(AMD, {"kernel": "6.8.12-4-pve"}), name=f"snp68-{os.getpid()}")
+    host = lab.host(epyc_snp_backport("6.8.12-4-pve"), name=f"snp68-{os.getpid()}")
     run = run_suite(host, tmp_path)
     assert run.rc != 0 and run.outcomes["test_plan"] == "failed", run.outcomes
     assert "SEV-SNP is enabled" in run.output and "ENODEV" in run.output
+    assert "distribution backport" in run.output
     assert _touched(run) == [], run.record
     host.down()
 
 
 def test_refused_type_write_rolls_back_and_restores_the_service(lab: Any, tmp_path: Path) -> None:
-    """The SNP facts are gone (kernel log rotated, 6.8 has no kvm_amd sev_snp): the suite writes, the
+    """The SNP facts are gone (kernel log rotated, a 6.8 backport has no kvm_amd sev_snp): the suite writes, the
     kernel refuses (ENODEV); the run rebinds, restarts nvidia-persistenced and the service, and says so."""
-    import yaml
+    from gpulab.snp_variants import epyc_snp_backport
 
-    from gpulab.profile import PROFILE_DIR, load_profile
-
-    data = yaml.safe_load((PROFILE_DIR / f"{AMD}.yaml").read_text())
-    log = [x for x in data["kernel_log"] if "SNP" not in x["msg"]]
-    params = dict(data["module_params"], nvidia_drm={"modeset": False, "fbdev": False})
-    prof = load_profile(AMD, {"kernel": "6.8.12-4-pve", "kernel_log": log, "module_params": params})
+    prof = epyc_snp_backport("6.8.12-4-pve", snp_log=False, module_params=NO_MODESET)
     host = lab.host(prof, name=f"snpfault-{os.getpid()}")
     run = run_suite(host, tmp_path)
     assert run.rc != 0
@@ -92,6 +95,29 @@ def test_refused_type_write_rolls_back_and_restores_the_service(lab: Any, tmp_pa
         for r in run.record
         if r.get("kind") == "sysfs" and r.get("err") == 0 and r["path"].endswith("/type")
     ]
+    host.down()
+
+
+def test_silent_fallback_to_dma_is_reported_and_rolled_back(lab: Any, tmp_path: Path) -> None:
+    """6.4 with the SNP host backport, SNP lines gone from its log: the identity write returns success
+    and the group reads DMA (iommu_group_alloc_default_domain()'s fallback). The suite says the group
+    is not identity and what it read, puts the type back, rebinds every function and the service."""
+    from gpulab.snp_variants import epyc_snp_backport
+
+    prof = epyc_snp_backport("6.4.0", snp_log=False, module_params=NO_MODESET)
+    host = lab.host(prof, name=f"snpfb-{os.getpid()}")
+    run = run_suite(host, tmp_path)
+    assert run.rc != 0
+    assert run.outcomes["test_plan"] == "fixed", run.outcomes
+    assert run.outcomes["test_iommu_groups_identity"] == "failed", run.outcomes
+    out = run.output + str(run.doc)
+    assert "returned success but the group reads 'DMA', not 'identity'" in out, out[-3000:]
+    assert "fell back to a DMA domain" in out and "the group is not identity" in out
+    st = host_state(host)
+    assert all(st["drivers"][b] == "nvidia" for b in NVIDIA), st["drivers"]
+    assert all(st["drivers"][b[:-1] + "1"] == "snd_hda_intel" for b in NVIDIA), st["drivers"]
+    assert st["service"] == "active"
+    assert [st["groups"][g] for g in GROUPS] == ["DMA-FQ"] * 4, st["groups"]
     host.down()
 
 

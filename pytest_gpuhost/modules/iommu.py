@@ -7,7 +7,8 @@ gives EPERM while `group->owner_cnt` is non-zero: a member is bound to a driver 
 kernel DMA API, or a user (a VM through vfio) claimed the group; drivers with
 `driver_managed_dma` (vfio-pci, pci-stub, pcieport) do not count, so they stay bound, and
 multi-device groups may change. From 5.11 to 6.3 a bound device gives EBUSY and a group of more
-than one device gives EINVAL whatever is bound.
+than one device gives EINVAL whatever is bound. Every write is judged by its read-back: until 6.4
+a refused identity domain falls back to DMA and the write still succeeds (`set_type`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "IommuGroup",
     "SNP_PARAM",
     "SnpFacts",
+    "TypeReadBack",
     "blocks_type_change",
     "kernel_version",
     "snp_facts",
@@ -61,6 +63,14 @@ class IommuError(GpuhostError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[1]) if len(self.args) > 1 else super().__str__()
+
+
+class TypeReadBack(IommuError):
+    """The type write returned success but the group reads another type (`now`): the group changed."""
+
+    def __init__(self, message: str, now: str) -> None:
+        super().__init__(errno.EIO, message)
+        self.now = now
 
 
 def kernel_version(release: str) -> tuple[int, int]:
@@ -169,7 +179,11 @@ def _explain(group: IommuGroup, value: str, code: int, kernel: str) -> str:
 def set_type(conn: _Conn, group: IommuGroup, value: str, *, kernel: str, timeout: float = 10.0) -> str:
     """Write `value` to the group's type and read it back; return what the kernel reports.
 
-    Raises IommuError with the kernel era's meaning of the errno, or when the read-back differs.
+    Raises IommuError with the kernel era's meaning of the errno, and TypeReadBack when the write
+    returned success but the group reads another type: 5.11 to 6.4 answer a refused identity domain
+    with a DMA one and no error (drivers/iommu/iommu.c iommu_change_dev_def_domain() ->
+    iommu_group_alloc_default_domain(): "Falling back to IOMMU_DOMAIN_DMA"), so only the read-back
+    tells. The group then has changed (DMA-FQ -> DMA): the caller puts its type back.
     """
     path = type_path(group.number)
     shown = type_command(group.number, value)  # validates value
@@ -193,10 +207,28 @@ def set_type(conn: _Conn, group: IommuGroup, value: str, *, kernel: str, timeout
         )
     now = str(entry["data"]).strip()
     if now != value and not (value == "auto" and now):
-        raise IommuError(
-            errno.EIO, f"{conn.name}: group {group.number}: wrote {value!r} but it reads {now!r}"
+        raise TypeReadBack(
+            f"{conn.name}: group {group.number}: {shown} returned success but the group reads {now!r}, "
+            f"not {value!r}: {_read_back_why(value, now, kernel)}",
+            now,
         )
     return now
+
+
+def _read_back_why(value: str, now: str, kernel: str) -> str:
+    """Why a type write that succeeded reads back another type, for the message."""
+    try:
+        era = kernel_version(kernel)
+    except ValueError:
+        era = (0, 0)
+    if value == "identity" and now == "DMA" and (5, 11) <= era < (6, 5):
+        return (
+            f"kernel {kernel} (5.11-6.4) fell back to a DMA domain without an error: the IOMMU driver "
+            "refused an identity domain and iommu_group_alloc_default_domain() allocated IOMMU_DOMAIN_DMA "
+            "instead (dmesg: 'Failed to allocate default IOMMU domain of type 4 ... Falling back to "
+            "IOMMU_DOMAIN_DMA'; an AMD IOMMU with SEV-SNP refuses identity this way); the group is not identity"
+        )
+    return f"the kernel did not apply it (kernel {kernel}); the group is not {value}"
 
 
 @dataclass
@@ -262,7 +294,18 @@ def _snp_outcome(kernel: str) -> str:
         )
     if v >= (6, 11):
         return "the write fails with ENOMEM (the identity domain allocation is refused)"
-    return "the write fails with ENODEV (amd_iommu_domain_alloc() returns no identity domain)"
+    if v >= (6, 5):
+        old = (
+            ""
+            if v >= (6, 9)
+            else " (SNP on a kernel before 6.9 is a distribution backport: this host's log says SNP)"
+        )
+        return "the write fails with ENODEV (amd_iommu_domain_alloc() returns no identity domain)" + old
+    return (
+        "the write returns success but the kernel falls back to a DMA domain (5.11-6.4: "
+        "iommu_group_alloc_default_domain() 'Falling back to IOMMU_DOMAIN_DMA'), so the group reads DMA, "
+        "not identity (SNP on a kernel before 6.9 is a distribution backport: this host's log says SNP)"
+    )
 
 
 def snp_refusal(facts: SnpFacts, kernel: str, groups: list[int]) -> str | None:

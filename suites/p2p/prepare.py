@@ -236,8 +236,24 @@ class PrepareSteps(P2PState):
         if found:
             raise ProcedureError(
                 "; ".join(found) + ": an nvidia unbind would wait in the kernel until reboot: needs a reboot "
-                "path (boot with nvidia_drm.modeset=0 and without the holder, then run again); nothing was unbound"
+                "path (boot with nvidia_drm.modeset=0, or a driver from 580.105.08, and without the holder, then run "
+                "again); nothing was unbound"
             )
+
+    def put_type_back(self, number: int, original: str | None, now: str) -> None:
+        """A write that succeeded left the group in another type than asked (5.11-6.4: DMA for a refused
+        identity domain): write its original type back while its functions are still unbound."""
+        assert self.plan is not None
+        if not original or original == now or original not in ("DMA", "DMA-FQ", "identity"):
+            return
+        group = iommu.IommuGroup(number, now, [])
+        self.record("set-type", group=number, value=original)
+        try:
+            iommu.set_type(self.conn, group, original, kernel=self.plan.kernel)
+        except iommu.IommuError as exc:
+            evidence.current().note(f"group {number}: could not put its type back to {original}: {exc}")
+            return
+        evidence.current().note(f"group {number}: read {now} after the write; its type is back to {original}")
 
     def step_iommu_groups_identity(self) -> Step:
         """Step 4: every in-scope IOMMU group is identity (unbind its functions, write, read back)."""
@@ -274,7 +290,11 @@ class PrepareSteps(P2PState):
                             raise
                         f.current = None
                     self.record("set-type", group=g.number, value="identity")
-                    iommu.set_type(self.conn, g.to_group(), "identity", kernel=self.plan.kernel)
+                    try:
+                        iommu.set_type(self.conn, g.to_group(), "identity", kernel=self.plan.kernel)
+                    except iommu.TypeReadBack as exc:
+                        self.put_type_back(g.number, g.original_type, exc.now)
+                        raise
                     g.type = "identity"
             except Exception as exc:
                 if self.conn.lost is None:
