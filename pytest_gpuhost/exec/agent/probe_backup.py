@@ -138,9 +138,20 @@ def extents(fd, st):
         pos = end
 
 
-def read_file(fd, st, data_out, hole_out):
-    """Read a file's data extents into data_out(bytes) and holes into hole_out(n); return (size, sha256)."""
-    digest = hashlib.sha256()
+class _NoDigest:
+    def update(self, data):
+        pass
+
+    def digest(self):
+        return b""
+
+
+def read_file(fd, st, data_out, hole_out, sha256=True):
+    """Read a file's data extents into data_out(bytes) and holes into hole_out(n); return (size, sha256).
+
+    Without sha256 the digest returned is b"" (a caller that needs other digests only).
+    """
+    digest = hashlib.sha256() if sha256 else _NoDigest()
     size = 0
     for is_data, offset, length in extents(fd, st):
         if not is_data:
@@ -296,7 +307,7 @@ def _digest_one(opener, item):
     except OSError as exc:
         return {"errno": exc.errno, "error": exc.strerror}
     try:
-        sums = [(n, _digest(n)) for n in item.get("want", [])]
+        sums = [(n, _digest(n)) for n in item.get("want", []) if n != "sha256"]
         parts = _Parts(item["parts"]) if item.get("parts") else None
         sinks = [d for _, d in sums] + ([parts] if parts is not None else [])
 
@@ -310,7 +321,8 @@ def _digest_one(opener, item):
                 data(block)
                 n -= len(block)
 
-        size, sha = read_file(fd, st, data, hole)
+        want = item.get("want", [])
+        size, sha = read_file(fd, st, data, hole, sha256="sha256" in want)
         after = os.fstat(fd)
         if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (
             st.st_size,
@@ -318,8 +330,10 @@ def _digest_one(opener, item):
             st.st_ctime_ns,
         ):
             return {"errno": CHANGED, "error": "changed while it was read"}
-        out = {"s": size, "m": st.st_mtime_ns, "c": st.st_ctime_ns, "i": st.st_ino, "sha256": sha.hex()}
+        out = {"s": size, "m": st.st_mtime_ns, "c": st.st_ctime_ns, "i": st.st_ino}
         out["d"] = {n: d.digest().hex() for n, d in sums}
+        if sha:
+            out["d"]["sha256"] = sha.hex()
         if parts is not None:
             out["pm"] = parts.result()
         return out
@@ -335,7 +349,7 @@ def backup_digests(params):
 
     params: files [{p|pb, a, want: [sha256|sha1|md5|crc32|crc32c|crc64nvme], parts: [sizes]}],
     workers (default: the node's CPUs). One result per file, in order: s, m, c (ctime ns), i
-    (inode), sha256, d {name: hex}, pm (part MD5s, None when the sizes do not fit the file), or
+    (inode), d {name: hex}, pm (part MD5s, None when the sizes do not fit the file), or
     errno/error. hashlib and zlib release the GIL on large buffers, so threads use the cores.
     """
     files = params["files"]

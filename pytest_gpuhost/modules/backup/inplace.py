@@ -156,6 +156,7 @@ class InPlaceResult:
     hashed_bytes: int = 0
     heads: int = 0
     duration: float = 0.0
+    hash_seconds: float = 0.0  # the node's digest call alone
 
     @property
     def proved(self) -> set[str]:
@@ -262,13 +263,13 @@ class InPlace:
             else:
                 needs.append((f, url, how, head.etag if isinstance(head, ObjectFacts) else ""))
         if needs:
-            wire = [
-                dict(f.wire(), want=sorted({"sha256", *n.want}), parts=list(n.parts)) for f, _, n, _ in needs
-            ]
+            wire = [dict(f.wire(), want=list(n.want), parts=list(n.parts)) for f, _, n, _ in needs]
             params: dict[str, Any] = {"files": wire}
             if self.workers:
                 params["workers"] = self.workers
+            t0 = time.monotonic()
             got = self.conn.call("backup_digests", timeout=self.op_timeout, **params)
+            result.hash_seconds = time.monotonic() - t0
             for (f, url, n, etag), d in zip(needs, got, strict=True):
                 result.proofs.append(self._judge(f, url, n, d, etag))
                 result.hashed_bytes += int(d.get("s") or 0)
