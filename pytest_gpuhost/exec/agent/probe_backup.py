@@ -192,7 +192,23 @@ def backup_hash(params):
                 continue
             try:
                 size, digest = read_file(fd, st, lambda b: None, lambda n: None)
-                out.append({"sha256": digest.hex(), "s": size, "m": st.st_mtime_ns})
+                after = os.fstat(fd)
+                if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (
+                    size,
+                    st.st_mtime_ns,
+                    st.st_ctime_ns,
+                ):
+                    out.append({"errno": CHANGED, "error": "changed while it was read"})
+                    continue
+                out.append(
+                    {
+                        "sha256": digest.hex(),
+                        "s": size,
+                        "m": st.st_mtime_ns,
+                        "c": st.st_ctime_ns,
+                        "i": st.st_ino,
+                    }
+                )
             except OSError as exc:
                 out.append({"errno": exc.errno, "error": exc.strerror})
             finally:
@@ -431,7 +447,12 @@ def reader_thread(files, queue_put):
             err = exc.errno or errno.EIO
         after = os.fstat(fd)
         os.close(fd)
-        changed = int(after.st_mtime_ns != st.st_mtime_ns or after.st_size != size)
+        # ctime too: a rewrite in place with its mtime put back (touch -r, cp -p) still moves it
+        changed = int(
+            after.st_mtime_ns != st.st_mtime_ns
+            or after.st_size != size
+            or after.st_ctime_ns != st.st_ctime_ns
+        )
         buf += u32(0)
         buf += TRAILER.pack(
             err, size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), changed, digest if not err else zero

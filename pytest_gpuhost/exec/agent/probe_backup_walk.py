@@ -137,6 +137,8 @@ def _entry(path, st, kind, anchor):
     entry["m"] = st.st_mtime_ns
     entry["o"] = stat.S_IMODE(st.st_mode)
     entry["b"] = st.st_blocks * 512
+    entry["c"] = st.st_ctime_ns  # moves with every change of the contents; no tool sets it back
+    entry["i"] = st.st_ino
     entry["a"] = len(anchor)
     return entry
 

@@ -67,6 +67,13 @@ class RemoteFile:
     link: bytes | None = None
     anchor_len: int = 0  # path[:anchor_len] is the operator's root: only below it is O_NOFOLLOW
     allocated: int | None = None  # bytes allocated on the node (less than size when sparse)
+    ctime_ns: int | None = None  # the inode's change time: moves with any write, never set back
+    ino: int | None = None
+
+    @property
+    def identity(self) -> tuple[int, int] | None:
+        """(ctime_ns, inode) as listed, or None where the listing did not say."""
+        return (self.ctime_ns, self.ino) if self.ctime_ns is not None and self.ino is not None else None
 
     @cached_property
     def key(self) -> str:
@@ -134,6 +141,8 @@ def listing_from(manifest: Manifest, res: dict[str, Any]) -> Listing:
                     link,
                     int(e.get("a", 0)),
                     int(e["b"]) if "b" in e else None,
+                    int(e["c"]) if "c" in e else None,
+                    int(e["i"]) if "i" in e else None,
                 )
             )
         for s in part.get("skipped", []):

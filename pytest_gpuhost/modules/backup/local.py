@@ -50,8 +50,8 @@ from pytest_gpuhost.modules.backup.state import (
 )
 from pytest_gpuhost.modules.backup.stream import sender_argv
 from pytest_gpuhost.modules.backup.transfer import transfer
-from pytest_gpuhost.modules.backup.verdict import unverified, write_checksums
-from pytest_gpuhost.modules.backup.writer import LocalWriter, link_record
+from pytest_gpuhost.modules.backup.verdict import same_local, same_node, unverified, write_checksums
+from pytest_gpuhost.modules.backup.writer import LocalWriter, link_record, local_identity
 
 __all__ = [
     "AgentConnection",
@@ -160,10 +160,21 @@ class Backup:
                 else:
                     plan.links.append(f)
                 continue
-            local_ok = lst is not None and stat.S_ISREG(lst.st_mode) and lst.st_size == f.size
+            local_ok = (
+                lst is not None
+                and stat.S_ISREG(lst.st_mode)
+                and lst.st_size == f.size
+                and rec is not None
+                and same_local(rec, lst)
+            )
             if rec is None or rec.get("t") != "f" or not local_ok or rec["s"] != f.size:
                 plan.copy.append(f)
-            elif rec["m"] == f.mtime_ns and lst is not None and lst.st_mtime_ns == f.mtime_ns:
+            elif (
+                rec["m"] == f.mtime_ns
+                and lst is not None
+                and lst.st_mtime_ns == f.mtime_ns
+                and same_node(rec, f)
+            ):
                 plan.current.append(f)
                 self._seen_current[f.key] = (rec, f.size, f.mtime_ns)
             else:
@@ -233,11 +244,14 @@ class Backup:
                 result.failed.append((f.display, why))
             elif h["sha256"] == rec.get("sha256") and h["s"] == f.size:
                 try:
-                    os.utime(self._local(f), ns=(f.mtime_ns, f.mtime_ns), follow_symlinks=False)
+                    local = self._local(f)
+                    os.utime(local, ns=(f.mtime_ns, f.mtime_ns), follow_symlinks=False)
+                    here = os.lstat(local)  # utime moved the copy's ctime
                 except OSError:
                     changed.append(f)  # the local copy is gone meanwhile: copy it again
                     continue
-                self.state.record(f.key, dict(rec, m=f.mtime_ns))
+                node = {"c": h["c"], "i": h["i"]} if "c" in h and "i" in h else {}
+                self.state.record(f.key, dict(rec, m=f.mtime_ns, **node, **local_identity(here)))
                 with self._failures_lock:
                     self.failures.pop(f.key, None)
                 result.rehashed_same += 1

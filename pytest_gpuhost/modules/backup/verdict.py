@@ -12,7 +12,25 @@ from typing import Any
 
 from pytest_gpuhost.modules.backup.listing import Item, Listing, RemoteFile
 
-__all__ = ["sha256_file", "unverified", "write_checksums"]
+__all__ = ["same_local", "same_node", "sha256_file", "unverified", "write_checksums"]
+
+
+def same_node(rec: dict[str, Any], f: RemoteFile) -> bool:
+    """Whether the node's file is the inode, unchanged, that the record was verified from.
+
+    Size and mtime are not enough: `cp -p`, `tar -x`, `rsync -t` and `touch -r` put an mtime
+    back after changing the bytes. The ctime moves with every change of an inode and no tool can
+    set it back (utimensat(2) sets only atime and mtime), so (ctime, inode) as listed must match.
+    A record without them is not trusted.
+    """
+    if f.identity is None:
+        return True  # a listing that does not say: size and mtime only (an agent without the fields)
+    return (rec.get("c"), rec.get("i")) == f.identity
+
+
+def same_local(rec: dict[str, Any], st: os.stat_result) -> bool:
+    """Whether the local copy is the inode, unchanged, that was placed (see same_node)."""
+    return (rec.get("lc"), rec.get("li")) == (st.st_ctime_ns, st.st_ino)
 
 
 def sha256_file(path: Path) -> str:
@@ -61,13 +79,14 @@ def unverified(
             if not stat.S_ISLNK(lst.st_mode) or os.fsencode(os.readlink(path)) != f.link:
                 missing.append(Item(f.display, "link differs"))
             continue
-        if rec.get("s") != f.size or rec.get("m") != f.mtime_ns:
+        if rec.get("s") != f.size or rec.get("m") != f.mtime_ns or not same_node(rec, f):
             why = failures.get(f.key) or "changed on the node since it was copied"
             missing.append(Item(f.display, why))
         elif not stat.S_ISREG(lst.st_mode) or lst.st_size != f.size or lst.st_mtime_ns != f.mtime_ns:
             missing.append(Item(f.display, "local copy altered"))
-        elif rehash_local and sha256_file(path) != rec.get("sha256"):
-            missing.append(Item(f.display, "local copy corrupt (SHA-256)"))
+        elif (rehash_local or not same_local(rec, lst)) and sha256_file(path) != rec.get("sha256"):
+            # an edit of the copy with size and mtime put back moves its ctime: the bytes decide
+            missing.append(Item(f.display, "local copy altered (SHA-256 differs from the node's)"))
     return missing
 
 

@@ -19,11 +19,17 @@ from pytest_gpuhost.exec.agent import probe_backup as wire
 from pytest_gpuhost.modules.backup.listing import RemoteFile, reason, wire_name
 from pytest_gpuhost.modules.backup.state import StateFile
 
-__all__ = ["LocalWriter", "Piece", "link_record"]
+__all__ = ["LocalWriter", "Piece", "link_record", "local_identity"]
 
 Piece = bytes | int  # data, or the length of a hole (zero bytes not sent, not written)
 _ZERO = memoryview(bytes(wire.CHUNK))  # slices of a memoryview are not copies
 _PART_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+
+
+def local_identity(st: os.stat_result) -> dict[str, int]:
+    """The copy's own (ctime, inode) as recorded: an edit of the copy that puts size and mtime
+    back still moves its ctime, so a later check hashes the copy again."""
+    return {"lc": st.st_ctime_ns, "li": st.st_ino}
 
 
 def link_record(f: RemoteFile) -> dict[str, Any]:
@@ -151,6 +157,7 @@ class LocalWriter:
             self.parent(final)
             os.replace(tmp, final)
             placed = True
+            here = os.lstat(final)  # after the rename, which moves the copy's own ctime
         except OSError as exc:
             return f"writing the copy: {reason(exc.errno or 0)}"
         finally:
@@ -163,7 +170,10 @@ class LocalWriter:
             "m": mtime_ns if not changed else -1,
             "o": mode,
             "sha256": node_sha.hex(),
+            **local_identity(here),
         }
+        if f.identity is not None and not changed:
+            rec["c"], rec["i"] = f.identity  # as listed; a change after it moves ctime: hashed again
         with self.lock:
             self.state.record(f.key, rec)
         if changed:
