@@ -4,7 +4,8 @@ Hypothesis generates small trees with hostile names (spaces, newlines, `$(...)`,
 non-UTF-8 bytes, 255-byte names) and faults: an unreadable directory or file (the agent runs as
 `nobody`, as in test_backup_hostile), a directory swapped for a link out of the tree after the
 listing, a file vanished or turned into a FIFO after the listing, a file growing while it is
-copied, a local path too long, and two nodes whose destinations come from one template.  The
+copied, a local path too long, a node file or its local copy changed between runs with its size
+and mtime put back, and two nodes whose destinations come from one template.  The
 verdict is the suite's own (`suites.decommission.notes.verdict`, a pure function) fed as its
 safe-to-terminate step feeds it: a fresh listing, `Backup.verify`, and for S3 the local items,
 `S3Upload.verify` and the open multipart uploads.  The ground truth is the test's own: it reads
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -172,6 +174,8 @@ class Case:
     vanished: list[bytes] = field(default_factory=list)  # unlinked after the listing
     fifos: list[bytes] = field(default_factory=list)  # file -> FIFO after the listing
     grown: list[bytes] = field(default_factory=list)  # appended after the listing and while copied
+    put_back: list[bytes] = field(default_factory=list)  # rewritten between runs, size and mtime put back
+    local_altered: list[bytes] = field(default_factory=list)  # its copy edited between runs, likewise
     too_long: bool = False  # a chain whose local path is over PATH_MAX
     s3: bool = False
 
@@ -204,6 +208,8 @@ def cases(draw: st.DrawFn) -> Case:
     case.vanished = take(files, draw(one_in(4)))
     case.fifos = take(files, draw(one_in(4)))
     case.grown = take(files, draw(one_in(4)))
+    case.put_back = take(files, draw(one_in(4)))
+    case.local_altered = take(files, draw(one_in(4)))
     return case
 
 
@@ -357,6 +363,29 @@ def _after_listing(case: Case, src: bytes, d: Path) -> None:
         os.symlink(outside, src + b"/" + rel)
 
 
+def _put_back(path: bytes) -> None:
+    """Flip the first byte of a non-empty file in place, then set atime and mtime back (`touch -r`)."""
+    try:
+        st_before = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return  # not there (never copied, or gone): nothing to alter
+    if not stat.S_ISREG(st_before.st_mode) or st_before.st_size == 0:
+        return
+    with open(path, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0x5A]))
+    os.utime(path, ns=(st_before.st_atime_ns, st_before.st_mtime_ns), follow_symlinks=False)
+
+
+def _between_runs(case: Case, src: bytes, dest: bytes) -> None:
+    """Inject the faults that strike after a run: changes that put size and mtime back."""
+    for rel in case.put_back:
+        _put_back(src + b"/" + rel)
+    for rel in case.local_altered:
+        _put_back(dest + b"/" + CATEGORY.encode() + src + b"/" + rel)
+
+
 def _grower(case: Case, src: bytes) -> Any:
     """Return an on_placed hook that appends to the growing file while other files land (3 times)."""
     budget = [3]
@@ -432,7 +461,16 @@ def _manifest(src: bytes, s3: bool) -> Manifest:
 
 def _events(case: Case, nobody: bool) -> None:
     """Record which faults a case holds (shown by --hypothesis-show-statistics)."""
-    for kind in ("unreadable_dirs", "unreadable_files", "swapped", "vanished", "fifos", "grown"):
+    for kind in (
+        "unreadable_dirs",
+        "unreadable_files",
+        "swapped",
+        "vanished",
+        "fifos",
+        "grown",
+        "put_back",
+        "local_altered",
+    ):
         if getattr(case, kind):
             hypothesis.event(
                 f"fault: {kind}{'' if nobody or 'unreadable' not in kind else ' (agent is root)'}"
@@ -471,6 +509,8 @@ def test_verdict_iff_every_byte_verified(world: World, case: Case) -> None:
         for first in (True, False):
             _one_pass(world, case, b, up, src, d, first)
             safe = _check(world, b, up, src, dest, prefix)
+            if first:
+                _between_runs(case, src, dest)
         # a rerun converges: after faults that pass (vanished, FIFO, grown, swapped) the node is safe;
         # those that stay (unreadable to the agent, a local path too long) keep it unsafe, which
         # the truth above already demands.  A swapped directory whose links were recreated in the
