@@ -16,9 +16,25 @@ from pytest_gpuhost.run.remediation import Action, Check
 from . import in_s3
 from .state import DecommissionState
 
-__all__ = ["STEPS", "NotesSteps", "verdict"]
+__all__ = ["STEPS", "NotesSteps", "cell", "md", "verdict"]
 
 STEPS = ("inventory", "servers stopped", "gpus idle", "artifacts backed up", "data in s3", "notes saved")
+
+
+def md(text: object) -> str:
+    """Return a string for one line of NOTES.md (or of the verdict): secrets hidden, nothing obeyed.
+
+    File names, host facts and command lines come from the node. Each goes through `redact` (an
+    AWS key id in a file name, a presigned URL's `X-Amz-Signature`, `password=...`), then
+    `printable` (ESC and `\\r` shown as escapes), and a newline is shown as `\\n` too: no
+    node-supplied string can start a line of its own (a forged `## Where it went`).
+    """
+    return printable(redact(str(text))).replace("\n", "\\n")
+
+
+def cell(text: object) -> str:
+    """`md` for a cell of a Markdown table: a `|` cannot open another column."""
+    return md(text).replace("|", "\\|")
 
 
 def verdict(
@@ -47,13 +63,13 @@ def verdict(
             continue
         if outcome not in ("passed", "fixed"):
             problems.append(f"step {step!r}: {outcome or 'not run'}")
-    problems += [f"still running: {p}" for p in running]
-    problems += [f"not in the local backup: {p} ({why})" for p, why in local_missing]
+    problems += [f"still running: {md(p)}" for p in running]
+    problems += [f"not in the local backup: {md(p)} ({md(why)})" for p, why in local_missing]
     if s3_categories and not s3_configured:
         problems.append(f"categories {', '.join(s3_categories)} marked s3 but no --backup-to")
-    problems += [f"not in S3: {p} ({why})" for p, why in s3_missing]
-    problems += [f"open multipart upload: {k}" for k in open_uploads]
-    problems += [f"not proved where it already is in S3: {p} ({why})" for p, why in in_place_missing]
+    problems += [f"not in S3: {md(p)} ({md(why)})" for p, why in s3_missing]
+    problems += [f"open multipart upload: {md(k)}" for k in open_uploads]
+    problems += [f"not proved where it already is in S3: {md(p)} ({md(why)})" for p, why in in_place_missing]
     return problems
 
 
@@ -62,23 +78,35 @@ class NotesSteps(DecommissionState):
 
     # ---------------------------------------------------------------- 6 notes saved
 
-    def notes_body(self) -> str:
-        """Return NOTES.md without its timeline: what the node was, what ran, what was kept where."""
+    def notes_body(self, problems: Sequence[str] = ()) -> str:
+        """Return NOTES.md without its timeline: what the node was, what ran, what was kept where.
+
+        `problems` are the verdict's, when NOTES.md is written by the verdict after a failed step
+        (`notes_after_failure`): they open the file, under "Not safe to terminate". Every string
+        from the node goes through `md` (one line, secrets hidden, control characters shown).
+        """
         inv = self.inventory or self.take_inventory()
         listing: Listing = getattr(self, "_listing", None) or self.backup.walk()
-        lines = [f"# Decommission notes: {inv.get('hostname')} ({self.target})", ""]
+        lines = [f"# Decommission notes: {md(inv.get('hostname'))} ({md(self.target)})", ""]
+        if problems:
+            lines += [f"## Not safe to terminate ({len(problems)} problems)", ""]
+            lines += [f"- {md(p)}" for p in problems[:200]]
+            if len(problems) > 200:
+                lines.append(f"- ... and {len(problems) - 200} more (see the safe-to-terminate step)")
+            lines.append("")
         lines += [
             "## The node",
             "",
-            f"- hostname: {inv.get('hostname')}",
-            f"- kernel: {inv.get('kernel')}",
-            f"- manifest: {self.manifest.name} ({self.manifest.path})",
+            f"- hostname: {md(inv.get('hostname'))}",
+            f"- kernel: {md(inv.get('kernel'))}",
+            f"- manifest: {md(self.manifest.name)} ({md(self.manifest.path)})",
             "",
         ]
         if inv.get("gpus"):
             lines += ["| GPU | bus id | model | UUID | memory |", "|---|---|---|---|---|"]
             lines += [
-                f"| {g['index']} | {g['bus_id']} | {g['name']} | {g['uuid']} | {g['memory_total_mib']} MiB |"
+                f"| {cell(g['index'])} | {cell(g['bus_id'])} | {cell(g['name'])} | {cell(g['uuid'])} "
+                f"| {cell(g['memory_total_mib'])} MiB |"
                 for g in inv["gpus"]
             ]
             lines.append("")
@@ -89,8 +117,8 @@ class NotesSteps(DecommissionState):
             if key in seen:
                 continue
             seen.add(key)
-            gpus = f" on {', '.join(p['gpus'])}" if p.get("gpus") else ""
-            lines.append(f"- PID {p['pid']} ({p['why']}){gpus}: `{printable(redact(str(p['cmdline'])))}`")
+            gpus = f" on {md(', '.join(p['gpus']))}" if p.get("gpus") else ""
+            lines.append(f"- PID {md(p['pid'])} ({md(p['why'])}){gpus}: `{md(p['cmdline'])}`")
         if not seen:
             lines.append("- nothing selected by the manifest was running")
         lines += [
@@ -107,15 +135,16 @@ class NotesSteps(DecommissionState):
             if cat.s3 and self.s3 is not None:
                 where += f", {self.s3.url}/{cat.name}"
             for root, url in cat.in_s3:
-                where += f", {printable(root)} already in {printable(url)}"
+                where += f", {root} already in {url}"
             lines.append(
-                f"| {cat.name} | {t['files']} | {t['links']} | {t['bytes']} | {t.get('allocated', 0)} | {where} |"
+                f"| {cell(cat.name)} | {t['files']} | {t['links']} | {t['bytes']} | {t.get('allocated', 0)} "
+                f"| {cell(where)} |"
             )
         missing = self.backup.verify(listing)
         if missing:
             # The verdict fails on each of these; NOTES.md names them too (nothing dropped silently).
             lines += ["", f"## Not verified ({len(missing)})", ""]
-            lines += [f"- `{printable(p)}`: {printable(why)}" for p, why in missing[:200]]
+            lines += [f"- `{md(p)}`: {md(why)}" for p, why in missing[:200]]
             if len(missing) > 200:
                 lines.append(f"- ... and {len(missing) - 200} more (see the safe-to-terminate step)")
         lines += self.in_place_notes()
@@ -124,16 +153,18 @@ class NotesSteps(DecommissionState):
         lines += [
             "",
             f"- checksums: `SHA256SUMS` (SHA-256 computed on the node, checked on arrival; "
-            f"`sha256sum -c SHA256SUMS` in {self.dest}); its own SHA-256: {digest}",
+            f"`sha256sum -c SHA256SUMS` in {md(self.dest)}); its own SHA-256: {digest}",
         ]
         if listing.skipped:
             lines.append(f"- left out by the manifest's rules: {len(listing.skipped)} files")
-            lines += [f"  - {s['category']}: {s['path']} ({s['why']})" for s in listing.skipped[:50]]
-        lines += ["", "## Where it went", "", f"- local: {self.dest.resolve()}"]
+            lines += [
+                f"  - {md(s['category'])}: {md(s['path'])} ({md(s['why'])})" for s in listing.skipped[:50]
+            ]
+        lines += ["", "## Where it went", "", f"- local: {md(self.dest.resolve())}"]
         if self.s3 is not None:
             lines.append(
-                f"- S3: {self.s3.url} (endpoint {self.endpoint or 'AWS default'}), categories "
-                f"{', '.join(self.s3_cats()) or 'none'}"
+                f"- S3: {md(self.s3.url)} (endpoint {md(self.endpoint or 'AWS default')}), categories "
+                f"{md(', '.join(self.s3_cats()) or 'none')}"
             )
         return "\n".join(lines) + "\n"
 
@@ -148,7 +179,7 @@ class NotesSteps(DecommissionState):
             if p.ok:
                 how = p.how.removesuffix(" matches the node's file")
                 by_how[how] = by_how.get(how, 0) + 1
-        out += [f"- {n} files by {how}" for how, n in sorted(by_how.items())]
+        out += [f"- {n} files by {md(how)}" for how, n in sorted(by_how.items())]
         proved_bytes = sum(p.file.size for p in r.proofs if p.ok)
         out.append(
             f"- {proved_bytes} bytes proved from the node's own reads of them, none copied off the node"
@@ -156,13 +187,10 @@ class NotesSteps(DecommissionState):
         bad = [p for p in r.proofs if not p.ok]
         if bad:
             out += ["", f"### Not proved there ({len(bad)})", ""]
-            out += [
-                f"- `{printable(redact(p.file.display))}` ({printable(redact(p.url))}): {printable(p.how)}"
-                for p in bad[:200]
-            ]
+            out += [f"- `{md(p.file.display)}` ({md(p.url)}): {md(p.how)}" for p in bad[:200]]
         shown = [p for p in r.proofs if p.ok][:200]
         out += ["", "### How each file was proved", ""]
-        out += [f"- `{printable(redact(p.file.display))}`: {printable(p.how)}" for p in shown]
+        out += [f"- `{md(p.file.display)}`: {md(p.how)}" for p in shown]
         if len(r.proved) > len(shown):
             out.append(f"- ... and {len(r.proved) - len(shown)} more (see the evidence of step 5)")
         return out
@@ -175,10 +203,9 @@ class NotesSteps(DecommissionState):
         def check() -> Check:
             body = self.notes_body()
             box["body"] = body
-            current = path.read_text(errors="replace") if path.exists() else ""
-            if current.split("\n## Timeline\n", 1)[0] == body.rstrip("\n") + "\n" or current.startswith(body):
+            if self.notes_current(body):
                 return Check(True, f"{path} is up to date")
-            return Check(False, f"{path} is {'missing' if not current else 'out of date'}")
+            return Check(False, f"{path} is {'out of date' if path.exists() else 'missing'}")
 
         def plan(before: Check) -> list[Action]:
             return [
@@ -190,13 +217,41 @@ class NotesSteps(DecommissionState):
             ]
 
         def fix(actions: list[Action], before: Check) -> None:
-            self.event("NOTES.md written")
-            timeline = ["", "## Timeline", ""] + [f"- {e['t']} {e['event']}" for e in self.timeline()]
-            tmp = path.with_name(".NOTES.md.tmp")
-            tmp.write_text(box["body"].rstrip("\n") + "\n" + "\n".join(timeline) + "\n")
-            os.replace(tmp, path)
+            self.write_notes(box["body"], "NOTES.md written")
 
         return self.step("notes saved", check, plan, fix)
+
+    def notes_current(self, body: str) -> bool:
+        """Whether NOTES.md holds `body` already (its timeline aside)."""
+        path = self.dest / "NOTES.md"
+        current = path.read_text(errors="replace") if path.exists() else ""
+        return current.split("\n## Timeline\n", 1)[0] == body.rstrip("\n") + "\n" or current.startswith(body)
+
+    def write_notes(self, body: str, event: str) -> None:
+        """Write NOTES.md: `body`, then the timeline with `event` as its last line (temp name, then rename)."""
+        path = self.dest / "NOTES.md"
+        self.event(event)
+        timeline = ["", "## Timeline", ""] + [f"- {md(e['t'])} {md(e['event'])}" for e in self.timeline()]
+        tmp = path.with_name(".NOTES.md.tmp")
+        tmp.write_text(body.rstrip("\n") + "\n" + "\n".join(timeline) + "\n")
+        os.replace(tmp, path)
+
+    def notes_after_failure(self, problems: Sequence[str]) -> str | None:
+        """Write NOTES.md from the verdict when step 6 did not (a failed step blocked it).
+
+        A node that is not safe gets its NOTES.md all the same: the verdict's problems first, and
+        what the node was, what ran, what is in the backup and what is not verified, as far as the
+        run got. Never under --check-only. Return a problem line when it could not be written.
+        """
+        if self.check_only or self.outcomes.get("notes saved") in ("passed", "fixed"):
+            return None
+        try:
+            body = self.notes_body(problems)
+            if not self.notes_current(body):
+                self.write_notes(body, "NOTES.md written by the verdict (not safe to terminate)")
+        except Exception as exc:  # noqa: BLE001 - the verdict lists its problems whatever happens here
+            return f"NOTES.md not written: {md(type(exc).__name__)}: {md(str(exc).splitlines()[0] if str(exc) else '')}"
+        return None
 
     # ---------------------------------------------------------------- 7 safe to terminate
 
@@ -223,6 +278,10 @@ class NotesSteps(DecommissionState):
                 open_uploads=open_uploads,
                 in_place_missing=[(p.file.display, p.how) for p in in_s3.not_proved(self._in_place)],
             )
+            if problems:
+                self._listing = listing  # what the local backup is to hold, as step 4 sets it
+                failed = self.notes_after_failure(problems)
+                problems += [failed] if failed else []
             state = {"problems": problems, "files": len(full.files), "in_place": self.in_place_summary()}
             if problems:
                 head = "\n  ".join(problems[:30])
