@@ -88,7 +88,8 @@ def _nvbandwidth(
             if gbps is None:
                 reasons.append(f"{label}: nvbandwidth {test}: no measurement")
             elif limit is None:
-                notes.append(f"{label} {test} {gbps:.1f} GB/s (no limit for {g.get('name')})")
+                why = f"no limit for {g.get('name')}" if spec else f"unknown model: {g.get('name')}"
+                notes.append(f"{label} {test} {gbps:.1f} GB/s ({why})")
             elif gbps < float(limit):
                 reasons.append(f"{label}: {test} {gbps:.1f} GB/s < {float(limit):g} GB/s")
     return reasons, notes, state

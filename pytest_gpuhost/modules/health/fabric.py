@@ -9,7 +9,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from pytest_gpuhost.modules.health.nvlink import judge_nvlink_errors
-from pytest_gpuhost.modules.health.thresholds import Thresholds, model_spec
+from pytest_gpuhost.modules.health.thresholds import (
+    Thresholds,
+    model_name,
+    model_spec,
+    unknown_note,
+)
+from pytest_gpuhost.modules.health.thresholds import unknown_models as unknown_models_of
 from pytest_gpuhost.modules.health.verdict import (
     Facts,
     Verdict,
@@ -50,7 +56,8 @@ def check_pcie_link(facts: Facts, t: Thresholds) -> Verdict:
     pci, _ = facts_part(facts, "pci")
     devices = (pci or {}).get("devices") or {}
     reasons = []
-    links = {}
+    below: list[str] = []
+    links: dict[str, dict[str, Any]] = {}
     for g in gpus:
         gen, gen_max = g.get("pcie.link.gen.current"), g.get("pcie.link.gen.max")
         width, width_max = g.get("pcie.link.width.current"), g.get("pcie.link.width.max")
@@ -61,6 +68,16 @@ def check_pcie_link(facts: Facts, t: Thresholds) -> Verdict:
         if not isinstance(width, int):
             width, width_max = int_or_none(sys_link.get("width")), int_or_none(sys_link.get("max_width"))
         links[str(g.get("bdf"))] = {"gen": gen, "gen_max": gen_max, "width": width, "width_max": width_max}
+        # the model's own link (MODELS): reported beside the GPU's maximum, never failing it
+        model = model_name(str(g.get("name") or ""))
+        spec = model_spec(str(g.get("name") or "")) or {}
+        model_gen, model_width = spec.get("pcie_gen"), spec.get("pcie_width")
+        if isinstance(model_gen, int):
+            links[str(g.get("bdf"))].update({"model_gen": model_gen, "model_width": model_width})
+        if isinstance(gen_max, int) and isinstance(model_gen, int) and gen_max < model_gen:
+            below.append(
+                f"{gpu_label(g)} max Gen{gen_max}, the {model} has Gen{model_gen} (the host limits it)"
+            )
         want_gen = t["pcie_gen_min"] if t["pcie_gen_min"] is not None else gen_max
         want_width = t["pcie_width_min"] if t["pcie_width_min"] is not None else width_max
         if isinstance(gen, int) and isinstance(want_gen, int) and gen < want_gen:
@@ -73,8 +90,9 @@ def check_pcie_link(facts: Facts, t: Thresholds) -> Verdict:
     if reasons:
         return failed("pcie_link", f"degraded PCIe link: {reasons[0]}", reasons, state=state)
     shapes = sorted({f"Gen{v['gen']} x{v['width']}" for v in links.values()})
+    note = f"; {below[0]}" + (f" (and {len(below) - 1} more)" if len(below) > 1 else "") if below else ""
     return Verdict(
-        "pcie_link", True, f"all {len(links)} links at their maximum ({', '.join(shapes)})", state=state
+        "pcie_link", True, f"all {len(links)} links at their maximum ({', '.join(shapes)}){note}", state=state
     )
 
 
@@ -97,13 +115,18 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
 
     A GPU whose links are all down may print no link lines at all (or not appear in
     `nvidia-smi nvlink -s`): the count expected from the model (thresholds MODELS, or
-    `nvlink_active_min`) catches it.
+    `nvlink_active_min`) catches it. A GPU of no known model has no expected count: the verdict
+    names it ("unknown model: NAME (GPU N): NVLink count not judged"), skipping where no link is
+    printed rather than reading it as a PCIe card.
     """
     part, err = facts_part(facts, "nvlink")
     required = t["nvlink_required"]
     gpus = (part or {}).get("gpus") or {}
     total = sum(len(g.get("links") or {}) for g in gpus.values())
     expected = _expected_links(facts, t)
+    smi_gpus, _ = facts_gpus(facts)
+    # a GPU of no known model has no expected count: said in the verdict, never taken as a PCIe card
+    unknown = unknown_note(smi_gpus, "NVLink count not judged") if t["nvlink_active_min"] is None else ""
     # error counters since the last run (health_nvlink), read where `nvlink -s` printed links
     counted, counters, note = judge_nvlink_errors(facts, t)
     if expected:
@@ -116,9 +139,12 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
                 short.append(f"{label}: {active} of {want} NVLinks active ({seen})")
         if short or part is None:
             reasons = (short or [str(err)]) + counted
+            summary = (
+                f"{len(short)} GPU(s) with fewer active NVLinks than the model has" if short else str(err)
+            )
             return failed(
                 "nvlink",
-                f"{len(short)} GPU(s) with fewer active NVLinks than the model has" if short else str(err),
+                summary + (f"; {unknown}" if unknown else ""),
                 reasons,
                 state={"expected": {i: w for i, (w, _) in expected.items()}, "errors": counters},
             )
@@ -127,6 +153,8 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
             return failed(
                 "nvlink", "no NVLink reported, but nvlink_required is set", [str(err or "no links")]
             )
+        if unknown:
+            return skipped("nvlink", f"no NVLink reported; {unknown} (set nvlink_active_min)")
         return skipped("nvlink", "no NVLink on this host" + (f" ({err})" if err else ""))
     reasons = []
     up = 0
@@ -136,13 +164,17 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
                 up += 1
             else:
                 reasons.append(f"GPU {idx} link {link}: {st.get('text') or 'down'}")
-    state = {"links_up": up, "links_total": total, "errors": counters}
+    state: dict[str, Any] = {"links_up": up, "links_total": total, "errors": counters}
+    if unknown:
+        state["unknown_models"] = sorted(unknown_models_of(smi_gpus))
     if reasons or counted:
         down = f"{len(reasons)} of {total} NVLinks down" if reasons else ""
         grew = f"{len(counted)} NVLink error counter(s) past the limit since the last run" if counted else ""
         grew = counted[0] if "error" in counters else grew  # unreadable: say so, not "past the limit"
-        return failed("nvlink", "; ".join(x for x in (down, grew) if x), reasons + counted, state=state)
-    return Verdict("nvlink", True, f"all {total} NVLinks up" + (f"; {note}" if note else ""), state=state)
+        summary = "; ".join(x for x in (down, grew, unknown) if x)
+        return failed("nvlink", summary, reasons + counted, state=state)
+    summary = "; ".join(x for x in (f"all {total} NVLinks up", note, unknown) if x)
+    return Verdict("nvlink", True, summary, state=state)
 
 
 def check_fabric(facts: Facts, t: Thresholds) -> Verdict:
@@ -150,19 +182,29 @@ def check_fabric(facts: Facts, t: Thresholds) -> Verdict:
 
     Until Fabric Manager has trained the fabric, CUDA fails on those GPUs (error 802, "system
     not yet initialized"); the probe reads the fabric only for models in thresholds MODELS
-    with `fabric` (B200, H100/H200 SXM).
+    with `fabric` (B300, B200, H100/H200/H800 SXM, H20), and only their GPUs are judged; a GPU of
+    no known model is named in the skip ("unknown model: NAME").
     """
+    smi_gpus, _ = facts_gpus(facts)
+    # only GPUs of a fabric model are judged: the probe picks models by a substring of the name, so it
+    # may read `-q` for a name no model matches (GH200 contains "H200")
+    labels = {
+        str(g.get("bdf")): gpu_label(g)
+        for g in smi_gpus
+        if (model_spec(str(g.get("name") or "")) or {}).get("fabric")
+    }
     part = facts.get("fabric")
-    if part is None:
-        return skipped("fabric", "no NVSwitch GPU model on this host (thresholds MODELS: fabric)")
+    if part is None or smi_gpus and not labels:
+        unknown = unknown_note(smi_gpus, "whether it sits on NVSwitches is not known")
+        why = "no NVSwitch GPU model on this host (thresholds MODELS: fabric)"
+        return skipped("fabric", why + (f"; {unknown}" if unknown else ""))
     got, err = facts_part(facts, "fabric")
     if got is None:
         return failed("fabric", f"fabric state unreadable: {err}", [str(err)])
-    smi_gpus, _ = facts_gpus(facts)
-    labels = {str(g.get("bdf")): gpu_label(g) for g in smi_gpus}
     fab = got.get("gpus") or {}
+    others = {str(g.get("bdf")) for g in smi_gpus} - set(labels)
     reasons = []
-    for bdf in sorted(set(labels) | set(fab)):
+    for bdf in sorted(set(labels) | (set(fab) - others)):
         label = labels.get(bdf, f"GPU ? ({bdf})")
         st = fab.get(bdf)
         if st is None:
@@ -181,10 +223,10 @@ def check_fabric(facts: Facts, t: Thresholds) -> Verdict:
             else (svc.get("error") or f"{active} ({svc.get('SubState')})")
         )
         reasons.append(f"{unit}: {what}")
-    state = {"gpus": fab, "service": svc}
+    state = {"gpus": {b: st for b, st in fab.items() if b not in others}, "service": svc}
     if reasons:
         return failed("fabric", reasons[0], reasons, state=state)
-    return Verdict("fabric", True, f"fabric trained on {len(fab)} GPUs; {unit} active", state=state)
+    return Verdict("fabric", True, f"fabric trained on {len(state['gpus'])} GPUs; {unit} active", state=state)
 
 
 def _nvidia_devices(facts: Facts) -> tuple[dict[str, Any], str | None]:

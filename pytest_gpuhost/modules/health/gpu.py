@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pytest_gpuhost.modules.health.memory import ecc_off
-from pytest_gpuhost.modules.health.thresholds import Thresholds
+from pytest_gpuhost.modules.health.thresholds import Thresholds, unknown_models, unknown_note
 from pytest_gpuhost.modules.health.verdict import (
     Facts,
     Verdict,
@@ -50,6 +50,10 @@ def check_gpu_count(facts: Facts, t: Thresholds) -> Verdict:
     names = [str(g.get("name") or "") for g in gpus]
     models = sorted(set(names))
     state: dict[str, Any] = {"count": len(gpus), "models": models}
+    # a GPU of no model in health.thresholds.MODELS: its per-model expectations are not judged
+    unknown = unknown_note(gpus, "no per-model expectations (NVLinks, fabric, ECC, memory limit)")
+    if unknown:
+        state["unknown_models"] = sorted(unknown_models(gpus))
     reasons = []
     want = t["gpu_count"]
     if want is not None and len(gpus) != want:
@@ -109,6 +113,8 @@ def check_gpu_count(facts: Facts, t: Thresholds) -> Verdict:
         desc += f", as expected ({want})"
     elif source:
         desc += f", as many as the PCI bus has ({want})"
+    if unknown:
+        desc += f"; {unknown}"
     return Verdict("gpu_count", True, desc, state=state)
 
 
@@ -216,6 +222,10 @@ def check_ecc(facts: Facts, t: Thresholds) -> Verdict:
         "ECC not enabled or not supported on these GPUs",
     )
     if done:
+        gpus, _ = facts_gpus(facts)
+        unknown = unknown_note(gpus, "whether it supports ECC is not known (set ecc_required)")
+        if done.skip and unknown and t["ecc_required"] is None:
+            return skipped("ecc", f"{done.skip}; {unknown}")
         return done
     done2, reasons2, state2 = _per_gpu_counter(
         "ecc",

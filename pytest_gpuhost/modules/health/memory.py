@@ -93,6 +93,9 @@ def check_memory_temperature(facts: Facts, t: Thresholds) -> Verdict:
                     f"reference, Memory Max Operating T.Limit Temp {ref:g} C)"
                 )
             limits[bdf] = (float(spec["memory_temp_max"]), source)
+        elif not spec:
+            unknown.append(f"{gpu_label(g)}: unknown model: {g.get('name')}")
+            continue
         else:
             unknown.append(f"{gpu_label(g)} ({g.get('name')})")
             continue
