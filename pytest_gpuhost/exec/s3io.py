@@ -30,8 +30,11 @@ __all__ = [
     "S3Store",
     "S3UrlError",
     "SignedPut",
+    "location_problem",
     "make_client",
     "parse_s3_url",
+    "probe_client",
+    "s3_problem",
     "split_s3_url",
 ]
 
@@ -285,3 +288,118 @@ class SignedPut:
         with self._lock:
             self.sent += 1
         return {str(k).lower(): str(v) for k, v in res.headers.items()}
+
+
+# ------------------------------------------------------------------ can a run read this location?
+
+# What an operator does about each refusal (the store's error code -> one line).
+_ADVICE: dict[str, str] = {
+    "NoSuchBucket": "no such bucket",
+    "InvalidAccessKeyId": "access denied ({code}): check AWS_ACCESS_KEY_ID / the profile",
+    "SignatureDoesNotMatch": "access denied ({code}): check AWS_SECRET_ACCESS_KEY / the profile",
+    "InvalidToken": "access denied ({code}): check AWS_SESSION_TOKEN / the profile",
+    "ExpiredToken": "access denied ({code}): the session token expired; renew the credentials",
+    "TokenRefreshRequired": "access denied ({code}): the session token expired; renew the credentials",
+    "AccessDenied": "access denied ({code}): the credentials may not list this prefix (s3:ListBucket)",
+    "AllAccessDisabled": "access denied ({code}): every access to this bucket is disabled",
+    "AccountProblem": "access denied ({code}): the account the credentials belong to cannot be used",
+    "PermanentRedirect": "the bucket is in another region ({code}): set AWS_REGION / the profile's region",
+    "AuthorizationHeaderMalformed": "the bucket is in another region ({code}): set AWS_REGION",
+}
+_ADVICE["404"] = _ADVICE["NotFound"] = _ADVICE["NoSuchBucket"]
+_ADVICE["403"] = _ADVICE["Forbidden"] = _ADVICE["AccessDenied"]
+_ADVICE["301"] = _ADVICE["PermanentRedirect"]
+# Codes a HEAD answers without a body: a listing of the same bucket says more.
+_BARE_CODES = frozenset({"400", "403", "404", "301", "NotFound", "Forbidden", "BadRequest"})
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """Return the first line of `text`, shortened to `limit` characters."""
+    lines = str(text).strip().splitlines()
+    first = lines[0] if lines else ""
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+def s3_problem(exc: BaseException, endpoint: str | None = None) -> str:
+    """Say in one line why an S3 call failed, with what to check: never a traceback.
+
+    A store's refusal is named by its error code ("no such bucket (NoSuchBucket)", "access
+    denied (InvalidAccessKeyId): check AWS_ACCESS_KEY_ID / the profile"); a client that has no
+    credentials, or cannot reach the endpoint, by botocore's exception name.
+    """
+    name = type(exc).__name__
+    if isinstance(exc, ImportError):
+        return f"S3 needs boto3: pip install boto3 ({_one_line(str(exc))})"
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        error = response.get("Error") or {}
+        code = str(error.get("Code") or response.get("ResponseMetadata", {}).get("HTTPStatusCode") or name)
+        advice = _ADVICE.get(code)
+        if advice is not None:
+            return advice.format(code=code) if "{code}" in advice else f"{advice} ({code})"
+        message = _one_line(str(error.get("Message") or exc))
+        return f"refused ({code}): {message}" if message else f"refused ({code})"
+    if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+        return (
+            f"no usable credentials ({name}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+        )
+    if name == "ProfileNotFound":
+        return f"no such profile ({name}): check AWS_PROFILE / ~/.aws/config"
+    if name in (
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ConnectionClosedError",
+        "ProxyConnectionError",
+    ):
+        where = endpoint or "the AWS endpoint"
+        return f"cannot reach {where} ({name}): check --s3-endpoint, the network and proxies"
+    if name in ("ReadTimeoutError", "SSLError"):
+        return f"no answer from {endpoint or 'the AWS endpoint'} ({name}): {_one_line(str(exc))}"
+    return f"{name}: {_one_line(str(exc))}" if str(exc) else name
+
+
+def probe_client(endpoint: str | None = None) -> Any:
+    """Return a boto3 S3 client for a quick check before a run: `make_client`'s credentials and
+    endpoint, but 2 attempts and a 5 s connect timeout, so a wrong endpoint answers in seconds."""
+    import boto3
+    from botocore.config import Config
+
+    cfg = Config(
+        retries={"max_attempts": 2, "mode": "standard"},
+        connect_timeout=5,
+        read_timeout=30,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    return boto3.client("s3", endpoint_url=endpoint or None, config=cfg)
+
+
+def location_problem(url: str, *, endpoint: str | None = None, client: Any = None) -> str | None:
+    """Return why s3://BUCKET/PREFIX cannot be read, in one line (`s3_problem`); None when it can.
+
+    Asks what a run asks first, and changes nothing: HeadBucket, then ListObjectsV2 of at most
+    one key under the prefix. A listing that works is the answer even where HeadBucket is
+    refused (a policy that grants s3:ListBucket only with an `s3:prefix` condition); where both
+    fail, the listing's error code (a HEAD has no body to name it) says why. Whether a write
+    would be allowed cannot be known without writing, and nothing is written.
+    """
+    try:
+        loc = parse_s3_url(url)
+        client = client if client is not None else probe_client(endpoint)
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        return s3_problem(exc, endpoint)
+    head: BaseException | None = None
+    try:
+        client.head_bucket(Bucket=loc.bucket)
+    except Exception as exc:  # noqa: BLE001 - the listing decides; one line either way
+        if getattr(exc, "response", None) is None:
+            return s3_problem(exc, endpoint)  # no answer at all (no credentials, no endpoint)
+        head = exc
+    try:
+        client.list_objects_v2(Bucket=loc.bucket, Prefix=loc.prefix + "/" if loc.prefix else "", MaxKeys=1)
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        code = str(((getattr(exc, "response", None) or {}).get("Error") or {}).get("Code", ""))
+        if head is not None and code in _BARE_CODES:
+            return s3_problem(head, endpoint)
+        return s3_problem(exc, endpoint)
+    return None

@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
+from pytest_gpuhost.exec.s3io import location_problem
 from pytest_gpuhost.modules.backup.destination import DestinationError, per_target
-from pytest_gpuhost.modules.backup.local import Progress, load_manifest
+from pytest_gpuhost.modules.backup.local import Manifest, Progress, load_manifest
 from pytest_gpuhost.modules.backup.s3 import parse_s3_url
+from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Remediation, WouldFix
 from pytest_gpuhost.run.targets_stash import targets_key
@@ -65,10 +67,47 @@ def pytest_configure(config: pytest.Config) -> None:
     backup_to, _ = options.get(config, "backup_to")
     try:
         per_target(backup_dir or "backups/{host}", names, option="--backup-dir")
-        if backup_to:
-            per_target(backup_to, names, option="--backup-to")
+        urls = per_target(backup_to, names, option="--backup-to") if backup_to else {}
     except DestinationError as exc:
         raise pytest.UsageError(f"gpuhost: {exc}") from None
+    manifest_path, _ = options.get(config, "manifest")
+    if not manifest_path or config.option.collectonly or hasattr(config, "workerinput"):
+        return  # no manifest: the steps say so; --co touches nothing; xdist: the controller checked
+    endpoint, _ = options.get(config, "s3_endpoint")
+    problems = s3_problems(s3_destinations(load_manifest(manifest_path), list(urls.values())), endpoint)
+    if problems:
+        raise pytest.UsageError("\n".join(f"gpuhost: {p}" for p in problems))
+
+
+def s3_destinations(manifest: Manifest, backup_to: list[str]) -> list[tuple[str, str]]:
+    """Return (s3:// URL, how the operator named it) of every S3 location the run will use, once each.
+
+    `--backup-to` (each target's URL) when a category is marked s3 ("--backup-to s3://B/P"),
+    and each category's `in_s3` locations ("in_s3 s3://B/P of category data").
+    """
+    out: list[tuple[str, str]] = []
+    if any(c.s3 for c in manifest.categories):
+        out += [(url, f"--backup-to {url}") for url in dict.fromkeys(backup_to)]
+    for cat in manifest.categories:
+        out += [
+            (url, f"in_s3 {url} of category {cat.name}") for url in dict.fromkeys(u for _, u in cat.in_s3)
+        ]
+    return out
+
+
+def s3_problems(dests: list[tuple[str, str]], endpoint: str | None) -> list[str]:
+    """Check that every destination can be read, before anything is stopped; one line per one that cannot.
+
+    Each is asked what the run asks first (`location_problem`: HeadBucket, then a listing of one
+    key under the prefix); nothing is written, so a bucket that lists but refuses writes is
+    still found only by the upload itself.
+    """
+    problems = []
+    for url, named in dests:
+        why = location_problem(url, endpoint=endpoint)
+        if why is not None:
+            problems.append(printable(redact(f"{named}: {why}")).replace("\n", "\\n"))
+    return problems
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import hashlib
 import os
 from collections.abc import Mapping, Sequence
 
+from pytest_gpuhost.exec.s3io import s3_problem
 from pytest_gpuhost.modules.backup.local import Listing
 from pytest_gpuhost.modules.backup.s3 import items_from_backup
 from pytest_gpuhost.modules.process import ProcessTable
@@ -47,6 +48,7 @@ def verdict(
     s3_missing: Sequence[tuple[str, str]] = (),
     open_uploads: Sequence[str] = (),
     in_place_missing: Sequence[tuple[str, str]] = (),
+    s3_unreadable: Sequence[str] = (),
 ) -> list[str]:
     """Return why the node is not safe to terminate; an empty list is the only "safe".
 
@@ -54,7 +56,9 @@ def verdict(
     step passed or was fixed (the S3 step may be skipped when no category is marked s3), no
     process the manifest selects still runs, and every in-scope path (`(path, why)` items, as
     `Backup.verify` and the S3 verify return them) is verified in every destination; a file
-    under an in_s3 root counts only once proved against its object there.
+    under an in_s3 root counts only once proved against its object there. An S3 destination
+    the verdict could not read (`s3_unreadable`: one line each, "--backup-to URL: why") proves
+    nothing of what is there.
     """
     problems: list[str] = []
     for step in STEPS:
@@ -67,6 +71,7 @@ def verdict(
     problems += [f"not in the local backup: {md(p)} ({md(why)})" for p, why in local_missing]
     if s3_categories and not s3_configured:
         problems.append(f"categories {', '.join(s3_categories)} marked s3 but no --backup-to")
+    problems += [f"S3 not readable: {md(line)}" for line in s3_unreadable]
     problems += [f"not in S3: {md(p)} ({md(why)})" for p, why in s3_missing]
     problems += [f"open multipart upload: {md(k)}" for k in open_uploads]
     problems += [f"not proved where it already is in S3: {md(p)} ({md(why)})" for p, why in in_place_missing]
@@ -264,10 +269,14 @@ class NotesSteps(DecommissionState):
             full, listing = self.walk_local()
             s3_missing: list[tuple[str, str]] = []
             open_uploads: list[str] = []
+            s3_unreadable: list[str] = []
             if self.s3_cats() and self.s3 is not None:
-                items, unverified = items_from_backup(self.backup, listing)
-                s3_missing = [*unverified, *self.s3_upload.verify(items)]
-                open_uploads = [k for k, _ in self.s3_upload.open_uploads()]
+                try:
+                    items, unverified = items_from_backup(self.backup, listing)
+                    s3_missing = [*unverified, *self.s3_upload.verify(items)]
+                    open_uploads = [k for k, _ in self.s3_upload.open_uploads()]
+                except Exception as exc:  # noqa: BLE001 - a problem line, never a traceback wall
+                    s3_unreadable.append(f"--backup-to {self.s3.url}: {s3_problem(exc, self.endpoint)}")
             problems = verdict(
                 self.outcomes,
                 running=running,
@@ -277,6 +286,7 @@ class NotesSteps(DecommissionState):
                 s3_missing=s3_missing,
                 open_uploads=open_uploads,
                 in_place_missing=[(p.file.display, p.how) for p in in_s3.not_proved(self._in_place)],
+                s3_unreadable=s3_unreadable,
             )
             if problems:
                 self._listing = listing  # what the local backup is to hold, as step 4 sets it
