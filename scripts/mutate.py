@@ -140,6 +140,26 @@ MUTATIONS = (
         ("tests/test_backup_metadata_put_back.py",),
     ),
     Mutation(
+        "reset-foreign-holder",
+        "a GPU held by a process outside the inventory's services is never reset, nothing stopped",
+        "suites/health/reset.py",
+        "        elif not ok_unit:",
+        "        elif False:",
+        (
+            "tests/test_health_reset_lab.py::test_a_holder_outside_the_inventorys_services_is_named_and_nothing_is_reset",
+        ),
+    ),
+    Mutation(
+        "reset-confirmed-by-signals",
+        "a reset counts only when the GPU's own signals stop asking for one, not by the exit code",
+        "suites/health/reset.py",
+        "            if value == 1:\n                out.setdefault(_key(bus), []).append(_SIGNAL_TEXT.get(name, name))\n    return out",
+        "            pass\n    return out",
+        (
+            "tests/test_health_reset_lab.py::test_a_reset_that_returns_0_but_leaves_the_gpu_in_error_is_not_counted",
+        ),
+    ),
+    Mutation(
         "redact-ambiguous-shape",
         "a key-shaped value under an ambiguous name (RUNNER_TOKEN=...) is hidden",
         "pytest_gpuhost/redact.py",

@@ -246,9 +246,10 @@ class HostHealth:
 
 
 def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
-    """Collect the drain step (test_health_drain.py) only with --fix=drain."""
-    if collection_path.name == "test_health_drain.py" and "drain" not in options.fixes(config):
-        return True
+    """Collect the drain and reset steps (test_health_drain.py, _reset.py) only with their --fix."""
+    for name, fix in (("test_health_drain.py", "drain"), ("test_health_reset.py", "reset")):
+        if collection_path.name == name and fix not in options.fixes(config):
+            return True
     return None
 
 

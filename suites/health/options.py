@@ -2,7 +2,8 @@
 
 `--fix=NAME` (repeatable, or comma separated; ini `health_fix`, one name a line) turns on a safe
 fix: `persistence` (persistence mode on), `service` (restart a failed inference service) or
-`drain` (drain a failed host in Slurm, resume one gpuhost drained: suites/health/drain.py).
+`drain` (drain a failed host in Slurm, resume one gpuhost drained: suites/health/drain.py) or
+`reset` (reset a GPU that owes a reset: suites/health/reset.py).
 Without it every check only reports. The fleet options the health suite is run with
 (`--previous`, `--prometheus-textfile`, `--fleet-json`, `--limit`) are the plugin's, declared in
 `pytest_gpuhost/run/settings.py`, because the report layer reads them.
@@ -20,9 +21,10 @@ from pytest_gpuhost.run.options import BadValue, Option, lines, read, register
 __all__ = ["OPTIONS", "addoption", "fixes", "validate"]
 
 
-#: The fixes --fix takes: the checks' (modules/health.FIXES) and `drain` (suites/health/drain.py:
-#: drain a failed host in Slurm, resume one gpuhost drained).
-CHOICES: tuple[str, ...] = (*FIXES, "drain")
+#: The fixes --fix takes: the checks' (modules/health.FIXES), `drain` (suites/health/drain.py:
+#: drain a failed host in Slurm, resume one gpuhost drained) and `reset` (suites/health/reset.py:
+#: reset a GPU that owes a reset, its holders stopped and started again).
+CHOICES: tuple[str, ...] = (*FIXES, "drain", "reset")
 
 
 def _fixes(raw: Any) -> list[str]:

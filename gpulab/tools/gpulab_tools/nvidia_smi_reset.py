@@ -59,6 +59,11 @@ def gpu_reset(host: Host, gpus: list[GpuView]) -> int:
     per_gpu = dict(faults.get("gpus") or {})
     for g in gpus:
         mine = dict(per_gpu.get(g.bdf) or {})
+        if mine.get("reset_sticks"):
+            # a lab fault, not nvidia-smi's own behaviour: a GPU that stays in error after a reset
+            # that returned 0 (what a reboot, not a reset, clears), so that a caller is held to
+            # the GPU's own signals rather than the command's exit code
+            continue
         for key in CLEARED_BY_RESET:
             mine.pop(key, None)
         if mine.get("nvml_error") == "GPU requires reset":

@@ -1,0 +1,127 @@
+"""`suites/health --fix=reset` on a health-ok lab host over real SSH: plan, reset, confirm, refuse.
+
+GPU 0000:14:00.0 says it needs a reset (`reset_status.reset_required` Yes, the lab's runtime
+fault) while the SGLang service (`sglang-qwen`, tp=4) and nvidia-persistenced hold it. The run
+stops both, resets that GPU with the lab's `nvidia-smi -r` (which refuses a held GPU as the real
+one does), starts both again and confirms from the GPU's own field. A holder outside any service
+of the inventory is never stopped: the GPU is not reset and the holder is named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.test_health_lab_gpus import inject
+
+REPO = Path(__file__).resolve().parent.parent
+BUS = "0000:14:00.0"
+
+
+def _suite(
+    h: Any, tmp: Path, name: str, *extra: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    known = tmp / "known_hosts"
+    known.write_text(Path(h.known_hosts).read_text())
+    inv = tmp / "fleet.yaml"
+    inv.write_text(
+        "all:\n  vars: {ansible_user: root, service: sglang-qwen, service_port: 30000}\n"
+        f"  hosts:\n    {h.name}: {{ansible_host: {h.address}}}\n"
+    )
+    argv = [
+        sys.executable, "-m", "pytest", "suites/health", "-p", "no:cacheprovider",
+        f"--inventory={inv}", "--ssh-identity=/run/gpulab/id_ed25519", f"--known-hosts={known}",
+        "--connect-timeout=5", f"--report-dir={tmp}", f"--report-name={name}", f"--fleet-json={tmp}/{name}.json",
+        "--fix=reset", "-o", "addopts=", *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
+    return proc, json.loads((tmp / f"{name}.json").read_text())["hosts"][h.name]["checks"]
+
+
+def _reset_required(h: Any) -> str:
+    r = h.ssh(["nvidia-smi", "-i", BUS, "--query-gpu=reset_status.reset_required", "--format=csv,noheader"])
+    return r.stdout.strip()
+
+
+def _main_pid(h: Any, unit: str) -> str:
+    return h.ssh(["systemctl", "show", "-p", "MainPID,ActiveState", "--", unit]).stdout
+
+
+def test_a_gpu_that_owes_a_reset_is_reset_with_its_holders_stopped_and_started(
+    lab: Any, tmp_path: Path
+) -> None:
+    h = lab.host("health-ok", name=f"hr{os.getpid() % 100000}")
+    inject(h, {"gpus": {BUS: {"reset_required": True}}})
+    try:
+        assert _reset_required(h) == "Yes"
+        before = _main_pid(h, "sglang-qwen.service")
+        proc, cells = _suite(h, tmp_path, "plan", "--check-only")
+        reset = cells["reset"]
+        assert reset["outcome"] == "would fix", (reset, proc.stdout[-3000:])
+        out = proc.stdout
+        assert (
+            f"nvidia-smi -r -i 0000{BUS}" in out
+            or f"nvidia-smi -r -i {BUS}" in out
+            or "nvidia-smi -r -i" in out
+        )
+        assert "systemctl stop -- sglang-qwen.service" in out, out[-3000:]
+        assert (
+            _main_pid(h, "sglang-qwen.service") == before and _reset_required(h) == "Yes"
+        )  # nothing touched
+
+        proc, cells = _suite(h, tmp_path, "fix")
+        assert cells["reset"]["outcome"] == "fixed", (cells["reset"], proc.stdout[-4000:])
+        assert _reset_required(h) == "No"
+        after = _main_pid(h, "sglang-qwen.service")
+        assert "ActiveState=active" in after and after != before  # stopped, then started again
+        assert "ActiveState=active" in _main_pid(h, "nvidia-persistenced.service")
+    finally:
+        inject(h, {})
+
+
+def test_a_holder_outside_the_inventorys_services_is_named_and_nothing_is_reset(
+    lab: Any, tmp_path: Path
+) -> None:
+    h = lab.host("health-ok", name=f"hq{os.getpid() % 100000}")
+    inject(h, {"gpus": {BUS: {"reset_required": True}}})
+    minor = h.ssh(
+        ["nvidia-smi", "-i", BUS, "--query-gpu=minor_number", "--format=csv,noheader"]
+    ).stdout.strip()
+    holder = h.ssh(
+        f"setsid python3 -c 'import time; f = open(\"/dev/nvidia{minor}\"); time.sleep(600)' "
+        ">/dev/null 2>&1 < /dev/null & echo $!"
+    ).stdout.strip()
+    try:
+        before = _main_pid(h, "sglang-qwen.service")
+        proc, cells = _suite(h, tmp_path, "refused")
+        reset = cells["reset"]
+        assert reset["outcome"] == "failed", reset
+        # no logind in the lab: an ssh session's process is in ssh.service, which no inventory names
+        assert f"PID {holder}" in proc.stdout and "not an inventory service" in proc.stdout, proc.stdout[
+            -3000:
+        ]
+        assert _reset_required(h) == "Yes"  # not reset
+        assert _main_pid(h, "sglang-qwen.service") == before  # the service was not stopped
+    finally:
+        h.ssh(["kill", "-9", holder])
+        inject(h, {})
+
+
+def test_a_reset_that_returns_0_but_leaves_the_gpu_in_error_is_not_counted(lab: Any, tmp_path: Path) -> None:
+    h = lab.host("health-ok", name=f"hs{os.getpid() % 100000}")
+    inject(h, {"gpus": {BUS: {"reset_required": True, "reset_sticks": True}}})
+    try:
+        proc, cells = _suite(h, tmp_path, "sticks")
+        reset = cells["reset"]
+        assert reset["outcome"] == "failed", reset
+        assert "fix did not verify" in proc.stdout and "still owed after the reset" in proc.stdout, (
+            proc.stdout[-3000:]
+        )
+        assert _reset_required(h) == "Yes"
+        assert "ActiveState=active" in _main_pid(h, "sglang-qwen.service")  # started again all the same
+    finally:
+        inject(h, {})
