@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +112,7 @@ MUTATIONS = (
         "in-place-verdict",
         "a file under an in_s3 root not proved there keeps the node from being safe",
         "suites/decommission/notes.py",
-        '    problems += [f"not proved where it already is in S3: {p} ({why})" for p, why in in_place_missing]',
+        '    problems += [f"not proved where it already is in S3: {md(p)} ({md(why)})" for p, why in in_place_missing]',
         "",
         ("tests/test_decommission_verdict.py",),
     ),
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", help="mutations to run (default: all)")
     ap.add_argument("--list", action="store_true", help="print the mutations and exit")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mutations run at once")
     args = ap.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
     unknown = set(args.names) - {m.name for m in MUTATIONS}
@@ -219,18 +221,24 @@ def main(argv: list[str] | None = None) -> int:
         for m in chosen:
             print(f"{m.name}: {m.why} ({m.path})")
         return 0
-    bad = 0
-    for m in chosen:
+
+    def one(m: Mutation) -> tuple[bool, str]:
         control, _ = run_one(m, sys.executable, control=True)
         if control != "survived":  # unmutated, the guarding tests must pass, or a kill proves nothing
-            print(
-                f"{m.name:24} {'error':10}         the guarding tests fail without the mutation ({control})"
+            return (
+                False,
+                f"{m.name:24} {'error':10}         the guarding tests fail without the mutation ({control})",
             )
-            bad += 1
-            continue
         verdict, took = run_one(m, sys.executable)
-        bad += verdict != "killed"
-        print(f"{m.name:24} {verdict:10} {took:5.1f} s  {m.why}")
+        return verdict == "killed", f"{m.name:24} {verdict:10} {took:5.1f} s  {m.why}"
+
+    # each mutation runs in a copy of its own, so they can run side by side (one per core)
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(one, chosen))
+    bad = 0
+    for ok, line in results:
+        bad += not ok
+        print(line)
     print(f"mutate: {len(chosen) - bad} of {len(chosen)} mutations killed")
     return 1 if bad else 0
 
