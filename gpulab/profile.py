@@ -71,7 +71,7 @@ IOMMU_VENDORS = ("intel", "amd")
 SNP_IDENTITY = ("ENODEV", "ENOMEM", "EINVAL", "accept", "fallback")  # Profile.snp_identity
 # Modules that take a GPU's usage count without any open file (open-gpu-kernel-modules
 # kernel-open/nvidia/nv.c nv_open_device() callers other than the char device: nvidia-uvm retains
-# GPUs it registered, nvidia-modeset/nvidia-drm keep a GPU open for KMS and fbdev; issues #1119, #1374).
+# GPUs it registered, nvidia-modeset/nvidia-drm keep a GPU open for KMS and fbdev; github.com/NVIDIA/open-gpu-kernel-modules/issues/1119 and /1374).
 KERNEL_HOLDER_MODULES = ("nvidia_uvm", "nvidia_modeset", "nvidia_drm")
 
 

@@ -21,7 +21,7 @@ def failing_smi(monkeypatch: pytest.MonkeyPatch, stdout: str, rc: int) -> None:
 
 
 def test_an_nvml_mismatch_keeps_the_line_that_says_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    # nvidia-smi prints both lines on stdout and exits 18 (mozilla/translations issue #1167)
+    # nvidia-smi prints both lines on stdout and exits 18 (github.com/mozilla/translations/issues/1167)
     failing_smi(monkeypatch, (OUTPUTS / "nvidia-smi-nvml-mismatch-580.txt").read_text(), 18)
     want = (
         "exited 18: Failed to initialize NVML: Driver/library version mismatch; NVML library version: 580.178"

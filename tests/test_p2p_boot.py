@@ -5,7 +5,7 @@ Two reboots after a repair. Stand-ins for Proxmox's pve-ha-lrm.service and pve-g
 debian/pve-ha-lrm.service, pve-manager services/pve-guests.service) record the IOMMU groups and
 drivers they see when systemd starts them: both must see the repaired state, because HA-managed
 guests are started by pve-ha-lrm, not pve-guests. Then a kernel-side holder (nvidia_uvm, as
-driver issues #1119/#1374 describe; the lab's ``ctl/kernel_holders``) set by a unit before ours
+github.com/NVIDIA/open-gpu-kernel-modules/issues/1119 and /1374 describe; the lab's ``ctl/kernel_holders``) set by a unit before ours
 makes one nvidia unbind block in the kernel: the script stops there, and its EXIT trap must bind
 the GPUs it already unbound (the script before the trap exited with them driverless).
 """
@@ -44,7 +44,7 @@ STANDINS = {
 # A kernel-side holder before our unit runs: nvidia_uvm holds GPU 1 with no open file, so its nvidia
 # unbind waits in nv_pci_remove() (kernel-open/nvidia/nv-pci.c) until the holder lets go.
 KHOLDER_UNIT = """[Unit]
-Description=lab: nvidia_uvm holds GPU 0000:18:00.0 from the kernel side (driver issues #1119, #1374)
+Description=lab: nvidia_uvm holds GPU 0000:18:00.0 from the kernel side (open-gpu-kernel-modules/issues/1119 and /1374)
 DefaultDependencies=no
 Before=gpuhost-iommu-identity.service
 [Service]

@@ -154,7 +154,7 @@ def test_first_nvidia_smi_after_rebind_waits_for_the_firmware(lab: Any, tmp_path
 
 
 def test_kernel_side_holder_is_seen_at_its_real_path(lab: Any, tmp_path: Path) -> None:
-    """nvidia_uvm holding a GPU with no open file (driver issues #1119, #1374): the lab host serves
+    """nvidia_uvm holding a GPU with no open file (open-gpu-kernel-modules/issues/1119 and /1374): the lab host serves
     /sys/module at its real path (gpulab/boot.py), the suite reads the count there and stops with "needs a reboot path" before it stops, signals or unbinds anything."""
     host = lab.host("proxmox-rtx6000")
     host.reset()

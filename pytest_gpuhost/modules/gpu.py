@@ -203,7 +203,7 @@ def kernel_holders(files: dict[str, str | None], held: set[str] | dict[str, int]
     two per descriptor is the kernel's for certain (a descriptor is at most one open file, so a
     healthy CUDA host is never refused); a bare set of files cannot tell, and only a refcnt with no
     process holding /dev/nvidia-uvm is reported. nvidia-uvm retains GPUs without an open file too
-    (NVIDIA open-gpu-kernel-modules issues #1119, #1374).
+    (github.com/NVIDIA/open-gpu-kernel-modules/issues/1119 and /1374).
     """
     counts = held if isinstance(held, dict) else {f: 1 for f in held}
     out = []

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpuhost.modules.health import checks as hm
-from pytest_gpuhost.modules.health.xid import reset_signals
+from pytest_gpuhost.modules.health.xid import bus_key, reset_signals
 from pytest_gpuhost.modules.process import ProcessTable, driver_daemon
 from pytest_gpuhost.modules.service import Service
 from pytest_gpuhost.run import evidence
@@ -57,15 +57,9 @@ _UNIT = re.compile(r"/([^/]+\.service)$")
 
 
 def _key(bdf: Any) -> str:
-    text = str(bdf or "").lower()
-    parts = text.split(":")
-    if len(parts) == 3 and "." in parts[2]:
-        parts[2] = parts[2].split(".")[0]
-    if len(parts) == 2:
-        parts.insert(0, "0000")
-    if parts and len(parts[0]) > 4:
-        parts[0] = parts[0][-4:]  # nvidia-smi's 00000000 domain
-    return ":".join(parts)
+    """xid.bus_key, with nvidia-smi's 8-digit domain (00000000:14:00.0) folded to the kernel's 4."""
+    domain, _, rest = bus_key(bdf).partition(":")
+    return f"{domain[-4:]}:{rest}" if rest else domain
 
 
 def owed_resets(facts: Mapping[str, Any], thresholds: Any) -> dict[str, list[str]]:

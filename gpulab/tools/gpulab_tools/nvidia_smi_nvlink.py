@@ -6,10 +6,10 @@ line per link and counter, ``Link N: COUNTER: VALUE``. Two counter sets (docs/he
 
 - NVLink 2-4 (V100 .. H100/H200): ``Replay Errors``, ``Recovery Errors``, ``CRC Errors``, a blank
   line between links (stas00/ml-engineering compute/accelerator/nvidia/debug.md, an H100 capture;
-  NVIDIA/srt-slurm PR 307 shows the same lines).
+  github.com/NVIDIA/srt-slurm/pull/307 shows the same lines).
 - NVLink 5 (Blackwell): the packet and link errors, link-recovery events, BER and the FEC
   histogram (the field set DCGM exposes as ``DCGM_FI_DEV_NVLINK_COUNT_*`` on GB200,
-  NVIDIA/dcgm-exporter issue 581; the names as nvidia-smi prints them in captures from B300
+  github.com/NVIDIA/dcgm-exporter/issues/581; the names as nvidia-smi prints them in captures from B300
   nodes on driver 595.91.07). ``Total link recovery events`` is the sum of the successful and
   failed ones; BER ``15e-255`` is the floor (no error).
 

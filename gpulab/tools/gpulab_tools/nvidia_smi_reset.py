@@ -4,7 +4,7 @@ What the real one does, and what this emulates:
 
 - It refuses a GPU any process holds open, nvidia-persistenced and persistence mode included
   (``nvidia-smi(1)``, ``-r``: "There can't be any applications using these devices"); it prints
-  what NVIDIA's own reset job met on an A100 host (NVIDIA/NVSentinel issue 1690):
+  what NVIDIA's own reset job met on an A100 host (github.com/NVIDIA/NVSentinel/issues/1690):
   ``The following GPUs could not be reset:`` / ``  GPU 00000000:1A:00.0: In use by another client``
   and a paragraph naming the kinds of clients, exit 255.
 - A reset clears the GPU's hardware and software state ("Can be used to clear GPU HW and SW

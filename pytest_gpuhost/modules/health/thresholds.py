@@ -151,9 +151,9 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "memory_temp_max": None,
         "h2d_gbps_min": None,
         "source": "export-limited H100 SXM: NVLink 400 GB/s = 8 NVLink 4 links of 50 GB/s (`nvidia-smi "
-        "topo -m` of 8x H800 prints NV8 between every pair, vllm-project/vllm issue 40755; NVLink 400 "
-        "GB/s: ai-dynamo/aiconfigurator PR 968); on NVSwitches with a Fabric section in `nvidia-smi "
-        "-q` (NVIDIA/DCGM issue 120); PCIe Gen5 x16 and the HBM limit: not verified",
+        "topo -m` of 8x H800 prints NV8 between every pair, github.com/vllm-project/vllm/issues/40755; NVLink 400 "
+        "GB/s: github.com/ai-dynamo/aiconfigurator/pull/968); on NVSwitches with a Fabric section in `nvidia-smi "
+        "-q` (github.com/NVIDIA/DCGM/issues/120); PCIe Gen5 x16 and the HBM limit: not verified",
     },
     "H20": {
         **_HOPPER_SXM,

@@ -48,6 +48,7 @@ from typing import Any
 
 __all__ = [
     "ACTIONS",
+    "bus_key",
     "FAILING",
     "OWED",
     "RESET_SIGNALS",
@@ -208,7 +209,7 @@ def is_ignored(e: Mapping[str, Any], ignore: Collection[int]) -> bool:
 RESET_SIGNALS: tuple[str, ...] = ("reset_required", "remap_pending", "nvml_reset_required", "recovery_action")
 
 
-def _bus_key(bdf: Any) -> str:
+def bus_key(bdf: Any) -> str:
     """Return "dddd:bb:dd" of a PCI address in either form (Xid lines omit the function)."""
     text = str(bdf or "").lower()
     parts = text.split(":")
@@ -235,7 +236,7 @@ def reset_signals(facts: Mapping[str, Any]) -> dict[str, dict[str, int | None]]:
             errors = g.get("cell_errors") if isinstance(g.get("cell_errors"), Mapping) else {}
             req = g.get("reset_status.reset_required")
             asks = recovery_action(g.get("gpu_recovery_action"))
-            out[_bus_key(g.get("bdf"))] = {
+            out[bus_key(g.get("bdf"))] = {
                 "reset_required": req if req in (0, 1) else None,
                 "nvml_reset_required": 1 if "GPU requires reset" in (errors or {}).values() else 0,
                 "remap_pending": None,
@@ -246,7 +247,7 @@ def reset_signals(facts: Mapping[str, Any]) -> dict[str, dict[str, int | None]]:
         for bdf, row in (remap.get("gpus") or {}).items():
             pending = row.get("remapped_rows.pending") if isinstance(row, Mapping) else None
             if pending in (0, 1):
-                out.setdefault(_bus_key(bdf), dict.fromkeys(RESET_SIGNALS))["remap_pending"] = pending
+                out.setdefault(bus_key(bdf), dict.fromkeys(RESET_SIGNALS))["remap_pending"] = pending
     return out
 
 
@@ -296,7 +297,7 @@ def settle(
         if boot is not None and entry.get("boot_id") not in (None, boot):
             done.append({**entry, "by": "reboot"})
             continue
-        sig = signals.get(_bus_key(entry.get("bdf"))) or {}
+        sig = signals.get(bus_key(entry.get("bdf"))) or {}
         marks = sorted(set(entry.get("marks") or []) | {k for k, v in sig.items() if v == 1})
         if (
             entry.get("action") in _GPU_SETTLED
@@ -314,7 +315,7 @@ def settle(
         code = int(e.get("code", -1))
         action, _ = event_action(e)
         if action in OWED and not is_ignored(e, skip):
-            sig = signals.get(_bus_key(e.get("bdf"))) or {}
+            sig = signals.get(bus_key(e.get("bdf"))) or {}
             owed.append(
                 {
                     "code": code,
