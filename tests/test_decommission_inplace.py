@@ -107,3 +107,26 @@ def test_data_already_in_s3_is_proved_there_not_copied(b200, s3_endpoint, tmp_pa
     rc, out, counts = _run(argv, env)
     assert rc != 0, out
     assert "NOT safe to terminate" in out and kms in out and "aws:kms" in out, out
+
+    # --in-s3-send-to=backup-to: what is not proved in place (the KMS object, one more deleted)
+    # goes under --backup-to as a category marked s3 would, and the pipeline's bucket is untouched
+    also_gone = str(files[4].relative_to(pipeline))
+    client.delete_object(Bucket=bucket, Key=f"dflash/{also_gone}")
+    rc, out, counts = _run([*argv, "--in-s3-send-to=backup-to"], env)
+    assert rc == 0, out
+    node_keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="node/data/").get("Contents", [])}
+    assert node_keys == {f"node/data/data/data/{kms}", f"node/data/data/data/{also_gone}"}, node_keys
+    for rel in (kms, also_gone):
+        head = client.head_object(Bucket=bucket, Key=f"node/data/data/data/{rel}", ChecksumMode="ENABLED")
+        assert head["ChecksumSHA256"], head
+    assert client.head_object(Bucket=bucket, Key=f"dflash/{kms}").get("ServerSideEncryption") == "aws:kms"
+    assert "KeyCount" in client.list_objects_v2(Bucket=bucket, Prefix=f"dflash/{also_gone}")
+    assert client.list_objects_v2(Bucket=bucket, Prefix=f"dflash/{also_gone}")["KeyCount"] == 0
+    notes = (dest / "NOTES.md").read_text()
+    assert f"sent under --backup-to s3://{bucket}/node" in notes and "aws:kms" in notes, notes
+    # the same run once more sends nothing: everything is proved, in place or under --backup-to
+    rc, out, counts = _run([*argv, "--in-s3-send-to=backup-to"], env)
+    assert rc == 0 and counts.get("passed") == 7, out
+    # and without the flag the node is not safe again: the bucket still lacks the file
+    rc, out, counts = _run(argv, env)
+    assert rc != 0 and kms in out, out

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
         (["--backup-to=s3://b/p", "--s3-endpoint=localhost:9000"], "expected http(s)://HOST[:PORT]"),
         (["--s3-endpoint=http://127.0.0.1:9000"], "without --backup-to"),
         (["-o", "decommission_s3_part_mib=1"], "at least 5 MiB"),
+        (["--in-s3-send-to=bucket"], "expected one of location, backup-to"),
+        (["--in-s3-send-to=backup-to"], "backup-to needs --backup-to"),
     ],
 )
 def test_bad_option_is_a_usage_error(args, message):

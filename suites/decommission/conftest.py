@@ -74,19 +74,26 @@ def pytest_configure(config: pytest.Config) -> None:
     if not manifest_path or config.option.collectonly or hasattr(config, "workerinput"):
         return  # no manifest: the steps say so; --co touches nothing; xdist: the controller checked
     endpoint, _ = options.get(config, "s3_endpoint")
-    problems = s3_problems(s3_destinations(load_manifest(manifest_path), list(urls.values())), endpoint)
+    send_to, _ = options.get(config, "in_s3_send_to")
+    dests = s3_destinations(
+        load_manifest(manifest_path), list(urls.values()), in_s3_to_backup_to=send_to == "backup-to"
+    )
+    problems = s3_problems(dests, endpoint)
     if problems:
         raise pytest.UsageError("\n".join(f"gpuhost: {p}" for p in problems))
 
 
-def s3_destinations(manifest: Manifest, backup_to: list[str]) -> list[tuple[str, str]]:
+def s3_destinations(
+    manifest: Manifest, backup_to: list[str], *, in_s3_to_backup_to: bool = False
+) -> list[tuple[str, str]]:
     """Return (s3:// URL, how the operator named it) of every S3 location the run will use, once each.
 
-    `--backup-to` (each target's URL) when a category is marked s3 ("--backup-to s3://B/P"),
-    and each category's `in_s3` locations ("in_s3 s3://B/P of category data").
+    `--backup-to` (each target's URL) when a category is marked s3, or when in_s3 files not
+    proved in place go there (`--in-s3-send-to=backup-to`) ("--backup-to s3://B/P"), and each
+    category's `in_s3` locations ("in_s3 s3://B/P of category data").
     """
     out: list[tuple[str, str]] = []
-    if any(c.s3 for c in manifest.categories):
+    if any(c.s3 or (in_s3_to_backup_to and c.in_s3) for c in manifest.categories):
         out += [(url, f"--backup-to {url}") for url in dict.fromkeys(backup_to)]
     for cat in manifest.categories:
         out += [
@@ -136,6 +143,7 @@ def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterato
         gpu_idle_timeout=float(manifest.options.get("gpu_idle_timeout", 30)),
         stall_timeout=options.tuning(pytestconfig, "decommission_stall_timeout"),
         part_size=int(options.tuning(pytestconfig, "decommission_s3_part_mib") * 1024 * 1024),
+        in_s3_send_to=options.get(pytestconfig, "in_s3_send_to")[0] or "location",
     )
     yield d
     d.finish()

@@ -1,10 +1,13 @@
 """Files the node's own pipeline already put in S3 (manifest `in_s3`): what step 5 sends back.
 
 A file under an in_s3 root that is missing there or differs was copied to the local backup by
-step 4 (verified on arrival like every other file); step 5 sends it to its own key under the
-root's location, with its SHA-256 as the S3 checksum, and proves it there again. A file that
-cannot be verified in place is never overwritten: it stays an item of the verdict, named with
-what would verify it.
+step 4 (verified on arrival like every other file). With `--in-s3-send-to=location` (the
+default) step 5 sends it to its own key under the root's location, with its SHA-256 as the S3
+checksum, and proves it there again; a file that cannot be verified in place is never
+overwritten: it stays an item of the verdict, named with what would verify it. With
+`--in-s3-send-to=backup-to` every file not proved in place (missing, different, or not
+verifiable there) goes under --backup-to instead, as a file of a category marked s3 would, and
+is proved there by the checksum this run sent; the object in place is left as it is.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from collections.abc import Sequence
 
 from pytest_gpuhost.modules.backup.inplace import InPlaceResult, Proof
 from pytest_gpuhost.modules.backup.local import Backup
-from pytest_gpuhost.modules.backup.s3 import S3Item
+from pytest_gpuhost.modules.backup.s3 import S3Item, item_for
 
-__all__ = ["not_proved", "sends"]
+__all__ = ["not_proved", "sends", "to_backup_to"]
 
 
 def sends(
@@ -39,3 +42,17 @@ def sends(
 def not_proved(result: InPlaceResult | None) -> Sequence[Proof]:
     """The files under in_s3 roots that are not proved where they are."""
     return [p for p in result.proofs if not p.ok] if result is not None else []
+
+
+def to_backup_to(result: InPlaceResult | None, backup: Backup) -> tuple[list[S3Item], list[tuple[str, str]]]:
+    """Return (the --backup-to items of the files not proved in place, (path, why) of those not in
+    the local backup yet). The items have --backup-to's own layout (PREFIX/<rel>)."""
+    items: list[S3Item] = []
+    unverified: list[tuple[str, str]] = []
+    for p in not_proved(result):
+        rec = backup.state.items.get(p.file.key)
+        if rec is None or rec.get("s") is None or "sha256" not in rec:
+            unverified.append((p.file.display, f"{p.how}; not in the local backup yet"))
+            continue
+        items.append(item_for(p.file, rec))
+    return items, unverified

@@ -8,13 +8,11 @@ from collections.abc import Mapping, Sequence
 
 from pytest_gpuhost.exec.s3io import s3_problem
 from pytest_gpuhost.modules.backup.local import Listing
-from pytest_gpuhost.modules.backup.s3 import items_from_backup
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
-from . import in_s3
 from .state import DecommissionState
 
 __all__ = ["STEPS", "NotesSteps", "cell", "md", "verdict"]
@@ -191,8 +189,11 @@ class NotesSteps(DecommissionState):
         )
         bad = [p for p in r.proofs if not p.ok]
         if bad:
+            elsewhere = (
+                f"; sent under --backup-to {self.s3.url}" if self.in_s3_to_backup_to() and self.s3 else ""
+            )
             out += ["", f"### Not proved there ({len(bad)})", ""]
-            out += [f"- `{md(p.file.display)}` ({md(p.url)}): {md(p.how)}" for p in bad[:200]]
+            out += [f"- `{md(p.file.display)}` ({md(p.url)}): {md(p.how)}{md(elsewhere)}" for p in bad[:200]]
         shown = [p for p in r.proofs if p.ok][:200]
         out += ["", "### How each file was proved", ""]
         out += [f"- `{md(p.file.display)}`: {md(p.how)}" for p in shown]
@@ -270,9 +271,9 @@ class NotesSteps(DecommissionState):
             s3_missing: list[tuple[str, str]] = []
             open_uploads: list[str] = []
             s3_unreadable: list[str] = []
-            if self.s3_cats() and self.s3 is not None:
+            if (self.s3_cats() or self.in_s3_to_backup_to()) and self.s3 is not None:
                 try:
-                    items, unverified = items_from_backup(self.backup, listing)
+                    items, unverified = self.backup_to_items(listing)
                     s3_missing = [*unverified, *self.s3_upload.verify(items)]
                     open_uploads = [k for k, _ in self.s3_upload.open_uploads()]
                 except Exception as exc:  # noqa: BLE001 - a problem line, never a traceback wall
@@ -285,7 +286,7 @@ class NotesSteps(DecommissionState):
                 s3_configured=self.s3 is not None,
                 s3_missing=s3_missing,
                 open_uploads=open_uploads,
-                in_place_missing=[(p.file.display, p.how) for p in in_s3.not_proved(self._in_place)],
+                in_place_missing=[(p.file.display, p.how) for p in self.in_place_outstanding()],
                 s3_unreadable=s3_unreadable,
             )
             if problems:

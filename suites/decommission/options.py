@@ -13,7 +13,7 @@ import pytest
 
 from pytest_gpuhost.run.options import BadValue, Option, number, read, register, seconds
 
-__all__ = ["OPTIONS", "TUNING", "addoption", "get", "tuning", "validate"]
+__all__ = ["OPTIONS", "SEND_TO", "TUNING", "addoption", "get", "tuning", "validate"]
 
 
 def _manifest(raw: Any) -> str:
@@ -59,6 +59,17 @@ def _part_mib(raw: Any) -> float:
     return value
 
 
+def _send_to(raw: Any) -> str:
+    value = str(raw).strip()
+    if value not in SEND_TO:
+        raise BadValue(f"expected one of {', '.join(SEND_TO)}")
+    return value
+
+
+#: Where a file under an in_s3 root goes when it is not proved there (`--in-s3-send-to`).
+SEND_TO = ("location", "backup-to")
+
+
 def _opt(name: str, flag: str | None, help: str, **kw: Any) -> Option:
     return Option(f"decommission_{name}", flag, help, **kw)
 
@@ -88,9 +99,18 @@ S3_ENDPOINT = _opt(
     "URL of an S3-compatible endpoint (default: AWS, from boto3's configuration)",
     parse=_endpoint,
 )
+IN_S3_SEND_TO = _opt(
+    "in_s3_send_to",
+    "--in-s3-send-to",
+    "where a file under an in_s3 root goes when it is missing there, differs or cannot be verified "
+    "there: location (its own key there; never over an object that cannot be verified) or "
+    "backup-to (under --backup-to, like a category marked s3) (default {default})",
+    parse=_send_to,
+    default="location",
+)
 
 #: Every option with a flag (and its ini twin).
-OPTIONS: tuple[Option, ...] = (MANIFEST, BACKUP_DIR, BACKUP_TO, S3_ENDPOINT)
+OPTIONS: tuple[Option, ...] = (MANIFEST, BACKUP_DIR, BACKUP_TO, S3_ENDPOINT, IN_S3_SEND_TO)
 
 STALL_TIMEOUT = _opt(
     "stall_timeout",
@@ -139,3 +159,6 @@ def validate(config: pytest.Config) -> None:
     endpoint, source = read(config, S3_ENDPOINT)
     if endpoint and not read(config, BACKUP_TO)[0]:
         raise source.error("without --backup-to: say where to upload (s3://BUCKET/PREFIX)")
+    send_to, source = read(config, IN_S3_SEND_TO)
+    if send_to == "backup-to" and not read(config, BACKUP_TO)[0]:
+        raise source.error("backup-to needs --backup-to=s3://BUCKET/PREFIX")

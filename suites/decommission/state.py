@@ -23,9 +23,11 @@ from pytest_gpuhost.modules.backup.local import (
     Manifest,
     Progress,
 )
-from pytest_gpuhost.modules.backup.s3 import S3Location, S3Upload, parse_s3_url
+from pytest_gpuhost.modules.backup.s3 import S3Item, S3Location, S3Upload, items_from_backup, parse_s3_url
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.run.procedure import Procedure
+
+from . import in_s3
 
 __all__ = ["APPS_QUERY", "GPU_QUERY", "DecommissionState", "csv_rows", "mb"]
 
@@ -67,6 +69,7 @@ class DecommissionState(Procedure):
         gpu_idle_timeout: float = 30.0,
         stall_timeout: float = 60.0,
         part_size: int | None = None,
+        in_s3_send_to: str = "location",
         progress: Callable[[Progress], None] | None = None,
         record: Callable[[str, Any], None] | None = None,
         measure: Callable[..., None] | None = None,
@@ -83,6 +86,7 @@ class DecommissionState(Procedure):
         self.gpu_idle_timeout = gpu_idle_timeout
         self.stall_timeout = stall_timeout
         self.part_size = part_size
+        self.in_s3_send_to = in_s3_send_to  # "location" or "backup-to" (--in-s3-send-to)
         self.progress = progress
         self.record_state = record  # evidence.state
         self.record_measure = measure  # evidence.measure
@@ -266,6 +270,28 @@ class DecommissionState(Procedure):
         if self.in_place_cats():
             self.check_in_place(listing)
         return listing, self.local_view(listing)
+
+    def in_s3_to_backup_to(self) -> bool:
+        """Whether files under in_s3 roots that are not proved there go under --backup-to."""
+        return self.in_s3_send_to == "backup-to" and bool(self.in_place_cats())
+
+    def backup_to_items(self, listing: Listing) -> tuple[list[S3Item], list[tuple[str, str]]]:
+        """The S3 items to have under --backup-to, and (path, why) of those not in the local backup.
+
+        The categories marked s3; with `--in-s3-send-to=backup-to`, also every file under an in_s3
+        root that this run's in-place check did not prove, in the same layout (PREFIX/<rel>).
+        """
+        items, unverified = items_from_backup(self.backup, listing) if self.s3_cats() else ([], [])
+        if self.in_s3_to_backup_to():
+            more, missing = in_s3.to_backup_to(self._in_place, self.backup)
+            items, unverified = [*items, *more], [*unverified, *missing]
+        return items, unverified
+
+    def in_place_outstanding(self) -> list[Proof]:
+        """The in_s3 files the verdict still owes a proof: not proved where they are, and (with
+        `--in-s3-send-to=location`) not covered elsewhere. With backup-to, --backup-to's own
+        check of each object (`backup_to_items`) proves them instead."""
+        return [] if self.in_s3_to_backup_to() else list(in_s3.not_proved(self._in_place))
 
     def in_place_summary(self) -> dict[str, Any]:
         """Counts of the latest in-place check, for the evidence (empty when there is none)."""

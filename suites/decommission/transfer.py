@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_gpuhost.modules.backup.local import BackupPlan, RemoteFile
-from pytest_gpuhost.modules.backup.s3 import item_for, items_from_backup
+from pytest_gpuhost.modules.backup.local import BackupPlan, Listing, RemoteFile
+from pytest_gpuhost.modules.backup.s3 import item_for
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
@@ -192,8 +192,9 @@ class TransferSteps(DecommissionState):
 
         box: dict[str, Any] = {}
 
-        def backup_to() -> tuple[bool, str, dict[str, Any]]:
-            """The categories marked s3, under --backup-to."""
+        def backup_to(listing: Listing | None) -> tuple[bool, str, dict[str, Any]]:
+            """The categories marked s3 (and, with --in-s3-send-to=backup-to, the in_s3 files not
+            proved in place), under --backup-to."""
             if self.s3 is None:
                 return (
                     False,
@@ -201,8 +202,7 @@ class TransferSteps(DecommissionState):
                     "--backup-to=s3://BUCKET/PREFIX",
                     {"categories": self.s3_cats()},
                 )
-            listing = self.backup.walk()
-            items, unverified = items_from_backup(self.backup, listing)
+            items, unverified = self.backup_to_items(listing or self.backup.walk())
             up = self.s3_upload
             plan = up.plan(items)
             open_uploads = up.open_uploads()
@@ -224,8 +224,13 @@ class TransferSteps(DecommissionState):
             return False, summary, state
 
         def in_place() -> tuple[bool, str, dict[str, Any]]:
-            """The files under in_s3 roots: proved there, or to be sent back there."""
-            self.walk_local()
+            """The files under in_s3 roots: proved there, or to be sent back there (or, with
+            --in-s3-send-to=backup-to, counted under --backup-to by `backup_to`)."""
+            if self.in_s3_to_backup_to():
+                bad = in_s3.not_proved(self._in_place)
+                n = len(self._in_place.proofs) if self._in_place else 0
+                state = dict(self.in_place_summary(), sent_to="--backup-to")
+                return True, f"{n - len(bad)} files proved in place, {len(bad)} go under --backup-to", state
             to_send, unverified = in_s3.sends(self._in_place, self.backup)
             box.update(sends=to_send, send_unverified=unverified)
             bad = in_s3.not_proved(self._in_place)
@@ -246,8 +251,9 @@ class TransferSteps(DecommissionState):
 
         def check() -> Check:
             parts = []
-            if self.s3_cats():
-                parts.append(("backup_to", *backup_to()))
+            listing = self.walk_local()[0] if self.in_place_cats() else None
+            if self.s3_cats() or self.in_s3_to_backup_to():
+                parts.append(("backup_to", *backup_to(listing)))
             if self.in_place_cats():
                 parts.append(("in_place", *in_place()))
             if not parts:
@@ -315,7 +321,7 @@ class TransferSteps(DecommissionState):
             if unverified:
                 head = ", ".join(p for p, _ in unverified[:5])
                 raise ProcedureError(f"{len(unverified)} files are not in the verified local backup: {head}")
-            if self.s3_cats():
+            if self.s3_cats() or self.in_s3_to_backup_to():
                 if self.s3 is None:
                     raise ProcedureError("no --backup-to=s3://BUCKET/PREFIX given")
                 upload(self.s3_upload, box["plan"], self.s3.url)
@@ -326,7 +332,7 @@ class TransferSteps(DecommissionState):
         def verify() -> Check:
             problems: list[str] = []
             n = 0
-            if self.s3_cats():
+            if self.s3_cats() or self.in_s3_to_backup_to():
                 assert self.s3 is not None
                 missing = self.s3_upload.verify(box["items"])
                 open_uploads = self.s3_upload.open_uploads()
@@ -335,8 +341,7 @@ class TransferSteps(DecommissionState):
                 n += len(box["items"])
             if self.in_place_cats():
                 self.walk_local()
-                bad = in_s3.not_proved(self._in_place)
-                problems += [f"{p.file.display} ({p.how})" for p in bad]
+                problems += [f"{p.file.display} ({p.how})" for p in self.in_place_outstanding()]
                 n += len(self._in_place.proofs) if self._in_place else 0
             if problems:
                 return Check(
