@@ -157,6 +157,16 @@ MUTATIONS = (
         ("tests/test_backup_hostile.py::test_unreadable_paths_are_items_and_excludes_drop_them",),
     ),
     Mutation(
+        "listing-vanished-paths",
+        "a listed file that could not be copied (vanished, unreadable) is an item, never dropped",
+        "pytest_gpuhost/modules/backup/verdict.py",
+        '            missing.append(Item(f.display, f"not copied: {why}" if why else "never copied"))',
+        "            pass",
+        (
+            "tests/test_backup_hostile.py::test_a_file_that_vanishes_after_the_listing_is_an_item_until_the_rerun",
+        ),
+    ),
+    Mutation(
         "node-ctime-quick-check",
         "a node file changed with its size and mtime put back is hashed again, not trusted",
         "pytest_gpuhost/modules/backup/verdict.py",

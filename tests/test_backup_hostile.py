@@ -98,6 +98,26 @@ def test_unreadable_paths_are_items_and_excludes_drop_them(nobody_conn, world_di
     assert b.verify(listing) == []
 
 
+def test_a_file_that_vanishes_after_the_listing_is_an_item_until_the_rerun(conn, tmp_path):
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.mkdir()
+    (src / "stays.txt").write_bytes(b"stays")
+    (src / "gone.txt").write_bytes(b"gone")
+    b = Backup(conn, manifest_for(src), dest)
+    listing = b.walk()
+    (src / "gone.txt").unlink()  # after the listing, before the copy
+    b.run(b.plan(listing))
+    items = dict(b.verify(listing))
+    assert items == {str(src / "gone.txt"): "not copied: not read on the node: vanished since the listing"}, (
+        items
+    )
+    # the next listing does not hold it: nothing is owed for a file that is no longer there
+    b = Backup(conn, manifest_for(src), dest)
+    listing = b.walk()
+    assert b.run(b.plan(listing)).ok
+    assert b.verify(listing) == []
+
+
 def test_directory_swapped_for_symlink_reads_nothing_outside(conn, tmp_path):
     src, dest = tmp_path / "src", tmp_path / "dest"
     (src / "sub").mkdir(parents=True)
