@@ -92,7 +92,7 @@ def test_xid_caused_by_a_previous_xid_is_judged_by_the_cause() -> None:
     xid = events(capture("kernlog-xid45-caused-by-previous.txt"))
     assert len(xid) == 7 and {e["code"] for e in xid} == {45}
     assert [e.get("cause") for e in xid[:2]] == [149, 145]
-    assert hm_xid.event_action(xid[0]) == ("check_fabric", "NVLINK: NETIR error (caused by Xid 149)")
+    assert hm_xid.event_action(xid[0]) == ("check_fabric", "NVLINK: NETIR Error (caused by Xid 149)")
     v = judge(kernel_facts(xid))
     assert not v.ok and v.state["action"] == "check_fabric"
     assert "caused by previous Xid 149" in " ".join(v.reasons)

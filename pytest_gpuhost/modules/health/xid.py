@@ -1,8 +1,10 @@
 """NVIDIA's Xid catalogue: the action each Xid asks for, and the reset/reboot a node still owes.
 
-Pure logic, no I/O. The actions follow NVIDIA's Xid documentation ("Xid Errors",
-docs.nvidia.com/deploy/xid-errors/, its table of Xids with the immediate action / resolution:
-restart the application, reset the GPU, reboot the node, check NVLink / the fabric, or nothing).
+Pure logic, no I/O. The actions follow NVIDIA's Xid catalogue ("Xid Errors",
+docs.nvidia.com/deploy/xid-errors/, each Xid's immediate resolution bucket: RESTART_APP,
+RESET_GPU, RESTART_BM, IGNORE, ...), generated into xid_catalogue.py by
+scripts/gen_xid_catalogue.py (its BUCKET_ACTIONS maps each bucket to one of `ACTIONS`), with a few
+codes decided here instead (`OVERRIDES`). An Xid in no catalogue is "unknown" and fails the node.
 An Xid asking for a GPU reset or a reboot leaves the node *owing* that action: `settle` keeps it
 in the health state (health_facts.commit_state) across nights until the host shows the action
 happened:
@@ -46,10 +48,13 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from pytest_gpuhost.modules.health.xid_catalogue import CATALOGUE
+
 __all__ = [
     "ACTIONS",
     "bus_key",
     "FAILING",
+    "OVERRIDES",
     "OWED",
     "RESET_SIGNALS",
     "XID_CATALOGUE",
@@ -82,41 +87,31 @@ OWED = frozenset({"drain_p2p", "reset_gpu", "reboot"})
 #: Owed actions a GPU's own signals can settle (a reboot settles every one).
 _GPU_SETTLED = frozenset({"drain_p2p", "reset_gpu"})
 
-#: code -> (action, NVIDIA's name for the Xid).
-XID_CATALOGUE: Mapping[int, tuple[str, str]] = {
-    13: ("restart_app", "Graphics Engine Exception"),
-    31: ("restart_app", "GPU memory page fault"),
-    43: ("restart_app", "GPU stopped processing"),
-    45: ("none", "Preemptive cleanup, due to previous errors"),
-    48: ("reset_gpu", "Double Bit ECC Error"),
-    61: ("reset_gpu", "Internal micro-controller breakpoint/warning"),
-    62: ("reset_gpu", "Internal micro-controller halt"),
-    63: ("reset_gpu", "ECC page retirement or row remapping recording event"),
-    64: ("reset_gpu", "ECC page retirement or row remapper recording failure"),
-    68: ("restart_app", "NVDEC0 Exception"),
-    74: ("check_fabric", "NVLINK Error"),
-    79: ("reboot", "GPU has fallen off the bus"),
-    92: ("none", "High single-bit ECC error rate"),
-    94: ("restart_app", "Contained ECC error"),
-    95: ("reset_gpu", "Uncontained ECC error"),
-    109: ("restart_app", "Context Switch Timeout Error"),
-    119: ("reset_gpu", "GSP RPC Timeout"),
-    120: ("reset_gpu", "GSP Error"),
-    140: ("reset_gpu", "Unrecovered ECC Error"),
-    144: ("check_fabric", "NVLINK: SAW MVB error"),
-    145: ("check_fabric", "NVLINK: RLW error"),
-    146: ("check_fabric", "NVLINK: TLW error"),
-    147: ("check_fabric", "NVLINK: TREX error"),
-    148: ("check_fabric", "NVLINK: NVLPW_CTRL error"),
-    149: ("check_fabric", "NVLINK: NETIR error"),
-    150: ("check_fabric", "NVLINK: MSE error"),
-    154: ("reset_gpu", "GPU Recovery Action Changed"),
+#: Codes where this project decides against NVIDIA's bucket: code -> (action, why). Applied on top
+#: of the generated catalogue (xid_catalogue.py); every other code follows its bucket.
+OVERRIDES: Mapping[int, tuple[str, str]] = {
+    # The catalogue calls 61 unused (CONTACT_SUPPORT: failing one night only). Drivers that still
+    # log it report a halted internal micro-controller (PMU breakpoint), which NVIDIA's Xid table
+    # before the catalogue answered with a GPU reset: owed until the GPU is reset.
+    61: ("reset_gpu", "internal micro-controller breakpoint: the GPU needs a reset"),
+    # The catalogue ignores 63 (the remap event itself is benign), but a recorded row remap or
+    # page retirement applies only at the next GPU reset (NVIDIA "GPU Memory Error Management"):
+    # owed until the GPU's remap-pending signal clears, as reset_signals reads it.
+    63: ("reset_gpu", "a recorded row remap applies only at the next GPU reset"),
+}
+
+#: code -> (action, NVIDIA's name, NVIDIA's immediate resolution bucket): the generated catalogue
+#: (scripts/gen_xid_catalogue.py) with OVERRIDES applied.
+XID_CATALOGUE: Mapping[int, tuple[str, str, str]] = {
+    code: (OVERRIDES[code][0] if code in OVERRIDES else action, name, bucket)
+    for code, (action, name, bucket) in CATALOGUE.items()
 }
 
 
 def action_of(code: int) -> tuple[str, str]:
     """Return (action, name) of an Xid code; an Xid not in the catalogue is ("unknown", "")."""
-    return XID_CATALOGUE.get(int(code), ("unknown", ""))
+    action, name, _ = XID_CATALOGUE.get(int(code), ("unknown", "", ""))
+    return action, name
 
 
 #: NVML's GPU recovery action (nvml.h `nvmlDeviceGpuRecoveryAction_t`) -> the action owed.
