@@ -3,8 +3,8 @@
 Hypothesis generates small trees with hostile names (spaces, newlines, `$(...)`, quotes,
 non-UTF-8 bytes, 255-byte names) and faults: an unreadable directory or file (the agent runs as
 `nobody`, as in test_backup_hostile), a directory swapped for a link out of the tree after the
-listing, a file vanished or turned into a FIFO after the listing, a file growing while it is
-copied, a local path too long, a node file or its local copy changed between runs with its size
+listing, a file vanished or turned into a FIFO after the listing, a file growing or rewritten
+in place (mtime put back) while it is copied, a local path too long, a node file or its local copy changed between runs with its size
 and mtime put back, and two nodes whose destinations come from one template.  The
 verdict is the suite's own (`suites.decommission.notes.verdict`, a pure function) fed as its
 safe-to-terminate step feeds it: a fresh listing, `Backup.verify`, and for S3 the local items,
@@ -174,6 +174,7 @@ class Case:
     vanished: list[bytes] = field(default_factory=list)  # unlinked after the listing
     fifos: list[bytes] = field(default_factory=list)  # file -> FIFO after the listing
     grown: list[bytes] = field(default_factory=list)  # appended after the listing and while copied
+    rewritten: list[bytes] = field(default_factory=list)  # rewritten in place while copied, mtime put back
     put_back: list[bytes] = field(default_factory=list)  # rewritten between runs, size and mtime put back
     local_altered: list[bytes] = field(default_factory=list)  # its copy edited between runs, likewise
     too_long: bool = False  # a chain whose local path is over PATH_MAX
@@ -208,6 +209,7 @@ def cases(draw: st.DrawFn) -> Case:
     case.vanished = take(files, draw(one_in(4)))
     case.fifos = take(files, draw(one_in(4)))
     case.grown = take(files, draw(one_in(4)))
+    case.rewritten = take(files, draw(one_in(4)))
     case.put_back = take(files, draw(one_in(4)))
     case.local_altered = take(files, draw(one_in(4)))
     return case
@@ -363,8 +365,9 @@ def _after_listing(case: Case, src: bytes, d: Path) -> None:
         os.symlink(outside, src + b"/" + rel)
 
 
-def _put_back(path: bytes) -> None:
-    """Flip the first byte of a non-empty file in place, then set atime and mtime back (`touch -r`)."""
+def _put_back(path: bytes, mask: int = 0x5A) -> None:
+    """Flip the first byte of a non-empty file in place (XOR mask), then set atime and mtime back
+    (`touch -r`)."""
     try:
         st_before = os.stat(path, follow_symlinks=False)
     except OSError:
@@ -374,7 +377,7 @@ def _put_back(path: bytes) -> None:
     with open(path, "r+b") as f:
         first = f.read(1)
         f.seek(0)
-        f.write(bytes([first[0] ^ 0x5A]))
+        f.write(bytes([first[0] ^ mask]))
     os.utime(path, ns=(st_before.st_atime_ns, st_before.st_mtime_ns), follow_symlinks=False)
 
 
@@ -387,7 +390,9 @@ def _between_runs(case: Case, src: bytes, dest: bytes) -> None:
 
 
 def _grower(case: Case, src: bytes) -> Any:
-    """Return an on_placed hook that appends to the growing file while other files land (3 times)."""
+    """Return an on_placed hook that, while other files land (3 times), appends to the growing
+    file and rewrites the rewritten one in place with its size and mtime put back: before its
+    read, during it, or after it was placed, which only its ctime tells)."""
     budget = [3]
 
     def on_placed(f: RemoteFile, rec: dict[str, Any]) -> None:
@@ -396,6 +401,9 @@ def _grower(case: Case, src: bytes) -> Any:
             for rel in case.grown:
                 with open(src + b"/" + rel, "ab") as out:
                     out.write(b"+grown while copied")
+            # masks 1, 3, 7: the byte becomes b^1, b^2, b^5, never a state it had (no ABA)
+            for rel in case.rewritten:
+                _put_back(src + b"/" + rel, mask=(1, 3, 7)[2 - budget[0]])
 
     return on_placed
 
@@ -414,7 +422,7 @@ def _one_pass(
     plan = b.plan(listing)
     if first:
         _after_listing(case, src, d)
-        if case.grown:
+        if case.grown or case.rewritten:
             b.on_placed = _grower(case, src)
     started = time.monotonic()
     try:
@@ -468,6 +476,7 @@ def _events(case: Case, nobody: bool) -> None:
         "vanished",
         "fifos",
         "grown",
+        "rewritten",
         "put_back",
         "local_altered",
     ):
@@ -511,7 +520,8 @@ def test_verdict_iff_every_byte_verified(world: World, case: Case) -> None:
             safe = _check(world, b, up, src, dest, prefix)
             if first:
                 _between_runs(case, src, dest)
-        # a rerun converges: after faults that pass (vanished, FIFO, grown, swapped) the node is safe;
+        # a rerun converges: after faults that pass (vanished, FIFO, grown, rewritten, swapped) the
+        # node is safe;
         # those that stay (unreadable to the agent, a local path too long) keep it unsafe, which
         # the truth above already demands.  A swapped directory whose links were recreated in the
         # backup before the swap stays too: the backup refuses to put the new link where its
