@@ -237,7 +237,7 @@ import boto3
 
 
 def pytest_runtest_setup(item):
-    if item.name.startswith("test_safe_to_terminate"):
+    if item.name.startswith(os.environ.get("GONE_BEFORE", "test_safe_to_terminate")):
         c = boto3.client("s3", endpoint_url=os.environ["GONE_ENDPOINT"])
         bucket = os.environ["GONE_BUCKET"]
         for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket):
@@ -275,3 +275,30 @@ def test_the_verdict_names_a_bucket_gone_under_the_run_in_one_line(s3_endpoint, 
     assert "Traceback" not in out and "botocore" not in out and "ClientError" not in out, out[-5000:]
     notes = (tmp_path / "backup" / "NOTES.md").read_text()
     assert "## Not safe to terminate" not in notes  # step 6 wrote it; the verdict leaves it
+
+
+def test_a_bucket_gone_before_the_s3_step_is_one_line_there_too(s3_endpoint, tmp_path) -> None:
+    """The bucket is deleted after the backup, before step 5 asks it what to upload."""
+    bucket = s3_endpoint.make_bucket("gone5")
+    manifest, env = _node(tmp_path, NVIDIA_SMI_OK, ())
+    doc = yaml.safe_load(manifest.read_text())
+    doc["categories"]["stuff"]["s3"] = True
+    manifest.write_text(yaml.safe_dump(doc))
+    (tmp_path / "bucket_gone.py").write_text(BUCKET_GONE)
+    env = {
+        **env,
+        **s3_endpoint.env,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}",
+        "GONE_ENDPOINT": s3_endpoint.url,
+        "GONE_BUCKET": bucket,
+        "GONE_BEFORE": "test_data_in_s3",
+    }
+    r = _suite(
+        tmp_path, env, f"--manifest={manifest}", f"--backup-to=s3://{bucket}/node",
+        f"--s3-endpoint={s3_endpoint.url}", "-p", "bucket_gone",
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-5000:]
+    assert "Traceback" not in out and "botocore" not in out and "ClientError" not in out, out[-5000:]
+    assert f"--backup-to s3://{bucket}/node: no such bucket (NoSuchBucket)" in out, out[-5000:]
+    assert "NOT safe to terminate" in out, out[-5000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pytest_gpuhost.exec.s3io import s3_problem
 from pytest_gpuhost.modules.backup.local import BackupPlan, Listing, RemoteFile
 from pytest_gpuhost.modules.backup.s3 import item_for
 from pytest_gpuhost.run.procedure import ProcedureError, Step
@@ -204,8 +205,13 @@ class TransferSteps(DecommissionState):
                 )
             items, unverified = self.backup_to_items(listing or self.backup.walk())
             up = self.s3_upload
-            plan = up.plan(items)
-            open_uploads = up.open_uploads()
+            try:
+                plan = up.plan(items)
+                open_uploads = up.open_uploads()
+            except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
+                line = f"--backup-to {self.s3.url}: {s3_problem(exc, self.endpoint)}"
+                box.update(s3_error=line)
+                return False, line, {"s3_unreadable": line}
             box.update(items=items, plan=plan, unverified=unverified)
             state = {
                 "to_upload": len(plan.upload),
@@ -317,6 +323,8 @@ class TransferSteps(DecommissionState):
                 )
 
         def fix(actions: list[Action], before: Check) -> None:
+            if "s3_error" in box:
+                raise ProcedureError(f"S3 not readable: {box['s3_error']}")
             unverified = [*box.get("unverified", []), *box.get("send_unverified", [])]
             if unverified:
                 head = ", ".join(p for p, _ in unverified[:5])
@@ -332,7 +340,9 @@ class TransferSteps(DecommissionState):
         def verify() -> Check:
             problems: list[str] = []
             n = 0
-            if self.s3_cats() or self.in_s3_to_backup_to():
+            if "s3_error" in box:
+                problems.append(box["s3_error"])
+            elif self.s3_cats() or self.in_s3_to_backup_to():
                 assert self.s3 is not None
                 missing = self.s3_upload.verify(box["items"])
                 open_uploads = self.s3_upload.open_uploads()
