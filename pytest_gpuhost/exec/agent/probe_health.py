@@ -369,9 +369,15 @@ def part_fabric(params, record):
     }
 
 
+# nvidia-smi's answer for a GPU in MIG mode ("Nvlink queries are not supported for Devices in MIG
+# mode"): said of the GPU it follows, or of every GPU when it comes before any GPU line.
+_MIG_MODE = re.compile(r"\bMIG mode\b", re.IGNORECASE)
+
+
 def part_nvlink(params, record):
     res = run_recorded(["nvidia-smi", "nvlink", "-s"], float(params.get("timeout", 20)), record)
-    if res["rc"] != 0 and not res["stdout"].strip():
+    mig = [x.strip() for x in res["stderr"].splitlines() if _MIG_MODE.search(x)]
+    if res["rc"] != 0 and not res["stdout"].strip() and not mig:
         return {"ok": False, "error": _cmd_error(res, "nvidia-smi nvlink -s")}
     gpus = {}
     current = None  # type: dict | None
@@ -380,6 +386,12 @@ def part_nvlink(params, record):
         if m:
             current = {"links": {}}
             gpus[m.group(1)] = current
+            continue
+        if _MIG_MODE.search(line):
+            if current is None:
+                mig.append(line.strip())
+            else:
+                current["mig"] = line.strip()
             continue
         m = re.match(r"^Link (\d+):\s*(.*)$", line.strip())
         if m and current is not None:
@@ -392,6 +404,8 @@ def part_nvlink(params, record):
                 "text": state,
             }
     out = {"ok": True, "gpus": gpus}  # type: dict
+    if mig:
+        out["mig"] = mig[0]
     if any(g["links"] for g in gpus.values()):  # a host without NVLink starts no second process
         res = run_recorded(["nvidia-smi", "nvlink", "-e"], float(params.get("timeout", 20)), record)
         err = res["rc"] != 0 and {"ok": False, "error": _cmd_error(res, "nvidia-smi nvlink -e")}

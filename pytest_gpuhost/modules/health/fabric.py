@@ -117,13 +117,25 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
     `nvidia-smi nvlink -s`): the count expected from the model (thresholds MODELS, or
     `nvlink_active_min`) catches it. A GPU of no known model has no expected count: the verdict
     names it ("unknown model: NAME (GPU N): NVLink count not judged"), skipping where no link is
-    printed rather than reading it as a PCIe card.
+    printed rather than reading it as a PCIe card. A GPU in MIG mode answers no NVLink query
+    (nvidia-smi: "Nvlink queries are not supported for Devices in MIG mode"; the probe keeps that
+    line as `mig`, of one GPU or of all): it is not checked, and says so, rather than read as a GPU
+    with no active link.
     """
     part, err = facts_part(facts, "nvlink")
     required = t["nvlink_required"]
     gpus = (part or {}).get("gpus") or {}
     total = sum(len(g.get("links") or {}) for g in gpus.values())
     expected = _expected_links(facts, t)
+    mig_all = (part or {}).get("mig")
+    mig = {i for i, g in gpus.items() if g.get("mig")}
+    if mig_all:  # said once for the host: every GPU that printed no link line
+        mig |= {i for i in set(gpus) | set(expected) if not (gpus.get(i) or {}).get("links")}
+    expected = {i: w for i, w in expected.items() if i not in mig}
+    mig_note = ""
+    if mig or mig_all:
+        which = f"GPU {', '.join(sorted(mig, key=int))}: " if mig else ""
+        mig_note = f"{which}not checked: MIG mode (NVLink queries unsupported)"
     smi_gpus, _ = facts_gpus(facts)
     # a GPU of no known model has no expected count: said in the verdict, never taken as a PCIe card
     unknown = unknown_note(smi_gpus, "NVLink count not judged") if t["nvlink_active_min"] is None else ""
@@ -144,10 +156,12 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
             )
             return failed(
                 "nvlink",
-                summary + (f"; {unknown}" if unknown else ""),
+                "; ".join(x for x in (summary, unknown, mig_note) if x),
                 reasons,
                 state={"expected": {i: w for i, (w, _) in expected.items()}, "errors": counters},
             )
+    if part is not None and total == 0 and mig_note:
+        return skipped("nvlink", mig_note, mig=sorted(mig, key=int))
     if part is None or total == 0:
         if required:
             return failed(
@@ -167,13 +181,15 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
     state: dict[str, Any] = {"links_up": up, "links_total": total, "errors": counters}
     if unknown:
         state["unknown_models"] = sorted(unknown_models_of(smi_gpus))
+    if mig:
+        state["mig"] = sorted(mig, key=int)
     if reasons or counted:
         down = f"{len(reasons)} of {total} NVLinks down" if reasons else ""
         grew = f"{len(counted)} NVLink error counter(s) past the limit since the last run" if counted else ""
         grew = counted[0] if "error" in counters else grew  # unreadable: say so, not "past the limit"
-        summary = "; ".join(x for x in (down, grew, unknown) if x)
+        summary = "; ".join(x for x in (down, grew, unknown, mig_note) if x)
         return failed("nvlink", summary, reasons + counted, state=state)
-    summary = "; ".join(x for x in (f"all {total} NVLinks up", note, unknown) if x)
+    summary = "; ".join(x for x in (f"all {total} NVLinks up", note, unknown, mig_note) if x)
     return Verdict("nvlink", True, summary, state=state)
 
 
