@@ -114,7 +114,9 @@ def test_data_already_in_s3_is_proved_there_not_copied(b200, s3_endpoint, tmp_pa
     client.delete_object(Bucket=bucket, Key=f"dflash/{also_gone}")
     rc, out, counts = _run([*argv, "--in-s3-send-to=backup-to"], env)
     assert rc == 0, out
-    node_keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="node/data/").get("Contents", [])}
+    node_keys = {
+        o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="node/data/").get("Contents", [])
+    }
     assert node_keys == {f"node/data/data/data/{kms}", f"node/data/data/data/{also_gone}"}, node_keys
     for rel in (kms, also_gone):
         head = client.head_object(Bucket=bucket, Key=f"node/data/data/data/{rel}", ChecksumMode="ENABLED")
@@ -130,3 +132,28 @@ def test_data_already_in_s3_is_proved_there_not_copied(b200, s3_endpoint, tmp_pa
     # and without the flag the node is not safe again: the bucket still lacks the file
     rc, out, counts = _run(argv, env)
     assert rc != 0 and kms in out, out
+
+
+def test_misses_go_under_backup_to_when_asked_on_local(s3_endpoint, tmp_path):
+    """`--in-s3-send-to=backup-to` on local://: the file missing from the pipeline's bucket is sent
+    under --backup-to and proved there; the pipeline's bucket is not written."""
+    from tests.test_decommission_notes import NVIDIA_SMI_OK, _node
+    from tests.test_decommission_preflight import _suite
+
+    manifest, env = _node(tmp_path, NVIDIA_SMI_OK, (), kept=("b.txt",))
+    root = tmp_path / "node"
+    pipe, bk = s3_endpoint.make_bucket("pipe"), s3_endpoint.make_bucket("bk")
+    client = s3_endpoint.client()
+    client.put_object(Bucket=pipe, Key="p/small.txt", Body=(root / "small.txt").read_bytes())
+    doc = yaml.safe_load(manifest.read_text())
+    doc["categories"]["stuff"]["in_s3"] = f"s3://{pipe}/p/"
+    manifest.write_text(yaml.safe_dump(doc))
+    env = {**env, **s3_endpoint.env}
+    args = (f"--manifest={manifest}", f"--backup-to=s3://{bk}/node", f"--s3-endpoint={s3_endpoint.url}")
+    r = _suite(tmp_path, env, *args, "--in-s3-send-to=backup-to")
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bk, Prefix="node/").get("Contents", [])]
+    assert keys == [f"node/stuff{root}/b.txt"], keys
+    assert [o["Key"] for o in client.list_objects_v2(Bucket=pipe)["Contents"]] == ["p/small.txt"]
+    notes = (tmp_path / "backup" / "NOTES.md").read_text()
+    assert f"sent under --backup-to s3://{bk}/node" in notes, notes
