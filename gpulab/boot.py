@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import os
 import shutil
 import socket
@@ -189,7 +190,11 @@ def prepare_root(
 
     _write(root / "etc/hostname", hostname + "\n")
     _write(root / "etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n::1\tlocalhost ip6-localhost\n")
-    _write(root / "etc/machine-id", "")
+    # machine-id(5): "generated from a random source during system installation or first boot
+    # and stays constant for all subsequent boots" (freedesktop.org/software/systemd/man/latest/
+    # machine-id.html); an empty file would give every lab host this machine's DMI product UUID.
+    # One per host (its overlay's path), the same on every boot of it.
+    _write(root / "etc/machine-id", hashlib.sha256(os.fsencode(root.resolve())).hexdigest()[:32] + "\n")
     # No resource accounting: systemd would move services out of this machine's memory/cpu
     # cgroups (its limits) into per-unit v1 cgroups of its own.
     _write(
