@@ -183,6 +183,16 @@ MUTATIONS = (
         ("tests/test_decommission_inplace.py::test_misses_go_under_backup_to_when_asked_on_local",),
     ),
     Mutation(
+        "destination-owner",
+        "a backup directory another node's run wrote is refused before anything is stopped",
+        "suites/decommission/state.py",
+        "        if theirs is not None and not same_owner(theirs, me):",
+        "        if False:",
+        (
+            "tests/test_decommission_preflight.py::test_a_destination_of_another_node_is_refused_before_anything_stops",
+        ),
+    ),
+    Mutation(
         "listing-unlisted-paths",
         "a path in scope the node could not list (unreadable) is an item, never dropped",
         "pytest_gpuhost/modules/backup/verdict.py",
@@ -240,6 +250,16 @@ MUTATIONS = (
         "suites/health/reset.py",
         "            if value == 1:\n                out.setdefault(_key(bus), []).append(_SIGNAL_TEXT.get(name, name))\n    return out",
         "            pass\n    return out",
+        (
+            "tests/test_health_reset_lab.py::test_a_reset_that_returns_0_but_leaves_the_gpu_in_error_is_not_counted",
+        ),
+    ),
+    Mutation(
+        "reset-reboot-only-when-allowed",
+        "a node is rebooted after a reset that did not clear the GPU only under --fix=reset,reboot",
+        "suites/health/reset.py",
+        "        if left and allow_reboot:",
+        "        if left:",
         (
             "tests/test_health_reset_lab.py::test_a_reset_that_returns_0_but_leaves_the_gpu_in_error_is_not_counted",
         ),

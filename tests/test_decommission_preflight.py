@@ -9,6 +9,7 @@ run is a problem line of the verdict, never a traceback.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -231,6 +232,7 @@ def test_the_suite_refuses_wrong_credentials_in_one_line(moto_with_auth, tmp_pat
 
 BUCKET_GONE = '''
 """Empty and delete the run's bucket just before the verdict: S3 fails under a running suite."""
+import json
 import os
 
 import boto3
@@ -302,3 +304,49 @@ def test_a_bucket_gone_before_the_s3_step_is_one_line_there_too(s3_endpoint, tmp
     assert "Traceback" not in out and "botocore" not in out and "ClientError" not in out, out[-5000:]
     assert f"--backup-to s3://{bucket}/node: no such bucket (NoSuchBucket)" in out, out[-5000:]
     assert "NOT safe to terminate" in out, out[-5000:]
+
+
+def test_a_destination_of_another_node_is_refused_before_anything_stops(s3_endpoint, tmp_path) -> None:
+    """Node A's run wrote the backup directory and the --backup-to prefix; node B's run, later,
+    with the same places, is refused in one line naming A, and writes nothing there."""
+    bucket = s3_endpoint.make_bucket("own")
+    manifest, env = _node(tmp_path, NVIDIA_SMI_OK, ())
+    doc = yaml.safe_load(manifest.read_text())
+    doc["categories"]["stuff"]["s3"] = True
+    manifest.write_text(yaml.safe_dump(doc))
+    env = {**env, **s3_endpoint.env}
+    args = (f"--manifest={manifest}", f"--backup-to=s3://{bucket}/node", f"--s3-endpoint={s3_endpoint.url}")
+    r = _suite(tmp_path, env, *args)
+    assert r.returncode == 0, r.stdout[-3000:]
+    owner = tmp_path / "backup" / ".gpuhost" / "node.json"
+    mine = json.loads(owner.read_text())
+    assert mine["machine_id"] == Path("/etc/machine-id").read_text().strip() and mine["target"] == "local"
+    client = s3_endpoint.client()
+    assert json.loads(client.get_object(Bucket=bucket, Key="node/.gpuhost/node.json")["Body"].read()) == mine
+    r = _suite(tmp_path, env, *args)  # the same node again: its own places
+    assert r.returncode == 0 and "7 passed" in r.stdout, r.stdout[-3000:]
+
+    # the backup directory now holds another node's backup (its run wrote this record)
+    other = dict(mine, target="gpu-a", hostname="gpu-a", machine_id="0123456789abcdef0123456789abcdef")
+    owner.write_text(json.dumps(other))
+    before = sorted(p.name for p in (tmp_path / "backup").rglob("*"))
+    r = _suite(tmp_path, env, *args)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "5 skipped, 2 errors" in r.stdout, out[-3000:]
+    assert "During handling" not in out
+    assert (
+        f"--backup-dir {tmp_path / 'backup'} holds the backup of gpu-a (hostname gpu-a, machine-id 0123456789ab"
+        in out
+    )
+    assert "Traceback" not in out
+    assert sorted(p.name for p in (tmp_path / "backup").rglob("*")) == before  # nothing written
+
+    # a new backup directory, but the --backup-to prefix is the other node's
+    owner.write_text(json.dumps(mine))
+    client.put_object(Bucket=bucket, Key="node/.gpuhost/node.json", Body=json.dumps(other).encode())
+    r = _suite(tmp_path, env, *args, f"--backup-dir={tmp_path / 'backup-2'}")
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and f"--backup-to s3://{bucket}/node holds the backup of gpu-a" in out, out[
+        -3000:
+    ]
+    assert "--backup-dir" not in out.split("holds the backup of gpu-a")[0].rsplit("gpuhost:", 1)[-1]

@@ -145,6 +145,17 @@ def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterato
         part_size=int(options.tuning(pytestconfig, "decommission_s3_part_mib") * 1024 * 1024),
         in_s3_send_to=options.get(pytestconfig, "in_s3_send_to")[0] or "location",
     )
+    refused = None
+    try:
+        d.claim()  # before the first step: a destination another node's backup holds is refused
+    except DestinationError as exc:
+        refused = str(exc)
+    except Exception as exc:  # noqa: BLE001 - one line: nothing is stopped without this check
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        refused = f"could not tell whose backup the destinations hold: {type(exc).__name__}: {first}"
+    if refused is not None:
+        d.finish()
+        pytest.fail(f"gpuhost: {printable(redact(refused))}", pytrace=False)
     yield d
     d.finish()
 

@@ -10,14 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pytest_gpuhost.exec.s3io import make_client
+from pytest_gpuhost.modules.backup.destination import (
+    OWNER_NAME,
+    DestinationError,
+    describe_owner,
+    owner_record,
+    same_owner,
+)
 from pytest_gpuhost.modules.backup.inplace import InPlace, InPlaceResult, Proof
 from pytest_gpuhost.modules.backup.local import (
+    META,
     Backup,
     Listing,
     Manifest,
@@ -51,6 +60,19 @@ def csv_rows(text: str) -> list[list[str]]:
 def mb(n: int) -> str:
     """Bytes as "12.3 MB"."""
     return f"{n / 1e6:.1f} MB"
+
+
+def _read_owner(path: Path) -> dict[str, Any] | None:
+    """The owner record at path, or None when there is none (an unreadable one is not ours)."""
+    try:
+        rec = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return {"target": f"unknown (owner record unreadable: {exc})", "hostname": "?"}
+    return (
+        rec if isinstance(rec, dict) else {"target": "unknown (owner record not an object)", "hostname": "?"}
+    )
 
 
 class DecommissionState(Procedure):
@@ -164,6 +186,63 @@ class DecommissionState(Procedure):
     def _measure(self, name: str, value: Any, unit: str | None = None) -> None:
         if self.record_measure is not None:
             self.record_measure(name, value, unit)
+
+    # ---------------------------------------------------------------- whose destinations
+
+    def claim(self) -> None:
+        """Refuse destinations that hold another node's backup; mark new ones as this node's.
+
+        Runs before the first step. The node is named by its machine-id (the agent's hello), the
+        destinations' owner records are read (the backup directory's `.gpuhost/node.json`, the
+        `--backup-to` prefix's `.gpuhost/node.json`). Raises DestinationError, one line for all,
+        naming the node that owns each refused destination. Under --check-only nothing is written.
+        """
+        hello = self.conn.batch([{"op": "hello"}])[0]
+        if isinstance(hello, Exception):
+            raise hello
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        me = owner_record(
+            self.target, str(hello.get("hostname") or ""), str(hello.get("machine_id") or ""), stamp
+        )
+        problems: list[str] = []
+        local = self.dest / META / OWNER_NAME
+        theirs = _read_owner(local)
+        if theirs is not None and not same_owner(theirs, me):
+            problems.append(f"--backup-dir {self.dest} holds the backup of {describe_owner(theirs)}")
+        s3_key = None
+        client = None
+        if self.s3 is not None and (self.s3_cats() or self.in_s3_to_backup_to()):
+            client = make_client(self.endpoint)
+            s3_key = self.s3.key(f"{META}/{OWNER_NAME}")
+            try:
+                body = client.get_object(Bucket=self.s3.bucket, Key=s3_key)["Body"].read()
+                theirs_s3: dict[str, Any] | None = json.loads(body)
+            except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
+                code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+                if code not in ("NoSuchKey", "404"):
+                    raise DestinationError(
+                        f"--backup-to {self.s3.url}: owner record not readable: {code or exc}"
+                    ) from None
+                theirs_s3 = None
+            if theirs_s3 is not None and not same_owner(theirs_s3, me):
+                problems.append(f"--backup-to {self.s3.url} holds the backup of {describe_owner(theirs_s3)}")
+            elif theirs_s3 is not None:
+                s3_key = None  # already ours
+        if problems:
+            raise DestinationError(
+                "; ".join(problems)
+                + f"; this node is {describe_owner(dict(me, claimed=''))}: give it a place of its own "
+                "(a template with {host}, or a new --backup-dir/--backup-to)"
+            )
+        if self.check_only:
+            return
+        if theirs is None:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            tmp = local.with_name(f".{OWNER_NAME}.tmp")
+            tmp.write_text(json.dumps(me, indent=1) + "\n")
+            os.replace(tmp, local)
+        if client is not None and s3_key is not None and self.s3 is not None:
+            client.put_object(Bucket=self.s3.bucket, Key=s3_key, Body=json.dumps(me, indent=1).encode())
 
     # ---------------------------------------------------------------- 1 inventory
 

@@ -42,7 +42,21 @@ def op_hello(params):
         "ops": sorted(OPS),
         "facts": sorted(FACTS),
         "state_dir": state_path(),
+        "machine_id": _machine_id(),
     }
+
+
+def _machine_id():
+    """The node's machine-id(5) ("" when it has none): it names the machine, not the boot."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as f:
+                value = f.read(64).strip()
+        except OSError:
+            continue
+        if value:
+            return value
+    return ""
 
 
 @op("batch")

@@ -16,6 +16,12 @@ Plain names never contain `~`, escaped ones always do, and every result is lower
 so the mapping stays one-to-one under case folding (macOS, Windows shares) and Unicode
 normalisation (NFC, NFKC): `A` and `a`, or `gpu-01` and its full-width look-alike, get
 different folders. Pure functions: no filesystem access, callable before anything is stopped.
+
+A template gives one run's targets places of their own; two runs, one after the other, can
+still name one place (`--backup-dir=/backup` for node A today, node B tomorrow). So a place
+belongs to the node that first wrote it, whatever run did: its owner record (`node.json`, in
+the backup directory's `.gpuhost/` and under the `--backup-to` prefix's `.gpuhost/`) names the
+node by its machine-id, and a run for another node is refused before anything is stopped.
 """
 
 from __future__ import annotations
@@ -24,12 +30,21 @@ import hashlib
 import posixpath
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlparse
 
 from pytest_gpuhost.errors import GpuhostError
 
-__all__ = ["PLACEHOLDER", "DestinationError", "host_component", "per_target"]
+__all__ = [
+    "OWNER_NAME",
+    "PLACEHOLDER",
+    "DestinationError",
+    "describe_owner",
+    "host_component",
+    "owner_record",
+    "per_target",
+    "same_owner",
+]
 
 PLACEHOLDER = "{host}"
 MAX_PLAIN = 64  # longest name used as it is
@@ -120,3 +135,35 @@ def per_target(template: str, targets: Sequence[str], *, option: str) -> dict[st
         owner[key] = n
         out[n] = dest
     return out
+
+
+#: The file (and object, under an S3 prefix) that says which node a destination belongs to.
+OWNER_NAME = "node.json"
+
+
+def owner_record(target: str, hostname: str, machine_id: str, stamp: str) -> dict[str, str]:
+    """The owner record a run writes to a destination it starts: the node, not the run."""
+    return {"target": target, "hostname": hostname, "machine_id": machine_id, "claimed": stamp}
+
+
+def same_owner(theirs: Mapping[str, object], me: Mapping[str, str]) -> bool:
+    """Whether the node that owns a destination is this one.
+
+    machine-id(5) names the machine (rented nodes often share a hostname such as `ubuntu`); where
+    either side has none, the target name and the hostname must both match.
+    """
+    mine, other = me.get("machine_id") or "", str(theirs.get("machine_id") or "")
+    if mine and other:
+        return mine == other
+    return str(theirs.get("target")) == me.get("target") and str(theirs.get("hostname")) == me.get("hostname")
+
+
+def describe_owner(rec: Mapping[str, object]) -> str:
+    """One line naming the node of an owner record: `gpu-01 (hostname b200-7, machine-id 3d12...)`."""
+    mid = str(rec.get("machine_id") or "")
+    return (
+        f"{rec.get('target')!s} (hostname {rec.get('hostname')!s}"
+        + (f", machine-id {mid[:12]}" if mid else "")
+        + (f", since {rec.get('claimed')!s}" if rec.get("claimed") else "")
+        + ")"
+    )
