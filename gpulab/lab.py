@@ -1146,6 +1146,7 @@ TOOL_PATHS = {
     "nvidia-persistenced": "usr/bin/nvidia-persistenced",
     "dmesg": "usr/bin/dmesg",
     "sglang-standin": "usr/local/bin/sglang-standin",
+    "gpulab_tools/all_reduce_perf": "usr/bin/all_reduce_perf",  # nccl-tests' collective (a module with a main)
 }
 
 

@@ -235,7 +235,9 @@ def load_faults() -> dict[str, Any]:
     error in brackets, as nvidia-smi prints nvmlErrorString for a GPU in an error state;
     ``remapped_rows_pending``/``_correctable``/``_uncorrectable``: what ``--query-remapped-rows``
     prints for it; ``nvlinks_down``: ``"all"`` or link numbers, for ``nvlink -s``; ``fabric_state``,
-    ``fabric_status``: the Fabric section of ``-q``; docs/health-checks.md lists them). Written by
+    ``fabric_status``: the Fabric section of ``-q``; docs/health-checks.md lists them), and
+    ``nccl_hang`` (true or PCI addresses) and ``nccl_wrong`` (wrong elements per line) for
+    ``all_reduce_perf`` runs that go via P2P (gpulab_tools/all_reduce_perf.py). Written by
     tests over SSH; a runtime fault, not part of the profile.
     """
     try:
