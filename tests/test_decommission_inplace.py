@@ -153,7 +153,7 @@ def test_misses_go_under_backup_to_when_asked_on_local(s3_endpoint, tmp_path):
     r = _suite(tmp_path, env, *args, "--in-s3-send-to=backup-to")
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bk, Prefix="node/").get("Contents", [])]
-    assert keys == [f"node/stuff{root}/b.txt"], keys
+    assert keys == ["node/.gpuhost/node.json", f"node/stuff{root}/b.txt"], keys
     assert [o["Key"] for o in client.list_objects_v2(Bucket=pipe)["Contents"]] == ["p/small.txt"]
     notes = (tmp_path / "backup" / "NOTES.md").read_text()
     assert f"sent under --backup-to s3://{bk}/node" in notes, notes

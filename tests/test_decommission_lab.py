@@ -103,6 +103,8 @@ def check_s3(client: Any, bucket: str, prefix: str, dest: Path, hashes: dict[byt
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
         for obj in page.get("Contents", []):
             keys[obj["Key"]] = obj
+    owner = keys.pop(f"{prefix}/.gpuhost/node.json", None)  # the node the prefix belongs to
+    assert owner is not None
     want = {p: v for p, v in hashes.items() if category_of(p) in S3_CATEGORIES}
     assert len(keys) == len(want)
     for path, sha in want.items():
