@@ -17,7 +17,8 @@ Layout in the root namespace for host ``NAME`` (index ``I``)::
 
 The lab layer (base) holds whiteouts for every unit this machine has enabled, so the host's
 systemd only starts ssh and the profile's units. ``reset`` drops upper (a pristine host);
-``reboot`` keeps it (what was installed survives).
+``reboot`` keeps it (what was installed survives). A reboot asked for inside the host
+(``systemctl reboot``) boots it again the same way: ``gpulab.supervise``, the launcher's parent.
 
 Each machine runs in its own PID, mount, UTS, IPC, cgroup and network namespaces, PID 1 a real
 systemd, in cgroup ``gpulab/NAME`` (containers: ``gpulab/NAME/lxc/ID``) of the systemd, pids,
@@ -60,6 +61,10 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 BOOT_TIMEOUT = 90.0
 FS_SIZE = {"small": "2g", "bench": "4g"}
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: Per-GPU runtime faults (faults.json) a reboot clears: a reboot resets every GPU, so all that
+#: a GPU reset clears (gpulab_tools.nvidia_smi_reset.CLEARED_BY_RESET), and ``reset_sticks``, a GPU
+#: that a reset leaves in error until the node reboots.
+CLEARED_BY_REBOOT = ("reset_required", "drain_and_reset", "remapped_rows_pending", "reset_sticks")
 NETEM_MISSING = (
     "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so link delay and loss cannot be emulated"
 )
@@ -484,9 +489,23 @@ class LabHost:
         """
         t0 = time.monotonic()
         self._halt()
+        _clear_reboot_faults(self.state_dir)
         self._start_sysfs(reset_record=False)
         self._boot_all(timeout, start_by_hand=start_by_hand)
         return time.monotonic() - t0
+
+    def reboot_from_inside(self, timeout: float = BOOT_TIMEOUT) -> float:
+        """Boot the host again after its own PID 1 ended in a reboot (run by its supervisor).
+
+        As ``reboot``, with the kernel log started over, as a new kernel starts its ring buffer
+        (``reboot()`` keeps it: tests that reboot from outside empty it when they mean to).
+        """
+        launcher = self._pidfile("launcher")
+        with contextlib.suppress(OSError, ValueError):
+            if int(launcher.read_text().strip()) == os.getpid():
+                launcher.unlink()  # this process: ``_halt`` would wait for it to end
+        (self.state_dir / "kmsg").write_text("")
+        return self.reboot(timeout)
 
     def reset(self, timeout: float = BOOT_TIMEOUT) -> float:
         """Reboot into a pristine host: the overlay's upper dir and the sysfs state are wiped."""
@@ -598,6 +617,7 @@ class LabHost:
         boot_argv.append("--cgroupns")
         if m.cid is None:
             argv = ["nsenter", f"--net=/run/netns/{self.netns}", *unshare, *boot_argv]
+            argv = [sys.executable, "-m", "gpulab.supervise", self.name, "--", *argv]
             cg = self.cgroup
         else:
             host_pid = self.init_pid()
@@ -730,8 +750,33 @@ class LabHost:
             for sub in [d, *[p for p in d.rglob("*") if p.is_dir()]] if d.is_dir() else []:
                 with contextlib.suppress(OSError):
                     for pid_s in (sub / "cgroup.procs").read_text().split():
-                        os.kill(int(pid_s), signal.SIGKILL)
+                        if int(pid_s) != os.getpid():  # the supervisor, rebooting the host
+                            os.kill(int(pid_s), signal.SIGKILL)
         _remove_cgroup(self.cgroup)
+
+
+def _clear_reboot_faults(state_dir: Path) -> None:
+    """Drop the per-GPU runtime faults a reboot clears (CLEARED_BY_REBOOT) from faults.json."""
+    path = state_dir / "faults.json"
+    try:
+        faults = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    gpus = faults.get("gpus") if isinstance(faults, dict) else None
+    if not isinstance(gpus, dict):
+        return
+    for bdf, mine in list(gpus.items()):
+        if not isinstance(mine, dict):
+            continue
+        for key in CLEARED_BY_REBOOT:
+            mine.pop(key, None)
+        if mine.get("nvml_error") == "GPU requires reset":
+            del mine["nvml_error"]
+        if not mine:
+            del gpus[bdf]
+    tmp = path.with_name(".faults.json.tmp")
+    tmp.write_text(json.dumps(faults))
+    os.replace(tmp, path)
 
 
 def _set_frozen(cg: str, frozen: bool, timeout: float = 10) -> None:

@@ -43,3 +43,8 @@ def test_benchmark_smoke(script: str, needs_lab: bool, expect: str) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert expect in out, out[-3000:]
+
+
+def test_bench_reset_smoke() -> None:
+    """bench_reset.py at smoke size: the reset path once, then one in-host reboot (about 7 s)."""
+    test_benchmark_smoke("bench_reset.py", True, "in-host reboot alone")

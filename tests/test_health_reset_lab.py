@@ -4,7 +4,10 @@ GPU 0000:14:00.0 says it needs a reset (`reset_status.reset_required` Yes, the l
 fault) while the SGLang service (`sglang-qwen`, tp=4) and nvidia-persistenced hold it. The run
 stops both, resets that GPU with the lab's `nvidia-smi -r` (which refuses a held GPU as the real
 one does), starts both again and confirms from the GPU's own field. A holder outside any service
-of the inventory is never stopped: the GPU is not reset and the holder is named.
+of the inventory is never stopped: the GPU is not reset and the holder is named. A reset that
+returns 0 but leaves the GPU in error (the lab's `reset_sticks`, cleared only by a reboot) fails
+the step under `--fix=reset` and reboots the node under `--fix=reset,reboot` (a `systemctl reboot`
+inside the lab host boots it again: gpulab.supervise).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ BUS = "0000:14:00.0"
 
 
 def _suite(
-    h: Any, tmp: Path, name: str, *extra: str
+    h: Any, tmp: Path, name: str, *extra: str, fix: str = "reset"
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     known = tmp / "known_hosts"
     known.write_text(Path(h.known_hosts).read_text())
@@ -36,8 +39,10 @@ def _suite(
         sys.executable, "-m", "pytest", "suites/health", "-p", "no:cacheprovider",
         f"--inventory={inv}", "--ssh-identity=/run/gpulab/id_ed25519", f"--known-hosts={known}",
         "--connect-timeout=5", f"--report-dir={tmp}", f"--report-name={name}", f"--fleet-json={tmp}/{name}.json",
-        "--fix=reset", "-o", "addopts=", *extra,
+        f"--fix={fix}", "-o", "addopts=", "-o", "health_reset_verify_timeout=3", *extra,
     ]  # fmt: skip
+    # health_reset_verify_timeout=3: the lab's signals change at once; 3 s, not 30, keeps the
+    # stuck GPU's tests short
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
     return proc, json.loads((tmp / f"{name}.json").read_text())["hosts"][h.name]["checks"]
 
@@ -45,6 +50,10 @@ def _suite(
 def _reset_required(h: Any) -> str:
     r = h.ssh(["nvidia-smi", "-i", BUS, "--query-gpu=reset_status.reset_required", "--format=csv,noheader"])
     return r.stdout.strip()
+
+
+def _boot_id(h: Any) -> str:
+    return h.ssh(["cat", "/proc/sys/kernel/random/boot_id"]).stdout.strip()
 
 
 def _main_pid(h: Any, unit: str) -> str:
@@ -114,14 +123,44 @@ def test_a_holder_outside_the_inventorys_services_is_named_and_nothing_is_reset(
 def test_a_reset_that_returns_0_but_leaves_the_gpu_in_error_is_not_counted(lab: Any, tmp_path: Path) -> None:
     h = lab.host("health-ok", name=f"hs{os.getpid() % 100000}")
     inject(h, {"gpus": {BUS: {"reset_required": True, "reset_sticks": True}}})
+    boot = _boot_id(h)
     try:
         proc, cells = _suite(h, tmp_path, "sticks")
         reset = cells["reset"]
         assert reset["outcome"] == "failed", reset
-        assert "fix did not verify" in proc.stdout and "still owed after the reset" in proc.stdout, (
-            proc.stdout[-3000:]
+        line = (
+            f"reset did not clear GPU {BUS} (reset_status.reset_required is Yes); reboot not allowed "
+            "(--fix=reset,reboot allows it); node not drained (--fix=drain drains it)"
         )
+        assert "fix did not verify" in proc.stdout and line in proc.stdout, proc.stdout[-3000:]
         assert _reset_required(h) == "Yes"
+        assert _boot_id(h) == boot  # never rebooted without --fix=reset,reboot
         assert "ActiveState=active" in _main_pid(h, "sglang-qwen.service")  # started again all the same
+    finally:
+        inject(h, {})
+
+
+def test_a_reset_that_leaves_the_gpu_in_error_reboots_the_node_under_fix_reset_reboot(
+    lab: Any, tmp_path: Path
+) -> None:
+    h = lab.host("health-ok", name=f"hs{os.getpid() % 100000}")  # the host of the test above
+    inject(h, {"gpus": {BUS: {"reset_required": True, "reset_sticks": True}}})
+    boot = _boot_id(h)
+    try:
+        proc, cells = _suite(h, tmp_path, "plan", "--check-only", fix="reset,reboot")
+        assert cells["reset"]["outcome"] == "would fix", cells["reset"]
+        assert "reboot the node, only if a GPU still owes a reset" in proc.stdout, proc.stdout[-3000:]
+        assert "systemctl reboot" in proc.stdout and _boot_id(h) == boot
+
+        proc, cells = _suite(h, tmp_path, "reboot", "-o", "health_reboot_timeout=60", fix="reset,reboot")
+        assert cells["reset"]["outcome"] == "fixed", (cells["reset"], proc.stdout[-4000:])
+        assert _boot_id(h) != boot  # rebooted: a new boot id
+        assert _reset_required(h) == "No"  # the reboot cleared what the reset did not
+        assert "ActiveState=active" in _main_pid(h, "sglang-qwen.service")
+        assert "ActiveState=active" in _main_pid(h, "nvidia-persistenced.service")
+
+        proc, cells = _suite(h, tmp_path, "after", "--check-only")  # the node passes every check
+        failed = {k: c["outcome"] for k, c in cells.items() if c["outcome"] not in ("passed", "skipped")}
+        assert not failed, (failed, proc.stdout[-3000:])
     finally:
         inject(h, {})

@@ -16,7 +16,12 @@ The most common hand-run repair in a GPU fleet, as a remediation of its own:
   each checked); the holders read again, and nothing is reset while one is left; the reset
   bounded; every unit this run stopped is started again, whatever failed;
 - re-check: the GPU's own signals read again, not the command's exit code: no signal says a
-  reset is owed any more.
+  reset is owed any more;
+- reboot (only with `--fix=reset,reboot`): a GPU whose signals still ask for a reset after a
+  reset that returned 0 gets the node rebooted (suites/health/reboot.py), its holders read again
+  first; then every fact is read again and the GPUs judged from them. Without `reboot` the
+  verdict says so in one line ("reset did not clear GPU ...; reboot not allowed") and a node this
+  run drained stays drained.
 
 nvidia-smi(1), `-r`: "Trigger a reset of one or more GPUs ... There can't be any applications
 using these devices"; the reset "can be used to clear GPU HW and SW state in situations that
@@ -33,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.modules import slurm
 from pytest_gpuhost.modules.health import checks as hm
 from pytest_gpuhost.modules.health.xid import bus_key, reset_signals
 from pytest_gpuhost.modules.process import ProcessTable, driver_daemon
@@ -41,11 +48,13 @@ from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError
 from pytest_gpuhost.run.remediation import Action, Check
 
+from . import drain, reboot
+
 __all__ = ["RESET_TIMEOUT", "GpuReset", "owed_resets", "remediation"]
 
 RESET_TIMEOUT = 60.0  # nvidia-smi -r on one GPU; a reset that hangs is a failure, not a stuck run
 STOP_TIMEOUT = 30.0
-VERIFY_TIMEOUT = 30.0
+VERIFY_TIMEOUT = 30.0  # the default of ini health_reset_verify_timeout (options.py)
 PERSISTENCED = "nvidia-persistenced.service"
 _SIGNAL_TEXT = {
     "reset_required": "reset_status.reset_required is Yes",
@@ -158,10 +167,21 @@ def _units(thresholds: Any) -> list[str]:
     return [u if u.endswith(".service") else f"{u}.service" for u in thresholds.services]
 
 
-def remediation(hh: Any, on_check: Any = None) -> dict[str, Any]:
-    """Return the reset remediation of one host, as `remediate(**...)` takes it."""
+def remediation(
+    hh: Any,
+    on_check: Any = None,
+    reboot_timeout: float = reboot.REBOOT_TIMEOUT,
+    verify_timeout: float = VERIFY_TIMEOUT,
+) -> dict[str, Any]:
+    """Return the reset remediation of one host, as `remediate(**...)` takes it.
+
+    The GPUs' signals have `verify_timeout` seconds to clear after the reset. With `reboot` in
+    the host's fixes (`--fix=reset,reboot`), a reset they do not confirm is followed by a reboot
+    of the node, waited for up to `reboot_timeout` seconds.
+    """
     conn = hh.target.conn
     box: dict[str, Any] = {}
+    allow_reboot = "reboot" in hh.fixes
 
     def check() -> Check:
         facts = hh.gather()
@@ -176,6 +196,7 @@ def remediation(hh: Any, on_check: Any = None) -> dict[str, Any]:
                 continue
             plans.append(plan_gpu(conn, bus, why, g, _units(hh.thresholds)))
         box["plans"] = plans
+        box["rows"] = gpus
         state = {
             "gpus": [
                 {
@@ -208,12 +229,22 @@ def remediation(hh: Any, on_check: Any = None) -> dict[str, Any]:
         plans: list[GpuReset] = box["plans"]
         if refusals(before):
             return []  # nothing runs: the check's summary says who holds the GPU
-        return [
+        actions = [
             Action(
                 f"reset GPU {p.smi_id} ({'; '.join(p.why)})", " && ".join(shlex.join(c) for c in p.commands())
             )
             for p in plans
         ]
+        if allow_reboot and plans:
+            actions.append(
+                Action(
+                    "reboot the node, only if a GPU still owes a reset after its reset (its holders "
+                    f"read again first); wait up to {reboot_timeout:g} s for SSH with a new boot id, "
+                    "then start any stopped unit that systemd did not",
+                    shlex.join(["systemctl", "reboot"]),
+                )
+            )
+        return actions
 
     def fix(actions: list[Action], before: Check) -> None:
         refused = refusals(before)
@@ -225,9 +256,13 @@ def remediation(hh: Any, on_check: Any = None) -> dict[str, Any]:
             )
         for p in box["plans"]:
             reset_one(conn, p)
+        box["left"] = left = settle()
+        if left and allow_reboot:
+            box["rebooted"] = reboot_node(hh, box["plans"], box["rows"], left, reboot_timeout)
 
-    def verify() -> Check:
-        deadline = time.monotonic() + VERIFY_TIMEOUT
+    def settle() -> dict[str, list[str]]:
+        """Re-read the GPUs' signals (bounded) until none of the reset ones asks for a reset."""
+        deadline = time.monotonic() + verify_timeout
         want = {p.bus for p in box["plans"]}
         while True:
             fresh = hh._facts(parts=["gpus", "remap"])
@@ -238,6 +273,38 @@ def remediation(hh: Any, on_check: Any = None) -> dict[str, Any]:
         if hh.facts is not None:
             hh.facts.update({k: fresh[k] for k in ("gpus", "remap") if k in fresh})
             hh.verdicts.clear()
+        return left
+
+    def verify() -> Check:
+        want = {p.bus for p in box["plans"]}
+        done: reboot.Rebooted | None = box.get("rebooted")
+        if done is not None:
+            # every fact again, after the reboot: the GPUs' signals and the Xids still owed
+            left = owed_resets(hh.gather(), hh.thresholds)
+            if left:
+                return Check(
+                    ok=False,
+                    summary=f"still owed after the reset and a reboot (boot id {done.new}): "
+                    + "; ".join(f"{b}: {', '.join(w)}" for b, w in left.items()),
+                )
+            return Check(
+                ok=True,
+                summary=f"{len(want)} GPU(s) reset, then the node rebooted ({done.seconds:.0f} s to "
+                "a new boot id); no GPU owes a reset",
+                state={
+                    "boot_id": {"before": done.old, "after": done.new},
+                    "reboot_s": round(done.seconds, 1),
+                },
+            )
+        left = box["left"] if "left" in box else settle()
+        if left and not allow_reboot:
+            shown = {p.bus: p.smi_id for p in box["plans"]}
+            gpus = ", ".join(f"{shown.get(b, b)} ({', '.join(w)})" for b, w in left.items())
+            return Check(
+                ok=False,
+                summary=f"reset did not clear GPU {gpus}; reboot not allowed (--fix=reset,reboot "
+                f"allows it); {drain_note(hh)}",
+            )
         if left:
             return Check(
                 ok=False,
@@ -247,6 +314,71 @@ def remediation(hh: Any, on_check: Any = None) -> dict[str, Any]:
         return Check(ok=True, summary=f"{len(want)} GPU(s) reset; their signals no longer ask for one")
 
     return {"name": "reset", "check": check, "plan": plan, "fix": fix, "verify": verify}
+
+
+def drain_note(hh: Any) -> str:
+    """Say whether the node stays drained: a drain this run made is left for the next run to lift."""
+    if "drain" not in hh.fixes:
+        return "node not drained (--fix=drain drains it)"
+    try:
+        node = slurm.read_node(hh.target.conn, drain.node_name(hh), timeout=drain.SCONTROL_TIMEOUT)
+    except GpuhostError as exc:
+        return f"the Slurm node could not be read ({exc})"
+    if node.drained and node.ours:
+        return f"node left drained ({node.reason})"
+    return f"node not drained by gpuhost ({node.describe()})"
+
+
+def reboot_node(
+    hh: Any,
+    plans: list[GpuReset],
+    rows: Mapping[str, Mapping[str, Any]],
+    left: Mapping[str, list[str]],
+    timeout: float,
+) -> reboot.Rebooted:
+    """Reboot the node a reset did not repair, once nothing but our units holds its GPUs.
+
+    Called only after every reset returned 0 and the GPUs' signals, read again, still ask for
+    one (`left`). Raise ProcedureError, nothing rebooted, when a holder outside the inventory's
+    services (or the persistence daemon) appeared since the reset, or the boot id is unreadable.
+    """
+    conn = hh.target.conn
+    ev = evidence.current()
+    allowed = _units(hh.thresholds)
+    foreign = []
+    for p in plans:
+        g = rows.get(p.bus)
+        if g is not None:
+            foreign += plan_gpu(conn, p.bus, p.why, g, allowed).refused
+    if foreign:
+        raise ProcedureError("no reboot: " + "; ".join(foreign) + " (the reboot would kill it)")
+    old = reboot.boot_id(conn)
+    if old is None:
+        raise ProcedureError(f"no reboot: {reboot.BOOT_ID} is unreadable, so its return could not be told")
+    line = hh.wait_commit()  # the cursor (and the Xids owed under this boot id) on disk first
+    if line:
+        ev.note(line)
+    shown = {p.bus: p.smi_id for p in plans}
+    ev.note(
+        "reboot: "
+        + "; ".join(
+            f"{shown.get(b, b)} still owes a reset after its reset ({', '.join(w)})" for b, w in left.items()
+        )
+        + f"; rebooting (boot id {old})"
+    )
+    done = reboot.reboot_and_wait(conn, old, timeout)
+    units = list(dict.fromkeys(u for p in plans for u in p.units))
+    reboot.restart_units(conn, units)
+    for p in plans:
+        if p.persistence:  # legacy persistence mode does not survive a reboot
+            try:
+                _run(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "1"], 30)
+            except ProcedureError as exc:
+                ev.note(f"reboot: {exc}")
+    hh.facts = None  # every fact of the new boot, read by the re-check
+    hh.verdicts.clear()
+    hh.samples.clear()
+    return done
 
 
 def owed_resets_signals(facts: Mapping[str, Any]) -> dict[str, list[str]]:

@@ -2,7 +2,8 @@
 
 Collected only with --fix=reset (suites/health/conftest.py), after every check of the host and
 the drain step (file order): see suites/health/reset.py. Under --check-only it reports "would
-fix" with the exact commands, or names what holds the GPU.
+fix" with the exact commands, or names what holds the GPU. With --fix=reset,reboot a reset the
+GPU's signals do not confirm is followed by a reboot of the node (suites/health/reboot.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from pytest_gpuhost.run.remediation import Check
 
-from . import reset
+from . import options, reset
 
 
 def test_reset(health: Any, remediate: Any, request: Any) -> None:
@@ -26,4 +27,11 @@ def test_reset(health: Any, remediate: Any, request: Any) -> None:
             ("gpuhost_verdict", {**verdict, "reasons": [g["bus"] for g in c.state.get("gpus") or []]})
         )
 
-    remediate(**reset.remediation(health, on_check=record))
+    config = request.config
+    rem = reset.remediation(
+        health,
+        on_check=record,
+        reboot_timeout=options.reboot_timeout(config),
+        verify_timeout=options.reset_verify_timeout(config),
+    )
+    remediate(**rem)

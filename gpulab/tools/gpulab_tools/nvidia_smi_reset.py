@@ -18,6 +18,9 @@ What the real one does, and what this emulates:
   1690). The driver writes no kernel-log line for the reset (no message on that path in
   open-gpu-kernel-modules 595.45.04; a new GPU object starts with its recovery action unknown and
   refreshes it without an Xid 154, gpu.c ``gpuPostConstruct``), so nothing goes to the kmsg.
+- The lab's fault ``reset_sticks`` on a GPU: the reset prints success and exits 0, but the GPU
+  keeps every fault, as a GPU that stays in error until the node reboots; a reboot of the lab
+  host (``LabHost.reboot``, or ``systemctl reboot`` inside it) clears it with the reset faults.
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ def gpu_reset(host: Host, gpus: list[GpuView]) -> int:
         mine = dict(per_gpu.get(g.bdf) or {})
         if mine.get("reset_sticks"):
             # a lab fault, not nvidia-smi's own behaviour: a GPU that stays in error after a reset
-            # that returned 0 (what a reboot, not a reset, clears), so that a caller is held to
-            # the GPU's own signals rather than the command's exit code
+            # that returned 0, so that a caller is held to the GPU's own signals rather than the
+            # command's exit code; only a reboot clears it (gpulab/lab.py CLEARED_BY_REBOOT)
             continue
         for key in CLEARED_BY_RESET:
             mine.pop(key, None)
