@@ -216,7 +216,10 @@ class DecommissionState(Procedure):
             s3_key = self.s3.key(f"{META}/{OWNER_NAME}")
             try:
                 body = client.get_object(Bucket=self.s3.bucket, Key=s3_key)["Body"].read()
-                theirs_s3: dict[str, Any] | None = json.loads(body)
+                loaded = json.loads(body)
+                theirs_s3: dict[str, Any] | None = (
+                    loaded if isinstance(loaded, dict) else {"target": "unknown (owner record not an object)"}
+                )
             except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
                 code = getattr(exc, "response", {}).get("Error", {}).get("Code")
                 if code not in ("NoSuchKey", "404"):
