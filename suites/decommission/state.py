@@ -197,9 +197,11 @@ class DecommissionState(Procedure):
         `--backup-to` prefix's `.gpuhost/node.json`). Raises DestinationError, one line for all,
         naming the node that owns each refused destination. Under --check-only nothing is written.
         """
-        hello = self.conn.batch([{"op": "hello"}])[0]
-        if isinstance(hello, Exception):
-            raise hello
+        hello = dict(getattr(self.conn.connection(), "hello", None) or {})  # read at connect
+        if "machine_id" not in hello:
+            hello = self.conn.batch([{"op": "hello"}])[0]
+            if isinstance(hello, Exception):
+                raise hello
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         me = owner_record(
             self.target, str(hello.get("hostname") or ""), str(hello.get("machine_id") or ""), stamp
