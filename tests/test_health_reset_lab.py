@@ -145,6 +145,11 @@ def test_a_reset_that_leaves_the_gpu_in_error_reboots_the_node_under_fix_reset_r
 ) -> None:
     h = lab.host("health-ok", name=f"hs{os.getpid() % 100000}")  # the host of the test above
     inject(h, {"gpus": {BUS: {"reset_required": True, "reset_sticks": True}}})
+    # an Xid whose action is a GPU reset, on the same GPU: owed under this boot id until a reboot
+    xid = "NVRM: Xid (PCI:0000:14:00): 48, pid=2231, name=python3, An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 2, subpartition 0."
+    after_boot = max(k.t for k in h.profile.kernel_log) + 1.0
+    line = json.dumps({"t": after_boot, "msg": xid}) + "\n"
+    assert h.ssh(["sh", "-c", "cat >> /var/lib/gpulab/kmsg"], input=line).returncode == 0
     boot = _boot_id(h)
     try:
         proc, cells = _suite(h, tmp_path, "plan", "--check-only", fix="reset,reboot")
@@ -162,5 +167,7 @@ def test_a_reset_that_leaves_the_gpu_in_error_reboots_the_node_under_fix_reset_r
         proc, cells = _suite(h, tmp_path, "after", "--check-only")  # the node passes every check
         failed = {k: c["outcome"] for k, c in cells.items() if c["outcome"] not in ("passed", "skipped")}
         assert not failed, (failed, proc.stdout[-3000:])
+        assert "reboot seen since Xid 48 on 0000:14:00" in cells["xid"]["summary"], cells["xid"]  # paid
     finally:
         inject(h, {})
+        h.ssh(["sh", "-c", ": > /var/lib/gpulab/kmsg"])  # the Xid, had the reboot not emptied it
