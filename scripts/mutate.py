@@ -193,6 +193,14 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "kernel-log-new-boot",
+        "after a reboot every kernel-log line is new, even one timed before the last run's cursor",
+        "pytest_gpuhost/exec/agent/probe_health_kernel.py",
+        "    if new_boot:\n        since, seen = None, set()",
+        "    if False:\n        since, seen = None, set()",
+        ("tests/test_health_probe.py::test_probe_parses_the_tools_and_keeps_a_kernel_log_cursor",),
+    ),
+    Mutation(
         "listing-unlisted-paths",
         "a path in scope the node could not list (unreadable) is an item, never dropped",
         "pytest_gpuhost/modules/backup/verdict.py",

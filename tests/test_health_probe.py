@@ -133,6 +133,20 @@ def test_probe_parses_the_tools_and_keeps_a_kernel_log_cursor(fake_host: Path) -
             )
         new = _facts(conn, fake_host)["kernel_log"]
         assert [x["code"] for x in new["xid"]] == [48] and [x["code"] for x in new["sxid"]] == [12028]
+
+        # The host rebooted since the committed run (another boot id), and this boot's first line
+        # carries a time before the cursor (a clock set back): every line of the new boot counts.
+        conn.call(
+            "health_commit",
+            state=dict(health_facts.commit_state(_facts(conn, fake_host)) or {}, boot_id="an-earlier-boot"),
+            state_path=kl["state_path"],
+            timeout=10,
+        )
+        (fake_host / "kmsg").write_text(
+            "2026-11-30T09:00:00,000000+00:00 NVRM: Xid (PCI:0000:18:00): 48, An uncorrectable double bit error\n"
+        )
+        rebooted = _facts(conn, fake_host)["kernel_log"]
+        assert rebooted["new_boot"] and [x["code"] for x in rebooted["xid"]] == [48], rebooted
     finally:
         conn.close()
 

@@ -166,8 +166,17 @@ def fact_health_kernel_log(params):
             err = (failed.get("stderr") or failed.get("stdout") or "").strip().splitlines()
             why = "dmesg exited %d%s" % (failed["rc"], (": " + err[-1]) if err else "")  # noqa: UP031
         return {"ok": False, "error": why, "state_path": path, "commands": record}
+    boot_id = read_str("/proc/sys/kernel/random/boot_id", None, 256)
     since = state.get("last_ts") if state is not None else None
     seen = set(state.get("seen_at_last") or []) if state is not None else set()
+    # The kernel log holds this boot only: after a reboot every line is new, whatever its time
+    # says (dmesg's wall-clock times are the boot time plus the monotonic clock, and a clock
+    # set back, or the estimate dmesg makes, can put them before the last run's cursor).
+    new_boot = (
+        state is not None and bool(state.get("boot_id")) and bool(boot_id) and state["boot_id"] != boot_id
+    )
+    if new_boot:
+        since, seen = None, set()
     new = [
         (ts, msg)
         for ts, msg in lines
@@ -182,6 +191,7 @@ def fact_health_kernel_log(params):
         "ok": True,
         "mode": mode,
         "first_run": state is None,
+        "new_boot": new_boot,
         "since": since,
         "state_path": path,
         "state_error": state_error,
@@ -197,7 +207,7 @@ def fact_health_kernel_log(params):
             "version": 1,
             "last_ts": last_ts,
             "seen_at_last": at_last,
-            "boot_id": read_str("/proc/sys/kernel/random/boot_id", None, 256),
+            "boot_id": boot_id,
         },
         "commands": record,
     }
