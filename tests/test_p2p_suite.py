@@ -32,6 +32,7 @@ STEPS = [
     "test_iommu_groups_identity",
     "test_drivers_bound",
     "test_p2p_bandwidth",
+    "test_p2p_collective",
     "test_persisted",
     "test_service_restored",
 ]
@@ -248,7 +249,7 @@ def test_check_only_on_broken_host(host: Any, tmp_path: Path) -> None:
     host.reset()
     run = run_suite(host, tmp_path, "--check-only")
     assert run.rc != 0
-    assert [run.outcomes[s] for s in STEPS] == ["would fix"] * 8, run.outcomes
+    assert [run.outcomes[s] for s in STEPS] == ["would fix"] * 9, run.outcomes
     assert run.record == [], run.record
     assert "echo identity > /sys/kernel/iommu_groups/30/type" in run.output
     assert "echo 0000:17:00.0 > /sys/bus/pci/drivers/nvidia/unbind" in run.output

@@ -129,6 +129,15 @@ LOCK_WAIT = _opt(
     parse=number(0, 86400),
     default=_D.lock_wait,
 )
+NCCL_TIMEOUT = _opt(
+    "nccl_timeout",
+    "--p2p-nccl-timeout",
+    "SECONDS",
+    "bound on each all_reduce_perf arm of the collective check, enforced on the target; a run "
+    "still going then is reported as hung (default {default})",
+    parse=number(5, 3600),
+    default=_D.nccl_timeout,
+)
 
 OPTIONS: tuple[Option, ...] = (
     GPUS,
@@ -141,6 +150,7 @@ OPTIONS: tuple[Option, ...] = (
     HEALTH_TIMEOUT,
     UNBIND_TIMEOUT,
     LOCK_WAIT,
+    NCCL_TIMEOUT,
 )
 
 
@@ -166,6 +176,7 @@ def validate(config: pytest.Config) -> None:
         health_timeout=value(HEALTH_TIMEOUT),
         lock_wait=value(LOCK_WAIT),
         unbind_timeout=value(UNBIND_TIMEOUT),
+        nccl_timeout=value(NCCL_TIMEOUT),
     )
 
 

@@ -1,4 +1,4 @@
-"""Steps 5-8 of suites/p2p: drivers bound, P2P bandwidth, persisted, service restored."""
+"""Steps 5, 6, 8 and 9 of suites/p2p: drivers bound, P2P bandwidth, persisted, service restored."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import dataclasses
 import time
 from typing import Any
 
-from pytest_gpuhost.modules import p2p, pci
-from pytest_gpuhost.modules.service import check_health, nccl_transport
+from pytest_gpuhost.modules import nccl, p2p, pci
+from pytest_gpuhost.modules.service import check_health
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
@@ -187,10 +187,10 @@ class RestoreSteps(P2PState):
             reds = [r for r in reds if frozenset((r.a, r.b)) in bad]
         return f"; {redirect_advice(reds)}" if reds else ""
 
-    # ------------------------------------------------------------------ step 7: persisted
+    # ------------------------------------------------------------------ step 8: persisted
 
     def step_persisted(self) -> Step:
-        """Step 7: a boot-time unit sets exactly the in-scope groups to identity before the GPUs' users start."""
+        """Step 8: a boot-time unit sets exactly the in-scope groups to identity before the GPUs' users start."""
 
         def check() -> Check:
             assert self.plan is not None
@@ -250,7 +250,7 @@ class RestoreSteps(P2PState):
 
         return self.step("persisted", check, lambda before: self.persist_actions(), fix)
 
-    # ------------------------------------------------------------------ step 8: service restored
+    # ------------------------------------------------------------------ step 9: service restored
 
     def health_url(self) -> str:
         """The URL polled for /health (from the service's own side)."""
@@ -269,7 +269,7 @@ class RestoreSteps(P2PState):
         return text
 
     def step_service_restored(self) -> Step:
-        """Step 8: the service this run stopped runs again, /health answers, NCCL uses P2P not SHM."""
+        """Step 9: the service this run stopped runs again, /health answers, NCCL uses P2P not SHM."""
 
         def check() -> Check:
             assert self.plan is not None
@@ -293,13 +293,14 @@ class RestoreSteps(P2PState):
             healthy, answer, waited = check_health(
                 self.svc_conn, self.health_url(), bound=self.opts.health_timeout
             )
-            transports = nccl_transport(self.log_text())
-            last = transports[-1] if transports else None
+            # NCCL's own line forms (modules/nccl.py): SHM lines have no "/conn" after the channel
+            channels = nccl.parse_channels(self.log_text())
+            last = channels[-1].transport if channels else None
             s = dataclasses.asdict(state) | {"health": answer, "health_wait_s": waited, "nccl": last}
             problems = []
             if not healthy:
                 problems.append(f"{self.health_url()} answered {answer}")
-            if last is not None and not last.startswith("P2P"):
+            if channels and channels[-1].kind != "P2P":
                 problems.append(f"NCCL transport is {last}, not P2P")
             summary = f"{state.summary()}; /health {answer} after {waited:g} s" + (
                 f"; NCCL via {last}" if last else ""

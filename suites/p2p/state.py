@@ -1,4 +1,4 @@
-"""The state shared by the eight P2P steps: facts, plan, measurements, the actions each step plans, and undo.
+"""The state shared by the nine P2P steps: facts, plan, measurements, the actions each step plans, and undo.
 
 Facts are read once in step 1 and re-read where a step must verify. The host's journal
 (`/var/lib/gpuhost/journal/p2p.json`) records every destructive action before it is taken; the
@@ -47,6 +47,9 @@ class P2POptions:
     # real figures are not measured (the lab's AMD profile: 3 s per GPU): wait this long at most
     gsp_wait: float = 90.0
     log_paths: tuple[str, ...] = ()
+    # each arm of the NCCL collective check, enforced on the target (timeout -k 5): a healthy
+    # 8-128 MiB all_reduce on a few GPUs takes seconds; NCCL's init alone can take tens
+    nccl_timeout: float = 120.0
 
 
 def _texts(reply: Any) -> dict[str, str | None]:
@@ -356,7 +359,7 @@ class P2PState(Procedure):
             self.journal.write(service_stopped=False)
 
     def push_service_undo(self) -> None:
-        """Pending until step 8 starts it: start the service this run (or the one it completes) stopped.
+        """Pending until step 9 starts it: start the service this run (or the one it completes) stopped.
 
         Skipped when an undo before it failed: the service must not start on GPUs without a driver.
         """
@@ -369,7 +372,7 @@ class P2PState(Procedure):
         )
 
     def push_persistenced_undo(self) -> None:
-        """Pending until step 8 starts it: start nvidia-persistenced again."""
+        """Pending until step 9 starts it: start nvidia-persistenced again."""
         self.push_undo(
             "start-persistenced", f"start {self.persistenced.unit}", self._undo_persistenced, link=self.conn
         )
