@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpulab import boot, netns, units
+from gpulab import boot, netns, nvml, units
 from gpulab.errors import LabError
 from gpulab.profile import Profile, ProfileError, Service, load_profile
 
@@ -1192,6 +1192,7 @@ TOOL_PATHS = {
     "dmesg": "usr/bin/dmesg",
     "sglang-standin": "usr/local/bin/sglang-standin",
     "gpulab_tools/all_reduce_perf": "usr/bin/all_reduce_perf",  # nccl-tests' collective (a module with a main)
+    "nvml-state": "usr/local/lib/gpulab/nvml-state",  # what the stand-in libnvidia-ml.so.1 reads
 }
 
 
@@ -1216,6 +1217,8 @@ def _install_tools(root: Path, container: bool) -> None:
             shutil.copytree(src, site / pkg, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     lib = root / "usr/local/lib/gpulab"
     lib.mkdir(parents=True, exist_ok=True)
+    (root / nvml.LIB_PATH).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(nvml.build(), root / nvml.LIB_PATH)
     shutil.copyfile(PKG / "hosttools" / "ptyhold.py", lib / "ptyhold.py")
     real_uname = shutil.which("uname") or "/usr/bin/uname"
     shutil.copy2(real_uname, lib / "uname.real")

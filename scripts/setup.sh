@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 for pkg in ca-certificates python3 python3-venv python3-dev openssh-server openssh-client fuse3 libfuse3-3 rsync \
-           iproute2 psmisc lsof procps util-linux systemd dbus vim curl chromium awscli git python3-setproctitle; do
+           iproute2 psmisc lsof procps util-linux systemd dbus vim curl chromium awscli git python3-setproctitle gcc; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then
