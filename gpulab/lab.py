@@ -1192,7 +1192,6 @@ TOOL_PATHS = {
     "dmesg": "usr/bin/dmesg",
     "sglang-standin": "usr/local/bin/sglang-standin",
     "gpulab_tools/all_reduce_perf": "usr/bin/all_reduce_perf",  # nccl-tests' collective (a module with a main)
-    "nvml-state": "usr/local/lib/gpulab/nvml-state",  # what the stand-in libnvidia-ml.so.1 reads
 }
 
 

@@ -2,7 +2,7 @@
  * The lab's libnvidia-ml.so.1: the NVML calls the health probe makes, answered from the lab
  * host's GPU state (the same state the lab's nvidia-smi reads).
  *
- * nvmlInit_v2 runs /usr/local/lib/gpulab/nvml-state (gpulab_tools/nvml_state.py), which prints
+ * nvmlInit_v2 runs `python3 -m gpulab_tools.nvml_state` (gpulab/tools/), which prints
  * one "key value" line per fact, "gpu N" before each GPU's lines; GPULAB_NVML_STATE_FILE names a
  * file to read instead (tests outside a lab host). A value "!N" is NVML error N for that call.
  * A line "hang NAME" makes the call NAME block forever (the lab fault nvml_hang).
@@ -191,14 +191,14 @@ nvmlReturn_t nvmlInit_v2(void)
         parse(f);
         fclose(f);
     } else {
-        f = popen("/usr/local/lib/gpulab/nvml-state", "r");
+        f = popen("exec python3 -m gpulab_tools.nvml_state", "r");
         if (f == NULL)
             return NVML_ERROR_DRIVER_NOT_LOADED;
         parse(f);
         status = pclose(f);
         if (status != 0) {
             gpu_count = -1;
-            return NVML_ERROR_DRIVER_NOT_LOADED; /* no profile: nvidia-smi says "couldn't communicate" */
+            return NVML_ERROR_DRIVER_NOT_LOADED; /* no profile, or a host modelled for nvidia-smi alone */
         }
     }
     maybe_hang("nvmlInit_v2");

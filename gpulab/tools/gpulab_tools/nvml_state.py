@@ -5,6 +5,10 @@ nvmlInit_v2. The values are the lab's nvidia-smi cells (nvidia_smi.gpu_field, th
 and faults), so both tools say the same; a cell nvidia-smi prints as ``[error]`` becomes ``!N``,
 NVML error N (nvml.h's nvmlReturn_t), and N/A becomes NVML_ERROR_NOT_SUPPORTED. The fault
 ``nvml_hang`` (true, or an NVML function name) prints ``hang NAME``: that call blocks forever.
+
+A host with the fault ``unknown_fields`` models another driver's nvidia-smi vocabulary (field
+names NVML does not have): it prints nothing and exits 1, so nvmlInit_v2 fails and the health
+probe reads nvidia-smi, whose field names those tests are about.
 """
 
 from __future__ import annotations
@@ -109,5 +113,11 @@ def lines(host: Host) -> list[str]:
 
 def main() -> int:
     host = Host()
+    if host.faults.get("unknown_fields"):
+        return 1
     sys.stdout.write("\n".join(lines(host)) + "\n")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
