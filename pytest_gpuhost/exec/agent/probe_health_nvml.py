@@ -1,0 +1,428 @@
+"""Agent probe: the `health_nvml` fact, the health checks' GPU facts read through NVML.
+
+Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).  Loads
+libnvidia-ml.so.1 with ctypes as pynvml does (CDLL, argtypes/restype, the versioned symbols) and
+reads, for every GPU, what the `gpus` and `remap` parts of the `health` fact read from nvidia-smi,
+in the same shape (modules/health/ judges them unchanged), with `"source": "nvml"`.  NVML's calls
+do not change wording between drivers as nvidia-smi's text does.
+
+The calls run in a forked child under a deadline (params `timeout`): a driver call that never
+returns is killed with the child, and the fact says which call hung and after how long; the
+agent itself never loads the library.  The fact is asked for before `health` in the same request
+and leaves its result in the request's params (`_health_nvml`), where the `health` fact takes
+it instead of starting nvidia-smi; without the library the `health` fact reads nvidia-smi as
+before and says why.  Signatures and constants: NVIDIA's nvml.h, as vendored by NVIDIA/go-nvml,
+https://github.com/NVIDIA/go-nvml/blob/main/gen/nvml/nvml.h (line numbers at commit 2f9e261).
+"""
+
+import ctypes
+import json
+import os
+import select
+import signal
+import time
+
+from pytest_gpuhost.exec.agent.core import fact, read_str
+
+LIBRARY = "libnvidia-ml.so.1"
+CACHE_KEY = "_health_nvml"  # the request's params: the `health` fact reads the result there
+NVML_SUCCESS = 0
+NVML_ERROR_NOT_SUPPORTED = 3  # nvml.h:1301
+NVML_ERROR_INSUFFICIENT_SIZE = 7  # nvml.h:1305
+BUFFER = 96  # NVML_DEVICE_NAME_V2_BUFFER_SIZE, NVML_DEVICE_UUID_V2_BUFFER_SIZE (nvml.h:4080, 4105)
+DRIVER_BUFFER = 80  # NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE (nvml.h:4090)
+# nvmlDeviceGetFieldValues ids (nvml.h:2475-2849)
+FI_MEMORY_TEMP = 82
+FI_RESET_STATUS = 226  # deprecated for FI_GPU_RECOVERY_ACTION; what drivers before it answer
+FI_GPU_RECOVERY_ACTION = 230
+FI_COUNTERS = (  # NVML_FI_DEV_CLOCKS_EVENT_REASON_*, nanoseconds: nvidia-smi's counters in us
+    (74, "clocks_event_reasons_counters.sw_power_cap"),
+    (269, "clocks_event_reasons_counters.sw_thermal_slowdown"),
+    (270, "clocks_event_reasons_counters.hw_thermal_slowdown"),
+    (271, "clocks_event_reasons_counters.hw_power_brake_slowdown"),
+)
+# nvmlGpuRecoveryAction_t (nvml.h:2195-2200) as nvidia-smi's gpu_recovery_action prints it
+RECOVERY = {0: "None", 1: "Reset", 2: "Reboot", 3: "Drain P2P", 4: "Drain and Reset"}
+LINK_FIELDS = ("pcie.link.gen.current", "pcie.link.gen.max", "pcie.link.width.current", "pcie.link.width.max")
+SYSFS_LINK = (
+    ("speed", "current_link_speed"),
+    ("width", "current_link_width"),
+    ("max_speed", "max_link_speed"),
+    ("max_width", "max_link_width"),
+)
+VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")  # by nvmlValueType_t
+
+
+class PciInfo(ctypes.Structure):
+    """nvmlPciInfo_t (nvml.h:196-208): 68 bytes."""
+
+    _fields_ = [
+        ("busIdLegacy", ctypes.c_char * 16),  # NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE
+        ("domain", ctypes.c_uint),
+        ("bus", ctypes.c_uint),
+        ("device", ctypes.c_uint),
+        ("pciDeviceId", ctypes.c_uint),
+        ("pciSubSystemId", ctypes.c_uint),
+        ("busId", ctypes.c_char * 32),  # NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE
+    ]
+
+
+class Value(ctypes.Union):
+    """nvmlValue_t (nvml.h:665-674)."""
+
+    _fields_ = [
+        ("dVal", ctypes.c_double),
+        ("siVal", ctypes.c_int),
+        ("uiVal", ctypes.c_uint),
+        ("ulVal", ctypes.c_ulong),
+        ("ullVal", ctypes.c_ulonglong),
+        ("sllVal", ctypes.c_longlong),
+        ("usVal", ctypes.c_ushort),
+    ]
+
+
+class FieldValue(ctypes.Structure):
+    """nvmlFieldValue_t (nvml.h:3010-3019): 40 bytes on LP64."""
+
+    _fields_ = [
+        ("fieldId", ctypes.c_uint),
+        ("scopeId", ctypes.c_uint),
+        ("timestamp", ctypes.c_longlong),
+        ("latencyUsec", ctypes.c_longlong),
+        ("valueType", ctypes.c_int),
+        ("nvmlReturn", ctypes.c_int),
+        ("value", Value),
+    ]
+
+
+_P = ctypes.POINTER
+_H = ctypes.c_void_p  # nvmlDevice_t, an opaque pointer
+# name -> argtypes, each with restype nvmlReturn_t (an int); nvml.h's line of the declaration
+SIGNATURES = {
+    "nvmlInit_v2": [],  # 4002
+    "nvmlShutdown": [],  # 4031
+    "nvmlSystemGetDriverVersion": [ctypes.c_char_p, ctypes.c_uint],  # 4194
+    "nvmlDeviceGetCount_v2": [_P(ctypes.c_uint)],  # 4573
+    "nvmlDeviceGetHandleByIndex_v2": [ctypes.c_uint, _P(_H)],  # 4641
+    "nvmlDeviceGetName": [_H, ctypes.c_char_p, ctypes.c_uint],  # 4784
+    "nvmlDeviceGetUUID": [_H, ctypes.c_char_p, ctypes.c_uint],  # 5186
+    "nvmlDeviceGetPciInfo_v3": [_H, _P(PciInfo)],  # 5471
+    "nvmlDeviceGetPersistenceMode": [_H, _P(ctypes.c_uint)],  # 5433
+    "nvmlDeviceGetTemperature": [_H, ctypes.c_int, _P(ctypes.c_uint)],  # 5958
+    "nvmlDeviceGetTemperatureThreshold": [_H, ctypes.c_int, _P(ctypes.c_uint)],  # 6044
+    "nvmlDeviceGetEccMode": [_H, _P(ctypes.c_uint), _P(ctypes.c_uint)],  # 6886
+    "nvmlDeviceGetTotalEccErrors": [_H, ctypes.c_int, ctypes.c_int, _P(ctypes.c_ulonglong)],  # 6986
+    "nvmlDeviceGetRetiredPagesPendingStatus": [_H, _P(ctypes.c_uint)],  # 8407
+    "nvmlDeviceGetRemappedRows": [_H] + [_P(ctypes.c_uint)] * 4,  # 8434
+    "nvmlDeviceGetCurrentClocksEventReasons": [_H, _P(ctypes.c_ulonglong)],  # 6121
+    "nvmlDeviceGetCurrPcieLinkGeneration": [_H, _P(ctypes.c_uint)],  # 5549
+    "nvmlDeviceGetMaxPcieLinkGeneration": [_H, _P(ctypes.c_uint)],  # 5492
+    "nvmlDeviceGetCurrPcieLinkWidth": [_H, _P(ctypes.c_uint)],  # 5567
+    "nvmlDeviceGetMaxPcieLinkWidth": [_H, _P(ctypes.c_uint)],  # 5531
+    "nvmlDeviceGetFieldValues": [_H, ctypes.c_int, _P(FieldValue)],  # 10230
+}
+# Drivers before R535 have the older name of the clock-event call (nvml.h keeps it as deprecated).
+FALLBACK_SYMBOL = {"nvmlDeviceGetCurrentClocksEventReasons": "nvmlDeviceGetCurrentClocksThrottleReasons"}
+
+
+class Nvml:
+    """The library's calls, each announced to `progress(name)` before it is made."""
+
+    def __init__(self, path, progress):
+        self.lib = ctypes.CDLL(path)
+        self.progress = progress
+        self.calls = 0
+        self.lib.nvmlErrorString.restype = ctypes.c_char_p  # nvml.h:4057
+        self.lib.nvmlErrorString.argtypes = [ctypes.c_int]
+        self.fns = {}  # type: dict
+
+    def fn(self, name):
+        if name not in self.fns:
+            try:
+                f = getattr(self.lib, name)
+            except AttributeError:
+                f = getattr(self.lib, FALLBACK_SYMBOL.get(name, name))
+            f.argtypes = SIGNATURES[name]
+            f.restype = ctypes.c_int
+            self.fns[name] = f
+        return self.fns[name]
+
+    def call(self, name, *args):
+        """Make one call; return its nvmlReturn_t (an absent symbol is NOT_SUPPORTED)."""
+        try:
+            f = self.fn(name)
+        except AttributeError:
+            return NVML_ERROR_NOT_SUPPORTED
+        self.progress(name)
+        self.calls += 1
+        return int(f(*args))
+
+    def error(self, rc):
+        return (self.lib.nvmlErrorString(rc) or b"Unknown Error").decode("utf-8", "replace")
+
+
+class Row:
+    """One GPU's row, as probe_health.part_gpus builds it from nvidia-smi's csv."""
+
+    def __init__(self, nv, index):
+        self.nv = nv
+        self.out = {"index": index, "raw": {"index": str(index)}}  # type: dict
+        self.errors = {}  # type: dict
+
+    def put(self, key, rc, value, text=None):
+        """Store one field: its value, None where NVML has none, the error where the GPU failed."""
+        if rc == NVML_SUCCESS:
+            self.out[key] = value
+            self.out["raw"][key] = str(value) if text is None else text
+            return
+        self.out[key] = None
+        if rc == NVML_ERROR_NOT_SUPPORTED:
+            self.out["raw"][key] = "[N/A]"
+        else:
+            self.errors[key] = self.nv.error(rc)
+            self.out["raw"][key] = "[" + self.errors[key] + "]"
+
+    def uint(self, key, name, *args):
+        v = ctypes.c_uint()
+        rc = self.nv.call(name, *(args + (ctypes.byref(v),)))
+        self.put(key, rc, v.value)
+        return rc, v.value
+
+
+def text(nv, name, *args):
+    buf = ctypes.create_string_buffer(BUFFER)
+    rc = nv.call(name, *(args + (buf, BUFFER)))
+    return rc, buf.value.decode("utf-8", "replace")
+
+
+def short_bdf(bus):
+    """Turn NVML's 00000000:17:00.0 into sysfs's 0000:17:00.0."""
+    dom, _, rest = bus.strip().lower().partition(":")
+    try:
+        return f"{int(dom, 16) & 0xFFFF:04x}:{rest}"
+    except ValueError:
+        return bus.strip().lower()
+
+
+def read_gpu(nv, index, driver):
+    """Return one GPU's `gpus` row and its `remap` entry."""
+    row = Row(nv, index)
+    h = _H()
+    rc = nv.call("nvmlDeviceGetHandleByIndex_v2", index, ctypes.byref(h))
+    if rc != NVML_SUCCESS:
+        row.put("handle", rc, None)
+        return dict(row.out, bdf="", cell_errors=row.errors), None
+    for key, name in (("name", "nvmlDeviceGetName"), ("uuid", "nvmlDeviceGetUUID")):
+        rc, value = text(nv, name, h)
+        row.out[key] = value if rc == NVML_SUCCESS else None
+        row.out["raw"][key] = value
+    row.out["driver_version"] = row.out["raw"]["driver_version"] = driver
+    pci = PciInfo()
+    rc = nv.call("nvmlDeviceGetPciInfo_v3", h, ctypes.byref(pci))
+    bus = pci.busId.decode("ascii", "replace") if rc == NVML_SUCCESS else ""
+    row.out["raw"]["pci.bus_id"] = bus
+    row.out["bdf"] = short_bdf(bus)
+    row.uint("persistence_mode", "nvmlDeviceGetPersistenceMode", h)
+    row.uint("temperature.gpu", "nvmlDeviceGetTemperature", h, 0)  # NVML_TEMPERATURE_GPU (964)
+    for key, kind in (
+        ("ecc.errors.corrected.volatile.total", 0),
+        ("ecc.errors.uncorrected.volatile.total", 1),
+    ):
+        v = ctypes.c_ulonglong()
+        # NVML_MEMORY_ERROR_TYPE_CORRECTED/_UNCORRECTED (1073-1080), NVML_VOLATILE_ECC (1097)
+        rc = nv.call("nvmlDeviceGetTotalEccErrors", h, kind, 0, ctypes.byref(v))
+        row.put(key, rc, v.value)
+    cur, pend = ctypes.c_uint(), ctypes.c_uint()
+    rc = nv.call("nvmlDeviceGetEccMode", h, ctypes.byref(cur), ctypes.byref(pend))
+    row.put("ecc.mode.current", rc, cur.value, "Enabled" if cur.value else "Disabled")
+    row.uint("retired_pages.pending", "nvmlDeviceGetRetiredPagesPendingStatus", h)
+    rows = [ctypes.c_uint() for _ in range(4)]
+    rc = nv.call("nvmlDeviceGetRemappedRows", h, *[ctypes.byref(x) for x in rows])
+    row.put("remapped_rows.failure", rc, rows[3].value)
+    remap = {
+        "remapped_rows.correctable": rows[0].value,
+        "remapped_rows.uncorrectable": rows[1].value,
+        "remapped_rows.pending": rows[2].value,
+        "remapped_rows.failure": rows[3].value,
+    }  # type: dict
+    if rc != NVML_SUCCESS:
+        remap = {k: None for k in remap}
+        if rc != NVML_ERROR_NOT_SUPPORTED:
+            remap["cell_errors"] = {k: nv.error(rc) for k in list(remap)}
+    v = ctypes.c_ulonglong()
+    rc = nv.call("nvmlDeviceGetCurrentClocksEventReasons", h, ctypes.byref(v))
+    row.put("clocks_throttle_reasons.active", rc, v.value, f"0x{v.value:016X}")
+    row.uint("pcie.link.gen.current", "nvmlDeviceGetCurrPcieLinkGeneration", h)
+    row.uint("pcie.link.gen.max", "nvmlDeviceGetMaxPcieLinkGeneration", h)
+    row.uint("pcie.link.width.current", "nvmlDeviceGetCurrPcieLinkWidth", h)
+    row.uint("pcie.link.width.max", "nvmlDeviceGetMaxPcieLinkWidth", h)
+    if not all(isinstance(row.out.get(k), int) for k in LINK_FIELDS):
+        # as probe_health.part_gpus: where the driver does not report the PCIe link, sysfs does
+        base = "/sys/bus/pci/devices/" + row.out["bdf"]
+        row.out["sysfs_link"] = {key: read_str(base + "/" + name) for key, name in SYSFS_LINK}
+    fields = read_fields(
+        nv, h, [FI_MEMORY_TEMP, FI_GPU_RECOVERY_ACTION, FI_RESET_STATUS] + [i for i, _ in FI_COUNTERS]
+    )
+    row.put("temperature.memory", *fields[FI_MEMORY_TEMP])
+    rc, action = fields[FI_GPU_RECOVERY_ACTION]
+    if rc == NVML_SUCCESS:
+        row.put("gpu_recovery_action", rc, RECOVERY.get(action, str(action)))
+    else:
+        row.put("reset_status.reset_required", *fields[FI_RESET_STATUS])
+    for fid, key in FI_COUNTERS:
+        rc, ns = fields[fid]
+        row.put(key, rc, ns // 1000 if rc == NVML_SUCCESS else None)
+    if row.errors:
+        row.out["cell_errors"] = row.errors
+    if remap.get("cell_errors") is None and row.errors and "remapped_rows.failure" in row.errors:
+        remap["cell_errors"] = {"remapped_rows.failure": row.errors["remapped_rows.failure"]}
+    return row.out, remap
+
+
+def read_fields(nv, h, ids):
+    """Return {field id: (nvmlReturn_t, value)} from one nvmlDeviceGetFieldValues call."""
+    values = (FieldValue * len(ids))()
+    for i, fid in enumerate(ids):
+        values[i].fieldId = fid
+    rc = nv.call("nvmlDeviceGetFieldValues", h, len(ids), values)
+    out = {}
+    for i, fid in enumerate(ids):
+        if rc != NVML_SUCCESS:
+            out[fid] = (rc, None)
+            continue
+        fv = values[i]
+        kind = VALUE_FIELDS[fv.valueType] if 0 <= fv.valueType < len(VALUE_FIELDS) else "ullVal"
+        out[fid] = (fv.nvmlReturn, getattr(fv.value, kind) if fv.nvmlReturn == NVML_SUCCESS else None)
+    return out
+
+
+def read_all(path, progress):
+    """Read every GPU through the library at `path`: the `gpus` and `remap` parts, and counts."""
+    nv = Nvml(path, progress)
+    rc = nv.call("nvmlInit_v2")
+    if rc != NVML_SUCCESS:
+        return {"ok": False, "error": "nvmlInit_v2: " + nv.error(rc), "rc": rc}
+    try:
+        buf = ctypes.create_string_buffer(DRIVER_BUFFER)
+        rc = nv.call("nvmlSystemGetDriverVersion", buf, DRIVER_BUFFER)
+        driver = buf.value.decode("ascii", "replace") if rc == NVML_SUCCESS else None
+        count = ctypes.c_uint()
+        rc = nv.call("nvmlDeviceGetCount_v2", ctypes.byref(count))
+        if rc != NVML_SUCCESS:
+            return {"ok": False, "error": "nvmlDeviceGetCount_v2: " + nv.error(rc), "rc": rc}
+        gpus, remap = [], {}
+        for i in range(count.value):
+            row, rm = read_gpu(nv, i, driver)
+            gpus.append(row)
+            if rm is not None:
+                remap[row["bdf"]] = rm
+    finally:
+        nv.call("nvmlShutdown")
+    renamed = (
+        {"reset_status.reset_required": "gpu_recovery_action"}
+        if any("gpu_recovery_action" in g for g in gpus)
+        else {}
+    )
+    return {
+        "ok": True,
+        "driver_version": driver,
+        "calls": nv.calls,
+        "gpus": {"ok": True, "gpus": gpus, "dropped": [], "renamed": renamed, "source": "nvml"},
+        "remap": {"ok": True, "gpus": remap, "source": "nvml"},
+    }
+
+
+def _child(path, wfd):
+    def progress(name):
+        os.write(wfd, ("C " + name + "\n").encode("ascii"))
+
+    try:
+        out = read_all(path, progress)
+    except OSError as exc:  # no library: CDLL's dlopen message
+        out = {"ok": False, "absent": True, "error": " ".join(str(exc).split())}
+    except Exception as exc:
+        out = {"ok": False, "error": "{}: {}".format(type(exc).__name__, " ".join(str(exc).split()))}
+    os.write(wfd, ("R " + json.dumps(out) + "\n").encode("utf-8"))
+
+
+def bounded(path, timeout):
+    """Run read_all in a forked child; kill it at `timeout` and say which call it was in."""
+    rfd, wfd = os.pipe()
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the agent
+        code = 0
+        try:
+            os.close(rfd)
+            _child(path, wfd)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    os.close(wfd)
+    data = b""
+    deadline = started + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _, _ = select.select([rfd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(rfd, 65536)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(rfd)
+    lines = data.decode("utf-8", "replace").splitlines()
+    done = [ln[2:] for ln in lines if ln.startswith("R ")]
+    calls = [ln[2:] for ln in lines if ln.startswith("C ")]
+    took = round(time.monotonic() - started, 3)
+    if not done:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap(pid)
+    if done:
+        out = json.loads(done[-1])
+        out["duration"] = took
+        return out
+    if not calls:
+        return {"ok": False, "error": "NVML child exited without an answer", "duration": took}
+    return {
+        "ok": False,
+        "error": "driver hung",
+        "call": calls[-1],
+        "after_s": float(timeout),
+        "calls": len(calls),
+        "duration": took,
+    }
+
+
+def _reap(pid):
+    # A child stuck in the kernel (uninterruptible in the driver) dies only when the call ends:
+    # wait a little, then leave it; the agent's exit hands it to init.
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done or time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
+
+
+@fact("health_nvml")
+def fact_health_nvml(params):
+    """Read the GPUs through NVML, bounded; leave the result for the `health` fact in `params`."""
+    timeout = float(params.get("nvml_timeout") or params.get("timeout", 20))
+    path = params.get("nvml_library") or LIBRARY
+    out = bounded(path, timeout)
+    out["library"] = path
+    params[CACHE_KEY] = out
+    summary = {k: v for k, v in out.items() if k not in ("gpus", "remap")}
+    summary["source"] = "nvml"
+    return summary
