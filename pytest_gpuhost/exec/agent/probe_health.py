@@ -145,7 +145,50 @@ def short_bdf(bus):
     return f"{int(m.group(1), 16) & 0xFFFF:04x}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
 
 
+NVML_KEY = "_health_nvml"  # params: what the `health_nvml` fact read, earlier in this request
+
+
+def nvml_parts(params):
+    """Return ({part: answer} from this request's NVML read, or None to read nvidia-smi; why not).
+
+    probe_health_nvml.py reads the `gpus` and `remap` parts through libnvidia-ml.so.1 before this
+    fact runs. A hung call is the parts' answer (nvidia-smi calls the same driver and would hang
+    as well); a missing library or a failed nvmlInit_v2 is a fallback to nvidia-smi, and the
+    parts nvidia-smi fills say why.
+    """
+    got = params.get(NVML_KEY)
+    if not isinstance(got, dict):
+        return None, None
+    if got.get("ok"):
+        return {"gpus": got["gpus"], "remap": got["remap"]}, None
+    if got.get("error") == "driver hung":
+        part = {
+            "ok": False,
+            "error": "NVML call {} hung after {:g} s".format(got.get("call"), float(got.get("after_s") or 0)),
+            "hung": {"call": got.get("call"), "after_s": got.get("after_s")},
+            "source": "nvml",
+        }  # type: dict
+        return {"gpus": dict(part, gpus=[]), "remap": dict(part, gpus={})}, None
+    return None, str(got.get("error") or "no answer")
+
+
+def _sourced(name, params, read):
+    parts, why = nvml_parts(params)
+    if parts is not None:
+        return parts[name]
+    out = read()
+    out["source"] = "nvidia-smi"
+    if why:
+        out["nvml_fallback"] = why
+    return out
+
+
 def part_gpus(params, record):
+    """The GPUs' fields, through NVML when this request read them so, else from nvidia-smi."""
+    return _sourced("gpus", params, lambda: smi_gpus(params, record))
+
+
+def smi_gpus(params, record):
     """Query every GPU's fields; a field this driver does not know is dropped, in this request."""
     timeout = float(params.get("timeout", 20))
     fields = list(params.get("query_fields") or QUERY_FIELDS)
@@ -265,6 +308,11 @@ def header_versions(text):
 
 
 def part_remap(params, record):
+    """Every GPU's row remapping, through NVML when this request read it so, else from nvidia-smi."""
+    return _sourced("remap", params, lambda: smi_remap(params, record))
+
+
+def smi_remap(params, record):
     """Read every GPU's row-remapping counters and flags with `--query-remapped-rows`."""
     res = run_recorded(
         ["nvidia-smi", "--query-remapped-rows=" + ",".join(REMAP_FIELDS), "--format=csv,noheader,nounits"],
@@ -550,6 +598,7 @@ def fact_health(params):
     started = time.time()
     samples = int(params.get("samples") or 0)
     if samples:
+        params.pop(NVML_KEY, None)  # read once, before: each sample reads the GPUs anew (nvidia-smi)
         samples = max(1, min(samples, 10))
         interval = max(0.0, min(float(params.get("interval", 0.5)), 5.0))
         out = []

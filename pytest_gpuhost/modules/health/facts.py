@@ -11,13 +11,23 @@ after the run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pytest_gpuhost.modules.health.counters import counters_state
 from pytest_gpuhost.modules.health.xid import pending_after, reset_signals
 
-__all__ = ["FACT_OF_PART", "PARTS", "commit_state", "fact_names", "merge"]
+__all__ = [
+    "FACT_OF_PART",
+    "NVML_FACT",
+    "PARTS",
+    "SOURCE_ENV",
+    "commit_state",
+    "fact_names",
+    "gpu_source",
+    "merge",
+]
 
 #: The fact that gathers each part, in the order the verdicts list them.
 FACT_OF_PART: Mapping[str, str] = {
@@ -36,15 +46,36 @@ FACT_OF_PART: Mapping[str, str] = {
     "ib": "health_ib",
 }
 PARTS: tuple[str, ...] = tuple(FACT_OF_PART)
+#: The fact that reads the `gpus` and `remap` parts through NVML (exec/agent/probe_health_nvml.py):
+#: asked for before `health`, which takes its answer instead of starting nvidia-smi.
+NVML_FACT = "health_nvml"
+#: `nvidia-smi` reads the GPUs with nvidia-smi only; `auto` (the default) through NVML where the
+#: host has libnvidia-ml.so.1, else nvidia-smi.
+SOURCE_ENV = "GPUHOST_HEALTH_SOURCE"
+SOURCES = ("auto", "nvidia-smi")
+
+
+def gpu_source() -> str:
+    """Return where the GPU facts are read from: `auto` or `nvidia-smi` (SOURCE_ENV)."""
+    value = os.environ.get(SOURCE_ENV, "").strip() or "auto"
+    if value not in SOURCES:
+        raise ValueError(f"{SOURCE_ENV}={value!r} (from the environment): use one of {', '.join(SOURCES)}")
+    return value
 
 
 def fact_names(parts: Iterable[str] | None = None) -> list[str]:
-    """Return the facts to ask for to get `parts` (all parts when None), `health` first."""
+    """Return the facts to ask for to get `parts` (all parts when None), `health` first.
+
+    Where the GPUs are read and NVML is not turned off (SOURCE_ENV), NVML_FACT comes before all.
+    """
     wanted = PARTS if parts is None else tuple(parts)
     unknown = [p for p in wanted if p not in FACT_OF_PART]
     if unknown:
         raise KeyError(f"unknown health facts part(s) {unknown}; known: {', '.join(PARTS)}")
-    return list(dict.fromkeys(FACT_OF_PART[p] for p in PARTS if p in wanted))
+    names = list(dict.fromkeys(FACT_OF_PART[p] for p in PARTS if p in wanted))
+    if ("gpus" in wanted or "remap" in wanted) and gpu_source() == "auto":
+        names.insert(0, NVML_FACT)
+    return names
 
 
 def _as_part(value: Any, name: str) -> dict[str, Any]:
@@ -68,6 +99,8 @@ def merge(reply: Mapping[str, Any]) -> dict[str, Any]:
         value = _as_part(reply[name], name)
         commands += list(value.pop("commands", None) or [])
         facts[part] = value
+    if NVML_FACT in reply:
+        facts["nvml"] = _as_part(reply[NVML_FACT], NVML_FACT)
     facts["commands"] = commands
     return facts
 

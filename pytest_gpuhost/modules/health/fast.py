@@ -153,7 +153,8 @@ def run_checks(
     """
     result = NodeResult(checks=list(checks), budget=budget)
     t0 = time.monotonic()
-    names = health_facts.fact_names(parts_for(checks))
+    # each fact on a connection of its own, in parallel: NVML's answer could not reach `health`
+    names = [n for n in health_facts.fact_names(parts_for(checks)) if n != health_facts.NVML_FACT]
     per_command = max(0.2, (deadline - t0 - COMMIT_TIMEOUT) / 3.0)
     params: dict[str, Any] = dict(hm.probe_params(thresholds))
     params["timeout"] = min(float(thresholds["probe_timeout"]), per_command)

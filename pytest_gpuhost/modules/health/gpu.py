@@ -45,11 +45,15 @@ _THROTTLE_BITS = (
 
 def check_gpu_count(facts: Facts, t: Thresholds) -> Verdict:
     gpus, err = facts_gpus(facts)
+    part = facts.get("gpus")
+    # where the GPUs were read from (probe_health_nvml.py): "nvml", or "nvidia-smi" and why not NVML
+    src = {k: part[k] for k in ("source", "nvml_fallback") if k in part} if isinstance(part, dict) else {}
     if err:
-        return failed("gpu_count", f"nvidia-smi failed: {err}", [err])
+        said = err if src.get("source") == "nvml" else f"nvidia-smi failed: {err}"
+        return failed("gpu_count", said, [err], state=src)
     names = [str(g.get("name") or "") for g in gpus]
     models = sorted(set(names))
-    state: dict[str, Any] = {"count": len(gpus), "models": models}
+    state: dict[str, Any] = {"count": len(gpus), "models": models, **src}
     # a GPU of no model in health.thresholds.MODELS: its per-model expectations are not judged
     unknown = unknown_note(gpus, "no per-model expectations (NVLinks, fabric, ECC, memory limit)")
     if unknown:
