@@ -201,6 +201,14 @@ MUTATIONS = (
         ("tests/test_health_probe.py::test_probe_parses_the_tools_and_keeps_a_kernel_log_cursor",),
     ),
     Mutation(
+        "reset-cut-run-completed",
+        "what a cut reset run left stopped (units, persistence) is put back by the next run",
+        "suites/health/reset.py",
+        "        units_left, gpus_left = leftover(theirs)",
+        "        units_left, gpus_left = [], []",
+        ("tests/test_health_reset_lab.py::test_a_run_cut_while_the_gpu_is_reset_is_completed_by_the_next",),
+    ),
+    Mutation(
         "listing-unlisted-paths",
         "a path in scope the node could not list (unreadable) is an item, never dropped",
         "pytest_gpuhost/modules/backup/verdict.py",

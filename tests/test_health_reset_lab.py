@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +173,57 @@ def test_a_reset_that_leaves_the_gpu_in_error_reboots_the_node_under_fix_reset_r
     finally:
         inject(h, {})
         h.ssh(["sh", "-c", ": > /var/lib/gpulab/kmsg"])  # the Xid, had the reboot not emptied it
+
+
+def test_a_run_cut_while_the_gpu_is_reset_is_completed_by_the_next(lab: Any, tmp_path: Path) -> None:
+    """The controller is killed while `nvidia-smi -r` runs (the lab's `reset_hangs`), with the
+    GPU's units stopped and persistence off; the next run reads the host's journal, starts them
+    again, turns persistence back on, resets the GPU and retires the journal."""
+    h = lab.host("health-ok", name=f"hr{os.getpid() % 100000}")  # the first test's host
+    journal = "/var/lib/gpuhost/journal/health-reset.json"
+    inject(h, {"gpus": {BUS: {"reset_required": True, "reset_hangs": 8}}})
+    try:
+        known = tmp_path / "known_hosts"
+        known.write_text(Path(h.known_hosts).read_text())
+        inv = tmp_path / "fleet.yaml"
+        inv.write_text(
+            "all:\n  vars: {ansible_user: root, service: sglang-qwen, service_port: 30000}\n"
+            f"  hosts:\n    {h.name}: {{ansible_host: {h.address}}}\n"
+        )
+        argv = [
+            sys.executable, "-m", "pytest", "suites/health", "-p", "no:cacheprovider", f"--inventory={inv}",
+            "--ssh-identity=/run/gpulab/id_ed25519", f"--known-hosts={known}", "--connect-timeout=5",
+            "--report-dir=none", "--fix=reset", "-o", "addopts=", "-q",
+        ]  # fmt: skip
+        ctl = subprocess.Popen(
+            argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + 90
+        phase = None
+        while time.monotonic() < deadline and ctl.poll() is None:
+            r = h.ssh(["cat", journal])
+            phase = json.loads(r.stdout).get("phase") if r.returncode == 0 and r.stdout.strip() else None
+            if phase == "reset":
+                break
+            time.sleep(0.3)
+        assert phase == "reset", phase
+        os.killpg(ctl.pid, signal.SIGKILL)  # the controller, cut in the middle of the reset
+        ctl.wait(timeout=30)
+        assert "ActiveState=inactive" in _main_pid(h, "sglang-qwen.service")  # left stopped
+        for _ in range(60):  # the cut run's own `nvidia-smi -r` ends after its hang
+            if h.ssh(["pgrep", "-f", "nvidia-smi -r"]).returncode != 0:
+                break
+            time.sleep(0.5)
+        inject(h, {"gpus": {BUS: {"reset_required": True}}})  # the GPU still owes its reset
+
+        proc, cells = _suite(h, tmp_path, "after-cut")
+        reset = cells["reset"]
+        assert reset["outcome"] == "fixed", (reset, proc.stdout[-4000:])
+        # the checks before it saw the units down and persistence off: the cut run's leftovers
+        assert "a cut reset run" in reset["summary"] and "sglang-qwen.service" in reset["summary"], reset
+        assert "ActiveState=active" in _main_pid(h, "sglang-qwen.service")
+        assert "ActiveState=active" in _main_pid(h, "nvidia-persistenced.service")
+        assert _reset_required(h) == "No"
+        assert h.ssh(["test", "-e", journal]).returncode != 0  # retired
+    finally:
+        inject(h, {})

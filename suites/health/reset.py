@@ -42,6 +42,7 @@ from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.modules import slurm
 from pytest_gpuhost.modules.health import checks as hm
 from pytest_gpuhost.modules.health.xid import bus_key, reset_signals
+from pytest_gpuhost.modules.journal import Journal, LockBusy
 from pytest_gpuhost.modules.process import ProcessTable, driver_daemon
 from pytest_gpuhost.modules.service import Service
 from pytest_gpuhost.run import evidence
@@ -56,6 +57,8 @@ RESET_TIMEOUT = 60.0  # nvidia-smi -r on one GPU; a reset that hangs is a failur
 STOP_TIMEOUT = 30.0
 VERIFY_TIMEOUT = 30.0  # the default of ini health_reset_verify_timeout (options.py)
 PERSISTENCED = "nvidia-persistenced.service"
+JOURNAL = "health-reset"  # journal/health-reset.json and lock/health-reset under the agent's state dir
+LOCK_WAIT = 30.0  # seconds to wait for another reset run's lock on the host
 _SIGNAL_TEXT = {
     "reset_required": "reset_status.reset_required is Yes",
     "nvml_reset_required": "NVML says [GPU requires reset]",
@@ -167,6 +170,50 @@ def _units(thresholds: Any) -> list[str]:
     return [u if u.endswith(".service") else f"{u}.service" for u in thresholds.services]
 
 
+def leftover(journal: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:
+    """Return (units, GPUs) a cut run left: stopped, or with persistence off, and never restored.
+
+    The journal's steps, in order: `stop` (unit, gpu), `persistence_off` (gpu), `reset` (gpu),
+    `reboot` (boot id), `restored` (gpu: its units started again and persistence back on).
+    """
+    units, persistence = _leftover(journal)
+    return list(dict.fromkeys(u for us in units.values() for u in us)), sorted(persistence)
+
+
+def _leftover(journal: Mapping[str, Any] | None) -> tuple[dict[str, list[str]], dict[str, bool]]:
+    """({GPU: units stopped for it}, {GPU: persistence off}) that a cut run never restored."""
+    units: dict[str, list[str]] = {}
+    persistence: dict[str, bool] = {}
+    for step in (journal or {}).get("steps") or []:
+        if not isinstance(step, Mapping):
+            continue
+        gpu, what = str(step.get("gpu", "")), step.get("step")
+        if what == "stop" and step.get("unit"):
+            units.setdefault(gpu, []).append(str(step["unit"]))
+        elif what == "persistence_off":
+            persistence[gpu] = True
+        elif what == "restored":
+            units.pop(gpu, None)
+            persistence.pop(gpu, None)
+    return units, persistence
+
+
+def complete(conn: Any, units: list[str], gpus: list[str]) -> list[str]:
+    """Put back what a cut run left: persistence on, then its stopped units started; return notes."""
+    notes = []
+    for g in gpus:
+        _run(conn, ["nvidia-smi", "-i", g, "-pm", "1"], 30)
+        notes.append(f"persistence mode on again for {g}")
+    for u in reversed(units):
+        st = Service(conn, u).state()
+        if st.running:
+            notes.append(f"{u} already active")
+            continue
+        Service(conn, u).start(timeout=STOP_TIMEOUT * 2)
+        notes.append(f"started {u} again")
+    return notes
+
+
 def remediation(
     hh: Any,
     on_check: Any = None,
@@ -182,9 +229,15 @@ def remediation(
     conn = hh.target.conn
     box: dict[str, Any] = {}
     allow_reboot = "reboot" in hh.fixes
+    journal = Journal(conn, JOURNAL)
 
     def check() -> Check:
         facts = hh.gather()
+        old = journal.read()
+        theirs = old if old and old.get("run_id") != journal.run_id else None
+        units_left, gpus_left = leftover(theirs)
+        box["leftover"] = (units_left, gpus_left)
+        box["leftover_by_gpu"] = _leftover(theirs)
         owed = owed_resets(facts, hh.thresholds)
         gpus = _gpus(facts)
         plans = []
@@ -209,11 +262,21 @@ def remediation(
                 for p in plans
             ],
             "not_listed": missing,
+            "cut_run": {"units_stopped": units_left, "persistence_off": gpus_left, "journal": old}
+            if (units_left or gpus_left)
+            else None,
         }
-        if not owed:
+        cut: list[str] = []
+        if units_left or gpus_left:
+            cut.append(
+                f"a cut reset run (run {old.get('run_id') if old else '?'}, last step {old.get('phase') if old else '?'}) "
+                f"left {', '.join(units_left) or 'no unit'} stopped"
+                + (f" and persistence mode off on {', '.join(gpus_left)}" if gpus_left else "")
+            )
+        if not owed and not cut:
             first = Check(ok=True, summary="no GPU owes a reset", state=state)
         else:
-            parts = [f"{p.smi_id} owes a reset ({'; '.join(p.why)})" for p in plans] + missing
+            parts = cut + [f"{p.smi_id} owes a reset ({'; '.join(p.why)})" for p in plans] + missing
             refused = [r for p in plans for r in p.refused]
             if refused:
                 parts.append("not reset: " + "; ".join(refused))
@@ -227,9 +290,20 @@ def remediation(
 
     def plan(before: Check) -> list[Action]:
         plans: list[GpuReset] = box["plans"]
+        units_left, gpus_left = box["leftover"]
+        first: list[Action] = []
+        if units_left or gpus_left:
+            cmds = [["nvidia-smi", "-i", g, "-pm", "1"] for g in gpus_left]
+            cmds += [["systemctl", "start", "--", u] for u in reversed(units_left)]
+            first.append(
+                Action(
+                    "complete the cut reset run: put back what it stopped (from its journal on the host)",
+                    " && ".join(shlex.join(c) for c in cmds),
+                )
+            )
         if refusals(before):
-            return []  # nothing runs: the check's summary says who holds the GPU
-        actions = [
+            return first  # no reset: the check's summary says who holds the GPU
+        actions = first + [
             Action(
                 f"reset GPU {p.smi_id} ({'; '.join(p.why)})", " && ".join(shlex.join(c) for c in p.commands())
             )
@@ -247,18 +321,46 @@ def remediation(
         return actions
 
     def fix(actions: list[Action], before: Check) -> None:
-        refused = refusals(before)
-        if refused:
-            raise ProcedureError(
-                "no GPU reset: "
-                + "; ".join(refused)
-                + " (stop it, or name its unit in the inventory's `service`)"
-            )
-        for p in box["plans"]:
-            reset_one(conn, p)
-        box["left"] = left = settle()
-        if left and allow_reboot:
-            box["rebooted"] = reboot_node(hh, box["plans"], box["rows"], left, reboot_timeout)
+        try:
+            journal.acquire(wait=LOCK_WAIT, owner={"procedure": "health reset"})
+        except LockBusy as exc:
+            raise ProcedureError(str(exc)) from None
+        try:
+            units_left, gpus_left = box["leftover"]
+            refused = refusals(before)
+            if units_left or gpus_left:
+                # A GPU the cut run was resetting, that still owes its reset, is reset with what
+                # the cut run stopped still stopped (each unit journaled again by reset_one, so
+                # a second cut loses nothing); whatever else it left is put back now.
+                by_gpu, pers = box["leftover_by_gpu"]
+                plans = [] if refused else box["plans"]
+                planned = {p.smi_id for p in plans}
+                for p in plans:
+                    p.units = list(dict.fromkeys([*by_gpu.get(p.smi_id, []), *p.units]))
+                    p.persistence = p.persistence or bool(pers.get(p.smi_id))
+                covered = {u for g in planned for u in by_gpu.get(g, [])}
+                rest = [u for u in units_left if u not in covered]
+                for note in complete(conn, rest, [g for g in gpus_left if g not in planned]):
+                    evidence.current().note(f"reset: cut run completed: {note}")
+                if not box["plans"] or refused:
+                    journal.retire()
+            if refused:
+                raise ProcedureError(
+                    "no GPU reset: "
+                    + "; ".join(refused)
+                    + " (stop it, or name its unit in the inventory's `service`)"
+                )
+            for p in box["plans"]:
+                reset_one(conn, p, journal)
+            box["left"] = left = settle()
+            if left and allow_reboot:
+                box["rebooted"] = reboot_node(hh, box["plans"], box["rows"], left, reboot_timeout, journal)
+        finally:
+            try:
+                if journal.data and leftover(journal.data) == ([], []):
+                    journal.retire()  # nothing of this run is left to put back
+            finally:
+                journal.release()
 
     def settle() -> dict[str, list[str]]:
         """Re-read the GPUs' signals (bounded) until none of the reset ones asks for a reset."""
@@ -277,6 +379,14 @@ def remediation(
 
     def verify() -> Check:
         want = {p.bus for p in box["plans"]}
+        units_left, _ = box["leftover"]
+        down = [u for u in units_left if not Service(conn, u).state().running]
+        if down:
+            return Check(ok=False, summary=f"the cut run's units are not active again: {', '.join(down)}")
+        if not want:
+            return Check(
+                ok=True, summary=f"the cut reset run completed: {', '.join(units_left)} active again"
+            )
         done: reboot.Rebooted | None = box.get("rebooted")
         if done is not None:
             # every fact again, after the reboot: the GPUs' signals and the Xids still owed
@@ -335,6 +445,7 @@ def reboot_node(
     rows: Mapping[str, Mapping[str, Any]],
     left: Mapping[str, list[str]],
     timeout: float,
+    journal: Journal | None = None,
 ) -> reboot.Rebooted:
     """Reboot the node a reset did not repair, once nothing but our units holds its GPUs.
 
@@ -366,8 +477,15 @@ def reboot_node(
         )
         + f"; rebooting (boot id {old})"
     )
-    done = reboot.reboot_and_wait(conn, old, timeout)
     units = list(dict.fromkeys(u for p in plans for u in p.units))
+    if journal is not None:  # after a cut here, the next run starts what systemd did not
+        for p in plans:
+            for u in p.units:
+                journal.step("stop", unit=u, gpu=p.smi_id)
+            if p.persistence:
+                journal.step("persistence_off", gpu=p.smi_id)
+        journal.step("reboot", boot_id=old)
+    done = reboot.reboot_and_wait(conn, old, timeout)
     reboot.restart_units(conn, units)
     for p in plans:
         if p.persistence:  # legacy persistence mode does not survive a reboot
@@ -375,6 +493,10 @@ def reboot_node(
                 _run(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "1"], 30)
             except ProcedureError as exc:
                 ev.note(f"reboot: {exc}")
+                continue
+    if journal is not None:
+        for p in plans:
+            journal.step("restored", gpu=p.smi_id)
     hh.facts = None  # every fact of the new boot, read by the re-check
     hh.verdicts.clear()
     hh.samples.clear()
@@ -391,12 +513,23 @@ def owed_resets_signals(facts: Mapping[str, Any]) -> dict[str, list[str]]:
     return out
 
 
-def reset_one(conn: Any, p: GpuReset) -> None:
-    """Stop what holds the GPU, reset it, and start again every unit stopped, whatever failed."""
+def reset_one(conn: Any, p: GpuReset, journal: Journal | None = None) -> None:
+    """Stop what holds the GPU, reset it, and start again every unit stopped, whatever failed.
+
+    Each destructive step is journaled on the host before it is taken, and `restored` once
+    everything is put back, so that a run cut in between is completed by the next (`leftover`).
+    """
     ev = evidence.current()
     stopped: list[str] = []
+
+    def note(what: str, **detail: Any) -> None:
+        if journal is not None:
+            journal.step(what, gpu=p.smi_id, **detail)
+
+    restored = False
     try:
         for u in p.units:
+            note("stop", unit=u)
             report = Service(conn, u).stop(STOP_TIMEOUT)
             stopped.append(u)
             ev.note(f"reset {p.smi_id}: stopped {u} ({report.duration:g} s)")
@@ -409,7 +542,9 @@ def reset_one(conn: Any, p: GpuReset) -> None:
             if left:
                 raise ProcedureError(f"{p.smi_id} still held after the stop ({', '.join(left)}): not reset")
         if p.persistence:
+            note("persistence_off")
             _run(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "0"], 30)
+        note("reset")
         r = conn.run(["nvidia-smi", "-r", "-i", p.smi_id], timeout=RESET_TIMEOUT)
         if r.timed_out:
             raise ProcedureError(
@@ -421,14 +556,18 @@ def reset_one(conn: Any, p: GpuReset) -> None:
                 f"nvidia-smi -r -i {p.smi_id} exited {r.rc}: {(r.stdout + r.stderr).strip()[-300:]}"
             )
     finally:
+        restored = True
         if p.persistence:
             try:
                 _run(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "1"], 30)
             except ProcedureError as exc:
+                restored = False
                 ev.note(f"reset {p.smi_id}: {exc}")
         for u in reversed(stopped):
             Service(conn, u).start(timeout=STOP_TIMEOUT * 2)
             ev.note(f"reset {p.smi_id}: started {u} again")
+        if restored:
+            note("restored")
 
 
 def _run(conn: Any, argv: list[str], timeout: float) -> None:

@@ -21,6 +21,8 @@ What the real one does, and what this emulates:
 - The lab's fault ``reset_sticks`` on a GPU: the reset prints success and exits 0, but the GPU
   keeps every fault, as a GPU that stays in error until the node reboots; a reboot of the lab
   host (``LabHost.reboot``, or ``systemctl reboot`` inside it) clears it with the reset faults.
+- The lab's fault ``reset_hangs: SECONDS`` on a GPU: the reset returns only after that long (a
+  driver stuck in the reset), so that a test can cut a run while the GPU's units are stopped.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from gpulab_tools import GpuView, Host, path, record
 
@@ -60,6 +63,11 @@ def gpu_reset(host: Host, gpus: list[GpuView]) -> int:
         return 255
     faults = dict(host.faults)
     per_gpu = dict(faults.get("gpus") or {})
+    hang = max((float((per_gpu.get(g.bdf) or {}).get("reset_hangs") or 0) for g in gpus), default=0.0)
+    if hang > 0:
+        # a lab fault: a reset that does not return for that many seconds (a driver stuck in the
+        # reset), so that a run can be cut while its units are stopped; then it resets as usual
+        time.sleep(hang)
     for g in gpus:
         mine = dict(per_gpu.get(g.bdf) or {})
         if mine.get("reset_sticks"):
