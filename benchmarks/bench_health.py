@@ -428,8 +428,9 @@ def main() -> int:
                         m = median_run(runs[k])
                         walls = ", ".join(f"{w:.2f}" for w in m["walls"])
                         label = {"o": "ours", "r": "ours with reports", "b": "testinfra"}[k]
+                        rt = f"; {m['facts_rt']} round trips/host for the facts" if "facts_rt" in m else ""
                         print(
-                            f"hosts={n:<3} {label} {m['wall']:6.2f} s (runs {walls}); CPU s {m['cpu'].line()}"
+                            f"hosts={n:<3} {label} {m['wall']:6.2f} s (runs {walls}){rt}; CPU s {m['cpu'].line()}"
                         )
                     continue
                 o, r, b = (median_run(runs[k]) for k in ("o", "r", "b"))
