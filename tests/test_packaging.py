@@ -141,7 +141,7 @@ def test_installed_p2p_suite_plans_then_repairs_a_lab_host(installed: Installed,
     argv = ("pytest", "--pyargs", "gpuhost_suites.p2p", *host.pytest_args(), "-p", "no:cacheprovider", "-q")
     r = installed.run(*argv, "--check-only", "--report-name=p2p-plan")
     counts = _counts(r.stdout)
-    assert r.returncode == 1 and counts.get("would fix") == 8, r.stdout[-3000:] + r.stderr[-2000:]
+    assert r.returncode == 1 and counts.get("would fix") == 9, r.stdout[-3000:] + r.stderr[-2000:]
     assert "echo identity > /sys/kernel/iommu_groups/30/type" in r.stdout
     assert host.record()[n:] == []  # check-only wrote nothing on the host
     r = installed.run(*argv, "--report-name=p2p")
