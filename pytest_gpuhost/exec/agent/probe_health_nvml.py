@@ -354,6 +354,7 @@ def bounded(path, timeout):
         code = 0
         try:
             os.close(rfd)
+            _detach(wfd)
             _child(path, wfd)
         except BaseException:
             code = 1
@@ -399,6 +400,24 @@ def bounded(path, timeout):
         "calls": len(calls),
         "duration": took,
     }
+
+
+def _detach(keep):
+    """Leave the agent's descriptors (the protocol's among them) to the agent alone.
+
+    A child stuck in the driver outlives the agent; holding the SSH channel open it would keep
+    the session from closing. stdin, stdout and stderr become /dev/null (the library may print).
+    """
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        if fd != keep:
+            os.dup2(null, fd)
+    for fd in range(3, 4096):
+        if fd != keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _reap(pid):
