@@ -4,7 +4,9 @@ Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).
 in parallel threads, each command under its own timeout, so one request costs the slowest part,
 not the sum.  Read-only.  The kernel log, PCI/ACS and services are facts of their own
 (probe_health_kernel.py, probe_health_pci.py, probe_health_services.py), asked for in the same
-request; modules/health/facts.py merges them into one facts dict.
+request; modules/health/facts.py merges them into one facts dict.  The `gpus` and `remap` parts
+come from the `health_nvml` fact (probe_health_nvml.py) where it ran first in the request and
+read the GPUs through NVML (`nvml_parts`); from nvidia-smi otherwise.
 """
 
 import json

@@ -3,7 +3,8 @@
 The agent gathers a host's health in seven facts (exec/agent/probe_health*.py): `health` (the
 nvidia-smi parts and free disk, read in parallel), `health_kernel_log`, `health_pci`,
 `health_services`, `health_mounts`, `health_ib` and `health_diag` (runs nothing unless the
-inventory opts in). `fact_names` says which facts hold the parts a caller wants; `merge` turns the
+inventory opts in), and, first, `health_nvml` (the GPUs through NVML, which `health` then takes
+instead of nvidia-smi's `gpus` and `remap`; merged as `nvml`). `fact_names` says which facts hold the parts a caller wants; `merge` turns the
 `facts` op's reply into the one dict the verdicts read (modules/health/checks.py), keyed by part, with
 every command each fact ran under `commands`; `commit_state` is what `health_commit` records
 after the run.
