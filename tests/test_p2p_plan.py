@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.modules import gpu, iommu, p2p, service
+from pytest_gpuhost.modules import gpu, iommu, p2p
 from suites.p2p import persist
 from suites.p2p.plan import make_plan, parse_gpus_option
 
@@ -254,14 +254,6 @@ def test_group_type_errors_say_what_the_kernel_meant(
     with pytest.raises(iommu.IommuError) as err:
         iommu.set_type(_Writer(code), group, "identity", kernel=kernel)
     assert needle in str(err.value) and err.value.errno == code
-
-
-def test_nccl_transport_lines() -> None:
-    log = (
-        "pve:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via SHM/direct/direct\n"
-        "pve:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM\n"
-    )
-    assert service.nccl_transport(log) == ["SHM/direct/direct", "P2P/CUMEM"]
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from pytest_gpuhost.errors import GpuhostError
 
-__all__ = ["Service", "ServiceError", "ServiceState", "StopReport", "check_health", "nccl_transport"]
+__all__ = ["Service", "ServiceError", "ServiceState", "StopReport", "check_health"]
 
 _UNIT_RE = re.compile(r"^[A-Za-z0-9:_.@\\-]+$")
 _SHOW = (
@@ -245,11 +245,3 @@ def check_health(conn: _Conn, url: str, *, bound: float, interval: float = 1.0) 
         if time.monotonic() - t0 + interval > bound:
             return False, answer, round(time.monotonic() - t0, 2)
         time.sleep(interval)
-
-
-_NCCL = re.compile(r"NCCL INFO Channel \d+/\d+ : .* via (\S+)")
-
-
-def nccl_transport(log_text: str) -> list[str]:
-    """Return the transports NCCL named in `Channel ... via X` lines (e.g. "P2P/CUMEM", "SHM/direct/direct")."""
-    return [m.group(1) for m in _NCCL.finditer(log_text)]

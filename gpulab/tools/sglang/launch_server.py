@@ -245,10 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(gpus) > 1:
         via = transport(gpus)
         n = len(gpus)
+        # NCCL's own forms: p2p.cc prints "Channel %02d/%01d : ..." (with the connection index),
+        # shm.cc "Channel %02d : ..." (none): github.com/NVIDIA/nccl/blob/master/src/transport/
+        channel = "Channel 00/0" if via.startswith("P2P/") else "Channel 00"
         for r in range(n):
             nxt = (r + 1) % n
             log(
-                f"{hostname}:{os.getpid()}:{os.getpid() + 100 + r} [{r}] NCCL INFO Channel 00/0 : {r}[{r}] -> {nxt}[{nxt}] via {via}"
+                f"{hostname}:{os.getpid()}:{os.getpid() + 100 + r} [{r}] NCCL INFO {channel} : {r}[{r}] -> {nxt}[{nxt}] via {via}"
             )
         log(f"{hostname}:{os.getpid()}:{os.getpid() + 100} [0] NCCL INFO Connected all rings")
     # Workers fork before any thread starts (the HTTP server below), as SGLang's do before uvicorn.
