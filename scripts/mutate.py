@@ -209,6 +209,14 @@ MUTATIONS = (
         ("tests/test_health_reset_lab.py::test_a_run_cut_while_the_gpu_is_reset_is_completed_by_the_next",),
     ),
     Mutation(
+        "health-nccl-wrong-data",
+        "an all-reduce that returns wrong data fails the health check, whatever transport NCCL took",
+        "suites/health/test_health_nccl.py",
+        "    if first.failure() or wrong:",
+        "    if first.failure():",
+        ("tests/test_health_nccl.py",),
+    ),
+    Mutation(
         "listing-unlisted-paths",
         "a path in scope the node could not list (unreadable) is an item, never dropped",
         "pytest_gpuhost/modules/backup/verdict.py",

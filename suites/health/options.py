@@ -23,7 +23,16 @@ from pytest_gpuhost.run.options import BadValue, Option, lines, read, register, 
 
 from . import reboot, reset
 
-__all__ = ["OPTIONS", "addoption", "fixes", "reboot_timeout", "reset_verify_timeout", "validate"]
+__all__ = [
+    "OPTIONS",
+    "addoption",
+    "fixes",
+    "nccl",
+    "nccl_timeout",
+    "reboot_timeout",
+    "reset_verify_timeout",
+    "validate",
+]
 
 
 #: The fixes --fix takes: the checks' (modules/health.FIXES), `drain` (suites/health/drain.py:
@@ -80,7 +89,25 @@ RESET_VERIFY_TIMEOUT = Option(
     default=reset.VERIFY_TIMEOUT,
 )
 
-OPTIONS: tuple[Option, ...] = (FIX, REBOOT_TIMEOUT, RESET_VERIFY_TIMEOUT)
+#: Opt-in: an NCCL all-reduce on every GPU of each host, against its NCCL_P2P_DISABLE=1 control
+#: (suites/health/test_health_nccl.py); it loads the GPUs for seconds, so it is never on by default.
+NCCL = Option(
+    "health_nccl",
+    "--health-nccl",
+    "health: also run an NCCL all-reduce (nccl-tests all_reduce_perf -c 1) on every GPU of each "
+    "host, with a NCCL_P2P_DISABLE=1 control arm, each bounded on the host; report only",
+    kind="flag",
+    default=False,
+)
+NCCL_TIMEOUT = Option(
+    "health_nccl_timeout",
+    None,
+    "health: with --health-nccl, the bound on each all_reduce_perf arm, enforced on the host (default {default})",
+    parse=seconds,
+    default=120.0,
+)
+
+OPTIONS: tuple[Option, ...] = (FIX, REBOOT_TIMEOUT, RESET_VERIFY_TIMEOUT, NCCL, NCCL_TIMEOUT)
 
 
 def addoption(parser: pytest.Parser) -> None:
@@ -91,6 +118,16 @@ def addoption(parser: pytest.Parser) -> None:
 def fixes(config: pytest.Config) -> list[str]:
     """Return the fixes allowed for this run (command line, else the ini value)."""
     return list(read(config, FIX)[0])
+
+
+def nccl(config: pytest.Config) -> bool:
+    """Whether the opt-in NCCL collective check runs (--health-nccl, ini health_nccl)."""
+    return bool(read(config, NCCL)[0])
+
+
+def nccl_timeout(config: pytest.Config) -> float:
+    """Return the bound on each arm of the NCCL collective check."""
+    return float(read(config, NCCL_TIMEOUT)[0])
 
 
 def reboot_timeout(config: pytest.Config) -> float:
