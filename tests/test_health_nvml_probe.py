@@ -142,3 +142,20 @@ def test_a_failed_init_says_nvmls_error(lib: str, tmp_path: Path, monkeypatch: p
     params = {"timeout": 5, "nvml_library": lib}
     fact = probe_health_nvml.fact_health_nvml(params)
     assert fact["error"] == "nvmlInit_v2: Driver Not Loaded"
+
+
+def test_a_bad_source_in_the_environment_is_a_one_line_usage_error(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GPUHOST_HEALTH_SOURCE": "nvml"}
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "suites/health", "--host=local://", "--check-only", "-q",
+         "-p", "no:cacheprovider", f"--report-dir={tmp_path}"],
+        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 4, r.stdout[-2000:] + r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.strip()] == [
+        "ERROR: gpuhost: GPUHOST_HEALTH_SOURCE='nvml' (from the environment): use one of auto, nvidia-smi"
+    ], r.stderr

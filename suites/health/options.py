@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.modules.health.checks import FIXES
+from pytest_gpuhost.modules.health.facts import gpu_source
 from pytest_gpuhost.run.options import BadValue, Option, lines, read, register, seconds
 
 from . import reboot, reset
@@ -145,3 +146,8 @@ def validate(config: pytest.Config) -> None:
     fixes(config)
     reboot_timeout(config)
     reset_verify_timeout(config)
+    nccl_timeout(config)
+    try:
+        gpu_source()  # GPUHOST_HEALTH_SOURCE, read where the facts are asked for
+    except ValueError as exc:
+        raise pytest.UsageError(f"gpuhost: {exc}") from None
