@@ -485,11 +485,14 @@ class LabHost:
 
         The overlay's upper dir stays, so units installed and enabled before the reboot start
         at boot. Services the profile starts by hand (``manager: none``) stay down, as after a
-        real reboot, unless ``start_by_hand``. Returns the seconds until SSH answered again.
+        real reboot, unless ``start_by_hand``. The kernel log starts over, as a new kernel
+        starts its ring buffer: nothing logged before the reboot is in the new boot's dmesg.
+        Returns the seconds until SSH answered again.
         """
         t0 = time.monotonic()
         self._halt()
         _clear_reboot_faults(self.state_dir)
+        (self.state_dir / "kmsg").write_text("")
         self._start_sysfs(reset_record=False)
         self._boot_all(timeout, start_by_hand=start_by_hand)
         return time.monotonic() - t0
@@ -497,14 +500,12 @@ class LabHost:
     def reboot_from_inside(self, timeout: float = BOOT_TIMEOUT) -> float:
         """Boot the host again after its own PID 1 ended in a reboot (run by its supervisor).
 
-        As ``reboot``, with the kernel log started over, as a new kernel starts its ring buffer
-        (``reboot()`` keeps it: tests that reboot from outside empty it when they mean to).
+        As ``reboot`` (which starts the kernel log over, as a new kernel starts its ring buffer).
         """
         launcher = self._pidfile("launcher")
         with contextlib.suppress(OSError, ValueError):
             if int(launcher.read_text().strip()) == os.getpid():
                 launcher.unlink()  # this process: ``_halt`` would wait for it to end
-        (self.state_dir / "kmsg").write_text("")
         return self.reboot(timeout)
 
     def reset(self, timeout: float = BOOT_TIMEOUT) -> float:
