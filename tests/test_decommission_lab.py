@@ -188,7 +188,8 @@ def test_decommission_b200(b200, s3_endpoint, tmp_path):
     ]
     texts = {p.name: p.read_text(errors="replace") for p in artefacts}
     assert texts and not [n for n, t in texts.items() if key in t], "the API key reached an artefact"
-    evidence = next(t for n, t in texts.items() if n.endswith(".json"))
+    # the run's evidence file, not the fleet summary beside it (the glob's order is the directory's)
+    evidence = next(t for n, t in sorted(texts.items()) if n.endswith(".json") and "fleet-summary/" not in t)
     assert (
         "--api-key ***" in evidence
         and "--base-gpu-id 6 --tp 1 --mem-fraction-static 0.88 --api-key ***" in evidence
