@@ -204,7 +204,7 @@ MUTATIONS = (
         "reset-cut-run-completed",
         "what a cut reset run left stopped (units, persistence) is put back by the next run",
         "suites/health/reset.py",
-        "        units_left, gpus_left = leftover(theirs)",
+        "        units_left, gpus_left = cutrun.leftover(theirs)",
         "        units_left, gpus_left = [], []",
         ("tests/test_health_reset_lab.py::test_a_run_cut_while_the_gpu_is_reset_is_completed_by_the_next",),
     ),
@@ -261,7 +261,7 @@ MUTATIONS = (
     Mutation(
         "reset-foreign-holder",
         "a GPU held by a process outside the inventory's services is never reset, nothing stopped",
-        "suites/health/reset.py",
+        "suites/health/holders.py",
         "        elif not ok_unit:",
         "        elif False:",
         (
@@ -272,7 +272,7 @@ MUTATIONS = (
         "reset-confirmed-by-signals",
         "a reset counts only when the GPU's own signals stop asking for one, not by the exit code",
         "suites/health/reset.py",
-        "            if value == 1:\n                out.setdefault(_key(bus), []).append(_SIGNAL_TEXT.get(name, name))\n    return out",
+        "            if value == 1:\n                out.setdefault(key(bus), []).append(_SIGNAL_TEXT.get(name, name))\n    return out",
         "            pass\n    return out",
         (
             "tests/test_health_reset_lab.py::test_a_reset_that_returns_0_but_leaves_the_gpu_in_error_is_not_counted",

@@ -28,7 +28,7 @@ from pytest_gpuhost.modules.health import checks as hm
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Action, Check
 
-__all__ = ["SCONTROL_TIMEOUT", "first_failure", "node_name", "remediation"]
+__all__ = ["SCONTROL_TIMEOUT", "first_failure", "node_name", "remediation", "reset_note"]
 
 SCONTROL_TIMEOUT = 15.0
 
@@ -110,3 +110,16 @@ def remediation(hh: Any, on_check: Callable[[Check], None] | None = None) -> dic
         )
 
     return {"name": "drain", "check": check, "plan": plan, "fix": fix, "verify": verify}
+
+
+def reset_note(hh: Any) -> str:
+    """Say whether the node stays drained: a drain this run made is left for the next run to lift."""
+    if "drain" not in hh.fixes:
+        return "node not drained (--fix=drain drains it)"
+    try:
+        node = slurm.read_node(hh.target.conn, node_name(hh), timeout=SCONTROL_TIMEOUT)
+    except GpuhostError as exc:
+        return f"the Slurm node could not be read ({exc})"
+    if node.drained and node.ours:
+        return f"node left drained ({node.reason})"
+    return f"node not drained by gpuhost ({node.describe()})"

@@ -6,7 +6,7 @@ that would otherwise require a machine reboot", and when it does not clear them 
 what is left. This module is that step, and only that step: reset.py calls it after its own
 re-check, with the GPUs still owed, when `reboot` stands beside `reset` in --fix.
 
-- before: what holds each GPU is read again (reset.plan_gpu); a holder that no unit of ours owns
+- before: what holds each GPU is read again (holders.plan_gpu); a holder that no unit of ours owns
   stops it (a reboot kills what the run did not start), and so does anything else than the reset
   having returned 0: a failed or hung reset is reported, not rebooted away;
 - act: the kernel-log cursor this run committed is waited for (the next run must see the Xids

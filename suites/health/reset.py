@@ -31,32 +31,28 @@ node with a failed GPU is drained first; the next run resumes it once healthy (d
 
 from __future__ import annotations
 
-import re
 import shlex
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_gpuhost.errors import GpuhostError
-from pytest_gpuhost.modules import slurm
 from pytest_gpuhost.modules.health import checks as hm
-from pytest_gpuhost.modules.health.xid import bus_key, reset_signals
+from pytest_gpuhost.modules.health.xid import reset_signals
 from pytest_gpuhost.modules.journal import Journal, LockBusy
-from pytest_gpuhost.modules.process import ProcessTable, driver_daemon
+from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.modules.service import Service
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError
 from pytest_gpuhost.run.remediation import Action, Check
 
-from . import drain, reboot
+from . import cutrun, drain, reboot
+from .holders import GpuReset, gpu_rows, key, plan_gpu, units
 
 __all__ = ["RESET_TIMEOUT", "GpuReset", "owed_resets", "remediation"]
 
 RESET_TIMEOUT = 60.0  # nvidia-smi -r on one GPU; a reset that hangs is a failure, not a stuck run
-STOP_TIMEOUT = 30.0
+STOP_TIMEOUT = cutrun.STOP_TIMEOUT  # the units the reset stops: the stop ladder
 VERIFY_TIMEOUT = 30.0  # the default of ini health_reset_verify_timeout (options.py)
-PERSISTENCED = "nvidia-persistenced.service"
 JOURNAL = "health-reset"  # journal/health-reset.json and lock/health-reset under the agent's state dir
 LOCK_WAIT = 30.0  # seconds to wait for another reset run's lock on the host
 _SIGNAL_TEXT = {
@@ -65,13 +61,6 @@ _SIGNAL_TEXT = {
     "remap_pending": "a row remap is pending (applied by a reset)",
     "recovery_action": "the driver's recovery action asks for a reset",
 }
-_UNIT = re.compile(r"/([^/]+\.service)$")
-
-
-def _key(bdf: Any) -> str:
-    """xid.bus_key, with nvidia-smi's 8-digit domain (00000000:14:00.0) folded to the kernel's 4."""
-    domain, _, rest = bus_key(bdf).partition(":")
-    return f"{domain[-4:]}:{rest}" if rest else domain
 
 
 def owed_resets(facts: Mapping[str, Any], thresholds: Any) -> dict[str, list[str]]:
@@ -80,138 +69,21 @@ def owed_resets(facts: Mapping[str, Any], thresholds: Any) -> dict[str, list[str
     for bus, sig in reset_signals(facts).items():
         for name, value in sig.items():
             if value == 1:
-                out.setdefault(_key(bus), []).append(_SIGNAL_TEXT.get(name, name))
+                out.setdefault(key(bus), []).append(_SIGNAL_TEXT.get(name, name))
     v = hm.evaluate("xid", facts, thresholds)
     st = v.state or {}
     for e in st.get("events") or []:
         if e.get("action") == "reset_gpu" and int(e.get("code", -1)) not in set(thresholds["xid_ignore"]):
-            out.setdefault(_key(e.get("bdf")), []).append(f"Xid {e.get('code')}: {e.get('msg')}")
+            out.setdefault(key(e.get("bdf")), []).append(f"Xid {e.get('code')}: {e.get('msg')}")
     for p in st.get("owed") or []:
         if p.get("action") == "reset_gpu":
-            out.setdefault(_key(p.get("bdf")), []).append(f"Xid {p.get('code')} still owes a reset")
+            out.setdefault(key(p.get("bdf")), []).append(f"Xid {p.get('code')} still owes a reset")
     for a in st.get("recovery_actions") or []:
         if a.get("action") == "reset_gpu":
             why = f"recovery action {a.get('value')!r}"
-            if why not in out.get(_key(a.get("bdf")), []):
-                out.setdefault(_key(a.get("bdf")), []).append(why)
+            if why not in out.get(key(a.get("bdf")), []):
+                out.setdefault(key(a.get("bdf")), []).append(why)
     return {k: list(dict.fromkeys(v)) for k, v in out.items()}
-
-
-@dataclass
-class GpuReset:
-    """The plan for one GPU: who holds it, what is stopped, what would run."""
-
-    bus: str
-    smi_id: str  # the bus id as nvidia-smi prints it (its -i argument)
-    why: list[str]
-    minor: int | None = None
-    persistence: bool = False
-    units: list[str] = field(default_factory=list)  # to stop, then start again
-    refused: list[str] = field(default_factory=list)  # holders no unit of ours owns
-
-    def commands(self) -> list[list[str]]:
-        out = [["systemctl", "stop", "--", u] for u in self.units]
-        if self.persistence:
-            out.append(["nvidia-smi", "-i", self.smi_id, "-pm", "0"])
-        out.append(["nvidia-smi", "-r", "-i", self.smi_id])
-        if self.persistence:
-            out.append(["nvidia-smi", "-i", self.smi_id, "-pm", "1"])
-        out += [["systemctl", "start", "--", u] for u in reversed(self.units)]
-        return out
-
-
-def _gpus(facts: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    part = facts.get("gpus")
-    if not (isinstance(part, Mapping) and part.get("ok")):
-        return {}
-    return {_key(g.get("bdf")): g for g in part.get("gpus") or [] if isinstance(g, Mapping)}
-
-
-def _minor(conn: Any, smi_id: str) -> int | None:
-    r = conn.run(
-        ["nvidia-smi", "-i", smi_id, "--query-gpu=minor_number", "--format=csv,noheader"], timeout=20
-    )
-    text = (r.stdout or "").strip()
-    return int(text) if r.rc == 0 and text.isdigit() else None
-
-
-def _unit_of(cgroup: str) -> str | None:
-    m = _UNIT.search((cgroup or "").rstrip("/"))
-    return m.group(1) if m else None
-
-
-def plan_gpu(conn: Any, bus: str, why: list[str], g: Mapping[str, Any], allowed: list[str]) -> GpuReset:
-    """Read who holds the GPU; say what would be stopped, or who stops it from being reset."""
-    smi_id = str(g.get("bdf"))
-    p = GpuReset(bus, smi_id, why)
-    p.persistence = str(g.get("persistence_mode", "")).lower() in ("enabled", "1", "on")
-    p.minor = _minor(conn, smi_id)
-    if p.minor is None:
-        p.refused.append(f"nvidia-smi gave no minor number for {smi_id}: cannot tell who holds it")
-        return p
-    dev = f"/dev/nvidia{p.minor}"
-    table = ProcessTable.read(conn, gpu_holders=True)
-    for proc in table.gpu_holders():
-        if dev not in proc.gpus:
-            continue
-        unit = _unit_of(proc.cgroup)
-        ok_unit = unit is not None and (unit in allowed or (unit == PERSISTENCED and driver_daemon(proc)))
-        if ok_unit and unit not in p.units:
-            p.units.append(unit)  # type: ignore[arg-type]
-        elif not ok_unit:
-            p.refused.append(
-                f"PID {proc.pid} ({' '.join(proc.argv)[:120]}) holds {dev}"
-                + (f" in {unit}, not an inventory service" if unit else ", outside any systemd service")
-            )
-    return p
-
-
-def _units(thresholds: Any) -> list[str]:
-    return [u if u.endswith(".service") else f"{u}.service" for u in thresholds.services]
-
-
-def leftover(journal: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:
-    """Return (units, GPUs) a cut run left: stopped, or with persistence off, and never restored.
-
-    The journal's steps, in order: `stop` (unit, gpu), `persistence_off` (gpu), `reset` (gpu),
-    `reboot` (boot id), `restored` (gpu: its units started again and persistence back on).
-    """
-    units, persistence = _leftover(journal)
-    return list(dict.fromkeys(u for us in units.values() for u in us)), sorted(persistence)
-
-
-def _leftover(journal: Mapping[str, Any] | None) -> tuple[dict[str, list[str]], dict[str, bool]]:
-    """({GPU: units stopped for it}, {GPU: persistence off}) that a cut run never restored."""
-    units: dict[str, list[str]] = {}
-    persistence: dict[str, bool] = {}
-    for step in (journal or {}).get("steps") or []:
-        if not isinstance(step, Mapping):
-            continue
-        gpu, what = str(step.get("gpu", "")), step.get("step")
-        if what == "stop" and step.get("unit"):
-            units.setdefault(gpu, []).append(str(step["unit"]))
-        elif what == "persistence_off":
-            persistence[gpu] = True
-        elif what == "restored":
-            units.pop(gpu, None)
-            persistence.pop(gpu, None)
-    return units, persistence
-
-
-def complete(conn: Any, units: list[str], gpus: list[str]) -> list[str]:
-    """Put back what a cut run left: persistence on, then its stopped units started; return notes."""
-    notes = []
-    for g in gpus:
-        _run(conn, ["nvidia-smi", "-i", g, "-pm", "1"], 30)
-        notes.append(f"persistence mode on again for {g}")
-    for u in reversed(units):
-        st = Service(conn, u).state()
-        if st.running:
-            notes.append(f"{u} already active")
-            continue
-        Service(conn, u).start(timeout=STOP_TIMEOUT * 2)
-        notes.append(f"started {u} again")
-    return notes
 
 
 def remediation(
@@ -235,11 +107,11 @@ def remediation(
         facts = hh.gather()
         old = journal.read()
         theirs = old if old and old.get("run_id") != journal.run_id else None
-        units_left, gpus_left = leftover(theirs)
+        units_left, gpus_left = cutrun.leftover(theirs)
         box["leftover"] = (units_left, gpus_left)
-        box["leftover_by_gpu"] = _leftover(theirs)
+        box["leftover_by_gpu"] = cutrun.by_gpu(theirs)
         owed = owed_resets(facts, hh.thresholds)
-        gpus = _gpus(facts)
+        gpus = gpu_rows(facts)
         plans = []
         missing = []
         for bus, why in sorted(owed.items()):
@@ -247,7 +119,7 @@ def remediation(
             if g is None:
                 missing.append(f"{bus}: owes a reset ({'; '.join(why)}) but nvidia-smi does not list it")
                 continue
-            plans.append(plan_gpu(conn, bus, why, g, _units(hh.thresholds)))
+            plans.append(plan_gpu(conn, bus, why, g, units(hh.thresholds)))
         box["plans"] = plans
         box["rows"] = gpus
         state = {
@@ -340,7 +212,7 @@ def remediation(
                     p.persistence = p.persistence or bool(pers.get(p.smi_id))
                 covered = {u for g in planned for u in by_gpu.get(g, [])}
                 rest = [u for u in units_left if u not in covered]
-                for note in complete(conn, rest, [g for g in gpus_left if g not in planned]):
+                for note in cutrun.complete(conn, rest, [g for g in gpus_left if g not in planned]):
                     evidence.current().note(f"reset: cut run completed: {note}")
                 if not box["plans"] or refused:
                     journal.retire()
@@ -357,7 +229,7 @@ def remediation(
                 box["rebooted"] = reboot_node(hh, box["plans"], box["rows"], left, reboot_timeout, journal)
         finally:
             try:
-                if journal.data and leftover(journal.data) == ([], []):
+                if journal.data and cutrun.leftover(journal.data) == ([], []):
                     journal.retire()  # nothing of this run is left to put back
             finally:
                 journal.release()
@@ -413,7 +285,7 @@ def remediation(
             return Check(
                 ok=False,
                 summary=f"reset did not clear GPU {gpus}; reboot not allowed (--fix=reset,reboot "
-                f"allows it); {drain_note(hh)}",
+                f"allows it); {drain.reset_note(hh)}",
             )
         if left:
             return Check(
@@ -424,19 +296,6 @@ def remediation(
         return Check(ok=True, summary=f"{len(want)} GPU(s) reset; their signals no longer ask for one")
 
     return {"name": "reset", "check": check, "plan": plan, "fix": fix, "verify": verify}
-
-
-def drain_note(hh: Any) -> str:
-    """Say whether the node stays drained: a drain this run made is left for the next run to lift."""
-    if "drain" not in hh.fixes:
-        return "node not drained (--fix=drain drains it)"
-    try:
-        node = slurm.read_node(hh.target.conn, drain.node_name(hh), timeout=drain.SCONTROL_TIMEOUT)
-    except GpuhostError as exc:
-        return f"the Slurm node could not be read ({exc})"
-    if node.drained and node.ours:
-        return f"node left drained ({node.reason})"
-    return f"node not drained by gpuhost ({node.describe()})"
 
 
 def reboot_node(
@@ -455,7 +314,7 @@ def reboot_node(
     """
     conn = hh.target.conn
     ev = evidence.current()
-    allowed = _units(hh.thresholds)
+    allowed = units(hh.thresholds)
     foreign = []
     for p in plans:
         g = rows.get(p.bus)
@@ -477,7 +336,7 @@ def reboot_node(
         )
         + f"; rebooting (boot id {old})"
     )
-    units = list(dict.fromkeys(u for p in plans for u in p.units))
+    stopped = list(dict.fromkeys(u for p in plans for u in p.units))
     if journal is not None:  # after a cut here, the next run starts what systemd did not
         for p in plans:
             for u in p.units:
@@ -486,11 +345,11 @@ def reboot_node(
                 journal.step("persistence_off", gpu=p.smi_id)
         journal.step("reboot", boot_id=old)
     done = reboot.reboot_and_wait(conn, old, timeout)
-    reboot.restart_units(conn, units)
+    reboot.restart_units(conn, stopped)
     for p in plans:
         if p.persistence:  # legacy persistence mode does not survive a reboot
             try:
-                _run(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "1"], 30)
+                cutrun.run_checked(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "1"], 30)
             except ProcedureError as exc:
                 ev.note(f"reboot: {exc}")
                 continue
@@ -509,7 +368,7 @@ def owed_resets_signals(facts: Mapping[str, Any]) -> dict[str, list[str]]:
     for bus, sig in reset_signals(facts).items():
         for name, value in sig.items():
             if value == 1:
-                out.setdefault(_key(bus), []).append(_SIGNAL_TEXT.get(name, name))
+                out.setdefault(key(bus), []).append(_SIGNAL_TEXT.get(name, name))
     return out
 
 
@@ -543,7 +402,7 @@ def reset_one(conn: Any, p: GpuReset, journal: Journal | None = None) -> None:
                 raise ProcedureError(f"{p.smi_id} still held after the stop ({', '.join(left)}): not reset")
         if p.persistence:
             note("persistence_off")
-            _run(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "0"], 30)
+            cutrun.run_checked(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "0"], 30)
         note("reset")
         r = conn.run(["nvidia-smi", "-r", "-i", p.smi_id], timeout=RESET_TIMEOUT)
         if r.timed_out:
@@ -559,7 +418,7 @@ def reset_one(conn: Any, p: GpuReset, journal: Journal | None = None) -> None:
         restored = True
         if p.persistence:
             try:
-                _run(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "1"], 30)
+                cutrun.run_checked(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "1"], 30)
             except ProcedureError as exc:
                 restored = False
                 ev.note(f"reset {p.smi_id}: {exc}")
@@ -568,9 +427,3 @@ def reset_one(conn: Any, p: GpuReset, journal: Journal | None = None) -> None:
             ev.note(f"reset {p.smi_id}: started {u} again")
         if restored:
             note("restored")
-
-
-def _run(conn: Any, argv: list[str], timeout: float) -> None:
-    r = conn.run(argv, timeout=timeout)
-    if r.rc != 0 or r.timed_out:
-        raise ProcedureError(f"{shlex.join(argv)} failed (rc {r.rc}): {(r.stdout + r.stderr).strip()[-200:]}")
