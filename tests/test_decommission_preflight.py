@@ -249,9 +249,9 @@ def pytest_runtest_setup(item):
 '''
 
 
-def test_the_verdict_names_a_bucket_gone_under_the_run_in_one_line(s3_endpoint, tmp_path) -> None:
-    """Every step passes and uploads; the bucket is deleted before the verdict: one problem line."""
-    bucket = s3_endpoint.make_bucket("gone")
+def _bucket_gone_node(s3_endpoint, tmp_path: Path, bucket: str, **extra: str) -> tuple[Path, dict[str, str]]:
+    """A local:// node with one category marked s3, and a plugin (bucket_gone.py) in its run that
+    deletes the bucket before the test named by GONE_BEFORE (default: the verdict)."""
     manifest, env = _node(tmp_path, NVIDIA_SMI_OK, ())
     doc = yaml.safe_load(manifest.read_text())
     doc["categories"]["stuff"]["s3"] = True
@@ -263,7 +263,15 @@ def test_the_verdict_names_a_bucket_gone_under_the_run_in_one_line(s3_endpoint, 
         "PYTHONPATH": f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}",
         "GONE_ENDPOINT": s3_endpoint.url,
         "GONE_BUCKET": bucket,
+        **extra,
     }
+    return manifest, env
+
+
+def test_the_verdict_names_a_bucket_gone_under_the_run_in_one_line(s3_endpoint, tmp_path) -> None:
+    """Every step passes and uploads; the bucket is deleted before the verdict: one problem line."""
+    bucket = s3_endpoint.make_bucket("gone")
+    manifest, env = _bucket_gone_node(s3_endpoint, tmp_path, bucket)
     r = _suite(
         tmp_path, env, f"--manifest={manifest}", f"--backup-to=s3://{bucket}/node",
         f"--s3-endpoint={s3_endpoint.url}", "-p", "bucket_gone",
@@ -282,19 +290,7 @@ def test_the_verdict_names_a_bucket_gone_under_the_run_in_one_line(s3_endpoint, 
 def test_a_bucket_gone_before_the_s3_step_is_one_line_there_too(s3_endpoint, tmp_path) -> None:
     """The bucket is deleted after the backup, before step 5 asks it what to upload."""
     bucket = s3_endpoint.make_bucket("gone5")
-    manifest, env = _node(tmp_path, NVIDIA_SMI_OK, ())
-    doc = yaml.safe_load(manifest.read_text())
-    doc["categories"]["stuff"]["s3"] = True
-    manifest.write_text(yaml.safe_dump(doc))
-    (tmp_path / "bucket_gone.py").write_text(BUCKET_GONE)
-    env = {
-        **env,
-        **s3_endpoint.env,
-        "PYTHONPATH": f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}",
-        "GONE_ENDPOINT": s3_endpoint.url,
-        "GONE_BUCKET": bucket,
-        "GONE_BEFORE": "test_data_in_s3",
-    }
+    manifest, env = _bucket_gone_node(s3_endpoint, tmp_path, bucket, GONE_BEFORE="test_data_in_s3")
     r = _suite(
         tmp_path, env, f"--manifest={manifest}", f"--backup-to=s3://{bucket}/node",
         f"--s3-endpoint={s3_endpoint.url}", "-p", "bucket_gone",

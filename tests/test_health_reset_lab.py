@@ -27,9 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 BUS = "0000:14:00.0"
 
 
-def _suite(
-    h: Any, tmp: Path, name: str, *extra: str, fix: str = "reset"
-) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def _argv(h: Any, tmp: Path, name: str, *extra: str, fix: str = "reset") -> list[str]:
+    """suites/health against lab host h with --fix=FIX, its fleet JSON at tmp/NAME.json."""
     known = tmp / "known_hosts"
     known.write_text(Path(h.known_hosts).read_text())
     inv = tmp / "fleet.yaml"
@@ -45,6 +44,13 @@ def _suite(
     ]  # fmt: skip
     # health_reset_verify_timeout=3: the lab's signals change at once; 3 s, not 30, keeps the
     # stuck GPU's tests short
+    return argv
+
+
+def _suite(
+    h: Any, tmp: Path, name: str, *extra: str, fix: str = "reset"
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    argv = _argv(h, tmp, name, *extra, fix=fix)
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
     return proc, json.loads((tmp / f"{name}.json").read_text())["hosts"][h.name]["checks"]
 
@@ -183,18 +189,7 @@ def test_a_run_cut_while_the_gpu_is_reset_is_completed_by_the_next(lab: Any, tmp
     journal = "/var/lib/gpuhost/journal/health-reset.json"
     inject(h, {"gpus": {BUS: {"reset_required": True, "reset_hangs": 8}}})
     try:
-        known = tmp_path / "known_hosts"
-        known.write_text(Path(h.known_hosts).read_text())
-        inv = tmp_path / "fleet.yaml"
-        inv.write_text(
-            "all:\n  vars: {ansible_user: root, service: sglang-qwen, service_port: 30000}\n"
-            f"  hosts:\n    {h.name}: {{ansible_host: {h.address}}}\n"
-        )
-        argv = [
-            sys.executable, "-m", "pytest", "suites/health", "-p", "no:cacheprovider", f"--inventory={inv}",
-            "--ssh-identity=/run/gpulab/id_ed25519", f"--known-hosts={known}", "--connect-timeout=5",
-            "--report-dir=none", "--fix=reset", "-o", "addopts=", "-q",
-        ]  # fmt: skip
+        argv = _argv(h, tmp_path, "cut")
         ctl = subprocess.Popen(
             argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
