@@ -289,6 +289,36 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "reboot-foreign-holder",
+        "a node whose GPU is held by a process outside the inventory's services is never rebooted",
+        "suites/health/holders.py",
+        "        out.refused.append(",
+        "        [].append(",  # the refusal recorded nowhere
+        (
+            "tests/test_health_reboot_lab.py::test_xid_79_on_gpu_3_reboots_the_node_with_its_servers_stopped_and_started",
+        ),
+    ),
+    Mutation(
+        "reboot-owed-only-when-allowed",
+        "a node that owes a reboot (Xid 79) is rebooted only under --fix=reset,reboot",
+        "suites/health/reset.py",
+        '            if box["reboots"] and allow_reboot:\n                box["rebooted"]',
+        '            if box["reboots"]:\n                box["rebooted"]',
+        (
+            "tests/test_health_reboot_lab.py::test_xid_79_on_gpu_3_reboots_the_node_with_its_servers_stopped_and_started",
+        ),
+    ),
+    Mutation(
+        "reset-compute-check",
+        "a reset counts only when the GPU then completes an all-reduce with right data",
+        "suites/health/reset.py",
+        '            ok=fine, summary=f"{len(want)} GPU(s) reset; their signals',
+        '            ok=True, summary=f"{len(want)} GPU(s) reset; their signals',
+        (
+            "tests/test_health_reset_lab.py::test_a_reset_whose_gpu_then_fails_the_compute_check_is_not_counted",
+        ),
+    ),
+    Mutation(
         "redact-ambiguous-shape",
         "a key-shaped value under an ambiguous name (RUNNER_TOKEN=...) is hidden",
         "pytest_gpuhost/redact.py",

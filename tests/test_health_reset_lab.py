@@ -27,13 +27,15 @@ REPO = Path(__file__).resolve().parent.parent
 BUS = "0000:14:00.0"
 
 
-def _argv(h: Any, tmp: Path, name: str, *extra: str, fix: str = "reset") -> list[str]:
+def _argv(
+    h: Any, tmp: Path, name: str, *extra: str, fix: str = "reset", service: Any = "sglang-qwen"
+) -> list[str]:
     """suites/health against lab host h with --fix=FIX, its fleet JSON at tmp/NAME.json."""
     known = tmp / "known_hosts"
     known.write_text(Path(h.known_hosts).read_text())
     inv = tmp / "fleet.yaml"
     inv.write_text(
-        "all:\n  vars: {ansible_user: root, service: sglang-qwen, service_port: 30000}\n"
+        f"all:\n  vars: {{ansible_user: root, service: {json.dumps(service)}, service_port: 30000}}\n"
         f"  hosts:\n    {h.name}: {{ansible_host: {h.address}}}\n"
     )
     argv = [
@@ -96,6 +98,26 @@ def test_a_gpu_that_owes_a_reset_is_reset_with_its_holders_stopped_and_started(
         after = _main_pid(h, "sglang-qwen.service")
         assert "ActiveState=active" in after and after != before  # stopped, then started again
         assert "ActiveState=active" in _main_pid(h, "nvidia-persistenced.service")
+        report = (tmp_path / "fix.html").read_text()
+        assert f"compute check passed on {BUS} (all_reduce_perf -g 1 -c 1, 0 wrong)" in report
+    finally:
+        inject(h, {})
+
+
+def test_a_reset_whose_gpu_then_fails_the_compute_check_is_not_counted(lab: Any, tmp_path: Path) -> None:
+    h = lab.host("health-ok", name=f"hr{os.getpid() % 100000}")  # the host of the first test
+    # the reset clears reset_required; compute_fails outlives it (gpulab_tools/all_reduce_perf.py)
+    inject(h, {"gpus": {BUS: {"reset_required": True, "compute_fails": True}}})
+    try:
+        proc, cells = _suite(h, tmp_path, "compute")
+        assert cells["reset"]["outcome"] == "failed", (cells["reset"], proc.stdout[-3000:])
+        assert _reset_required(h) == "No"  # the signals cleared: only the compute check tells
+        assert "fix did not verify" in proc.stdout, proc.stdout[-3000:]
+        assert (
+            f"compute check failed (all_reduce_perf -g 1 -c 1): {BUS}: failed (rc 2) on {BUS}" in proc.stdout
+        ), proc.stdout[-3000:]
+        assert "uncorrectable ECC error encountered" in proc.stdout
+        assert "ActiveState=active" in _main_pid(h, "sglang-qwen.service")  # started again all the same
     finally:
         inject(h, {})
 

@@ -202,6 +202,9 @@ def parse_perf(text: str) -> PerfResult:
             elif s.startswith("# error:"):
                 res.errors.append(s[len("# error:") :].strip())
             continue
+        for what in ("Test CUDA failure", "Test NCCL failure"):  # CUDACHECK, NCCLCHECK (src/common.h)
+            if what in s:
+                res.errors.append(s[s.index(what) :].strip())
         words = s.split()
         # size count type redop [root] then time algbw busbw #wrong, out of place and in place;
         # before 2.10 all_reduce printed no root (NVIDIA/nccl#583)

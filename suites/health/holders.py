@@ -15,7 +15,7 @@ from typing import Any
 from pytest_gpuhost.modules.health.xid import bus_key
 from pytest_gpuhost.modules.process import ProcessTable, driver_daemon
 
-__all__ = ["PERSISTENCED", "GpuReset", "gpu_rows", "key", "plan_gpu", "units"]
+__all__ = ["PERSISTENCED", "GpuReset", "NodeHolders", "gpu_rows", "key", "plan_gpu", "plan_node", "units"]
 
 PERSISTENCED = "nvidia-persistenced.service"
 _UNIT = re.compile(r"/([^/]+\.service)$")
@@ -48,6 +48,14 @@ class GpuReset:
             out.append(["nvidia-smi", "-i", self.smi_id, "-pm", "1"])
         out += [["systemctl", "start", "--", u] for u in reversed(self.units)]
         return out
+
+
+@dataclass
+class NodeHolders:
+    """Who holds any GPU of the node, for a reboot: what is stopped first, what stops the reboot."""
+
+    units: list[str] = field(default_factory=list)  # inventory units to stop, then start again
+    refused: list[str] = field(default_factory=list)  # holders no unit of ours owns
 
 
 def gpu_rows(facts: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
@@ -94,6 +102,30 @@ def plan_gpu(conn: Any, bus: str, why: list[str], g: Mapping[str, Any], allowed:
                 + (f" in {unit}, not an inventory service" if unit else ", outside any systemd service")
             )
     return p
+
+
+def plan_node(conn: Any, allowed: list[str]) -> NodeHolders:
+    """Read who holds any `/dev/nvidia*` on the node: a reboot ends every one of them.
+
+    An inventory `service` unit is stopped first (the bounded ladder, so a server that ignores
+    SIGTERM does not hold the shutdown to its own timeout). The driver's daemons
+    (nvidia-persistenced, the fabric manager, nv-hostengine) are left to the shutdown, which stops
+    them, and the boot, which starts them. Any other holder refuses the reboot.
+    """
+    out = NodeHolders()
+    for proc in ProcessTable.read(conn, gpu_holders=True).gpu_holders():
+        if driver_daemon(proc):
+            continue
+        unit = _unit_of(proc.cgroup)
+        if unit is not None and unit in allowed:
+            if unit not in out.units:
+                out.units.append(unit)
+            continue
+        out.refused.append(
+            f"PID {proc.pid} ({' '.join(proc.argv)[:120]}) holds {', '.join(proc.gpus)[:120]}"
+            + (f" in {unit}, not an inventory service" if unit else ", outside any systemd service")
+        )
+    return out
 
 
 def units(thresholds: Any) -> list[str]:

@@ -1,14 +1,23 @@
-"""`--fix=reset,reboot`: reboot the node when a GPU reset returned but the GPU still owes one.
+"""The reboot of a node under `--fix=reset,reboot`, for one of two reasons.
 
-A reset that `nvidia-smi -r` reports done can leave the GPU in error (its reset-required bit still
-set, NVML still answering [GPU requires reset]): nvidia-smi(1) offers the reset for "situations
-that would otherwise require a machine reboot", and when it does not clear them the reboot is
-what is left. This module is that step, and only that step: reset.py calls it after its own
-re-check, with the GPUs still owed, when `reboot` stands beside `reset` in --fix.
+1. **A reset that did not clear.** A reset that `nvidia-smi -r` reports done can leave the GPU in
+   error (its reset-required bit still set, NVML still answering [GPU requires reset]):
+   nvidia-smi(1) offers the reset for "situations that would otherwise require a machine
+   reboot", and when it does not clear them the reboot is what is left (`reboot_node`, called by
+   reset.py after its own re-check with the GPUs still owed). What holds each of those GPUs is
+   read again first (holders.plan_gpu).
+2. **A debt that only a reboot pays.** An Xid whose resolution in NVIDIA's catalogue is
+   RESTART_BM (Xid 79, "GPU has fallen off the bus", among others), or a driver recovery action
+   of Node Reboot Required (`owed_reboots`). No GPU reset is tried for these: NVIDIA's catalogue
+   says a reset does not recover them. `reboot_owed` reads who holds any GPU of the node
+   (holders.plan_node, every `/dev/nvidia*`: the reboot ends them all), stops the inventory's
+   units with the bounded ladder, each stop journaled first, and reboots.
 
-- before: what holds each GPU is read again (holders.plan_gpu); a holder that no unit of ours owns
-  stops it (a reboot kills what the run did not start), and so does anything else than the reset
-  having returned 0: a failed or hung reset is reported, not rebooted away;
+Either way:
+
+- before: a holder that no unit of ours owns refuses the reboot (a reboot kills what the run did
+  not start); so does anything else than a reset having returned 0 in case 1: a failed or hung
+  reset is reported, not rebooted away;
 - act: the kernel-log cursor this run committed is waited for (the next run must see the Xids
   recorded under the old boot id), then `systemctl reboot`, bounded; the connection dropping
   under it is the reboot under way, not an error;
@@ -16,24 +25,41 @@ re-check, with the GPUs still owed, when `reboot` stands beside `reset` in --fix
   anew at each boot: Linux drivers/char/random.c, proc_do_uuid), within `health_reboot_timeout`
   (600 s by default); the connection logs in again by itself (exec/agent_session.py starts a new
   agent, exec/ssh/openssh.py a new master, on the next request);
-- after: the units the reset stopped are enabled, so systemd starts them at boot; each one that is
-  not active once the boot is done is started (bounded). reset.py then re-reads every fact and
+- after: the units stopped are enabled, so systemd starts them at boot; each one that is not
+  active once the boot is done is started (bounded), and legacy persistence mode, which does not
+  survive a reboot, is turned on again where it was on. reset.py then re-reads every fact and
   judges the GPUs again.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.modules.health import checks as hm
+from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError
 
-__all__ = ["BOOT_ID", "REBOOT_TIMEOUT", "Rebooted", "boot_id", "reboot_and_wait", "restart_units"]
+from . import cutrun
+from .holders import GpuReset, gpu_rows, key, plan_gpu, plan_node, units
+
+__all__ = [
+    "BOOT_ID",
+    "NODE",
+    "REBOOT_TIMEOUT",
+    "Rebooted",
+    "boot_id",
+    "owed_reboots",
+    "reboot_and_wait",
+    "reboot_node",
+    "reboot_owed",
+    "restart_units",
+]
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 REBOOT_TIMEOUT = 600.0  # the default of ini health_reboot_timeout (suites/health/options.py)
@@ -44,6 +70,7 @@ BOOT_DONE_TIMEOUT = 120.0  # `systemctl is-system-running --wait`: the boot's jo
 UNIT_TIMEOUT = 60.0
 #: `systemctl reboot` exits 0, or the link drops under it: ssh's 255, the agent's connection lost.
 _DROPPED = (0, 255)
+NODE = "node"  # the journal's `gpu` for a unit stopped for the whole node's reboot
 
 
 @dataclass
@@ -117,3 +144,148 @@ def restart_units(conn: Any, units: Sequence[str]) -> list[str]:
         ev.note(f"reboot: {u} was {before.active_state} after the boot; started it")
         started.append(u)
     return started
+
+
+def owed_reboots(facts: Mapping[str, Any], thresholds: Any) -> dict[str, list[str]]:
+    """Return {bus "dddd:bb:dd": why} for every GPU whose debt only a reboot pays, now.
+
+    From the xid verdict (modules/health/xid.py): this run's Xids and the ones still owed from
+    earlier runs whose action is `reboot` (RESTART_BM in NVIDIA's catalogue), and a driver
+    recovery action of Node Reboot Required. An Xid in `xid_ignore` owes nothing.
+    """
+    out: dict[str, list[str]] = {}
+    st = hm.evaluate("xid", facts, thresholds).state or {}
+    ignore = {int(c) for c in thresholds["xid_ignore"]}
+    for e in st.get("events") or []:
+        if e.get("action") == "reboot" and int(e.get("code", -1)) not in ignore:
+            out.setdefault(key(e.get("bdf")), []).append(f"Xid {e.get('code')}: {e.get('msg')}")
+    for o in st.get("owed") or []:
+        if o.get("action") == "reboot":
+            out.setdefault(key(o.get("bdf")), []).append(f"Xid {o.get('code')} still owes a reboot")
+    for a in st.get("recovery_actions") or []:
+        if a.get("action") == "reboot":
+            out.setdefault(key(a.get("bdf")), []).append(f"recovery action {a.get('value')!r}")
+    return {k: list(dict.fromkeys(v)) for k, v in out.items()}
+
+
+def reboot_owed(
+    hh: Any, owed: Mapping[str, list[str]], timeout: float, journal: Journal | None = None
+) -> Rebooted:
+    """Reboot the node for GPUs that owe a reboot, its inventory units stopped first.
+
+    Raise ProcedureError, nothing stopped and nothing rebooted, when a process no inventory unit
+    owns holds any GPU of the node, or the boot id is unreadable. Each unit's stop is journaled
+    (gpu `node`) before it is taken, so a run cut anywhere here is completed by the next
+    (cutrun.leftover): a unit systemd did not start at boot is started then.
+    """
+    conn = hh.target.conn
+    ev = evidence.current()
+    node = plan_node(conn, units(hh.thresholds))
+    if node.refused:
+        raise ProcedureError("no reboot: " + "; ".join(node.refused) + " (the reboot would kill it)")
+    old = boot_id(conn)
+    if old is None:
+        raise ProcedureError(f"no reboot: {BOOT_ID} is unreadable, so its return could not be told")
+    line = hh.wait_commit()  # the cursor (and the Xids owed under this boot id) on disk first
+    if line:
+        ev.note(line)
+    persistent = _persistent(hh.facts or {})
+    ev.note(
+        "reboot: "
+        + "; ".join(f"{b} owes a reboot ({', '.join(w)})" for b, w in owed.items())
+        + f"; stopping {', '.join(node.units) or 'no unit'}, then rebooting (boot id {old})"
+    )
+    for u in node.units:
+        if journal is not None:
+            journal.step("stop", unit=u, gpu=NODE)
+        report = Service(conn, u).stop(cutrun.STOP_TIMEOUT)
+        ev.note(f"reboot: stopped {u} ({report.duration:g} s)")
+    return _reboot(hh, old, node.units, persistent, timeout, journal, [NODE])
+
+
+def reboot_node(
+    hh: Any,
+    plans: list[GpuReset],
+    rows: Mapping[str, Mapping[str, Any]],
+    left: Mapping[str, list[str]],
+    timeout: float,
+    journal: Journal | None = None,
+) -> Rebooted:
+    """Reboot the node a reset did not repair, once nothing but our units holds its GPUs.
+
+    Called only after every reset returned 0 and the GPUs' signals, read again, still ask for
+    one (`left`). Raise ProcedureError, nothing rebooted, when a holder outside the inventory's
+    services (or the persistence daemon) appeared since the reset, or the boot id is unreadable.
+    """
+    conn = hh.target.conn
+    ev = evidence.current()
+    allowed = units(hh.thresholds)
+    foreign = []
+    for p in plans:
+        g = rows.get(p.bus)
+        if g is not None:
+            foreign += plan_gpu(conn, p.bus, p.why, g, allowed).refused
+    if foreign:
+        raise ProcedureError("no reboot: " + "; ".join(foreign) + " (the reboot would kill it)")
+    old = boot_id(conn)
+    if old is None:
+        raise ProcedureError(f"no reboot: {BOOT_ID} is unreadable, so its return could not be told")
+    line = hh.wait_commit()  # the cursor (and the Xids owed under this boot id) on disk first
+    if line:
+        ev.note(line)
+    shown = {p.bus: p.smi_id for p in plans}
+    ev.note(
+        "reboot: "
+        + "; ".join(
+            f"{shown.get(b, b)} still owes a reset after its reset ({', '.join(w)})" for b, w in left.items()
+        )
+        + f"; rebooting (boot id {old})"
+    )
+    stopped = list(dict.fromkeys(u for p in plans for u in p.units))
+    if journal is not None:  # after a cut here, the next run starts what systemd did not
+        for p in plans:
+            for u in p.units:
+                journal.step("stop", unit=u, gpu=p.smi_id)
+            if p.persistence:
+                journal.step("persistence_off", gpu=p.smi_id)
+    persistent = [p.smi_id for p in plans if p.persistence]
+    return _reboot(hh, old, stopped, persistent, timeout, journal, [p.smi_id for p in plans])
+
+
+def _persistent(facts: Mapping[str, Any]) -> list[str]:
+    """The GPUs (as nvidia-smi names them) whose persistence mode is on, from this run's facts."""
+    return [
+        str(g.get("bdf"))
+        for g in gpu_rows(facts).values()
+        if str(g.get("persistence_mode", "")).lower() in ("enabled", "1", "on")
+    ]
+
+
+def _reboot(
+    hh: Any,
+    old: str,
+    stopped: Sequence[str],
+    persistent: Sequence[str],
+    timeout: float,
+    journal: Journal | None,
+    restored: Sequence[str],
+) -> Rebooted:
+    """Reboot, wait for the new boot id, start what systemd did not, persistence on again."""
+    conn = hh.target.conn
+    ev = evidence.current()
+    if journal is not None:
+        journal.step("reboot", boot_id=old)
+    done = reboot_and_wait(conn, old, timeout)
+    restart_units(conn, stopped)
+    for gpu in persistent:  # legacy persistence mode does not survive a reboot
+        try:
+            cutrun.run_checked(conn, ["nvidia-smi", "-i", gpu, "-pm", "1"], 30)
+        except ProcedureError as exc:
+            ev.note(f"reboot: {exc}")
+    if journal is not None:
+        for gpu in restored:
+            journal.step("restored", gpu=gpu)
+    hh.facts = None  # every fact of the new boot, read by the re-check
+    hh.verdicts.clear()
+    hh.samples.clear()
+    return done

@@ -21,7 +21,12 @@ The most common hand-run repair in a GPU fleet, as a remediation of its own:
   reset that returned 0 gets the node rebooted (suites/health/reboot.py), its holders read again
   first; then every fact is read again and the GPUs judged from them. Without `reboot` the
   verdict says so in one line ("reset did not clear GPU ...; reboot not allowed") and a node this
-  run drained stays drained.
+  run drained stays drained;
+- a debt only a reboot pays (an Xid whose resolution is RESTART_BM, such as Xid 79, or a
+  recovery action of Node Reboot Required: reboot.owed_reboots) is planned as a reboot of the
+  node, never as a GPU reset: the inventory's units that hold any GPU stopped first, every other
+  holder of a GPU refusing it. Under `--fix=reset` alone the check says the node owes a reboot
+  and that `--fix=reset,reboot` allows it.
 
 nvidia-smi(1), `-r`: "Trigger a reset of one or more GPUs ... There can't be any applications
 using these devices"; the reset "can be used to clear GPU HW and SW state in situations that
@@ -45,8 +50,8 @@ from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError
 from pytest_gpuhost.run.remediation import Action, Check
 
-from . import cutrun, drain, reboot
-from .holders import GpuReset, gpu_rows, key, plan_gpu, units
+from . import compute, cutrun, drain, reboot
+from .holders import GpuReset, NodeHolders, gpu_rows, key, plan_gpu, plan_node, units
 
 __all__ = ["RESET_TIMEOUT", "GpuReset", "owed_resets", "remediation"]
 
@@ -66,12 +71,13 @@ _SIGNAL_TEXT = {
 def owed_resets(facts: Mapping[str, Any], thresholds: Any) -> dict[str, list[str]]:
     """Return {bus "dddd:bb:dd": why} for every GPU that owes a GPU reset now."""
     out: dict[str, list[str]] = {}
+    st = hm.evaluate("xid", facts, thresholds).state or {}
+    # a recovery action of Node Reboot Required is a reboot's to pay (reboot.owed_reboots)
+    by_reboot = {key(a.get("bdf")) for a in st.get("recovery_actions") or [] if a.get("action") == "reboot"}
     for bus, sig in reset_signals(facts).items():
         for name, value in sig.items():
-            if value == 1:
+            if value == 1 and not (name == "recovery_action" and key(bus) in by_reboot):
                 out.setdefault(key(bus), []).append(_SIGNAL_TEXT.get(name, name))
-    v = hm.evaluate("xid", facts, thresholds)
-    st = v.state or {}
     for e in st.get("events") or []:
         if e.get("action") == "reset_gpu" and int(e.get("code", -1)) not in set(thresholds["xid_ignore"]):
             out.setdefault(key(e.get("bdf")), []).append(f"Xid {e.get('code')}: {e.get('msg')}")
@@ -122,6 +128,9 @@ def remediation(
             plans.append(plan_gpu(conn, bus, why, g, units(hh.thresholds)))
         box["plans"] = plans
         box["rows"] = gpus
+        reboots = reboot.owed_reboots(facts, hh.thresholds)
+        node = plan_node(conn, units(hh.thresholds)) if reboots else NodeHolders()
+        box["reboots"], box["node"] = reboots, node
         state = {
             "gpus": [
                 {
@@ -134,6 +143,9 @@ def remediation(
                 for p in plans
             ],
             "not_listed": missing,
+            "reboot_owed": {"gpus": reboots, "holders_units": node.units, "refused": node.refused}
+            if reboots
+            else None,
             "cut_run": {"units_stopped": units_left, "persistence_off": gpus_left, "journal": old}
             if (units_left or gpus_left)
             else None,
@@ -145,19 +157,26 @@ def remediation(
                 f"left {', '.join(units_left) or 'no unit'} stopped"
                 + (f" and persistence mode off on {', '.join(gpus_left)}" if gpus_left else "")
             )
-        if not owed and not cut:
-            first = Check(ok=True, summary="no GPU owes a reset", state=state)
+        if not owed and not cut and not reboots:
+            first = Check(ok=True, summary="no GPU owes a reset or a reboot", state=state)
         else:
             parts = cut + [f"{p.smi_id} owes a reset ({'; '.join(p.why)})" for p in plans] + missing
+            parts += [f"{b} owes a reboot ({'; '.join(w)})" for b, w in reboots.items()]
             refused = [r for p in plans for r in p.refused]
             if refused:
                 parts.append("not reset: " + "; ".join(refused))
+            if reboots and not allow_reboot:
+                parts.append(reboot_not_allowed(hh))
+            elif node.refused:
+                parts.append("not rebooted: " + "; ".join(node.refused))
             first = Check(ok=False, summary="; ".join(parts), state=state)
         if on_check is not None:
             on_check(first)
         return first
 
     def refusals(before: Check) -> list[str]:
+        if box["reboots"] and allow_reboot:  # the reboot pays every debt: only its holders count
+            return list(box["node"].refused)
         return [r for p in box["plans"] for r in p.refused] + list(before.state.get("not_listed") or [])
 
     def plan(before: Check) -> list[Action]:
@@ -175,6 +194,19 @@ def remediation(
             )
         if refusals(before):
             return first  # no reset: the check's summary says who holds the GPU
+        if box["reboots"] and allow_reboot:
+            node: NodeHolders = box["node"]
+            why = "; ".join(f"{b} owes a reboot ({', '.join(w)})" for b, w in box["reboots"].items())
+            cmds = [["systemctl", "stop", "--", u] for u in node.units] + [["systemctl", "reboot"]]
+            return first + [
+                Action(
+                    f"reboot the node: {why}; no GPU reset (it does not pay this debt); "
+                    f"stop {', '.join(node.units) or 'no unit'} first (bounded), wait up to "
+                    f"{reboot_timeout:g} s for SSH with a new boot id, then start any stopped unit "
+                    "that systemd did not",
+                    " && ".join(shlex.join(c) for c in cmds),
+                )
+            ]
         actions = first + [
             Action(
                 f"reset GPU {p.smi_id} ({'; '.join(p.why)})", " && ".join(shlex.join(c) for c in p.commands())
@@ -218,15 +250,20 @@ def remediation(
                     journal.retire()
             if refused:
                 raise ProcedureError(
-                    "no GPU reset: "
+                    ("no reboot: " if box["reboots"] and allow_reboot else "no GPU reset: ")
                     + "; ".join(refused)
                     + " (stop it, or name its unit in the inventory's `service`)"
                 )
+            if box["reboots"] and allow_reboot:
+                box["rebooted"] = reboot.reboot_owed(hh, box["reboots"], reboot_timeout, journal)
+                return
             for p in box["plans"]:
                 reset_one(conn, p, journal)
             box["left"] = left = settle()
             if left and allow_reboot:
-                box["rebooted"] = reboot_node(hh, box["plans"], box["rows"], left, reboot_timeout, journal)
+                box["rebooted"] = reboot.reboot_node(
+                    hh, box["plans"], box["rows"], left, reboot_timeout, journal
+                )
         finally:
             try:
                 if journal.data and cutrun.leftover(journal.data) == ([], []):
@@ -255,6 +292,8 @@ def remediation(
         down = [u for u in units_left if not Service(conn, u).state().running]
         if down:
             return Check(ok=False, summary=f"the cut run's units are not active again: {', '.join(down)}")
+        if box["reboots"]:
+            return verify_reboot()
         if not want:
             return Check(
                 ok=True, summary=f"the cut reset run completed: {', '.join(units_left)} active again"
@@ -269,10 +308,11 @@ def remediation(
                     summary=f"still owed after the reset and a reboot (boot id {done.new}): "
                     + "; ".join(f"{b}: {', '.join(w)}" for b, w in left.items()),
                 )
+            fine, line = compute.compute_check(conn, [p.smi_id for p in box["plans"]])
             return Check(
-                ok=True,
+                ok=fine,
                 summary=f"{len(want)} GPU(s) reset, then the node rebooted ({done.seconds:.0f} s to "
-                "a new boot id); no GPU owes a reset",
+                f"a new boot id); no GPU owes a reset; {line}",
                 state={
                     "boot_id": {"before": done.old, "after": done.new},
                     "reboot_s": round(done.seconds, 1),
@@ -293,73 +333,55 @@ def remediation(
                 summary="still owed after the reset: "
                 + "; ".join(f"{b}: {', '.join(w)}" for b, w in left.items()),
             )
-        return Check(ok=True, summary=f"{len(want)} GPU(s) reset; their signals no longer ask for one")
+        fine, line = compute.compute_check(conn, [p.smi_id for p in box["plans"]])
+        return Check(
+            ok=fine, summary=f"{len(want)} GPU(s) reset; their signals no longer ask for one; {line}"
+        )
+
+    def verify_reboot() -> Check:
+        """The re-check of a node that owed a reboot: every fact again, every debt paid."""
+        done: reboot.Rebooted | None = box.get("rebooted")
+        if not allow_reboot:  # the GPUs that owed a reset were reset all the same
+            still = box.get("left") or {}
+            also = ""
+            if "left" in box:
+                also = f"; {len(box['plans']) - len(still)} of {len(box['plans'])} GPU(s) owing a reset cleared by it"
+            return Check(ok=False, summary=f"{reboot_not_allowed(hh)}{also}")
+        if done is None:
+            return Check(ok=False, summary="the node owes a reboot and was not rebooted")
+        facts = hh.gather()
+        left = {**owed_resets(facts, hh.thresholds)}
+        for b, w in reboot.owed_reboots(facts, hh.thresholds).items():
+            left.setdefault(b, []).extend(w)
+        down = [u for u in box["node"].units if not Service(conn, u).state().running]
+        if left or down:
+            return Check(
+                ok=False,
+                summary=f"after the reboot (boot id {done.new}): "
+                + "; ".join(
+                    [f"{b}: {', '.join(w)}" for b, w in left.items()]
+                    + ([f"not active again: {', '.join(down)}"] if down else [])
+                ),
+            )
+        paid = ", ".join(sorted(box["reboots"]))
+        fine, line = compute.compute_check(conn, sorted(box["reboots"]))
+        return Check(
+            ok=fine,
+            summary=f"the node rebooted ({done.seconds:.0f} s to a new boot id) for {paid}; no GPU "
+            f"owes a reset or a reboot; {', '.join(box['node'].units) or 'no unit'} active again; {line}",
+            state={
+                "boot_id": {"before": done.old, "after": done.new},
+                "reboot_s": round(done.seconds, 1),
+                "units": box["node"].units,
+            },
+        )
 
     return {"name": "reset", "check": check, "plan": plan, "fix": fix, "verify": verify}
 
 
-def reboot_node(
-    hh: Any,
-    plans: list[GpuReset],
-    rows: Mapping[str, Mapping[str, Any]],
-    left: Mapping[str, list[str]],
-    timeout: float,
-    journal: Journal | None = None,
-) -> reboot.Rebooted:
-    """Reboot the node a reset did not repair, once nothing but our units holds its GPUs.
-
-    Called only after every reset returned 0 and the GPUs' signals, read again, still ask for
-    one (`left`). Raise ProcedureError, nothing rebooted, when a holder outside the inventory's
-    services (or the persistence daemon) appeared since the reset, or the boot id is unreadable.
-    """
-    conn = hh.target.conn
-    ev = evidence.current()
-    allowed = units(hh.thresholds)
-    foreign = []
-    for p in plans:
-        g = rows.get(p.bus)
-        if g is not None:
-            foreign += plan_gpu(conn, p.bus, p.why, g, allowed).refused
-    if foreign:
-        raise ProcedureError("no reboot: " + "; ".join(foreign) + " (the reboot would kill it)")
-    old = reboot.boot_id(conn)
-    if old is None:
-        raise ProcedureError(f"no reboot: {reboot.BOOT_ID} is unreadable, so its return could not be told")
-    line = hh.wait_commit()  # the cursor (and the Xids owed under this boot id) on disk first
-    if line:
-        ev.note(line)
-    shown = {p.bus: p.smi_id for p in plans}
-    ev.note(
-        "reboot: "
-        + "; ".join(
-            f"{shown.get(b, b)} still owes a reset after its reset ({', '.join(w)})" for b, w in left.items()
-        )
-        + f"; rebooting (boot id {old})"
-    )
-    stopped = list(dict.fromkeys(u for p in plans for u in p.units))
-    if journal is not None:  # after a cut here, the next run starts what systemd did not
-        for p in plans:
-            for u in p.units:
-                journal.step("stop", unit=u, gpu=p.smi_id)
-            if p.persistence:
-                journal.step("persistence_off", gpu=p.smi_id)
-        journal.step("reboot", boot_id=old)
-    done = reboot.reboot_and_wait(conn, old, timeout)
-    reboot.restart_units(conn, stopped)
-    for p in plans:
-        if p.persistence:  # legacy persistence mode does not survive a reboot
-            try:
-                cutrun.run_checked(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "1"], 30)
-            except ProcedureError as exc:
-                ev.note(f"reboot: {exc}")
-                continue
-    if journal is not None:
-        for p in plans:
-            journal.step("restored", gpu=p.smi_id)
-    hh.facts = None  # every fact of the new boot, read by the re-check
-    hh.verdicts.clear()
-    hh.samples.clear()
-    return done
+def reboot_not_allowed(hh: Any) -> str:
+    """The line for a node that owes a reboot under `--fix=reset` alone."""
+    return f"the node owes a reboot, which --fix=reset does not do (--fix=reset,reboot allows it); {drain.reset_note(hh)}"
 
 
 def owed_resets_signals(facts: Mapping[str, Any]) -> dict[str, list[str]]:

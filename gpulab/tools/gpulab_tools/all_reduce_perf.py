@@ -28,6 +28,13 @@ How it behaves, and the reports each behaviour stands for:
   completes but every line from 1 MiB up has that many wrong elements out of place, ``Out of
   bounds values`` counts them FAILED and the tool exits 1 (NVIDIA/nccl-tests#131, 2 GPUs behind a
   host bridge; NVIDIA/nccl-tests#7).
+- Fault ``compute_fails`` on a GPU (``{"gpus": {BDF: {"compute_fails": true}}}``, or a CUDA error
+  string): CUDA cannot use that GPU, as after an uncorrectable ECC error. The run prints its device
+  lines, then nccl-tests' ``CUDACHECK`` line (src/common.h: ``HOST: Test CUDA failure FILE:LINE
+  'ERROR'``) and ``TESTCHECK``'s `` .. HOST pid PID: Test failure FILE:LINE``, and exits 2
+  (``testCudaError``). The fault outlives a GPU reset (it is not one of the reset-class faults of
+  nvidia_smi_reset.py), so it stands for a GPU whose own signals clear while it still cannot
+  compute: what the short compute check after a reset is for.
 """
 
 from __future__ import annotations
@@ -149,6 +156,15 @@ def main(argv: list[str]) -> int:
             f"#  Rank {r:2d} Group  0 Pid {pid:6d} on {hostname:>10} device {r:2d} "
             f"[{int(dom, 16):04x}:{bus}:{rest.split('.')[0]}] {g.name}\n"
         )
+    per_gpu = host.faults.get("gpus") or {}
+    for g in ranks:
+        broken = (per_gpu.get(g.bdf) or {}).get("compute_fails")
+        if broken:
+            err = broken if isinstance(broken, str) else "uncorrectable ECC error encountered"
+            out.write(f"{hostname}: Test CUDA failure common.cu:1084 '{err}'\n")
+            out.write(f" .. {hostname} pid {pid}: Test failure common.cu:1187\n")
+            out.flush()
+            return 2
     info = env.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE")
     if info:
         out.write(f"NCCL version {NCCL_VERSION}\n")
