@@ -319,6 +319,26 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "reset-resume-only-its-drain",
+        "after a recovery the Slurm node is resumed only if this run drained it",
+        "suites/health/drain.py",
+        "    if hh.drained_here is None:",
+        "    if False:",
+        (
+            "tests/test_nodecheck_slurm_lab.py::test_fix_reset_drains_resets_and_resumes_only_the_drain_it_made",
+        ),
+    ),
+    Mutation(
+        "reset-resume-not-a-persons-drain",
+        "after a recovery a node a person drained is left drained",
+        "suites/health/drain.py",
+        '    if not node.ours:\n        return True, f"node drained by someone else',
+        '    if False:\n        return True, f"node drained by someone else',
+        (
+            "tests/test_nodecheck_slurm_lab.py::test_fix_reset_drains_resets_and_resumes_only_the_drain_it_made",
+        ),
+    ),
+    Mutation(
         "redact-ambiguous-shape",
         "a key-shaped value under an ambiguous name (RUNNER_TOKEN=...) is hidden",
         "pytest_gpuhost/redact.py",

@@ -11,6 +11,7 @@ Xid, the fault cleared for the other) and never touch the hand-drained node.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import subprocess
@@ -127,12 +128,12 @@ def test_nodecheck_drains_failed_nodes_resumes_them_healed_and_leaves_a_hand_dra
         c.run(["scontrol", "update", f"nodename={n3}", "state=resume"])
 
 
-def run_suite(c: Any, tmp: Path, *extra: str, name: str = "night") -> dict[str, Any]:
+def run_suite(c: Any, tmp: Path, *extra: str, name: str = "night", more_vars: str = "") -> dict[str, Any]:
     known = tmp / "known_hosts"
     known.write_text("".join(Path(h.known_hosts).read_text() for h in c.nodes.values()))
     inv = tmp / "fleet.yaml"
     inv.write_text(
-        "all:\n  vars: {ansible_user: root}\n  hosts:\n"
+        f"all:\n  vars: {{ansible_user: root{more_vars}}}\n  hosts:\n"
         + "".join(f"    {n}: {{ansible_host: {h.address}}}\n" for n, h in c.nodes.items())
     )
     argv = [
@@ -195,6 +196,63 @@ def test_fix_drain_from_the_controller(cluster: Any, tmp_path: Path) -> None:
     finally:
         inject(c.nodes[n2], {})
         c.run(["scontrol", "update", f"nodename={n3}", "state=resume"])
+
+
+def test_fix_reset_drains_resets_and_resumes_only_the_drain_it_made(cluster: Any, tmp_path: Path) -> None:
+    """--fix=drain --fix=reset: drained, reset, confirmed, resumed in one run; others left drained."""
+    c = cluster
+    n1, n2, n3 = "gpu-node-01", "gpu-node-02", "gpu-node-03"
+    bus = "0000:14:00.0"
+    asks = {"nvml_error": "GPU requires reset"}  # fails gpu_count; a reset clears it
+    inject(c.nodes[n1], {"gpus": {bus: asks}})
+    inject(c.nodes[n2], {"gpus": {bus: {**asks, "reset_sticks": True}}})
+    inject(c.nodes[n3], {"gpus": {bus: asks}})
+    hand_drain(c, n3)
+    try:
+        s = run_suite(
+            c, tmp_path, "--fix=drain", "--fix=reset", "-o", "health_reset_verify_timeout=3",
+            name="reset", more_vars=", service: sglang-qwen, service_port: 30000",
+        )  # fmt: skip
+        cells = {n: s["hosts"][n]["checks"] for n in (n1, n2, n3)}
+        report = html.unescape(html.unescape((tmp_path / "reset.html").read_text()))  # JSON in HTML
+        # n1: drained by this run, reset, confirmed, resumed by this run
+        assert cells[n1]["drain"]["outcome"] == "fixed", cells[n1]["drain"]
+        assert cells[n1]["reset"]["outcome"] == "fixed", cells[n1]["reset"]
+        assert f"node resumed (this run drained it): now {n1}: IDLE" in report
+        # n2: the reset did not clear: left drained, with the reason, in the step's one line
+        assert cells[n2]["reset"]["outcome"] == "failed", cells[n2]["reset"]
+        assert (
+            f"reset did not clear GPU {bus} (NVML says [GPU requires reset]); reboot not allowed "
+            "(--fix=reset,reboot allows it); node left drained ('gpuhost: "
+        ) in report
+        # n3: a person's drain: reset, and left drained
+        assert cells[n3]["drain"]["outcome"] == "passed", cells[n3]["drain"]
+        assert cells[n3]["reset"]["outcome"] == "fixed", cells[n3]["reset"]
+        assert "node drained by someone else ('maintenance'): left drained" in report
+        states = wait_states(c, {n1: "idle", n2: "drained", n3: "drained"})
+        assert states == {n1: "idle", n2: "drained", n3: "drained"}, (states, c.node_reasons())
+        reasons = c.node_reasons()
+        assert reasons[n2].startswith("gpuhost: "), reasons
+        assert reasons[n3] == "maintenance", reasons
+
+        # The next run: n2's GPU now resets; its drain is an earlier run's, so it is left for the
+        # drain step of the run after, which resumes gpuhost's own drains once healthy.
+        inject(c.nodes[n2], {"gpus": {bus: asks}})
+        s = run_suite(
+            c, tmp_path, "--fix=drain", "--fix=reset", "-o", "health_reset_verify_timeout=3",
+            name="again", more_vars=", service: sglang-qwen, service_port: 30000",
+        )  # fmt: skip
+        again = s["hosts"][n2]["checks"]
+        assert again["drain"]["outcome"] == "passed", again["drain"]  # already drained for this
+        assert again["reset"]["outcome"] == "fixed", again["reset"]
+        report = html.unescape(html.unescape((tmp_path / "again.html").read_text()))
+        assert "an earlier run drained it; the next run resumes it once healthy" in report
+        assert wait_states(c, {n2: "drained"})[n2] == "drained"
+    finally:
+        for n in (n1, n2, n3):
+            inject(c.nodes[n], {})
+        for n in (n2, n3):
+            c.run(["scontrol", "update", f"nodename={n}", "state=resume"])
 
 
 HEALTHCHECK = "/usr/local/sbin/gpuhost-healthcheck"

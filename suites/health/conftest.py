@@ -53,6 +53,7 @@ class HostHealth:
         self.samples: dict[str, list[dict[str, Any]]] = {}
         self.round_trips = 0
         self.committed = False
+        self.drained_here: str | None = None  # the reason this run drained the Slurm node with
         self.commit_error: str | None = None
         self._commit: threading.Thread | None = None
         self._lock = threading.Lock()

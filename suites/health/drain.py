@@ -19,6 +19,7 @@ agent reports (what Slurm's NodeHostname is by default).
 from __future__ import annotations
 
 import shlex
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,9 +29,10 @@ from pytest_gpuhost.modules.health import checks as hm
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Action, Check
 
-__all__ = ["SCONTROL_TIMEOUT", "first_failure", "node_name", "remediation", "reset_note"]
+__all__ = ["SCONTROL_TIMEOUT", "first_failure", "node_name", "remediation", "reset_note", "return_node"]
 
 SCONTROL_TIMEOUT = 15.0
+SERVICE_UP_TIMEOUT = 60.0  # after a recovery, for a restarted inference server's /health to answer
 
 
 def node_name(hh: Any) -> str:
@@ -101,6 +103,8 @@ def remediation(hh: Any, on_check: Callable[[Check], None] | None = None) -> dic
             raise slurm.SlurmError(f"{node.describe()} changed since the check; now: {p.why}; nothing done")
         evidence.current().note(f"slurm: {p.why}")
         slurm.act(conn, p, timeout=SCONTROL_TIMEOUT)
+        if p.action == "drain":
+            hh.drained_here = p.why  # the reset step may resume it once the GPU is recovered
 
     def verify() -> Check:
         node, p = read()
@@ -121,5 +125,65 @@ def reset_note(hh: Any) -> str:
     except GpuhostError as exc:
         return f"the Slurm node could not be read ({exc})"
     if node.drained and node.ours:
-        return f"node left drained ({node.reason})"
+        return f"node left drained ({node.reason!r})"
     return f"node not drained by gpuhost ({node.describe()})"
+
+
+def return_node(hh: Any) -> tuple[bool, str]:
+    """After a confirmed recovery: resume the Slurm node if this run drained it and it is healthy.
+
+    Return (ok, a line for the verdict). Only a drain this run made is lifted (`drained_here`,
+    set by the drain step), and only when every health check passes on the facts read after the
+    recovery; a person's drain, or an earlier run's, is left (the drain step of the next run
+    resumes gpuhost's own once healthy). ok is False only when the resume itself failed.
+    """
+    if "drain" not in hh.fixes:
+        return True, ""
+    conn = hh.target.conn
+    name = node_name(hh)
+    try:
+        node = slurm.read_node(conn, name, timeout=SCONTROL_TIMEOUT)
+    except GpuhostError as exc:
+        return False, f"the Slurm node could not be read ({exc})"
+    if not node.drained:
+        return True, f"Slurm node {node.describe()}"
+    if not node.ours:
+        return True, f"node drained by someone else ({node.reason!r}): left drained"
+    if hh.drained_here is None:
+        return (
+            True,
+            f"node left drained ({node.reason!r}): an earlier run drained it; the next run resumes it once healthy",
+        )
+    line = hh.wait_commit()  # this run's kernel-log cursor on disk before the facts are read again
+    if line:
+        evidence.current().note(line)
+    deadline = time.monotonic() + SERVICE_UP_TIMEOUT
+    while True:
+        hh.facts = None  # every fact again, after the recovery: the resume is judged on all of them
+        hh.verdicts.clear()
+        hh.samples.clear()
+        still = failures(hh)
+        # a service the recovery started again may still be loading: its /health is waited for
+        if (
+            not all(f.startswith("service_health:") for f in still)
+            or not still
+            or time.monotonic() > deadline
+        ):
+            break
+        time.sleep(2)
+    if still:
+        return True, f"node left drained ({node.reason!r}): still failing: {still[0]}"
+    p = slurm.plan(node, None)
+    try:
+        slurm.act(conn, p, timeout=SCONTROL_TIMEOUT)
+        after = slurm.read_node(conn, name, timeout=SCONTROL_TIMEOUT)
+    except GpuhostError as exc:
+        return False, f"the GPU is recovered but {p.why} failed: {exc}"
+    evidence.current().note(f"slurm: {p.why}")
+    if after.drained:
+        return (
+            False,
+            f"the GPU is recovered but the node is still drained after {shlex.join(p.argv)}: {after.describe()}",
+        )
+    hh.drained_here = None
+    return True, f"node resumed (this run drained it): now {after.describe()}"

@@ -391,8 +391,11 @@ def table(host: Host, ids: str | None) -> None:
         pw, _ = gpu_field(host, g, "power.draw") or ("0", "")
         perf = "P0" if g.holders else "P8"
         cap = int(float(g.spec.get("power_limit", 600.0)))
+        # a value NVML could not read ([GPU requires reset], ...) shows as ERR! in nvidia-smi's
+        # summary table; the lab's table used to end in a ValueError there instead
+        usage = f"{int(float(pw))}W" if pw.replace(".", "", 1).isdigit() else "ERR!"
         o.append(
-            f"|{'N/A':>4}{h.get('temperature', 35):>5}C{perf:>6}{int(float(pw)):>15}W / {cap:>4}W "
+            f"|{'N/A':>4}{h.get('temperature', 35):>5}C{perf:>6}{usage:>16} / {cap:>4}W "
             f"|{g.memory_used:>8}MiB / {g.memory_total:>6}MiB |{0:>7}%{'Default':>13} |"
         )
         o.append(f"|{'':41}|{'':24}|{'Disabled':>21} |")
