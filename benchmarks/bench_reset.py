@@ -10,7 +10,13 @@ them), then per round:
   error until the node reboots); one run with `--fix=reset,reboot`: the reset, the re-check
   (which waits suites/health/reset.py VERIFY_TIMEOUT for the signals to clear), `systemctl
   reboot` inside the host, SSH polled until a new boot id answers, the units checked, every fact
-  read again.
+  read again;
+* Xid 79 path: an Xid 79 ("GPU has fallen off the bus": NVIDIA's catalogue resolves it with a
+  reboot) on GPU 0000:13:00 in the kernel log; one run with `--fix=reset,reboot`: no GPU reset,
+  the service stopped (bounded ladder), `systemctl reboot`, the new boot id, the unit checked,
+  every fact read again, the compute check.
+
+Every recovery ends with the compute check (`all_reduce_perf -g 1 -c 1` on each GPU recovered).
 
 "detection to returned" is the reset step's own duration (its check found the GPU owing a
 reset; it ends once the re-check says no GPU owes one, units active); "run" is the whole pytest
@@ -42,6 +48,7 @@ from gpulab.lab import CLIENT_KEY, Lab, LabHost  # noqa: E402
 from suites.health.reset import VERIFY_TIMEOUT  # noqa: E402
 
 BUS = "0000:14:00.0"
+XID79 = "NVRM: Xid (PCI:0000:13:00): 79, pid=2231, name=python3, GPU has fallen off the bus."
 _REBOOT_NOTE = re.compile(r"SSH answered with boot id \S+ after ([0-9.]+) s")
 
 
@@ -50,6 +57,15 @@ def inject(h: LabHost, faults: dict[str, Any]) -> None:
     r = h.ssh(["sh", "-c", "cat > /var/lib/gpulab/faults.json"], input=json.dumps(faults))
     if r.returncode != 0:
         raise RuntimeError(f"cannot write faults: {r.stderr.strip()}")
+
+
+def log_xid79(h: LabHost) -> None:
+    """Append an Xid 79 to the host's kernel log, stamped after its boot lines."""
+    after_boot = max(k.t for k in h.profile.kernel_log) + 1.0
+    line = json.dumps({"t": after_boot, "msg": XID79}) + "\n"
+    r = h.ssh(["sh", "-c", "cat >> /var/lib/gpulab/kmsg"], input=line)
+    if r.returncode != 0:
+        raise RuntimeError(f"cannot write the kernel log: {r.stderr.strip()}")
 
 
 def boot_id(h: LabHost) -> str:
@@ -108,7 +124,11 @@ def main() -> int:
     lab = Lab()
     lab.check()
     h = lab.up("health-ok", name=f"bench-reset-{os.getpid()}")
-    results: dict[str, list[dict[str, float]]] = {"reset": [], "reset,reboot": []}
+    results: dict[str, list[dict[str, float]]] = {
+        "reset": [],
+        "reset,reboot": [],
+        "reset,reboot (Xid 79)": [],
+    }
     try:
         with tempfile.TemporaryDirectory(prefix="bench-reset-") as tmp:
             for k in range(rounds):
@@ -118,19 +138,22 @@ def main() -> int:
                     continue
                 inject(h, {"gpus": {BUS: {"reset_required": True, "reset_sticks": True}}})
                 results["reset,reboot"].append(run(h, Path(tmp), f"reboot{k}", "reset,reboot"))
+                inject(h, {})
+                log_xid79(h)
+                results["reset,reboot (Xid 79)"].append(run(h, Path(tmp), f"xid79-{k}", "reset,reboot"))
             plain = in_host_reboot(h)
     finally:
         h.down()
     print(
         f"detection to a returned node on a lab host (health-ok, 4 GPUs), {rounds} round(s), {os.cpu_count()} cores"
     )
-    print(f"{'path':<20} {'step med':>9} {'step max':>9} {'run med':>8} {'new boot id':>12}")
+    print(f"{'path':<30} {'step med':>9} {'step max':>9} {'run med':>8} {'new boot id':>12}")
     for path, rs in results.items():
         if not rs:
             continue
         steps = [r["step"] for r in rs]
         print(
-            f"{'--fix=' + path:<20} {statistics.median(steps):>8.1f}s {max(steps):>8.1f}s"
+            f"{'--fix=' + path:<30} {statistics.median(steps):>8.1f}s {max(steps):>8.1f}s"
             f" {statistics.median(r['run'] for r in rs):>7.1f}s"
             + (f" {statistics.median(r['reboot'] for r in rs):>11.1f}s" if path != "reset" else f" {'-':>12}")
         )
