@@ -48,3 +48,8 @@ def test_benchmark_smoke(script: str, needs_lab: bool, expect: str) -> None:
 def test_bench_reset_smoke() -> None:
     """bench_reset.py at smoke size: the reset path once, then one in-host reboot (about 7 s)."""
     test_benchmark_smoke("bench_reset.py", True, "in-host reboot alone")
+
+
+def test_bench_nccl_smoke() -> None:
+    """bench_nccl.py at smoke size: one repair run of the seed's Proxmox host with the collective."""
+    test_benchmark_smoke("bench_nccl.py", True, "collective step measured")
