@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_p2p_suite import run_suite
+from tests.test_p2p_suite import CUT_PLUGIN, run_suite
 
 STEP = "test_p2p_collective"
 CT = 101
@@ -193,4 +193,47 @@ def test_option_does_not_unset_when_the_collective_fails(clean: Any, tmp_path: P
     assert "unset only once the collective proves P2P" in message(run), message(run)
     assert not dropin_there(host)
     assert main_pid(host) == pid
+    assert main_environ(host).get("NCCL_P2P_DISABLE") == "1"
+
+
+def cut_after_dropin_write(host: Any, tmp_path: Path) -> Any:
+    """A run with the option whose link is cut right after it wrote the drop-in; the link healed after."""
+    try:
+        cut = run_suite(
+            host,
+            tmp_path,
+            OPT,
+            plugin=CUT_PLUGIN,
+            env={"P2P_CUT_AT": Path(OURS).name, "P2P_CUT_HOST": host.name},
+        )
+    finally:
+        host.heal_link()
+    deadline = time.monotonic() + 20
+    while host.ssh("true").returncode != 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "CUT after:" in cut.output, cut.output[-3000:]
+    assert cut.rc != 0
+    assert dropin_there(host)  # the undo could not run: the journal on the host says what was written
+    return cut
+
+
+def test_cut_after_the_dropin_is_completed_by_a_run_with_the_option(clean: Any, tmp_path: Path) -> None:
+    """The next run with the option keeps the drop-in and starts the service without the name."""
+    host = clean
+    configure(host, ENV_FILE_DROPIN, ENV_FILE_TEXT)
+    cut_after_dropin_write(host, tmp_path)
+    again = run_suite(host, tmp_path, OPT, "--p2p-lock-wait=60")
+    assert again.rc == 0, again.output[-4000:]
+    assert dropin_there(host)
+    assert "NCCL_P2P_DISABLE" not in main_environ(host)
+
+
+def test_cut_after_the_dropin_is_put_back_by_a_run_without_the_option(clean: Any, tmp_path: Path) -> None:
+    """The next run without the option puts the unit back as it was: no drop-in, the name set again."""
+    host = clean
+    configure(host, ENV_FILE_DROPIN, ENV_FILE_TEXT)
+    cut_after_dropin_write(host, tmp_path)
+    again = run_suite(host, tmp_path, "--p2p-lock-wait=60")
+    assert not dropin_there(host)
+    assert "put back" in message(again, "test_plan"), message(again, "test_plan")
     assert main_environ(host).get("NCCL_P2P_DISABLE") == "1"
