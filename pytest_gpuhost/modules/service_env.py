@@ -61,6 +61,7 @@ SHOW = ("Environment", "EnvironmentFiles", "UnsetEnvironment", "MainPID", "ExecS
 MAX_FILES = 16  # EnvironmentFile= entries (patterns expanded) read per unit
 MAX_PROCS = 64  # processes of the service whose environment is read
 MAX_ENVIRON = 1 << 20  # bytes of one /proc/PID/environ (the kernel caps argv+env near 2 MiB)
+READ_TIMEOUT = 15.0  # seconds to wait for the files' contents
 _CLIP = 160
 _NAMES = ("NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE")  # what nccl.env_findings judges
 _FILES = re.compile(r"^(.*) \(ignore_errors=(yes|no)\)$")
@@ -72,8 +73,6 @@ class _Conn(Protocol):
     def run(self, command: Any, *, timeout: float | None = None, **kw: Any) -> Any: ...
 
     def call(self, op: str, **params: Any) -> Any: ...
-
-    def read_files(self, paths: list[str], **kw: Any) -> Any: ...
 
 
 def shown(text: str, limit: int = _CLIP) -> str:
@@ -244,18 +243,14 @@ def read(conn: _Conn, unit: str) -> ServiceEnv:
     res.unset, res.main_pid = list(show["unset"]), int(show["main_pid"])
     res.settings += _settings(show["environment"], f"the Environment= of {unit}", "unit", res.unset)
     paths = _expand(conn, show["files"], res.notes)
-    texts = conn.read_files(paths, max_bytes=env_file.MAX_BYTES) if paths else {}
+    texts, errors = _read(conn, paths, env_file.MAX_BYTES)
     file_env: dict[str, tuple[str, str]] = {}  # name -> (value, file): a later file wins
     for path in paths:
-        text = texts.get(path)
-        if isinstance(text, OSError):
-            ignore = any(ign for p, ign in show["files"] if p == path)
-            if not ignore:
-                res.notes.append(
-                    f"EnvironmentFile={shown(path)}: not read: {shown(text.strerror or str(text))}"
-                )
+        if path not in texts:
+            if not any(ignore for p, ignore in show["files"] if p == path):
+                res.notes.append(f"EnvironmentFile={shown(path)}: not read: {shown(errors.get(path, ''))}")
             continue
-        for k, v in env_file.parse(str(text)).items():
+        for k, v in env_file.parse(texts[path]).items():
             file_env[k] = (v, path)
     for name in _NAMES:
         if name in file_env:
@@ -264,11 +259,11 @@ def read(conn: _Conn, unit: str) -> ServiceEnv:
     procs = _processes(conn, res.main_pid, res.notes) if res.main_pid else []
     argv_seen = False
     if procs:
-        environs = conn.read_files([f"/proc/{p.pid}/environ" for p in procs], max_bytes=MAX_ENVIRON)
+        environs, _ = _read(conn, [f"/proc/{p.pid}/environ" for p in procs], MAX_ENVIRON)
         for p in procs:
             data = environs.get(f"/proc/{p.pid}/environ")
             label = f"the environment of PID {p.pid} ({unit})"
-            if isinstance(data, str):
+            if data is not None:
                 res.settings += _settings(parse_environ(data), label, "process", res.unset)
             if CUSTOM_ALL_REDUCE in p.argv and not argv_seen:
                 argv_seen = True
@@ -276,6 +271,26 @@ def read(conn: _Conn, unit: str) -> ServiceEnv:
     if not argv_seen and CUSTOM_ALL_REDUCE in show["exec_start"]:
         res.settings.append(_flag(f"the ExecStart= of {unit}"))
     return res
+
+
+def _read(conn: _Conn, paths: list[str], max_bytes: int) -> tuple[dict[str, str], dict[str, str]]:
+    """Read `paths` in one round trip, each cut at `max_bytes`: (path -> text, path -> why not).
+
+    The agent opens each path with O_NONBLOCK (a FIFO does not block it), the wait for the reply
+    is bounded, and nothing read is put in the evidence.
+    """
+    texts: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    if not paths:
+        return texts, errors
+    reply = conn.call("read_files", paths=paths, max_bytes=max_bytes, reply_timeout=READ_TIMEOUT)
+    for p in paths:
+        entry = reply.get(p) if isinstance(reply, dict) else None
+        if isinstance(entry, dict) and isinstance(entry.get("data"), str):
+            texts[p] = entry["data"]
+        else:
+            errors[p] = str((entry or {}).get("error") or "no reply")
+    return texts, errors
 
 
 def _flag(where: str) -> Setting:
