@@ -237,3 +237,17 @@ def test_cut_after_the_dropin_is_put_back_by_a_run_without_the_option(clean: Any
     assert not dropin_there(host)
     assert "put back" in message(again, "test_plan"), message(again, "test_plan")
     assert main_environ(host).get("NCCL_P2P_DISABLE") == "1"
+
+
+def test_check_only_with_the_option_plans_the_dropin_and_changes_nothing(clean: Any, tmp_path: Path) -> None:
+    """--check-only with the option: "would fix", the drop-in and the restart listed; nothing written, nothing restarted."""
+    host = clean
+    configure(host, ENV_FILE_DROPIN, ENV_FILE_TEXT)
+    pid = main_pid(host)
+    run = run_suite(host, tmp_path, OPT, "--check-only")
+    assert run.outcomes[STEP] == "would fix", run.outcomes
+    planned = json.dumps(run.tests[STEP].get("remediations"))
+    assert f"write {OURS}: [Service] UnsetEnvironment=NCCL_P2P_DISABLE" in planned, planned
+    assert f"systemctl start {UNIT}" in planned, planned
+    assert not dropin_there(host)
+    assert main_pid(host) == pid
