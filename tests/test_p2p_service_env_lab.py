@@ -214,6 +214,7 @@ def cut_after_dropin_write(host: Any, tmp_path: Path) -> Any:
     assert "CUT after:" in cut.output, cut.output[-3000:]
     assert cut.rc != 0
     assert dropin_there(host)  # the undo could not run: the journal on the host says what was written
+    print(f"cut run: {cut.seconds:.1f} s")
     return cut
 
 
@@ -223,6 +224,7 @@ def test_cut_after_the_dropin_is_completed_by_a_run_with_the_option(clean: Any, 
     configure(host, ENV_FILE_DROPIN, ENV_FILE_TEXT)
     cut_after_dropin_write(host, tmp_path)
     again = run_suite(host, tmp_path, OPT, "--p2p-lock-wait=60")
+    print(f"completing run: {again.seconds:.1f} s")
     assert again.rc == 0, again.output[-4000:]
     assert dropin_there(host)
     assert "NCCL_P2P_DISABLE" not in main_environ(host)
