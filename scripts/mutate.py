@@ -209,6 +209,14 @@ MUTATIONS = (
         ("tests/test_health_reset_lab.py::test_a_run_cut_while_the_gpu_is_reset_is_completed_by_the_next",),
     ),
     Mutation(
+        "p2p-unset-env-only-when-proven",
+        "the service's own NCCL_P2P_DISABLE is unset (drop-in, restart) only once the collective proved P2P",
+        "suites/p2p/collective.py",
+        "            if not base.ok or base.skip:",
+        "            if False:",
+        ("tests/test_p2p_service_env_lab.py::test_option_does_not_unset_when_the_collective_fails",),
+    ),
+    Mutation(
         "health-nccl-wrong-data",
         "an all-reduce that returns wrong data fails the health check, whatever transport NCCL took",
         "suites/health/test_health_nccl.py",

@@ -8,43 +8,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_gpuhost.errors import Unreachable
 from pytest_gpuhost.modules import nccl
 from pytest_gpuhost.modules.nccl_run import ARGS, TOOL, find_tool, run_both, side
+from pytest_gpuhost.modules.service_env import ServiceEnv
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
-from .state import P2PState
+from .service_env import ServiceEnvSteps
 
 __all__ = ["CollectiveSteps"]
 
 
-class CollectiveSteps(P2PState):
-    """Step 7: the NCCL collective proves P2P (or says why not)."""
-
-    def service_env_findings(self) -> list[str]:
-        """What the service's own ``Environment=`` sets that keeps NCCL off P2P (report only)."""
-        try:
-            r = self.svc_conn.run(["systemctl", "show", "-p", "Environment", self.service.unit], timeout=15)
-        except Unreachable:
-            return []
-        if r.rc != 0:
-            return []
-        return nccl.env_findings(nccl.parse_unit_environment(r.stdout))
-
-    def collective_note(self, findings: list[str]) -> str:
-        """The sentence for a service that turns P2P off itself."""
-        p2p_off = [f for f in findings if not f.startswith("NCCL_SHM_DISABLE")]
-        if not p2p_off:
-            return f"{self.service.unit} sets {'; '.join(findings)} in its Environment="
-        return (
-            f"the service disables P2P itself ({'; '.join(findings)} in the Environment= of "
-            f"{self.service.unit}); after the repair it would still use SHM"
-        )
+class CollectiveSteps(ServiceEnvSteps):
+    """Step 7: the NCCL collective proves P2P (or says why not); the service's own settings with it."""
 
     def step_p2p_collective(self) -> Step:
         """Step 7: all_reduce_perf on the in-scope GPUs completes in bound, via P2P, 0 wrong, faster than without P2P."""
+        proven: list[Check] = []  # the collective's own verdict, kept for the re-check after the drop-in
+
+        def judged(env: ServiceEnv | None, base: Check) -> Check:
+            note = self.env_note(env)
+            state = dict(base.state or {}) | {"service_env": self.env_state(env)}
+            summary = base.summary + (f"; {note}" if note else "")
+            names = self.wants_unset(env)
+            if names:
+                state["unset"] = names
+                return Check(False, summary, state)
+            return Check(base.ok, summary, state, skip=base.skip)
 
         def check() -> Check:
             assert self.plan is not None
@@ -53,45 +44,65 @@ class CollectiveSteps(P2PState):
                 return Check(
                     True, "fewer than two GPUs in scope", skip="fewer than two GPUs in scope: no collective"
                 )
-            findings = self.service_env_findings()
+            env = self.service_env_now()
             ev = evidence.current()
-            note = self.collective_note(findings) if findings else ""
+            note = self.env_note(env)
             if note:
                 ev.note(note)
             conn, looked = find_tool(self.measure_conns())
             if conn is None:
                 why = f"not checked: no NCCL tool (install nccl-tests: {TOOL} on PATH) on {' nor on '.join(looked)}"
-                return Check(True, why, {"looked": looked, "service_env": findings}, skip=why)
-            first, control = run_both(conn, gpus, self.opts.nccl_timeout)
-            for arm in (first, control):
-                ev.state(arm.name, side(arm), target=conn.name)
-            v = nccl.verdict(first, control)
-            state: dict[str, Any] = {
-                "arms": [first.to_dict(), control.to_dict()],
-                "margin": nccl.P2P_OVER_CONTROL,
-                "verdict": v.summary,
-                "service_env": findings,
-            }
-            summary = v.summary + (f"; {note}" if note else "")
-            return Check(v.ok, summary, state)
+                base = Check(True, why, {"looked": looked}, skip=why)
+            else:
+                first, control = run_both(conn, gpus, self.opts.nccl_timeout)
+                for arm in (first, control):
+                    ev.state(arm.name, side(arm), target=conn.name)
+                v = nccl.verdict(first, control)
+                state: dict[str, Any] = {
+                    "arms": [first.to_dict(), control.to_dict()],
+                    "margin": nccl.P2P_OVER_CONTROL,
+                    "verdict": v.summary,
+                }
+                base = Check(v.ok, v.summary, state)
+            proven[:] = [base]
+            return judged(env, base)
+
+        def verify() -> Check:
+            return judged(self.service_env_now(), proven[0]) if proven else check()
 
         def plan(before: Check) -> list[Action]:
             assert self.plan is not None
+            acts = []
             if self.check_only and self.plan.needs_repair:
-                return [
+                acts.append(
                     Action(
                         "run the collective again after steps 2-5 set the groups to identity",
                         f"{TOOL} {' '.join(ARGS)} -g {len(self.plan.gpus)} (with NCCL_P2P_DISABLE=0, then =1)",
                         self.conn.name,
                         False,
                     )
-                ]
-            return []
+                )
+            env = self.service_env_now() if (before.state or {}).get("unset") else None
+            if env is not None and env.names_to_unset():
+                acts += self.env_actions(env)
+            return acts
 
         def fix(actions: list[Action], before: Check) -> None:
-            raise ProcedureError(
-                "the NCCL collective does not prove P2P with every in-scope group in identity mode: "
-                + before.summary
-            )
+            base = proven[0] if proven else before
+            names = (before.state or {}).get("unset") or []
+            if not base.ok or base.skip:
+                left = (
+                    f"; {' '.join(names)} left set in {self.service.unit}: unset only once the collective proves P2P"
+                    if names
+                    else ""
+                )
+                raise ProcedureError(
+                    "the NCCL collective does not prove P2P with every in-scope group in identity mode: "
+                    + base.summary
+                    + left
+                )
+            env = self.service_env_now()
+            if env is not None and env.names_to_unset():
+                self.unset_env(env)
 
-        return self.step("p2p collective", check, plan, fix)
+        return self.step("p2p collective", check, plan, fix, verify)

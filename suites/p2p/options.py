@@ -47,7 +47,7 @@ def _service(raw: Any) -> str:
     return unit
 
 
-def _opt(name: str, flag: str, metavar: str, help: str, **kw: Any) -> Option:
+def _opt(name: str, flag: str, metavar: str | None, help: str, **kw: Any) -> Option:
     return Option(f"p2p_{name}", flag, "suites/p2p: " + help, metavar=metavar, **kw)
 
 
@@ -138,6 +138,16 @@ NCCL_TIMEOUT = _opt(
     parse=number(5, 3600),
     default=_D.nccl_timeout,
 )
+UNSET_SERVICE_ENV = _opt(
+    "unset_service_env",
+    "--p2p-unset-service-env",
+    None,
+    "when the collective proves P2P, unset the service's own NCCL_P2P_DISABLE / NCCL_P2P_LEVEL "
+    "(a drop-in with UnsetEnvironment=, journaled and undone by a failed run) and restart it; "
+    "without it they are reported only",
+    kind="flag",
+    default=_D.unset_service_env,
+)
 
 OPTIONS: tuple[Option, ...] = (
     GPUS,
@@ -151,6 +161,7 @@ OPTIONS: tuple[Option, ...] = (
     UNBIND_TIMEOUT,
     LOCK_WAIT,
     NCCL_TIMEOUT,
+    UNSET_SERVICE_ENV,
 )
 
 
@@ -177,6 +188,7 @@ def validate(config: pytest.Config) -> None:
         lock_wait=value(LOCK_WAIT),
         unbind_timeout=value(UNBIND_TIMEOUT),
         nccl_timeout=value(NCCL_TIMEOUT),
+        unset_service_env=bool(value(UNSET_SERVICE_ENV)),
     )
 
 

@@ -17,12 +17,12 @@ from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
-from .state import P2PState
+from .service_env import ServiceEnvSteps
 
 __all__ = ["PrepareSteps"]
 
 
-class PrepareSteps(P2PState):
+class PrepareSteps(ServiceEnvSteps):
     """The steps that take the host apart: up to the groups in identity with their functions unbound."""
 
     # ------------------------------------------------------------------ step 1: plan
@@ -94,6 +94,7 @@ class PrepareSteps(P2PState):
             # what an interrupted run left (or a function with no driver now) is put back at the end
             if self.stopped_service:
                 self.push_service_undo()
+            self.adopt_env_journal()
             if self.stopped_persistenced:
                 self.push_persistenced_undo()
             if any(f.current != f.driver for g in plan.groups for f in g.functions):

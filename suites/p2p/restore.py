@@ -14,12 +14,12 @@ from pytest_gpuhost.run.remediation import Action, Check
 
 from . import persist
 from .plan import redirect_advice
-from .state import P2PState
+from .service_env import ServiceEnvSteps
 
 __all__ = ["RestoreSteps"]
 
 
-class RestoreSteps(P2PState):
+class RestoreSteps(ServiceEnvSteps):
     """The steps that put the host back together, repaired, and prove it."""
 
     # ------------------------------------------------------------------ step 5: drivers bound
@@ -301,7 +301,8 @@ class RestoreSteps(P2PState):
             if not healthy:
                 problems.append(f"{self.health_url()} answered {answer}")
             if channels and channels[-1].kind != "P2P":
-                problems.append(f"NCCL transport is {last}, not P2P")
+                problems.append(f"NCCL transport is {last}, not P2P" + self.env_hint())
+            problems += self.env_left_after_start()
             summary = f"{state.summary()}; /health {answer} after {waited:g} s" + (
                 f"; NCCL via {last}" if last else ""
             )
@@ -309,6 +310,8 @@ class RestoreSteps(P2PState):
 
         def fix(actions: list[Action], before: Check) -> None:
             if not self.stopped_service:
+                if (before.state or {}).get("active_state") in ("active", "activating", "reloading"):
+                    raise ProcedureError(f"{self.service.unit} runs, but: {before.summary}")
                 raise ProcedureError(
                     f"{self.service.unit} is not running and this run did not stop it: not starting it"
                 )
@@ -323,6 +326,7 @@ class RestoreSteps(P2PState):
             self.stopped_service = False
             self.journal.write(service_stopped=False, phase="service-started")
             self.resolve("start-service")
+            self.env_started()
 
         return self.step(
             "service restored", check, lambda before: [self.start_action(False)], fix, on=self.svc_conn

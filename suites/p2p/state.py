@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_gpuhost.modules import acs, gpu, iommu, p2p, pci
+from pytest_gpuhost.errors import Unreachable
+from pytest_gpuhost.modules import acs, gpu, iommu, p2p, pci, service_env
 from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
@@ -50,6 +51,8 @@ class P2POptions:
     # each arm of the NCCL collective check, enforced on the target (timeout -k 5): a healthy
     # 8-128 MiB all_reduce on a few GPUs takes seconds; NCCL's init alone can take tens
     nccl_timeout: float = 120.0
+    # the service's own NCCL_P2P_DISABLE / NCCL_P2P_LEVEL: reported; unset only when asked
+    unset_service_env: bool = False
 
 
 def _texts(reply: Any) -> dict[str, str | None]:
@@ -88,6 +91,8 @@ class P2PState(Procedure):
         self.boot_record: dict[str, dict[str, Any]] = {}  # functions listed by the installed boot script
         self.snp: iommu.SnpFacts | None = None  # SEV-SNP on the IOMMU, from step 1
         self.module_files: dict[str, str | None] = {}  # nvidia_drm/nvidia_uvm files (kernel-side holders)
+        self.service_env: service_env.ServiceEnv | None = None  # what the service set, read in step 1
+        self.unset_names: list[str] = []  # what this run's drop-in unsets (suites/p2p/service_env.py)
 
     # ------------------------------------------------------------------ facts and plan
 
@@ -234,6 +239,7 @@ class P2PState(Procedure):
         except (ServiceError, ProcedureError) as exc:
             self.service_state = None
             ev.note(f"service {self.service.unit}: {exc}")
+        self.service_env = self.read_service_env()  # before any stop: the processes' environment
         if self.old_journal and plan.resumed_from:
             ev.note(
                 f"journal of interrupted run {plan.resumed_from} found at phase {self.old_journal.get('phase')}"
@@ -246,6 +252,13 @@ class P2PState(Procedure):
             self.before_ok = all(v.ok for v in self.judge(self.before))
             self.record_matrix("P2P bandwidth before", self.before)
         return plan
+
+    def read_service_env(self) -> service_env.ServiceEnv | None:
+        """What the service and its processes set that keeps NCCL off P2P (None: its side did not answer)."""
+        try:
+            return service_env.read(self.svc_conn, self.service.unit)
+        except Unreachable:
+            return None
 
     def measure_conns(self) -> list[Any]:
         """Where P2P can be measured: the host, then the service's container (its CUDA stack)."""

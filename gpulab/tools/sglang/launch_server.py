@@ -11,7 +11,8 @@ renamed with setproctitle and holding their GPUs, some surviving the server (``s
 It opens ``/dev/nvidiactl``, ``/dev/nvidia-uvm`` and ``/dev/nvidiaN`` of each GPU and keeps them
 open; exits 1 with CUDA's error when a GPU is missing. It writes a log (``--log-file`` or
 ``/var/log/sglang/<service>.log``) with NCCL's transport line (``via P2P/CUMEM`` when every GPU's
-IOMMU group is identity or they are NVLink-connected, else ``via SHM/direct/direct``), answers
+IOMMU group is identity or they are NVLink-connected, else ``via SHM/direct/direct``; SHM too when
+``NCCL_P2P_DISABLE`` reads as 1 in its environment, as NCCL reads it), answers
 ``GET /health`` 503 while "loading" (``--gpulab-load-seconds``, default 1.0) and 200 after, and
 records every signal it receives in ``/var/lib/gpulab/record.jsonl``.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -92,7 +94,23 @@ def cuda_fail() -> NoReturn:
     raise SystemExit(1)
 
 
+def p2p_disabled() -> bool:
+    """``NCCL_P2P_DISABLE`` in this process's environment reads as 1, as NCCL's ncclGetLevel reads it.
+
+    src/graph/paths.cc (https://github.com/NVIDIA/nccl/blob/5067397c2676d5aed50042fc39e5c8ee96eb0027/src/graph/paths.cc):
+    ``strtol(disableEnv, NULL, 0) == 1`` turns P2P off whatever the topology: the ranks go via SHM.
+    """
+    m = re.match(r"\s*([+-]?)(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)", os.environ.get("NCCL_P2P_DISABLE", ""))
+    if not m:
+        return False
+    digits = m[2]
+    base = 16 if digits[:2].lower() == "0x" else 8 if digits.startswith("0") else 10
+    return int(m[1] + (digits[2:] if base == 16 else digits), base) == 1
+
+
 def transport(gpus: list[tuple[str, int]]) -> str:
+    if p2p_disabled():
+        return "SHM/direct/direct"
     host = Host()
     by_bdf = {g.bdf: g for g in host.gpus}
     views = [by_bdf[b] for b, _ in gpus if b in by_bdf]
