@@ -129,13 +129,15 @@ def reset_note(hh: Any) -> str:
     return f"node not drained by gpuhost ({node.describe()})"
 
 
-def return_node(hh: Any) -> tuple[bool, str]:
+def return_node(hh: Any, fresh: bool = False) -> tuple[bool, str]:
     """After a confirmed recovery: resume the Slurm node if this run drained it and it is healthy.
 
     Return (ok, a line for the verdict). Only a drain this run made is lifted (`drained_here`,
     set by the drain step), and only when every health check passes on the facts read after the
     recovery; a person's drain, or an earlier run's, is left (the drain step of the next run
     resumes gpuhost's own once healthy). ok is False only when the resume itself failed.
+    `fresh`: the caller read every fact after the recovery (a reboot's re-check), so the first
+    judgement uses them rather than reading them all again.
     """
     if "drain" not in hh.fixes:
         return True, ""
@@ -159,9 +161,11 @@ def return_node(hh: Any) -> tuple[bool, str]:
         evidence.current().note(line)
     deadline = time.monotonic() + SERVICE_UP_TIMEOUT
     while True:
-        hh.facts = None  # every fact again, after the recovery: the resume is judged on all of them
+        if not fresh:
+            hh.facts = None  # every fact again, after the recovery: the resume is judged on all of them
+            hh.samples.clear()
+        fresh = False
         hh.verdicts.clear()
-        hh.samples.clear()
         still = failures(hh)
         # a service the recovery started again may still be loading: its /health is waited for
         if (

@@ -181,14 +181,7 @@ def reboot_owed(
     conn = hh.target.conn
     ev = evidence.current()
     node = plan_node(conn, units(hh.thresholds))
-    if node.refused:
-        raise ProcedureError("no reboot: " + "; ".join(node.refused) + " (the reboot would kill it)")
-    old = boot_id(conn)
-    if old is None:
-        raise ProcedureError(f"no reboot: {BOOT_ID} is unreadable, so its return could not be told")
-    line = hh.wait_commit()  # the cursor (and the Xids owed under this boot id) on disk first
-    if line:
-        ev.note(line)
+    old = _may_reboot(hh, node.refused)
     persistent = _persistent(hh.facts or {})
     ev.note(
         "reboot: "
@@ -225,14 +218,7 @@ def reboot_node(
         g = rows.get(p.bus)
         if g is not None:
             foreign += plan_gpu(conn, p.bus, p.why, g, allowed).refused
-    if foreign:
-        raise ProcedureError("no reboot: " + "; ".join(foreign) + " (the reboot would kill it)")
-    old = boot_id(conn)
-    if old is None:
-        raise ProcedureError(f"no reboot: {BOOT_ID} is unreadable, so its return could not be told")
-    line = hh.wait_commit()  # the cursor (and the Xids owed under this boot id) on disk first
-    if line:
-        ev.note(line)
+    old = _may_reboot(hh, foreign)
     shown = {p.bus: p.smi_id for p in plans}
     ev.note(
         "reboot: "
@@ -250,6 +236,23 @@ def reboot_node(
                 journal.step("persistence_off", gpu=p.smi_id)
     persistent = [p.smi_id for p in plans if p.persistence]
     return _reboot(hh, old, stopped, persistent, timeout, journal, [p.smi_id for p in plans])
+
+
+def _may_reboot(hh: Any, refused: Sequence[str]) -> str:
+    """Refuse the reboot for a holder we may not end, or an unreadable boot id; return the boot id.
+
+    Then wait for this run's kernel-log cursor: the Xids owed under the old boot id must be on
+    disk before the boot that settles them.
+    """
+    if refused:
+        raise ProcedureError("no reboot: " + "; ".join(refused) + " (the reboot would kill it)")
+    old = boot_id(hh.target.conn)
+    if old is None:
+        raise ProcedureError(f"no reboot: {BOOT_ID} is unreadable, so its return could not be told")
+    line = hh.wait_commit()
+    if line:
+        evidence.current().note(line)
+    return old
 
 
 def _persistent(facts: Mapping[str, Any]) -> list[str]:

@@ -308,7 +308,7 @@ def remediation(
                     summary=f"still owed after the reset and a reboot (boot id {done.new}): "
                     + "; ".join(f"{b}: {', '.join(w)}" for b, w in left.items()),
                 )
-            fine, line = recovered([p.smi_id for p in box["plans"]])
+            fine, line = recovered([p.smi_id for p in box["plans"]], fresh=True)
             return Check(
                 ok=fine,
                 summary=f"{len(want)} GPU(s) reset, then the node rebooted ({done.seconds:.0f} s to "
@@ -338,12 +338,15 @@ def remediation(
             ok=fine, summary=f"{len(want)} GPU(s) reset; their signals no longer ask for one; {line}"
         )
 
-    def recovered(gpus: list[str]) -> tuple[bool, str]:
-        """The compute check on the recovered GPUs, then the node returned (drain.return_node)."""
+    def recovered(gpus: list[str], fresh: bool = False) -> tuple[bool, str]:
+        """The compute check on the recovered GPUs, then the node returned (drain.return_node).
+
+        `fresh`: every fact was read after a reboot; the return judges the node on them.
+        """
         fine, line = compute.compute_check(conn, gpus)
         if not fine:
             return False, f"{line}; {drain.reset_note(hh)}"
-        back_ok, back = drain.return_node(hh)
+        back_ok, back = drain.return_node(hh, fresh=fresh)
         return back_ok, f"{line}; {back}" if back else line
 
     def verify_reboot() -> Check:
@@ -372,7 +375,7 @@ def remediation(
                 ),
             )
         paid = ", ".join(sorted(box["reboots"]))
-        fine, line = recovered(sorted(box["reboots"]))
+        fine, line = recovered(sorted(box["reboots"]), fresh=True)
         return Check(
             ok=fine,
             summary=f"the node rebooted ({done.seconds:.0f} s to a new boot id) for {paid}; no GPU "
