@@ -4,7 +4,9 @@
 Every check that protects a host, a backup or a secret is listed below with the tests that guard
 it. For each, the checkout is copied to a temporary directory, the one line is changed there (the
 checkout itself is never touched), and the guarding tests run against the copy; a mutation that
-leaves them green "survived", and the script exits 1. `--list` prints the mutations; names given
+leaves them green "survived", and the script exits 1. A kill proves something only when the same
+tests pass unmutated: every guarding test also runs once, in one session of an unmutated copy (the
+control), and the script exits 1 when it fails. `--list` prints the mutations; names given
 on the command line run only those.
 """
 
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -357,32 +360,77 @@ MUTATIONS = (
 )
 
 
-def run_one(m: Mutation, python: str, *, control: bool = False) -> tuple[str, float]:
-    """Return ("killed"|"survived"|"error: ...", seconds); control: leave the line as it is."""
+def _copy(work: Path) -> None:
+    for name in COPY:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, work / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(src, work / name)
+
+
+def _pytest(
+    work: Path, python: str, tests: Sequence[str], *, stop_first: bool
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(work), "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run(
+        [
+            python,
+            "-m",
+            "pytest",
+            *(["-x"] if stop_first else []),
+            "-q",
+            "-rf",
+            "-p",
+            "no:cacheprovider",
+            *tests,
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def guarding_tests(chosen: Sequence[Mutation]) -> list[str]:
+    """Every guarding test of ``chosen`` once; a node id inside a whole file that is listed is dropped."""
+    ids = sorted({t for m in chosen for t in m.tests})
+    files = {t for t in ids if "::" not in t}
+    return [t for t in ids if t in files or t.split("::", 1)[0] not in files]
+
+
+def run_control(chosen: Sequence[Mutation], python: str) -> tuple[str, float]:
+    """Run every guarding test once, in one session of an unmutated copy: ("passed"|"failed: ...", seconds).
+
+    A kill proves something only if the same tests pass without the mutation. One session for all
+    of them boots each lab host once, where a control per mutation booted it once per mutation.
+    """
+    with tempfile.TemporaryDirectory(prefix="gpuhost-control-") as tmp:
+        work = Path(tmp)
+        _copy(work)
+        t0 = time.monotonic()
+        r = _pytest(work, python, guarding_tests(chosen), stop_first=False)
+        took = time.monotonic() - t0
+    if r.returncode == 0:
+        return "passed", took
+    failed = [line for line in r.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    tail = failed or (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
+    return f"failed: pytest exit {r.returncode}: " + "; ".join(x[:200] for x in tail), took
+
+
+def run_one(m: Mutation, python: str) -> tuple[str, float]:
+    """Return ("killed"|"survived"|"error: ...", seconds) for the guarding tests of the mutated copy."""
     with tempfile.TemporaryDirectory(prefix="gpuhost-mutant-") as tmp:
         work = Path(tmp)
-        for name in COPY:
-            src = ROOT / name
-            if src.is_dir():
-                shutil.copytree(src, work / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-            else:
-                shutil.copy2(src, work / name)
+        _copy(work)
         target = work / m.path
         text = target.read_text()
         if text.count(m.old) != 1:
             return f"error: {m.path} holds {text.count(m.old)} copies of the line to change", 0.0
-        if not control:
-            target.write_text(text.replace(m.old, m.new))
-        env = {**os.environ, "PYTHONPATH": str(work), "PYTHONDONTWRITEBYTECODE": "1"}
+        target.write_text(text.replace(m.old, m.new))
         t0 = time.monotonic()
-        r = subprocess.run(
-            [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        r = _pytest(work, python, m.tests, stop_first=True)
         took = time.monotonic() - t0
         if r.returncode == 1:
             return "killed", took
@@ -409,22 +457,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     def one(m: Mutation) -> tuple[bool, str]:
-        control, _ = run_one(m, sys.executable, control=True)
-        if control != "survived":  # unmutated, the guarding tests must pass, or a kill proves nothing
-            return (
-                False,
-                f"{m.name:24} {'error':10}         the guarding tests fail without the mutation ({control})",
-            )
         verdict, took = run_one(m, sys.executable)
         return verdict == "killed", f"{m.name:24} {verdict:10} {took:5.1f} s  {m.why}"
 
-    # each mutation runs in a copy of its own, so they can run side by side (one per core)
+    # each mutation runs in a copy of its own, so they can run side by side (one per core); the
+    # control (the guarding tests, unmutated, in one session) runs beside them and is judged at the end
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        control_job = pool.submit(run_control, chosen, sys.executable)
         results = list(pool.map(one, chosen))
+        control, took = control_job.result()
+    print(f"{'control':24} {control.split(':')[0]:10} {took:5.1f} s  the guarding tests pass unmutated")
     bad = 0
     for ok, line in results:
         bad += not ok
         print(line)
+    if control != "passed":
+        print(f"mutate: the guarding tests fail without any mutation ({control}), so no kill proves anything")
+        return 1
     print(f"mutate: {len(chosen) - bad} of {len(chosen)} mutations killed")
     return 1 if bad else 0
 
