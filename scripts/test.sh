@@ -14,4 +14,6 @@ was=$(cat "$limit" 2>/dev/null || echo "")
 if [[ -n "$was" ]] && ((was < 1024)); then
   echo 1024 >"$limit" && trap 'echo "$was" >"$limit"' EXIT
 fi
-.venv/bin/python -m pytest tests -q -ra --durations=20 -p no:cacheprovider "$@"
+# Two workers, one test file each at a time (--dist loadfile): a file's lab hosts are booted by one
+# worker, once. Arguments after the script's name go to pytest and win (-n 0 runs serially).
+.venv/bin/python -m pytest tests -q -ra --durations=20 -p no:cacheprovider -n 2 --dist loadfile "$@"

@@ -314,8 +314,10 @@ def test_as_prolog_a_failed_node_runs_no_job_and_only_gpuhost_s_drain_is_resumed
     c = slurm.cluster(["health-ok", "health-ok"], tag="npl", extra_conf=[f"Prolog={PROLOG}"])
     link_conf(c)
     n1, n2 = "gpu-node-01", "gpu-node-02"
+    # the budget bounds a hang, which this test has none of: 20 s keeps the lab's nvidia-smi reads
+    # inside it on a machine loaded by another test worker (5 s did not, under -n 2)
     for name, extra in ((n1, ""), (n2, " --slurm-drain")):
-        body = f"#!/bin/sh\\nexec {PY} -m pytest_gpuhost.nodecheck --budget=5{extra}\\n"
+        body = f"#!/bin/sh\\nexec {PY} -m pytest_gpuhost.nodecheck --budget=20{extra}\\n"
         r = c.nodes[name].exec(
             ["sh", "-c", f"mkdir -p /usr/local/sbin && printf '{body}' > {PROLOG} && chmod 755 {PROLOG}"]
         )
