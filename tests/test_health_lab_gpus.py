@@ -14,6 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from pytest_gpuhost.modules.health.facts import SOURCE_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -376,8 +380,15 @@ def test_row_remap_pending_fails_the_gpu(lab: Any, tmp_path: Path) -> None:
     assert c["reasons"] == ["GPU 1 (0000:14:00.0): row remap pending (a GPU reset applies it)"]
 
 
-def test_b200_gpu_with_all_nvlinks_down_fails(lab: Any, tmp_path: Path) -> None:
-    """B200 (18 NVLinks per GPU): GPU 3 prints no link lines, GPU 5 has two links <inactive>."""
+@pytest.mark.parametrize(("source", "seen"), [("nvidia-smi", "no link lines"), ("auto", "18 link lines")])
+def test_b200_gpu_with_all_nvlinks_down_fails(
+    lab: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, seen: str
+) -> None:
+    """B200 (18 NVLinks per GPU): GPU 3's links all down, GPU 5 has two links <inactive>.
+
+    nvidia-smi prints no link lines for GPU 3; NVML (auto) still counts its 18 links, each
+    inactive: the same verdict either way, from the model's link count."""
+    monkeypatch.setenv(SOURCE_ENV, source)
     h = boot(lab, "b200-nvl8")
     inject(h, {"gpus": {"0000:61:00.0": {"nvlinks_down": "all"}, "0000:c3:00.0": {"nvlinks_down": [4, 9]}}})
     try:
@@ -386,7 +397,7 @@ def test_b200_gpu_with_all_nvlinks_down_fails(lab: Any, tmp_path: Path) -> None:
         inject(h, {})
     assert c["outcome"] == "failed", c
     assert c["reasons"] == [
-        "GPU 3 (0000:61:00.0): 0 of 18 NVLinks active (no link lines)",
+        f"GPU 3 (0000:61:00.0): 0 of 18 NVLinks active ({seen})",
         "GPU 5 (0000:c3:00.0): 16 of 18 NVLinks active (18 link lines)",
     ]
 

@@ -159,3 +159,94 @@ def test_a_bad_source_in_the_environment_is_a_one_line_usage_error(tmp_path) -> 
     assert [ln for ln in r.stderr.splitlines() if ln.strip()] == [
         "ERROR: gpuhost: GPUHOST_HEALTH_SOURCE='nvml' (from the environment): use one of auto, nvidia-smi"
     ], r.stderr
+
+
+# NVLink and fabric: an H100 (NVLink 4's data-link counters, link 1 down), a B200 (NVLink 5's
+# counters as field values, its fabric still training) and an H100 in MIG mode.
+LINKS = """driver 580.95.05
+gpu 0
+name NVIDIA H100 80GB HBM3
+busid 00000000:17:00.0
+fi_91 2
+nvl_state.0 1
+fi_164.0 26562
+nvl_err_0.0 5
+nvl_err_1.0 0
+nvl_err_2.0 0
+nvl_state.1 0
+fi_164.1 0
+nvl_err_0.1 0
+nvl_err_1.1 0
+nvl_err_2.1 !15
+fabric_state 3
+fabric_status 0
+temp_mem_max 95
+gpu 1
+name NVIDIA B200
+busid 00000000:43:00.0
+fi_91 1
+nvl_state.0 1
+fi_164.0 50000
+fi_221.0 2
+fi_208.0 0
+fabric_state 2
+fabric_status 999
+gpu 2
+name NVIDIA H100 80GB HBM3
+busid 00000000:52:00.0
+mig 1
+"""
+
+
+def test_nvlink_and_fabric_come_through_nvml_in_nvidia_smis_shape(
+    lib: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    params = read(lib, tmp_path, monkeypatch, LINKS)
+    nv = probe_health.part_nvlink(params, [])
+    assert nv["source"] == "nvml" and nv["gpus"]["0"]["links"] == {
+        "0": {"up": True, "gbps": 26.562, "text": "26.562 GB/s"},
+        "1": {"up": False, "gbps": None, "text": "<inactive>"},
+    }
+    assert nv["gpus"]["1"]["links"]["0"]["text"] == "50 GB/s"
+    assert nv["gpus"]["2"]["links"] == {} and "MIG mode" in nv["gpus"]["2"]["mig"]
+    errors = nv["errors"]["gpus"]
+    # a counter that could not be read is not counted as read (the GPU lost on link 1's CRC)
+    assert (errors["0"]["read"], errors["0"]["links"]) == (5, {"0": {"Replay Errors": 5}})
+    assert (errors["1"]["read"], errors["1"]["links"]) == (2, {"0": {"Symbol Errors": 2}})
+    assert "2" not in errors
+    fab = probe_health.part_fabric(params, [])
+    assert fab["source"] == "nvml" and fab["gpus"] == {
+        "0000:17:00.0": {"state": "Completed", "status": "Success"},
+        "0000:43:00.0": {"state": "In Progress", "status": "N/A"},  # status read only once completed
+        "0000:52:00.0": {"state": "N/A", "status": "N/A"},
+    }
+    assert fab["memory_temp_max"] == {"0000:17:00.0": 95.0}
+
+
+def test_a_fabric_structure_is_laid_out_as_nvml_h(tmp_path: Path) -> None:
+    prog = tmp_path / "fabric.c"
+    prog.write_text(
+        f'#include "{nvml.SOURCE}"\n#include <stddef.h>\n'
+        'int main(void) { printf("%zu %zu %zu %zu %u\\n", sizeof(nvmlGpuFabricInfo_t),'
+        " offsetof(nvmlGpuFabricInfo_t, state), sizeof(nvmlGpuFabricInfo_v2_t),"
+        " offsetof(nvmlGpuFabricInfo_v2_t, healthMask), nvmlGpuFabricInfo_v2); return 0; }\n"
+    )
+    subprocess.run(["cc", "-o", str(tmp_path / "fabric"), str(prog)], check=True, timeout=60)
+    got = subprocess.run(
+        [str(tmp_path / "fabric")], capture_output=True, text=True, check=True
+    ).stdout.split()
+    v1, v2 = probe_health_nvml.FabricInfo, probe_health_nvml.FabricInfoV2
+    want = [
+        ctypes.sizeof(v1),
+        v1.state.offset,
+        ctypes.sizeof(v2),
+        v2.healthMask.offset,
+        probe_health_nvml.FABRIC_V2,
+    ]
+    assert [int(x) for x in got] == want == [28, 24, 36, 32, 36 | 2 << 24]
+
+
+def test_a_hung_nvlink_call_is_named(lib: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = read(lib, tmp_path, monkeypatch, LINKS + "hang nvmlDeviceGetNvLinkErrorCounter\n", timeout=1)
+    part = probe_health.part_nvlink(params, [])
+    assert not part["ok"] and part["error"] == "NVML call nvmlDeviceGetNvLinkErrorCounter hung after 1 s"

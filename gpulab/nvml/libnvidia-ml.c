@@ -61,10 +61,32 @@ typedef struct nvmlFieldValue_st { /* nvml.h:3010-3019 */
 
 #define NVML_VALUE_TYPE_UNSIGNED_LONG_LONG 3 /* nvml.h:653 */
 
+#define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25 /* nvml.h:1323 */
+#define NVML_NVLINK_MAX_LINKS 36                 /* nvml.h:455 */
+
+typedef struct { /* nvmlGpuFabricInfo_t, nvml.h:3813-3819 */
+    unsigned char clusterUuid[16]; /* NVML_GPU_FABRIC_UUID_LEN */
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    unsigned char state; /* nvmlGpuFabricState_t */
+} nvmlGpuFabricInfo_t;
+
+typedef struct { /* nvmlGpuFabricInfo_v2_t, nvml.h:3924-3932 */
+    unsigned int version;
+    unsigned char clusterUuid[16];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    unsigned char state;
+    unsigned int healthMask;
+} nvmlGpuFabricInfo_v2_t;
+
+/* NVML_STRUCT_VERSION(GpuFabricInfo, 2), nvml.h:141 and 3937 */
+#define nvmlGpuFabricInfo_v2 ((unsigned int)(sizeof(nvmlGpuFabricInfo_v2_t) | (2 << 24U)))
+
 #define MAX_GPUS 64
-#define MAX_KEYS 48
-#define KEY_LEN 48
-#define VAL_LEN 128
+#define MAX_KEYS 384 /* a B200's 18 links answer 14 keys each */
+#define KEY_LEN 24
+#define VAL_LEN 96
 
 struct gpu {
     int n;
@@ -77,7 +99,7 @@ typedef struct gpu *nvmlDevice_t; /* nvml.h: typedef struct nvmlDevice_st* nvmlD
 static struct gpu gpus[MAX_GPUS];
 static int gpu_count = -1; /* -1: not initialised */
 static char driver[VAL_LEN];
-static char hang[KEY_LEN];
+static char hang[64]; /* an NVML function name */
 
 static void maybe_hang(const char *call)
 {
@@ -345,7 +367,7 @@ nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensorType, unsig
 }
 
 /* nvml.h:6044 nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t device, nvmlTemperatureThresholds_t thresholdType, unsigned int *temp);
- * NVML_TEMPERATURE_THRESHOLD_SHUTDOWN = 0, _SLOWDOWN = 1 (nvml.h:939-941). */
+ * NVML_TEMPERATURE_THRESHOLD_SHUTDOWN = 0, _SLOWDOWN = 1, _MEM_MAX = 2 (nvml.h:939-943). */
 nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t device, int thresholdType, unsigned int *temp)
 {
     maybe_hang("nvmlDeviceGetTemperatureThreshold");
@@ -353,6 +375,8 @@ nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t device, int threshol
         return get_uint(device, "temp_shutdown", temp);
     if (thresholdType == 1)
         return get_uint(device, "temp_slowdown", temp);
+    if (thresholdType == 2)
+        return get_uint(device, "temp_mem_max", temp);
     return NVML_ERROR_NOT_SUPPORTED;
 }
 
@@ -420,10 +444,92 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
         return NVML_ERROR_INVALID_ARGUMENT;
     for (int i = 0; i < valuesCount; i++) {
         char key[KEY_LEN];
-        snprintf(key, sizeof key, "fi_%u", values[i].fieldId);
+        /* a per-link field (the link in scopeId) is "fi_N.LINK"; any other field "fi_N" */
+        snprintf(key, sizeof key, "fi_%u.%u", values[i].fieldId, values[i].scopeId);
+        if (lookup(device, key) == NULL)
+            snprintf(key, sizeof key, "fi_%u", values[i].fieldId);
         values[i].valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
         values[i].value.ullVal = 0;
         values[i].nvmlReturn = get_ull(device, key, &values[i].value.ullVal);
     }
     return NVML_SUCCESS;
+}
+
+/* nvml.h:12803 nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode);
+ * NOT_SUPPORTED on a GPU without MIG: the lab's GPUs answer it only where the state says "mig". */
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode)
+{
+    maybe_hang("nvmlDeviceGetMigMode");
+    if (pendingMode == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t r = get_uint(device, "mig", currentMode);
+    if (r == NVML_SUCCESS)
+        *pendingMode = *currentMode;
+    return r;
+}
+
+/* nvml.h:9506 nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, nvmlEnableState_t *isActive);
+ * INVALID_ARGUMENT for a link past NVML_NVLINK_MAX_LINKS; NOT_SUPPORTED for a link the GPU lacks. */
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, unsigned int *isActive)
+{
+    char key[KEY_LEN];
+    maybe_hang("nvmlDeviceGetNvLinkState");
+    if (link >= NVML_NVLINK_MAX_LINKS)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    snprintf(key, sizeof key, "nvl_state.%u", link);
+    return get_uint(device, key, isActive);
+}
+
+/* nvml.h:9585 nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t device, unsigned int link,
+ *     nvmlNvLinkErrorCounter_t counter, unsigned long long *counterValue);
+ * counters NVML_NVLINK_ERROR_DL_REPLAY 0 .. _DL_ECC_DATA 4 (nvml.h:517-523); NOT_SUPPORTED on
+ * NVLink 5, whose counters are field values (nvml.h:2649-2668). */
+nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t device, unsigned int link, int counter,
+                                             unsigned long long *counterValue)
+{
+    char key[KEY_LEN];
+    maybe_hang("nvmlDeviceGetNvLinkErrorCounter");
+    if (link >= NVML_NVLINK_MAX_LINKS || counter < 0 || counter > 4)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    snprintf(key, sizeof key, "nvl_err_%d.%u", counter, link);
+    return get_ull(device, key, counterValue);
+}
+
+/* The fabric state (NVML_GPU_FABRIC_STATE_*, nvml.h:3800-3803) and its status: NOT_SUPPORTED on
+ * a GPU off NVSwitch (no "fabric_state" in the state). */
+static nvmlReturn_t fabric(nvmlDevice_t device, nvmlReturn_t *status, unsigned char *state)
+{
+    unsigned int st = 0, code = 0;
+    nvmlReturn_t r = get_uint(device, "fabric_state", &st);
+    if (r != NVML_SUCCESS)
+        return r;
+    get_uint(device, "fabric_status", &code);
+    *state = (unsigned char)st;
+    *status = (nvmlReturn_t)code;
+    return NVML_SUCCESS;
+}
+
+/* nvml.h:7852 nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabricInfoV_t *gpuFabricInfo);
+ * The caller sets `version`; this stand-in knows nvmlGpuFabricInfo_v2 (a real driver also v3). */
+nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabricInfo_v2_t *info)
+{
+    maybe_hang("nvmlDeviceGetGpuFabricInfoV");
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlGpuFabricInfo_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    memset(info->clusterUuid, 0, sizeof info->clusterUuid);
+    info->cliqueId = 0;
+    info->healthMask = 0;
+    return fabric(device, &info->status, &info->state);
+}
+
+/* nvml.h:7829 nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device, nvmlGpuFabricInfo_t *gpuFabricInfo); deprecated */
+nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device, nvmlGpuFabricInfo_t *info)
+{
+    maybe_hang("nvmlDeviceGetGpuFabricInfo");
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(info, 0, sizeof *info);
+    return fabric(device, &info->status, &info->state);
 }

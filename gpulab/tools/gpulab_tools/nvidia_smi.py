@@ -108,6 +108,25 @@ def _hbm(g: GpuView) -> bool:
     return any(k in g.name for k in ("B200", "H100", "H200"))
 
 
+def fabric(host: Host, g: GpuView) -> tuple[str, str]:
+    """A GPU's fabric State and Status as -q prints them; the lab's NVML answers the same."""
+    fault = (host.faults.get("gpus") or {}).get(g.bdf, {})
+    on_fabric = bool(g.health.get("nvlinks"))
+    return (
+        str(fault.get("fabric_state", "Completed" if on_fabric else "N/A")),
+        str(fault.get("fabric_status", "Success" if on_fabric else "N/A")),
+    )
+
+
+def nvlinks(host: Host, g: GpuView) -> list[float | None]:
+    """A GPU's links' speeds in GB/s, None for a link down (fault ``nvlinks_down``, a list or "all")."""
+    down = (host.faults.get("gpus") or {}).get(g.bdf, {}).get("nvlinks_down") or []
+    return [
+        None if down == "all" or i in down else float(bw)
+        for i, bw in enumerate(g.health.get("nvlinks") or [])
+    ]
+
+
 def _memory_temp(g: GpuView, host: Host) -> object:
     """Fault temperature_memory, else the profile's health.temperature_memory, else GPU + 5 C on HBM."""
     v = _fault(host, g, "temperature_memory") or g.health.get("temperature_memory")
@@ -473,11 +492,10 @@ def query_all(host: Host, ids: str | None) -> None:
         # Fabric, as nvidia-smi -q prints it (R535+): State Not Started / In Progress / Completed
         # and Status Success or the error, N/A for both on a GPU without NVSwitches (NVIDIA's
         # nvidia-smi documentation, "Fabric"; HGX driver output). Faults fabric_state/fabric_status.
-        fault = (host.faults.get("gpus") or {}).get(g.bdf, {})
-        on_fabric = bool(h.get("nvlinks"))
+        state, status = fabric(host, g)
         o.append("    Fabric")
-        kv("State", fault.get("fabric_state", "Completed" if on_fabric else "N/A"), 8)
-        kv("Status", fault.get("fabric_status", "Success" if on_fabric else "N/A"), 8)
+        kv("State", state, 8)
+        kv("Status", status, 8)
         o.append("    Temperature")
         kv("GPU Current Temp", f"{h.get('temperature', 35)} C", 8)
         mem = _memory_temp(g, host)
@@ -601,13 +619,10 @@ def nvlink_status(host: Host, ids: str | None) -> None:
     """
     for g in select(host, ids):
         sys.stdout.write(f"GPU {g.index}: {g.name} (UUID: {g.spec['uuid']})\n")
-        down = (host.faults.get("gpus") or {}).get(g.bdf, {}).get("nvlinks_down") or []
-        if down == "all":
+        if (host.faults.get("gpus") or {}).get(g.bdf, {}).get("nvlinks_down") == "all":
             continue
-        for i, bw in enumerate(g.health.get("nvlinks") or []):
-            sys.stdout.write(
-                f"\t Link {i}: <inactive>\n" if i in down else f"\t Link {i}: {float(bw):g} GB/s\n"
-            )
+        for i, bw in enumerate(nvlinks(host, g)):
+            sys.stdout.write(f"\t Link {i}: <inactive>\n" if bw is None else f"\t Link {i}: {bw:g} GB/s\n")
 
 
 # ------------------------------------------------------------------ main

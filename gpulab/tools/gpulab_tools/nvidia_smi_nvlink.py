@@ -47,7 +47,17 @@ NVLINK5 = (
 BLACKWELL = ("B200", "B300", "GB200", "GB300")
 
 
-def _value(faults: dict[str, object], link: int, name: str) -> str:
+def counter_names(g: GpuView) -> tuple[str, ...]:
+    """The counters `nvlink -e` prints for each of the GPU's links: NVLink 5's on Blackwell."""
+    return NVLINK5 if any(m in g.name for m in BLACKWELL) else NVLINK4
+
+
+def counter_faults(host: Host, g: GpuView) -> dict[str, object]:
+    got = ((host.faults.get("gpus") or {}).get(g.bdf) or {}).get("nvlink_errors")
+    return got if isinstance(got, dict) else {}
+
+
+def value(faults: dict[str, object], link: int, name: str) -> str:
     got = faults.get(str(link))
     vals = got if isinstance(got, dict) else {}
     if name.endswith("BER"):
@@ -64,11 +74,9 @@ def nvlink_errors(host: Host, gpus: list[GpuView], argv: list[str]) -> None:
     out = []
     for g in gpus:
         out.append(f"GPU {g.index}: {g.name} (UUID: {g.spec['uuid']})")
-        got = ((host.faults.get("gpus") or {}).get(g.bdf) or {}).get("nvlink_errors")
-        faults = got if isinstance(got, dict) else {}
-        nv5 = any(m in g.name for m in BLACKWELL)
+        faults, names = counter_faults(host, g), counter_names(g)
         for i, _ in enumerate(g.health.get("nvlinks") or []):
-            out.extend(f"\t Link {i}: {n}: {_value(faults, i, n)}" for n in (NVLINK5 if nv5 else NVLINK4))
-            if not nv5:
+            out.extend(f"\t Link {i}: {n}: {value(faults, i, n)}" for n in names)
+            if names is NVLINK4:
                 out.append("")
     sys.stdout.write("".join(line + "\n" for line in out))

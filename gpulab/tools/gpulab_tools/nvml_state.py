@@ -1,7 +1,7 @@
 """The lab host's GPU state as the stand-in libnvidia-ml.so.1 reads it (gpulab/nvml/libnvidia-ml.c).
 
 One ``key value`` line per NVML answer, ``gpu N`` before each GPU's lines, printed at every
-nvmlInit_v2. The values are the lab's nvidia-smi cells (nvidia_smi.gpu_field, the same state
+nvmlInit_v2; a per-link answer's key ends in ``.LINK``. The values are the lab's nvidia-smi cells (nvidia_smi.gpu_field, the same state
 and faults), so both tools say the same; a cell nvidia-smi prints as ``[error]`` becomes ``!N``,
 NVML error N (nvml.h's nvmlReturn_t), and N/A becomes NVML_ERROR_NOT_SUPPORTED. The fault
 ``nvml_hang`` (true, or an NVML function name) prints ``hang NAME``: that call blocks forever.
@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import sys
 
-from gpulab_tools import Host
-from gpulab_tools.nvidia_smi import _remap_fields, gpu_field
+from gpulab_tools import GpuView, Host
+from gpulab_tools.nvidia_smi import _memory_temp_max, _remap_fields, fabric, gpu_field, nvlinks
+from gpulab_tools.nvidia_smi_nvlink import NVLINK4, counter_faults, counter_names
+from gpulab_tools.nvidia_smi_nvlink import value as counter_value
 
 # nvmlReturn_t codes (https://github.com/NVIDIA/go-nvml/blob/main/gen/nvml/nvml.h, 1296-1329) by
 # nvmlErrorString's text, the text nvidia-smi prints in brackets
@@ -69,6 +71,49 @@ COUNTERS = (
     ("fi_271", "hw_power_brake_slowdown"),
 )
 WORDS = {"Enabled": "1", "Disabled": "0", "Yes": "1", "No": "0"}
+# NVLink: NVML_FI_DEV_NVLINK_LINK_COUNT 91, NVML_FI_DEV_NVLINK_GET_SPEED 164 (MBps), the link in
+# scopeId (nvml.h 2503, 2675); the counters nvidia-smi nvlink -e prints, by its names: NVLink 2-4
+# through nvmlDeviceGetNvLinkErrorCounter's nvmlNvLinkErrorCounter_t (nvml.h 517-523), NVLink 5 as
+# NVML_FI_DEV_NVLINK_COUNT_* field values (nvml.h 2752-2777); keys "fi_F.LINK" and "nvl_err_C.LINK"
+DL_COUNTER = {"Replay Errors": 0, "Recovery Errors": 1, "CRC Errors": 2}
+NVLINK5_FIELD = {
+    "Malformed packet Errors": 206,
+    "Buffer overrun Errors": 207,
+    "Rx Errors": 208,
+    "Rx remote Errors": 209,
+    "Rx General Errors": 210,
+    "Local link integrity Errors": 211,
+    "Tx discards": 212,
+    "Link recovery successful events": 213,
+    "Link recovery failed events": 214,
+    "Total link recovery events": 215,
+    "Effective Errors": 219,
+    "Symbol Errors": 221,
+}
+# NVML_GPU_FABRIC_STATE_* (nvml.h 3800-3803) by -q's words; "N/A" is NVML_ERROR_NOT_SUPPORTED
+FABRIC_STATE = {"Not Started": 1, "In Progress": 2, "Completed": 3}
+
+
+def link_lines(host: Host, g: GpuView) -> list[str]:
+    """The GPU's NVLink answers: the link count, each link's state and speed, its error counters."""
+    speeds = nvlinks(host, g)
+    out = [f"fi_91 {len(speeds)}"]
+    faults, names = counter_faults(host, g), counter_names(g)
+    for i, bw in enumerate(speeds):
+        out.append(f"nvl_state.{i} {0 if bw is None else 1}")
+        out.append(f"fi_164.{i} {0 if bw is None else round(bw * 1000)}")
+        for name in names:
+            key = f"nvl_err_{DL_COUNTER[name]}" if names is NVLINK4 else f"fi_{NVLINK5_FIELD.get(name)}"
+            if names is NVLINK4 or name in NVLINK5_FIELD:  # BER and the FEC bins: not answered
+                out.append(f"{key}.{i} {counter_value(faults, i, name)}")
+    state, status = fabric(host, g)
+    if state in FABRIC_STATE:
+        out.append(f"fabric_state {FABRIC_STATE[state]}")
+        out.append(f"fabric_status {0 if status in ('Success', 'N/A') else ERRORS.get(status, UNKNOWN)}")
+    limit = _memory_temp_max(g, host)
+    if limit.endswith(" C"):
+        out.append(f"temp_mem_max {limit[:-2]}")
+    return out
 
 
 def value(cell: str | None) -> str:
@@ -108,6 +153,7 @@ def lines(host: Host) -> list[str]:
             out.append(f"{name} {value(f'[{err}]') if err else remap['remapped_rows.' + key]}")
         out.append("temp_shutdown " + str(g.spec.get("temp_shutdown", 92)))
         out.append("temp_slowdown " + str(g.spec.get("temp_slowdown", 89)))
+        out.extend(link_lines(host, g))
     return out
 
 

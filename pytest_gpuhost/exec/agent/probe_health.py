@@ -148,13 +148,14 @@ def short_bdf(bus):
 
 
 NVML_KEY = "_health_nvml"  # params: what the `health_nvml` fact read, earlier in this request
+NVML_PARTS = ("gpus", "remap", "nvlink", "fabric")  # "fabric": the GPUs' side; the unit is systemctl's
 
 
 def nvml_parts(params):
     """Return ({part: answer} from this request's NVML read, or None to read nvidia-smi; why not).
 
-    probe_health_nvml.py reads the `gpus` and `remap` parts through libnvidia-ml.so.1 before this
-    fact runs. A hung call is the parts' answer (nvidia-smi calls the same driver and would hang
+    probe_health_nvml.py reads the `gpus`, `remap` and `nvlink` parts, and the GPUs' fabric state,
+    through libnvidia-ml.so.1 before this fact runs. A hung call is the parts' answer (nvidia-smi calls the same driver and would hang
     as well); a missing library or a failed nvmlInit_v2 is a fallback to nvidia-smi, and the
     parts nvidia-smi fills say why.
     """
@@ -162,7 +163,7 @@ def nvml_parts(params):
     if not isinstance(got, dict):
         return None, None
     if got.get("ok"):
-        return {"gpus": got["gpus"], "remap": got["remap"]}, None
+        return {k: got[k] for k in NVML_PARTS if k in got}, None
     if got.get("error") == "driver hung":
         part = {
             "ok": False,
@@ -170,13 +171,17 @@ def nvml_parts(params):
             "hung": {"call": got.get("call"), "after_s": got.get("after_s")},
             "source": "nvml",
         }  # type: dict
-        return {"gpus": dict(part, gpus=[]), "remap": dict(part, gpus={})}, None
+        return {
+            "gpus": dict(part, gpus=[]),
+            "remap": dict(part, gpus={}),
+            "nvlink": dict(part, gpus={}),
+        }, None
     return None, str(got.get("error") or "no answer")
 
 
 def _sourced(name, params, read):
     parts, why = nvml_parts(params)
-    if parts is not None:
+    if parts is not None and name in parts:
         return parts[name]
     out = read()
     out["source"] = "nvidia-smi"
@@ -358,12 +363,49 @@ def fabric_wanted(params, gpus):
 
 
 def part_fabric(params, record):
-    """Each GPU's fabric State/Status from `nvidia-smi -q`, and the Fabric Manager unit's state.
+    """Each GPU's fabric State/Status and memory temperature limit, and the Fabric Manager unit's state.
+
+    The GPUs' side comes from this request's NVML read where there was one (nvmlDeviceGetGpuFabricInfo,
+    the MEM_MAX threshold), else from `nvidia-smi -q` (smi_fabric); the unit from systemctl.
+    """
+    timeout = float(params.get("timeout", 20))
+    parts, why = nvml_parts(params)
+    nvml = (parts or {}).get("fabric")
+    if nvml is not None:
+        gpus = {b: {"state": g["state"], "status": g["status"]} for b, g in nvml["gpus"].items()}
+        mem_max = {b: g["memory_temp_max"] for b, g in nvml["gpus"].items() if g.get("memory_temp_max")}
+        out = {
+            "ok": True,
+            "gpus": gpus,
+            "memory_temp_max": mem_max,
+            "memory_temp_max_tlimit": {},
+            "source": "nvml",
+        }
+    else:
+        out = smi_fabric(timeout, record)
+        out["source"] = "nvidia-smi"
+        if why:
+            out["nvml_fallback"] = why
+        if not out["ok"]:
+            return out
+    show = run_recorded(
+        ["systemctl", "show", "-p", "LoadState", "-p", "ActiveState", "-p", "SubState", FABRIC_UNIT],
+        timeout,
+        record,
+    )
+    unit = dict(ln.partition("=")[::2] for ln in show.get("stdout", "").splitlines() if "=" in ln)
+    if show["rc"] != 0 and not unit:
+        unit = {"error": _cmd_error(show, "systemctl show " + FABRIC_UNIT)}
+    out.update(unit=FABRIC_UNIT, service=unit)
+    return out
+
+
+def smi_fabric(timeout, record):
+    """Each GPU's fabric State/Status and memory temperature limit from `nvidia-smi -q`.
 
     nvidia-smi -q prints, per GPU (under "GPU 00000000:1B:00.0"), a section
     "    Fabric" with "        State : Completed" and "        Status : Success" (N/A off NVSwitch).
     """
-    timeout = float(params.get("timeout", 20))
     res = run_recorded(["nvidia-smi", "-q"], timeout, record)
     if res["rc"] != 0:
         return {"ok": False, "error": _cmd_error(res, "nvidia-smi -q")}
@@ -401,22 +443,7 @@ def part_fabric(params, record):
             key, _, value = line.partition(":")
             if key.strip() in ("State", "Status"):
                 gpus[bdf][key.strip().lower()] = value.strip()
-    show = run_recorded(
-        ["systemctl", "show", "-p", "LoadState", "-p", "ActiveState", "-p", "SubState", FABRIC_UNIT],
-        timeout,
-        record,
-    )
-    unit = dict(ln.partition("=")[::2] for ln in show.get("stdout", "").splitlines() if "=" in ln)
-    if show["rc"] != 0 and not unit:
-        unit = {"error": _cmd_error(show, "systemctl show " + FABRIC_UNIT)}
-    return {
-        "ok": True,
-        "gpus": gpus,
-        "unit": FABRIC_UNIT,
-        "service": unit,
-        "memory_temp_max": mem_max,
-        "memory_temp_max_tlimit": mem_max_tlimit,
-    }
+    return {"ok": True, "gpus": gpus, "memory_temp_max": mem_max, "memory_temp_max_tlimit": mem_max_tlimit}
 
 
 # nvidia-smi's answer for a GPU in MIG mode ("Nvlink queries are not supported for Devices in MIG
@@ -425,6 +452,11 @@ _MIG_MODE = re.compile(r"\bMIG mode\b", re.IGNORECASE)
 
 
 def part_nvlink(params, record):
+    """Each GPU's NVLinks and their error counters, through NVML when this request read them so."""
+    return _sourced("nvlink", params, lambda: smi_nvlink(params, record))
+
+
+def smi_nvlink(params, record):
     res = run_recorded(["nvidia-smi", "nvlink", "-s"], float(params.get("timeout", 20)), record)
     mig = [x.strip() for x in res["stderr"].splitlines() if _MIG_MODE.search(x)]
     if res["rc"] != 0 and not res["stdout"].strip() and not mig:

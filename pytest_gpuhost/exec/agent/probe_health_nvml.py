@@ -2,8 +2,9 @@
 
 Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).  Loads
 libnvidia-ml.so.1 with ctypes as pynvml does (CDLL, argtypes/restype, the versioned symbols) and
-reads, for every GPU, what the `gpus` and `remap` parts of the `health` fact read from nvidia-smi,
-in the same shape (modules/health/ judges them unchanged), with `"source": "nvml"`.  NVML's calls
+reads, for every GPU, what the `gpus`, `remap` and `nvlink` parts of the `health` fact read from
+nvidia-smi, and the GPU side of its `fabric` part (fabric state, the memory temperature limit), in
+the same shape (modules/health/ judges them unchanged), with `"source": "nvml"`.  NVML's calls
 do not change wording between drivers as nvidia-smi's text does.
 
 The calls run in a forked child under a deadline (params `timeout`): a driver call that never
@@ -29,6 +30,7 @@ CACHE_KEY = "_health_nvml"  # the request's params: the `health` fact reads the 
 NVML_SUCCESS = 0
 NVML_ERROR_NOT_SUPPORTED = 3  # nvml.h:1301
 NVML_ERROR_INSUFFICIENT_SIZE = 7  # nvml.h:1305
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25  # nvml.h:1323
 BUFFER = 96  # NVML_DEVICE_NAME_V2_BUFFER_SIZE, NVML_DEVICE_UUID_V2_BUFFER_SIZE (nvml.h:4080, 4105)
 DRIVER_BUFFER = 80  # NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE (nvml.h:4090)
 # nvmlDeviceGetFieldValues ids (nvml.h:2475-2849)
@@ -41,6 +43,34 @@ FI_COUNTERS = (  # NVML_FI_DEV_CLOCKS_EVENT_REASON_*, nanoseconds: nvidia-smi's 
     (270, "clocks_event_reasons_counters.hw_thermal_slowdown"),
     (271, "clocks_event_reasons_counters.hw_power_brake_slowdown"),
 )
+FI_NVLINK_LINK_COUNT = 91  # NVML_FI_DEV_NVLINK_LINK_COUNT (nvml.h:2503)
+FI_NVLINK_SPEED = 164  # NVML_FI_DEV_NVLINK_GET_SPEED, MBps, the link in scopeId (nvml.h:2675)
+FI_NVLINK_SPEED_COMMON = 90  # NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON, drivers before 164 (nvml.h:2501)
+MAX_LINKS = 36  # NVML_NVLINK_MAX_LINKS (nvml.h:455)
+# The counters `nvidia-smi nvlink -e` prints, by its names (probe_health.parse_nvlink_errors keeps
+# the same ones): NVLink 2-4 through nvmlDeviceGetNvLinkErrorCounter (nvmlNvLinkErrorCounter_t,
+# nvml.h:517-523); NVLink 5 (Blackwell, where those are unsupported) as field values with the link
+# in scopeId, NVML_FI_DEV_NVLINK_COUNT_* (nvml.h:2752-2777). BER and the FEC histogram are not read.
+DL_COUNTERS = ((0, "Replay Errors"), (1, "Recovery Errors"), (2, "CRC Errors"))
+NVLINK5_FIELDS = (
+    (206, "Malformed packet Errors"),
+    (207, "Buffer overrun Errors"),
+    (208, "Rx Errors"),
+    (209, "Rx remote Errors"),
+    (210, "Rx General Errors"),
+    (211, "Local link integrity Errors"),
+    (212, "Tx discards"),
+    (213, "Link recovery successful events"),
+    (214, "Link recovery failed events"),
+    (215, "Total link recovery events"),
+    (219, "Effective Errors"),
+    (221, "Symbol Errors"),
+)
+# NVML_GPU_FABRIC_STATE_* (nvml.h:3800-3803) as nvidia-smi -q prints the fabric's State
+FABRIC_STATE = {0: "N/A", 1: "Not Started", 2: "In Progress", 3: "Completed"}
+FABRIC_COMPLETED = 3
+THRESHOLD_MEM_MAX = 2  # NVML_TEMPERATURE_THRESHOLD_MEM_MAX (nvml.h:943)
+MIG_ENABLE = 1  # NVML_DEVICE_MIG_ENABLE (nvml.h:12488)
 # nvmlGpuRecoveryAction_t (nvml.h:2195-2200) as nvidia-smi's gpu_recovery_action prints it
 RECOVERY = {0: "None", 1: "Reset", 2: "Reboot", 3: "Drain P2P", 4: "Drain and Reset"}
 LINK_FIELDS = ("pcie.link.gen.current", "pcie.link.gen.max", "pcie.link.width.current", "pcie.link.width.max")
@@ -95,6 +125,26 @@ class FieldValue(ctypes.Structure):
     ]
 
 
+class FabricInfo(ctypes.Structure):
+    """nvmlGpuFabricInfo_t (nvml.h:3813-3819): 28 bytes; the deprecated call's structure."""
+
+    _fields_ = [
+        ("clusterUuid", ctypes.c_ubyte * 16),  # NVML_GPU_FABRIC_UUID_LEN
+        ("status", ctypes.c_int),
+        ("cliqueId", ctypes.c_uint),
+        ("state", ctypes.c_ubyte),
+    ]
+
+
+class FabricInfoV2(ctypes.Structure):
+    """nvmlGpuFabricInfo_v2_t (nvml.h:3924-3932): 36 bytes, `version` set before the call."""
+
+    _fields_ = [("version", ctypes.c_uint)] + FabricInfo._fields_ + [("healthMask", ctypes.c_uint)]
+
+
+# NVML_STRUCT_VERSION(GpuFabricInfo, 2) (nvml.h:141, 3937): the size, and the version in the top byte
+FABRIC_V2 = ctypes.sizeof(FabricInfoV2) | (2 << 24)
+
 _P = ctypes.POINTER
 _H = ctypes.c_void_p  # nvmlDevice_t, an opaque pointer
 # name -> argtypes, each with restype nvmlReturn_t (an int); nvml.h's line of the declaration
@@ -120,6 +170,11 @@ SIGNATURES = {
     "nvmlDeviceGetCurrPcieLinkWidth": [_H, _P(ctypes.c_uint)],  # 5567
     "nvmlDeviceGetMaxPcieLinkWidth": [_H, _P(ctypes.c_uint)],  # 5531
     "nvmlDeviceGetFieldValues": [_H, ctypes.c_int, _P(FieldValue)],  # 10230
+    "nvmlDeviceGetMigMode": [_H, _P(ctypes.c_uint), _P(ctypes.c_uint)],  # 12803
+    "nvmlDeviceGetNvLinkState": [_H, ctypes.c_uint, _P(ctypes.c_uint)],  # 9506
+    "nvmlDeviceGetNvLinkErrorCounter": [_H, ctypes.c_uint, ctypes.c_int, _P(ctypes.c_ulonglong)],  # 9585
+    "nvmlDeviceGetGpuFabricInfoV": [_H, _P(FabricInfoV2)],  # 7852
+    "nvmlDeviceGetGpuFabricInfo": [_H, _P(FabricInfo)],  # 7829, deprecated for the V call
 }
 # Drivers before R535 have the older name of the clock-event call (nvml.h keeps it as deprecated).
 FALLBACK_SYMBOL = {"nvmlDeviceGetCurrentClocksEventReasons": "nvmlDeviceGetCurrentClocksThrottleReasons"}
@@ -147,6 +202,13 @@ class Nvml:
             self.fns[name] = f
         return self.fns[name]
 
+    def has(self, name):
+        try:
+            self.fn(name)
+        except AttributeError:
+            return False
+        return True
+
     def call(self, name, *args):
         """Make one call; return its nvmlReturn_t (an absent symbol is NOT_SUPPORTED)."""
         try:
@@ -166,6 +228,8 @@ class Row:
 
     def __init__(self, nv, index):
         self.nv = nv
+        self.links = (None, None)  # type: tuple
+        self.fabric = {}  # type: dict
         self.out = {"index": index, "raw": {"index": str(index)}}  # type: dict
         self.errors = {}  # type: dict
 
@@ -211,7 +275,8 @@ def read_gpu(nv, index, driver):
     rc = nv.call("nvmlDeviceGetHandleByIndex_v2", index, ctypes.byref(h))
     if rc != NVML_SUCCESS:
         row.put("handle", rc, None)
-        return dict(row.out, bdf="", cell_errors=row.errors), None
+        row.out.update(bdf="", cell_errors=row.errors)
+        return row, None
     for key, name in (("name", "nvmlDeviceGetName"), ("uuid", "nvmlDeviceGetUUID")):
         rc, value = text(nv, name, h)
         row.out[key] = value if rc == NVML_SUCCESS else None
@@ -261,8 +326,17 @@ def read_gpu(nv, index, driver):
         base = "/sys/bus/pci/devices/" + row.out["bdf"]
         row.out["sysfs_link"] = {key: read_str(base + "/" + name) for key, name in SYSFS_LINK}
     fields = read_fields(
-        nv, h, [FI_MEMORY_TEMP, FI_GPU_RECOVERY_ACTION, FI_RESET_STATUS] + [i for i, _ in FI_COUNTERS]
+        nv,
+        h,
+        [FI_MEMORY_TEMP, FI_GPU_RECOVERY_ACTION, FI_RESET_STATUS, FI_NVLINK_LINK_COUNT]
+        + [i for i, _ in FI_COUNTERS],
     )
+    rc, count = fields[FI_NVLINK_LINK_COUNT]
+    row.links = read_links(nv, h, int(count) if rc == NVML_SUCCESS else None)
+    row.fabric = read_fabric(nv, h)
+    limit = ctypes.c_uint()
+    rc = nv.call("nvmlDeviceGetTemperatureThreshold", h, THRESHOLD_MEM_MAX, ctypes.byref(limit))
+    row.fabric["memory_temp_max"] = float(limit.value) if rc == NVML_SUCCESS else None
     row.put("temperature.memory", *fields[FI_MEMORY_TEMP])
     rc, action = fields[FI_GPU_RECOVERY_ACTION]
     if rc == NVML_SUCCESS:
@@ -276,14 +350,85 @@ def read_gpu(nv, index, driver):
         row.out["cell_errors"] = row.errors
     if remap.get("cell_errors") is None and row.errors and "remapped_rows.failure" in row.errors:
         remap["cell_errors"] = {"remapped_rows.failure": row.errors["remapped_rows.failure"]}
-    return row.out, remap
+    return row, remap
+
+
+def read_links(nv, h, count):
+    """Return one GPU's `nvlink` entry and its `nvlink -e` entry (None without NVLink).
+
+    `count` is NVML_FI_DEV_NVLINK_LINK_COUNT's answer; where a driver has no such field, links
+    are asked for from 0 until one is refused. A GPU in MIG mode answers no NVLink query: its
+    entry says so (`mig`), as nvidia-smi does.
+    """
+    cur, pend = ctypes.c_uint(), ctypes.c_uint()
+    if nv.call("nvmlDeviceGetMigMode", h, ctypes.byref(cur), ctypes.byref(pend)) == NVML_SUCCESS:
+        if cur.value == MIG_ENABLE:
+            return {"links": {}, "mig": "MIG mode (nvmlDeviceGetMigMode): NVLink queries unsupported"}, None
+    states = []
+    active = ctypes.c_uint()
+    for link in range(count if count is not None else MAX_LINKS):
+        rc = nv.call("nvmlDeviceGetNvLinkState", h, link, ctypes.byref(active))
+        if rc != NVML_SUCCESS and count is None:
+            break
+        states.append((link, rc, active.value))
+    if not states:
+        return None, None
+    speeds = read_fields(nv, h, [FI_NVLINK_SPEED_COMMON] + [(FI_NVLINK_SPEED, link) for link, _, _ in states])
+    links = {}
+    for link, rc, active in states:
+        up = rc == NVML_SUCCESS and active == 1  # NVML_FEATURE_ENABLED (nvml.h:887)
+        mbps = speeds[(FI_NVLINK_SPEED, link)][1] or speeds[FI_NVLINK_SPEED_COMMON][1]
+        gbps = mbps / 1000.0 if up and mbps else None
+        if rc != NVML_SUCCESS:
+            text = "[" + nv.error(rc) + "]"
+        else:
+            text = (f"{gbps:g} GB/s" if gbps else "active") if up else "<inactive>"
+        links[str(link)] = {"up": up, "gbps": gbps, "text": text}
+    errors = {"read": 0, "links": {}}  # type: dict
+    got = read_fields(nv, h, [(fid, link) for link, _, _ in states for fid, _ in NVLINK5_FIELDS])
+    counts = [((link, name), got[(fid, link)]) for link, _, _ in states for fid, name in NVLINK5_FIELDS]
+    if not any(rc == NVML_SUCCESS for _, (rc, _) in counts):  # not NVLink 5: the data-link counters
+        counts = []
+        for link, _, _ in states:
+            for counter, name in DL_COUNTERS:
+                v = ctypes.c_ulonglong()
+                rc = nv.call("nvmlDeviceGetNvLinkErrorCounter", h, link, counter, ctypes.byref(v))
+                counts.append(((link, name), (rc, v.value)))
+    for (link, name), (rc, value) in counts:
+        if rc == NVML_SUCCESS:
+            errors["read"] += 1
+            if value:  # zeros are not sent, as parse_nvlink_errors
+                errors["links"].setdefault(str(link), {})[name] = int(value)
+    return {"links": links}, errors
+
+
+def read_fabric(nv, h):
+    """Return one GPU's fabric {state, status} as nvidia-smi -q prints them (N/A off NVSwitch)."""
+    if nv.has("nvmlDeviceGetGpuFabricInfoV"):
+        info = FabricInfoV2(version=FABRIC_V2)
+        rc = nv.call("nvmlDeviceGetGpuFabricInfoV", h, ctypes.byref(info))
+    else:
+        rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+    if rc == NVML_ERROR_ARGUMENT_VERSION_MISMATCH:  # a driver before the versioned structure
+        info = FabricInfo()  # type: ignore[assignment]
+        rc = nv.call("nvmlDeviceGetGpuFabricInfo", h, ctypes.byref(info))
+    if rc == NVML_ERROR_NOT_SUPPORTED:
+        return {"state": "N/A", "status": "N/A"}
+    if rc != NVML_SUCCESS:
+        return {"state": "[" + nv.error(rc) + "]", "status": None}
+    state = FABRIC_STATE.get(info.state, str(info.state))
+    # the status "must be checked only if the state returns complete" (nvml.h:3817)
+    return {"state": state, "status": nv.error(info.status) if info.state == FABRIC_COMPLETED else "N/A"}
 
 
 def read_fields(nv, h, ids):
-    """Return {field id: (nvmlReturn_t, value)} from one nvmlDeviceGetFieldValues call."""
+    """Return {field id: (nvmlReturn_t, value)} from one nvmlDeviceGetFieldValues call.
+
+    An id may be a (field id, scope id) pair (the link, for NVLink fields): its key is the pair.
+    """
     values = (FieldValue * len(ids))()
     for i, fid in enumerate(ids):
-        values[i].fieldId = fid
+        values[i].fieldId, values[i].scopeId = fid if isinstance(fid, tuple) else (fid, 0)
     rc = nv.call("nvmlDeviceGetFieldValues", h, len(ids), values)
     out = {}
     for i, fid in enumerate(ids):
@@ -297,7 +442,8 @@ def read_fields(nv, h, ids):
 
 
 def read_all(path, progress):
-    """Read every GPU through the library at `path`: the `gpus` and `remap` parts, and counts."""
+    """Read every GPU through the library at `path`: the `gpus`, `remap` and `nvlink` parts, the
+    GPUs' side of `fabric`, and counts."""
     nv = Nvml(path, progress)
     rc = nv.call("nvmlInit_v2")
     if rc != NVML_SUCCESS:
@@ -310,14 +456,23 @@ def read_all(path, progress):
         rc = nv.call("nvmlDeviceGetCount_v2", ctypes.byref(count))
         if rc != NVML_SUCCESS:
             return {"ok": False, "error": "nvmlDeviceGetCount_v2: " + nv.error(rc), "rc": rc}
-        gpus, remap = [], {}
+        gpus, remap, links, errors, fabric = [], {}, {}, {}, {}
         for i in range(count.value):
             row, rm = read_gpu(nv, i, driver)
-            gpus.append(row)
+            gpus.append(row.out)
             if rm is not None:
-                remap[row["bdf"]] = rm
+                remap[row.out["bdf"]] = rm
+            if row.links[0] is not None:
+                links[str(i)] = row.links[0]
+            if row.links[1] is not None:
+                errors[str(i)] = dict(row.links[1], uuid=row.out.get("uuid"))
+            if row.fabric:
+                fabric[row.out["bdf"]] = row.fabric
     finally:
         nv.call("nvmlShutdown")
+    nvlink = {"ok": True, "gpus": links, "source": "nvml"}  # type: dict
+    if any(g["links"] for g in links.values()):  # as nvidia-smi: counters where links are listed
+        nvlink["errors"] = {"ok": True, "gpus": errors, "source": "nvml"}
     renamed = (
         {"reset_status.reset_required": "gpu_recovery_action"}
         if any("gpu_recovery_action" in g for g in gpus)
@@ -329,6 +484,8 @@ def read_all(path, progress):
         "calls": nv.calls,
         "gpus": {"ok": True, "gpus": gpus, "dropped": [], "renamed": renamed, "source": "nvml"},
         "remap": {"ok": True, "gpus": remap, "source": "nvml"},
+        "nvlink": nvlink,
+        "fabric": {"ok": True, "gpus": fabric, "source": "nvml"},
     }
 
 
@@ -442,6 +599,6 @@ def fact_health_nvml(params):
     out = bounded(path, timeout)
     out["library"] = path
     params[CACHE_KEY] = out
-    summary = {k: v for k, v in out.items() if k not in ("gpus", "remap")}
+    summary = {k: v for k, v in out.items() if k not in ("gpus", "remap", "nvlink", "fabric")}
     summary["source"] = "nvml"
     return summary

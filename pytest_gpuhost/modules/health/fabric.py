@@ -158,7 +158,11 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
                 "nvlink",
                 "; ".join(x for x in (summary, unknown, mig_note) if x),
                 reasons,
-                state={"expected": {i: w for i, (w, _) in expected.items()}, "errors": counters},
+                state={
+                    "expected": {i: w for i, (w, _) in expected.items()},
+                    "errors": counters,
+                    "source": (part or {}).get("source"),
+                },
             )
     if part is not None and total == 0 and mig_note:
         return skipped("nvlink", mig_note, mig=sorted(mig, key=int))
@@ -178,7 +182,12 @@ def check_nvlink(facts: Facts, t: Thresholds) -> Verdict:
                 up += 1
             else:
                 reasons.append(f"GPU {idx} link {link}: {st.get('text') or 'down'}")
-    state: dict[str, Any] = {"links_up": up, "links_total": total, "errors": counters}
+    state: dict[str, Any] = {
+        "links_up": up,
+        "links_total": total,
+        "errors": counters,
+        "source": part.get("source"),
+    }
     if unknown:
         state["unknown_models"] = sorted(unknown_models_of(smi_gpus))
     if mig:
@@ -224,7 +233,12 @@ def check_fabric(facts: Facts, t: Thresholds) -> Verdict:
         label = labels.get(bdf, f"GPU ? ({bdf})")
         st = fab.get(bdf)
         if st is None:
-            reasons.append(f"{label}: nvidia-smi -q shows no Fabric section")
+            said = (
+                "NVML gave no fabric state"
+                if got.get("source") == "nvml"
+                else "nvidia-smi -q shows no Fabric section"
+            )
+            reasons.append(f"{label}: {said}")
         elif st.get("state") != "Completed":
             reasons.append(f"{label}: fabric state {st.get('state')} (not trained: CUDA fails until it is)")
         elif st.get("status") != "Success":
@@ -239,10 +253,11 @@ def check_fabric(facts: Facts, t: Thresholds) -> Verdict:
             else (svc.get("error") or f"{active} ({svc.get('SubState')})")
         )
         reasons.append(f"{unit}: {what}")
-    state = {"gpus": {b: st for b, st in fab.items() if b not in others}, "service": svc}
+    trained = {b: st for b, st in fab.items() if b not in others}
+    state = {"gpus": trained, "service": svc, "source": got.get("source")}
     if reasons:
         return failed("fabric", reasons[0], reasons, state=state)
-    return Verdict("fabric", True, f"fabric trained on {len(state['gpus'])} GPUs; {unit} active", state=state)
+    return Verdict("fabric", True, f"fabric trained on {len(trained)} GPUs; {unit} active", state=state)
 
 
 def _nvidia_devices(facts: Facts) -> tuple[dict[str, Any], str | None]:

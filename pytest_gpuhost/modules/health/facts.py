@@ -47,9 +47,11 @@ FACT_OF_PART: Mapping[str, str] = {
     "ib": "health_ib",
 }
 PARTS: tuple[str, ...] = tuple(FACT_OF_PART)
-#: The fact that reads the `gpus` and `remap` parts through NVML (exec/agent/probe_health_nvml.py):
-#: asked for before `health`, which takes its answer instead of starting nvidia-smi.
+#: The fact that reads the `gpus`, `remap` and `nvlink` parts and the GPUs' side of `fabric` through
+#: NVML (exec/agent/probe_health_nvml.py): asked for before `health`, which takes its answer
+#: instead of starting nvidia-smi.
 NVML_FACT = "health_nvml"
+NVML_READS = ("gpus", "remap", "nvlink", "fabric")
 #: `nvidia-smi` reads the GPUs with nvidia-smi only; `auto` (the default) through NVML where the
 #: host has libnvidia-ml.so.1, else nvidia-smi.
 SOURCE_ENV = "GPUHOST_HEALTH_SOURCE"
@@ -74,7 +76,7 @@ def fact_names(parts: Iterable[str] | None = None) -> list[str]:
     if unknown:
         raise KeyError(f"unknown health facts part(s) {unknown}; known: {', '.join(PARTS)}")
     names = list(dict.fromkeys(FACT_OF_PART[p] for p in PARTS if p in wanted))
-    if ("gpus" in wanted or "remap" in wanted) and gpu_source() == "auto":
+    if set(wanted) & set(NVML_READS) and gpu_source() == "auto":
         names.insert(0, NVML_FACT)
     return names
 
