@@ -370,13 +370,13 @@ def read_links(nv, h, count):
         rc = nv.call("nvmlDeviceGetNvLinkState", h, link, ctypes.byref(active))
         if rc != NVML_SUCCESS and count is None:
             break
-        states.append((link, rc, active.value))
+        states.append((link, rc, active.value if rc == NVML_SUCCESS else 0))
     if not states:
         return None, None
     speeds = read_fields(nv, h, [FI_NVLINK_SPEED_COMMON] + [(FI_NVLINK_SPEED, link) for link, _, _ in states])
     links = {}
-    for link, rc, active in states:
-        up = rc == NVML_SUCCESS and active == 1  # NVML_FEATURE_ENABLED (nvml.h:887)
+    for link, rc, on in states:
+        up = rc == NVML_SUCCESS and on == 1  # NVML_FEATURE_ENABLED (nvml.h:887)
         mbps = speeds[(FI_NVLINK_SPEED, link)][1] or speeds[FI_NVLINK_SPEED_COMMON][1]
         gbps = mbps / 1000.0 if up and mbps else None
         if rc != NVML_SUCCESS:
