@@ -2,7 +2,8 @@
 
 Reads the captures gpu-check.sh saved in DIR, opens a local:// connection (the agent, as the suites
 use it) and checks that every source agrees on the GPUs: `nvidia-smi -L`, the agent's `gpus` and
-`nvidia_smi_gpus` facts, NVML (pynvml, where installed), `nvidia-smi topo -m` and `topo -p2p r`
+`nvidia_smi_gpus` facts, NVML (pynvml, where installed), the health facts through the agent's own
+NVML reader against nvidia-smi (both kept), `nvidia-smi topo -m` and `topo -p2p r`
 through parsers.py; then measures P2P as the suite does (cupy probe, else nvbandwidth) and keeps
 the matrix. Writes DIR/compare.json and one line per check; exits 1 when a check failed.
 
@@ -23,6 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url  # noqa: E402
 from pytest_gpuhost.modules import p2p, parsers  # noqa: E402
+from pytest_gpuhost.modules.health import crosscheck  # noqa: E402
+from pytest_gpuhost.modules.health.thresholds import Thresholds, probe_params  # noqa: E402
 
 
 def _bus_ids_from_l(text: str) -> int:
@@ -87,6 +90,20 @@ def main(argv: list[str]) -> int:
             return ids
 
         check("NVML bus ids = gpus fact", nvml)
+
+        def health_sources() -> str:
+            # the health facts through NVML (ctypes, the agent's own reader) and through nvidia-smi,
+            # both kept in DIR, then compared field by field (modules/health/crosscheck.py)
+            both = crosscheck.read_both(conn, probe_params(Thresholds.from_vars({})))
+            for name, facts in zip(
+                ("health-facts-nvml.json", "health-facts-nvidia-smi.json"), both, strict=True
+            ):
+                (out / name).write_text(json.dumps(facts, indent=1, default=str) + "\n")
+            diffs = crosscheck.differences(*both)
+            assert not diffs, f"{len(diffs)} disagreement(s): " + "; ".join(diffs[:5])
+            return f"{len(both[0]['gpus'].get('gpus') or [])} GPUs read the same both ways"
+
+        check("health facts: NVML = nvidia-smi", health_sources)
 
         def topo_m() -> list[str]:
             m = parsers.parse_topo_matrix(read("nvidia-smi-topo-m.txt"))
