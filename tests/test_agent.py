@@ -88,16 +88,53 @@ def test_a_probe_that_fails_to_load_stops_the_agent():
         _serve(program, {"id": 1, "op": "hello"})
 
 
-def test_probes_import_only_the_core_api():
-    """On the target only `pytest_gpuhost.exec.agent.core` exists, holding exactly its `__all__`."""
+def test_probes_import_only_the_core_api_and_other_probes():
+    """On the target only `pytest_gpuhost.exec.agent.core` exists, holding exactly its `__all__`,
+    and the probes, each loaded before any probe that imports from it."""
+    order = [p.stem for p in probe_files()]
     for path in probe_files():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pytest_gpuhost"):
-                assert node.module == core.API_MODULE, f"{path.name} imports {node.module}"
-                assert {a.name for a in node.names} <= set(core.__all__), path.name
+                if node.module == core.API_MODULE:
+                    assert {a.name for a in node.names} <= set(core.__all__), path.name
+                    continue
+                other = (node.module or "").removeprefix(core.PROBE_PACKAGE)
+                assert other in order, f"{path.name} imports {node.module}"
+                assert order.index(other) < order.index(path.stem), f"{path.name} loads before {other}"
+                assert {a.name for a in node.names} <= _top_level_names(path.parent / f"{other}.py"), (
+                    path.name
+                )
             elif isinstance(node, ast.Import):
                 assert not any(a.name.startswith("pytest_gpuhost") for a in node.names), path.name
     assert core.API_MODULE == core.__name__
+
+
+def test_a_probe_imports_another_probe_on_the_target():
+    first = "from pytest_gpuhost.exec.agent.core import fact\nBASE = 40\n"
+    second = (
+        "from pytest_gpuhost.exec.agent.core import fact\n"
+        "from pytest_gpuhost.exec.agent.probe_zz_a import BASE\n"
+        "@fact('answer')\ndef answer(params):\n    return BASE + 2\n"
+    )
+    program = _core() + _probe("probe_zz_a", first) + _probe("probe_zz_b", second) + "main()\n"
+    (got,) = _serve(program, {"id": 1, "op": "facts", "names": ["answer"], "params": {}})
+    assert got["result"]["answer"] == 42, got
+
+
+def test_probes_load_after_what_they_import_and_a_cycle_is_refused(tmp_path):
+    from pytest_gpuhost.exec.agent import load_order
+
+    def probe(name, *needs):
+        path = tmp_path / f"{name}.py"
+        path.write_text("".join(f"from pytest_gpuhost.exec.agent.{n} import X\n" for n in needs) + "X = 1\n")
+        return path
+
+    paths = [probe("probe_a", "probe_c"), probe("probe_b"), probe("probe_c", "probe_b")]
+    assert [p.stem for p in load_order(paths)] == ["probe_b", "probe_c", "probe_a"]
+    with pytest.raises(ValueError, match="cycle: probe_a -> probe_c -> probe_a"):
+        load_order([probe("probe_a", "probe_c"), probe("probe_c", "probe_a")])
+    with pytest.raises(ValueError, match="probe_a.py imports probe_gone"):
+        load_order([probe("probe_a", "probe_gone")])
 
 
 def test_core_files_are_joined_without_their_imports_of_each_other():

@@ -28,15 +28,19 @@ picked up by its name; nothing else needs registering.
 
       from pytest_gpuhost.exec.agent.core import fact, op, read_str
 
-  Only names in `core.__all__` may be imported (a test checks it): `op`, `fact`, `OpError`,
+  Only names in `core.__all__` may be imported from the core (a test checks it): `op`, `fact`, `OpError`,
   `run_process` (argv, timeout, ...; same dict as the `run` op, whole process group killed at
   the timeout), `run_recorded(argv, timeout, record)` (the same, and a copy trimmed for the
   evidence appended to the list `record`), `read_text(path, max_bytes)` -> bytes, `read_str(path, default)` -> stripped
   text or `default`, `link_name(path)` -> basename of a symlink's target or None,
   `write_file(path, data, timeout)` (forked writer under a watchdog), `b64e`/`b64d`,
-  `DEFAULT_MAX_BYTES`, `DEFAULT_MAX_OUTPUT`.  Nothing else from `pytest_gpuhost`: on the target
-  only that one module exists.  In the plugin the same line is an ordinary import, so ruff and
-  mypy check the probe as a normal module, with no file-wide `noqa`.
+  `DEFAULT_MAX_BYTES`, `DEFAULT_MAX_OUTPUT`.  A probe may also import from another probe
+  (`from pytest_gpuhost.exec.agent.probe_nvml import Nvml`): that probe is loaded first (a cycle
+  is refused when the agent is built) and registered under its own dotted name, so the line works
+  on the target unchanged.  A probe that only holds code other probes share registers no op or
+  fact.  Nothing else from `pytest_gpuhost`: on the target only those modules exist.  In the
+  plugin the same lines are ordinary imports, so ruff and mypy check the probe as a normal
+  module, with no file-wide `noqa`.
 * Declare handlers with the decorators::
 
       @op("gpu_inventory")               # handler(params: dict) -> JSON-able result
@@ -68,6 +72,7 @@ from __future__ import annotations
 import functools
 import re
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 __all__ = [
@@ -76,7 +81,9 @@ __all__ = [
     "PYTHON_FLAGS",
     "agent_source",
     "agent_payload",
+    "load_order",
     "probe_files",
+    "probe_needs",
     "probe_program",
 ]
 
@@ -114,9 +121,60 @@ BOOTSTRAP = (
 )
 
 
+# A probe's import of another probe: that probe is loaded first, and the import finds it.
+_PROBE_IMPORT = re.compile(r"^from pytest_gpuhost\.exec\.agent\.(probe_\w+) import ", re.MULTILINE)
+
+
+def probe_needs(path: Path) -> list[str]:
+    """Return the stems of the probes `path` imports from."""
+    return sorted(set(_PROBE_IMPORT.findall(path.read_text(encoding="utf-8"))))
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_order() -> tuple[Path, ...]:
+    return load_order(_HERE.glob("probe_*.py"))
+
+
+def load_order(paths: Iterable[Path]) -> tuple[Path, ...]:
+    """Return probe files by name, each after the probes it imports from; ValueError on a cycle
+    or an import of a probe that is not there."""
+    by_stem = {p.stem: p for p in sorted(paths)}
+    done: dict[str, Path] = {}
+
+    def visit(stem: str, path: tuple[str, ...]) -> None:
+        if stem in done:
+            return
+        if stem in path:
+            raise ValueError(f"agent probes import each other in a cycle: {' -> '.join(path + (stem,))}")
+        if stem not in by_stem:
+            raise ValueError(f"{path[-1]}.py imports {stem}, which is no agent probe")
+        for need in probe_needs(by_stem[stem]):
+            visit(need, path + (stem,))
+        done[stem] = by_stem[stem]
+
+    for stem in by_stem:
+        visit(stem, ())
+    return tuple(done.values())
+
+
 def probe_files() -> list[Path]:
-    """Return the probe modules that are part of the agent, in the order they are loaded."""
-    return sorted(_HERE.glob("probe_*.py"))
+    """Return the probe modules that are part of the agent, in the order they are loaded: by
+    name, each after the probes it imports from."""
+    return list(_probe_order())
+
+
+def _with_needs(stem: str) -> list[Path]:
+    """The probe `stem` and every probe it needs, in load order."""
+    order = _probe_order()
+    by_stem = {p.stem: p for p in order}
+    want: set[str] = set()
+    todo = [stem]
+    while todo:
+        s = todo.pop()
+        if s not in want:
+            want.add(s)
+            todo.extend(probe_needs(by_stem[s]))
+    return [p for p in order if p.stem in want]
 
 
 def _core_source(path: Path) -> str:
@@ -158,7 +216,8 @@ def probe_program(probe: str, call: str) -> str:
     path = _HERE / f"{probe}.py"
     if path not in probe_files():
         raise ValueError(f"no agent probe named {probe!r} in {_HERE}")
-    return _core() + "\n" + f"exec({call!r}, {_probe_call(path).rstrip()}.__dict__)\n"
+    needs = "".join(_probe_call(p) for p in _with_needs(probe) if p != path)
+    return _core() + "\n" + needs + f"exec({call!r}, {_probe_call(path).rstrip()}.__dict__)\n"
 
 
 @functools.lru_cache(maxsize=1)

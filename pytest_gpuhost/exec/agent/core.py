@@ -4,7 +4,8 @@ Probes write `from pytest_gpuhost.exec.agent.core import fact, op, read_str`.  I
 is an ordinary import (ruff, mypy and tests see a normal module); on the target the core runs as
 one program and registers a module under this same name holding the names in `__all__`, so the
 probe's import line works there unchanged.  `load_probe` runs each probe in a module of its own,
-seeded with the same names, so probes written before this API existed keep working.
+seeded with the same names, so probes written before this API existed keep working, and
+registers it under its dotted name for the probes loaded after it that import from it.
 
 Target side: stdlib only, Python 3.6 syntax (see the package docstring).
 """
@@ -51,6 +52,7 @@ __all__ = [
 
 API_MODULE = "pytest_gpuhost.exec.agent.core"  # the name probes import; registered on the target
 PROBE_PREFIX = "__gpuhost_agent__."  # probe modules are registered as this + file stem
+PROBE_PACKAGE = "pytest_gpuhost.exec.agent."  # ... and as this + stem, for probes importing probes
 
 
 def _api_module():
@@ -78,4 +80,8 @@ def load_probe(name, source):
         setattr(mod, attr, getattr(api, attr))
     sys.modules[mod.__name__] = mod
     exec(compile(source, f"<gpuhost-agent/{name}.py>", "exec"), mod.__dict__)
+    # A later probe's `from pytest_gpuhost.exec.agent.probe_x import y` finds it (the import
+    # system looks a dotted name up in sys.modules before its parents); in the plugin the real
+    # module is already there and stays.
+    sys.modules.setdefault(PROBE_PACKAGE + name, mod)
     return mod
