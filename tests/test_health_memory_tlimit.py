@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.exec.agent import probe_health
+from pytest_gpuhost.exec.agent import probe_health, probe_health_smi
 from pytest_gpuhost.modules.health import checks as hm
 
 OUTPUTS = Path(__file__).resolve().parent.parent / "fixtures" / "outputs"
@@ -18,7 +18,8 @@ def fabric_part(monkeypatch: pytest.MonkeyPatch, q: str) -> dict[str, Any]:
         out = q if argv[:2] == ["nvidia-smi", "-q"] else "LoadState=loaded\nActiveState=active\n"
         return {"rc": 0, "stdout": out, "stderr": "", "timed_out": False}
 
-    monkeypatch.setattr(probe_health, "run_recorded", run)
+    for module in (probe_health, probe_health_smi):  # the readers, and the fabric part's systemctl
+        monkeypatch.setattr(module, "run_recorded", run)
     return probe_health.part_fabric({}, [])
 
 

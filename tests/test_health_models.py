@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.exec.agent import probe_health
+from pytest_gpuhost.exec.agent import probe_health, probe_health_smi
 from pytest_gpuhost.modules.health import checks as hm
 from pytest_gpuhost.modules.health import thresholds as th
 from tests.test_health_verdicts import BDFS, healthy, judge
@@ -38,7 +38,8 @@ def parse_nvlink_s(monkeypatch: pytest.MonkeyPatch, out: str) -> dict[str, Any]:
     def run(argv: list[str], timeout: float, record: list[Any]) -> dict[str, Any]:
         return {"rc": 0, "stdout": out if argv[-1] == "-s" else "", "stderr": "", "timed_out": False}
 
-    monkeypatch.setattr(probe_health, "run_recorded", run)
+    for module in (probe_health, probe_health_smi):  # the readers, and the fabric part's systemctl
+        monkeypatch.setattr(module, "run_recorded", run)
     part = probe_health.part_nvlink({}, [])
     part.pop("errors", None)  # counters are judged elsewhere (tests/test_health_nvlink.py)
     return part

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.exec.agent.probe_health import parse_nvlink_errors
+from pytest_gpuhost.exec.agent.probe_health_smi import parse_nvlink_errors
 from pytest_gpuhost.modules.health import checks as hm
 from pytest_gpuhost.modules.health import facts as health_facts
 from pytest_gpuhost.modules.health.nvlink import nvlink_state

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.exec.agent import probe_health
+from pytest_gpuhost.exec.agent import probe_health, probe_health_smi
 from tests.test_health_models import b300_capture, with_names
 from tests.test_health_verdicts import judge
 
@@ -39,7 +39,8 @@ def probe(monkeypatch: pytest.MonkeyPatch, stdout: str, stderr: str = "", rc: in
             return {"rc": rc, "stdout": stdout, "stderr": stderr, "timed_out": False}
         return {"rc": 0, "stdout": "", "stderr": "", "timed_out": False}
 
-    monkeypatch.setattr(probe_health, "run_recorded", run)
+    for module in (probe_health, probe_health_smi):  # the readers, and the fabric part's systemctl
+        monkeypatch.setattr(module, "run_recorded", run)
     part = probe_health.part_nvlink({}, [])
     part["starts"] = starts
     return part

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.exec.agent import probe_health
+from pytest_gpuhost.exec.agent import probe_health, probe_health_smi
 from pytest_gpuhost.modules.health import checks as hm
 
 OUTPUTS = Path(__file__).resolve().parent.parent / "fixtures" / "outputs"
@@ -17,7 +17,8 @@ def failing_smi(monkeypatch: pytest.MonkeyPatch, stdout: str, rc: int) -> None:
     def run(argv: list[str], timeout: float, record: list[Any]) -> dict[str, Any]:
         return {"rc": rc, "stdout": stdout, "stderr": "", "timed_out": False}
 
-    monkeypatch.setattr(probe_health, "run_recorded", run)
+    for module in (probe_health, probe_health_smi):  # the readers, and the fabric part's systemctl
+        monkeypatch.setattr(module, "run_recorded", run)
 
 
 def test_an_nvml_mismatch_keeps_the_line_that_says_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,7 +29,7 @@ def test_an_nvml_mismatch_keeps_the_line_that_says_it(monkeypatch: pytest.Monkey
     )
     gpus = probe_health.part_gpus({}, [])
     assert not gpus["ok"] and gpus["error"] == "nvidia-smi --query-gpu " + want
-    assert probe_health.part_smi({"no_cache": True}, [])["error"] == "nvidia-smi " + want
+    assert probe_health_smi.part_smi({"no_cache": True}, [])["error"] == "nvidia-smi " + want
     v = hm.evaluate("gpu_count", {"gpus": gpus}, hm.Thresholds.from_vars({}))
     assert not v.ok and "Driver/library version mismatch" in v.summary
 
@@ -48,4 +49,4 @@ def test_an_nvml_mismatch_keeps_the_line_that_says_it(monkeypatch: pytest.Monkey
     ],
 )
 def test_error_line_of_other_failures(text: str, line: str) -> None:
-    assert probe_health.error_line(text) == line
+    assert probe_health_smi.error_line(text) == line

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpulab import nvml
-from pytest_gpuhost.exec.agent import probe_health, probe_health_nvml
+from pytest_gpuhost.exec.agent import probe_health, probe_health_nvml, probe_health_smi, probe_nvml
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -84,7 +84,7 @@ def test_the_structures_are_laid_out_as_nvml_h(tmp_path: Path) -> None:
     got = subprocess.run(
         [str(tmp_path / "layout")], capture_output=True, text=True, check=True
     ).stdout.split()
-    p, f = probe_health_nvml.PciInfo, probe_health_nvml.FieldValue
+    p, f = probe_nvml.PciInfo, probe_nvml.FieldValue
     want = [ctypes.sizeof(p), p.busId.offset, ctypes.sizeof(f), f.nvmlReturn.offset, f.value.offset]
     assert [int(x) for x in got] == want == [68, 36, 40, 28, 32]
 
@@ -129,7 +129,7 @@ def test_no_library_falls_back_to_nvidia_smi(tmp_path: Path, monkeypatch: pytest
     fact = probe_health_nvml.fact_health_nvml(params)
     assert fact["absent"] and "cannot open shared object file" in fact["error"]
     monkeypatch.setattr(
-        probe_health,
+        probe_health_smi,
         "run_recorded",
         lambda argv, timeout, record: {"rc": 127, "stdout": "", "stderr": "", "timed_out": False},
     )
@@ -235,13 +235,13 @@ def test_a_fabric_structure_is_laid_out_as_nvml_h(tmp_path: Path) -> None:
     got = subprocess.run(
         [str(tmp_path / "fabric")], capture_output=True, text=True, check=True
     ).stdout.split()
-    v1, v2 = probe_health_nvml.FabricInfo, probe_health_nvml.FabricInfoV2
+    v1, v2 = probe_nvml.FabricInfo, probe_nvml.FabricInfoV2
     want = [
         ctypes.sizeof(v1),
         v1.state.offset,
         ctypes.sizeof(v2),
         v2.healthMask.offset,
-        probe_health_nvml.FABRIC_V2,
+        probe_nvml.FABRIC_V2,
     ]
     assert [int(x) for x in got] == want == [28, 24, 36, 32, 36 | 2 << 24]
 

@@ -460,7 +460,7 @@ def test_infiniband_ports_read_as_the_kernel_prints_them(tmp_path: Path) -> None
 
 
 def test_header_versions_read_both_spellings() -> None:
-    from pytest_gpuhost.exec.agent.probe_health import header_versions
+    from pytest_gpuhost.exec.agent.probe_health_smi import header_versions
 
     root = Path(__file__).resolve().parent.parent
     text = (root / "fixtures" / "outputs" / "nvidia-smi-610.57.04-gtx1650.txt").read_text()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.exec.agent import probe_health
+from pytest_gpuhost.exec.agent import probe_health, probe_health_smi
 from pytest_gpuhost.modules.health import checks as hm
 from pytest_gpuhost.modules.health import xid as hm_xid
 
@@ -39,7 +39,8 @@ def fake_smi(monkeypatch: pytest.MonkeyPatch, known: dict[str, str]) -> list[lis
             "timed_out": False,
         }
 
-    monkeypatch.setattr(probe_health, "run_recorded", run)
+    for module in (probe_health, probe_health_smi):  # the readers, and the fabric part's systemctl
+        monkeypatch.setattr(module, "run_recorded", run)
     return calls
 
 
