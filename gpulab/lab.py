@@ -188,11 +188,20 @@ def _join_cgroup(rel: str) -> None:
             (d / "cgroup.procs").write_text(str(os.getpid()))
 
 
+def _cgroup_tree(d: Path) -> list[Path]:
+    """Return cgroup `d` and every cgroup below it ([] when `d` is gone).
+
+    os.walk, not Path.rglob: a child cgroup removed while it is listed (a lab-exec command ending,
+    systemd cleaning up a unit) is skipped; rglob raised FileNotFoundError out of a host's reset.
+    """
+    return [Path(root) for root, _, _ in os.walk(d)]
+
+
 def _remove_cgroup(rel: str) -> None:
     for d in _cgroup_dirs(rel):
         if not d.is_dir():
             continue
-        for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        for sub in sorted(_cgroup_tree(d)[1:], key=lambda p: -len(p.parts)):
             with contextlib.suppress(OSError):
                 sub.rmdir()
         with contextlib.suppress(OSError):
@@ -748,7 +757,7 @@ class LabHost:
                     os.kill(pid, signal.SIGKILL)
                 _wait_gone(pid, 5)
         for d in _cgroup_dirs(self.cgroup):
-            for sub in [d, *[p for p in d.rglob("*") if p.is_dir()]] if d.is_dir() else []:
+            for sub in _cgroup_tree(d):
                 with contextlib.suppress(OSError):
                     for pid_s in (sub / "cgroup.procs").read_text().split():
                         if int(pid_s) != os.getpid():  # the supervisor, rebooting the host
@@ -904,7 +913,7 @@ def _teardown(d: Path, name: str, index: int | None) -> None:
                 os.kill(pid, signal.SIGKILL)
     for cgd in _cgroup_dirs(cg):
         if cgd.is_dir():
-            for sub in [cgd, *[p for p in cgd.rglob("*") if p.is_dir()]]:
+            for sub in _cgroup_tree(cgd):
                 with contextlib.suppress(OSError):
                     for pid_s in (sub / "cgroup.procs").read_text().split():
                         os.kill(int(pid_s), signal.SIGKILL)

@@ -165,3 +165,26 @@ def test_down_all_removes_leftovers_of_a_crashed_run(lab):
             what
         )
     assert not list(CGROUP_ROOT.glob(f"*/gpulab/{name}"))
+
+
+def test_a_cgroup_removed_while_its_tree_is_listed_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host's reset lists its cgroups while commands end and their cgroups go: one that goes
+    between being seen and being listed is skipped (Path.rglob raised FileNotFoundError there)."""
+    from gpulab import lab as lab_mod
+
+    for rel in ("a/lab-exec/x", "a/b"):
+        (tmp_path / rel).mkdir(parents=True)
+    real = os.scandir
+
+    def vanishing(path: object = ".") -> object:
+        if str(path).endswith("lab-exec"):
+            (tmp_path / "a/lab-exec/x").rmdir()
+            (tmp_path / "a/lab-exec").rmdir()
+        return real(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "scandir", vanishing)
+    got = lab_mod._cgroup_tree(tmp_path / "a")
+    assert tmp_path / "a" in got and tmp_path / "a/b" in got
+    assert lab_mod._cgroup_tree(tmp_path / "gone") == []
