@@ -400,6 +400,23 @@ class SlurmCluster:
                 out[name] = reason
         return out
 
+    def node_status(self) -> tuple[dict[str, str], dict[str, str]]:
+        """Return (``node_states()``, ``node_reasons()``) from one ``sinfo`` answer: one snapshot.
+
+        Two calls can straddle a change (a drain between them reads as "idle" with its reason).
+        """
+        r = self.run(["sinfo", "-h", "-N", "-o", "%N|%T|%E"], timeout=20)
+        states: dict[str, str] = {}
+        reasons: dict[str, str] = {}
+        for line in r.stdout.splitlines():
+            name, _, rest = line.partition("|")
+            state, _, reason = rest.partition("|")
+            if name and state:
+                states[name] = state.lower()
+            if name and reason and reason != "none":
+                reasons[name] = reason
+        return states, reasons
+
     def reconfigure(
         self, extra_conf: Sequence[str] | None = None, files: Mapping[str, str] | None = None
     ) -> None:

@@ -261,7 +261,7 @@ HEALTHCHECK = "/usr/local/sbin/gpuhost-healthcheck"
 def wait_for(c: Any, done: Any, timeout: float = 60) -> tuple[dict[str, str], dict[str, str]]:
     deadline = time.monotonic() + timeout
     while True:
-        states, reasons = c.node_states(), c.node_reasons()
+        states, reasons = c.node_status()  # one sinfo: states and reasons of the same moment
         if done(states, reasons) or time.monotonic() > deadline:
             return states, reasons
         time.sleep(0.5)
