@@ -1,12 +1,13 @@
-"""Agent probe: the `health` fact, what suites/health judges from nvidia-smi, and free disk space.
+"""Agent probe: the `health` fact, the GPU parts suites/health judges, and free disk space.
 
 Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).  The parts run
 in parallel threads, each command under its own timeout, so one request costs the slowest part,
 not the sum.  Read-only.  The kernel log, PCI/ACS and services are facts of their own
 (probe_health_kernel.py, probe_health_pci.py, probe_health_services.py), asked for in the same
-request; modules/health/facts.py merges them into one facts dict.  The `gpus` and `remap` parts
-come from the `health_nvml` fact (probe_health_nvml.py) where it ran first in the request and
-read the GPUs through NVML (`nvml_parts`); from nvidia-smi otherwise.
+request; modules/health/facts.py merges them into one facts dict.  The `gpus`, `remap` and
+`nvlink` parts and the GPUs' side of `fabric` come from the `health_nvml` fact
+(probe_health_nvml.py) where it ran first in the request and read the GPUs through NVML
+(`nvml_parts`); from nvidia-smi (probe_health_smi.py) otherwise.
 """
 
 import os
