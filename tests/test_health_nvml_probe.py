@@ -72,21 +72,31 @@ def read(lib: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, t
     return params
 
 
-def test_the_structures_are_laid_out_as_nvml_h(tmp_path: Path) -> None:
+def c_values(tmp_path: Path, fmt: str, *exprs: str) -> list[int]:
+    """Compile a program that includes the stand-in's nvml.h declarations; return what `exprs` print."""
     prog = tmp_path / "layout.c"
     prog.write_text(
         f'#include "{nvml.SOURCE}"\n#include <stddef.h>\n'
-        'int main(void) { printf("%zu %zu %zu %zu %zu\\n", sizeof(nvmlPciInfo_t), offsetof(nvmlPciInfo_t, busId),'
-        " sizeof(nvmlFieldValue_t), offsetof(nvmlFieldValue_t, nvmlReturn), offsetof(nvmlFieldValue_t, value));"
-        " return 0; }\n"
+        f'int main(void) {{ printf("{fmt}\\n", {", ".join(exprs)}); return 0; }}\n'
     )
     subprocess.run(["cc", "-o", str(tmp_path / "layout"), str(prog)], check=True, timeout=60)
-    got = subprocess.run(
-        [str(tmp_path / "layout")], capture_output=True, text=True, check=True
-    ).stdout.split()
+    out = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, check=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_the_structures_are_laid_out_as_nvml_h(tmp_path: Path) -> None:
+    got = c_values(
+        tmp_path,
+        "%zu %zu %zu %zu %zu",
+        "sizeof(nvmlPciInfo_t)",
+        "offsetof(nvmlPciInfo_t, busId)",
+        "sizeof(nvmlFieldValue_t)",
+        "offsetof(nvmlFieldValue_t, nvmlReturn)",
+        "offsetof(nvmlFieldValue_t, value)",
+    )
     p, f = probe_nvml.PciInfo, probe_nvml.FieldValue
     want = [ctypes.sizeof(p), p.busId.offset, ctypes.sizeof(f), f.nvmlReturn.offset, f.value.offset]
-    assert [int(x) for x in got] == want == [68, 36, 40, 28, 32]
+    assert got == want == [68, 36, 40, 28, 32]
 
 
 def test_the_parts_have_the_nvidia_smi_shape(
@@ -224,26 +234,18 @@ def test_nvlink_and_fabric_come_through_nvml_in_nvidia_smis_shape(
 
 
 def test_a_fabric_structure_is_laid_out_as_nvml_h(tmp_path: Path) -> None:
-    prog = tmp_path / "fabric.c"
-    prog.write_text(
-        f'#include "{nvml.SOURCE}"\n#include <stddef.h>\n'
-        'int main(void) { printf("%zu %zu %zu %zu %u\\n", sizeof(nvmlGpuFabricInfo_t),'
-        " offsetof(nvmlGpuFabricInfo_t, state), sizeof(nvmlGpuFabricInfo_v2_t),"
-        " offsetof(nvmlGpuFabricInfo_v2_t, healthMask), nvmlGpuFabricInfo_v2); return 0; }\n"
+    got = c_values(
+        tmp_path,
+        "%zu %zu %zu %zu %u",
+        "sizeof(nvmlGpuFabricInfo_t)",
+        "offsetof(nvmlGpuFabricInfo_t, state)",
+        "sizeof(nvmlGpuFabricInfo_v2_t)",
+        "offsetof(nvmlGpuFabricInfo_v2_t, healthMask)",
+        "nvmlGpuFabricInfo_v2",
     )
-    subprocess.run(["cc", "-o", str(tmp_path / "fabric"), str(prog)], check=True, timeout=60)
-    got = subprocess.run(
-        [str(tmp_path / "fabric")], capture_output=True, text=True, check=True
-    ).stdout.split()
     v1, v2 = probe_nvml.FabricInfo, probe_nvml.FabricInfoV2
-    want = [
-        ctypes.sizeof(v1),
-        v1.state.offset,
-        ctypes.sizeof(v2),
-        v2.healthMask.offset,
-        probe_nvml.FABRIC_V2,
-    ]
-    assert [int(x) for x in got] == want == [28, 24, 36, 32, 36 | 2 << 24]
+    want = [ctypes.sizeof(v1), v1.state.offset, ctypes.sizeof(v2), v2.healthMask.offset, probe_nvml.FABRIC_V2]
+    assert got == want == [28, 24, 36, 32, 36 | 2 << 24]
 
 
 def test_a_hung_nvlink_call_is_named(lib: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -156,6 +156,17 @@ static nvmlReturn_t get_ull(nvmlDevice_t d, const char *key, unsigned long long 
     return r;
 }
 
+/* A (current, pending) mode pair: the lab has no pending change, so pending is current. */
+static nvmlReturn_t get_mode(nvmlDevice_t d, const char *key, unsigned int *current, unsigned int *pending)
+{
+    if (pending == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t r = get_uint(d, key, current);
+    if (r == NVML_SUCCESS)
+        *pending = *current;
+    return r;
+}
+
 static nvmlReturn_t get_str(nvmlDevice_t d, const char *key, char *buf, unsigned int length)
 {
     const char *v = NULL;
@@ -384,12 +395,7 @@ nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t device, int threshol
 nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending)
 {
     maybe_hang("nvmlDeviceGetEccMode");
-    if (pending == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t r = get_uint(device, "ecc_mode", current);
-    if (r == NVML_SUCCESS)
-        *pending = *current;
-    return r;
+    return get_mode(device, "ecc_mode", current, pending);
 }
 
 /* nvml.h:6986 nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMemoryErrorType_t errorType,
@@ -460,12 +466,7 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
 nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode)
 {
     maybe_hang("nvmlDeviceGetMigMode");
-    if (pendingMode == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t r = get_uint(device, "mig", currentMode);
-    if (r == NVML_SUCCESS)
-        *pendingMode = *currentMode;
-    return r;
+    return get_mode(device, "mig", currentMode, pendingMode);
 }
 
 /* nvml.h:9506 nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, nvmlEnableState_t *isActive);

@@ -164,17 +164,21 @@ def probe_files() -> list[Path]:
 
 
 def _with_needs(stem: str) -> list[Path]:
-    """The probe `stem` and every probe it needs, in load order."""
-    order = _probe_order()
-    by_stem = {p.stem: p for p in order}
+    """The probe `stem` and every probe it needs, in load order (each file read once a process)."""
+    order, needs = _probe_order(), _needs_map()
     want: set[str] = set()
     todo = [stem]
     while todo:
         s = todo.pop()
         if s not in want:
             want.add(s)
-            todo.extend(probe_needs(by_stem[s]))
+            todo.extend(needs[s])
     return [p for p in order if p.stem in want]
+
+
+@functools.lru_cache(maxsize=1)
+def _needs_map() -> dict[str, list[str]]:
+    return {p.stem: probe_needs(p) for p in _probe_order()}
 
 
 def _core_source(path: Path) -> str:
