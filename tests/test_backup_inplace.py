@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from boto3.s3.transfer import TransferConfig
 
-from pytest_gpuhost.exec.agent.probe_backup import _Crc
+from pytest_gpuhost.exec.agent.probe_backup_digests import _Crc
 from pytest_gpuhost.exec.s3io import make_client
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
 from pytest_gpuhost.modules.backup.inplace import InPlace, ObjectFacts, choose, multipart_etag
