@@ -27,6 +27,7 @@ __all__ = [
     "ThresholdError",
     "Thresholds",
     "diag_tools",
+    "markdown_table",
     "model_name",
     "model_spec",
     "mount_specs",
@@ -34,6 +35,29 @@ __all__ = [
     "unknown_models",
     "unknown_note",
 ]
+
+
+def _shown(name: str, value: Any) -> str:
+    """A default as docs/fleet.md shows it: unset, true/false, [a, b], a mask in hex."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_shown(name, v) for v in value) + "]"
+    if isinstance(value, int) and name.endswith("_mask"):
+        return hex(value)
+    return str(value)
+
+
+def markdown_table() -> str:
+    """Return the thresholds table of docs/fleet.md, one row per `THRESHOLDS` entry, in its order.
+
+    scripts/docs_tables.py writes it into the doc; a test fails when the doc's copy is stale.
+    """
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{t.name}` | {_shown(t.name, t.default)} | {t.help} |" for t in THRESHOLDS]
+    return "\n".join(rows) + "\n"
 
 
 class ThresholdError(ValueError):
