@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -32,15 +34,8 @@ def test_every_named_safety_check_has_a_test_that_fails_without_it(request: pyte
     assert "survived" not in r.stdout and " killed" in r.stdout
 
 
-def _mutate():  # the script is not a package module: load it from its path
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpuhost_mutate", ROOT / "scripts" / "mutate.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+def _mutate():
+    return load_script("mutate")
 
 
 def test_the_control_runs_each_guarding_test_once_and_a_whole_file_covers_its_node_ids() -> None:
