@@ -3,7 +3,8 @@
 
 Each table sits in its doc between a start marker and an end marker, `<!-- generated: NAME -->`
 and `<!-- /generated: NAME -->`; what lies between is replaced. Today: the health thresholds
-(`health.thresholds.THRESHOLDS`) in docs/fleet.md. `--check` exits 1 naming each stale table, so
+(`health.thresholds.THRESHOLDS`) and the health checks (`health.checks.DECLARED`), both in
+docs/fleet.md. `--check` exits 1 naming each stale table, so
 a test (tests/test_docs_tables.py) fails when the code changed and the doc did not.
 """
 
@@ -17,11 +18,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pytest_gpuhost.modules.health.checks import checks_table  # noqa: E402
 from pytest_gpuhost.modules.health.thresholds import markdown_table  # noqa: E402
 
 #: name -> (doc, the function that renders the table)
 TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "thresholds": ("docs/fleet.md", markdown_table),
+    "checks": ("docs/fleet.md", checks_table),
 }
 
 

@@ -42,11 +42,10 @@ __all__ = [
 ]
 
 STATE_FILE = "nodecheck-state.json"
-#: Checks left to the nightly suite: boot-time configuration (IOMMU, ACS, CUDA version), the P2P
-#: matrix, the inference service (not on batch nodes), and the opt-in active diagnostics.
-NIGHTLY_ONLY = frozenset(
-    {"cuda_version", "iommu_group_type", "acs", "p2p", "service", "service_health", "diag"}
-)
+#: Checks left to the nightly suite (declared `nightly_only`): boot-time configuration (IOMMU,
+#: ACS, CUDA version), the P2P matrix, the inference service (not on batch nodes), and the opt-in
+#: active diagnostics.
+NIGHTLY_ONLY = frozenset(c.name for c in hm.DECLARED if c.nightly_only)
 #: The facts parts a node check never reads (their checks are nightly-only).
 _SKIPPED_PARTS = frozenset({"p2p", "services", "diag"})
 COMMIT_TIMEOUT = 1.0
@@ -59,7 +58,7 @@ def default_checks() -> list[str]:
 
 #: Checks that read the kernel log part (the Xid/SXid lines, and the last run's counters kept
 #: with the cursor); without one of them the kernel log is not read at all.
-KERNEL_LOG_CHECKS = frozenset({"xid", "sxid", "clock_events", "pcie_aer", "infiniband", "nvlink"})
+KERNEL_LOG_CHECKS = frozenset(c.name for c in hm.DECLARED if "kernel_log" in (*c.reads, *c.also_reads))
 #: The check whose verdict moves the cursor: a run without it leaves the Xid lines for a later run.
 COMMIT_CHECK = "xid"
 
@@ -108,23 +107,11 @@ class NodeResult:
         return not self.failures()
 
 
-#: The parts each check reads beyond `gpus` (the verdict functions in modules/health_*.py).
-_READS: Mapping[str, tuple[str, ...]] = {
-    "gpu_count": ("gpus", "pci"),
-    "pcie_link": ("gpus", "pci"),
-    "xid": ("kernel_log",),
-    "sxid": ("kernel_log",),
-    "clock_events": ("gpus", "kernel_log"),  # the last run's counters come back with the kernel log
-    "disk_free": ("disk",),
-    "mounts": ("mounts",),
-}
-
-
 def _fact_checks(checks: Sequence[str]) -> dict[str, list[str]]:
     """Map each fact to the checks that cannot be judged without it."""
     out: dict[str, list[str]] = {}
     for c in checks:
-        for p in _READS.get(c, ("gpus",)):
+        for p in hm.declared(c).reads:
             out.setdefault(health_facts.FACT_OF_PART.get(p, "health"), []).append(c)
     return out
 
