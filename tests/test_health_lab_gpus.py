@@ -441,3 +441,30 @@ def test_b200_fabric_in_progress_or_fabric_manager_down_fails(lab: Any, tmp_path
                 "systemctl stop nvidia-fabricmanager.service; rm -f /etc/systemd/system/nvidia-fabricmanager.service; systemctl daemon-reload",
             ]
         )
+
+
+def test_a_gpu_left_in_mig_mode_fails(lab: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU 1 left in MIG mode, GPU 2 with MIG pending for its next reset: the same two reasons
+    through nvidia-smi's mig.mode.current/pending and through NVML's nvmlDeviceGetMigMode."""
+    h = boot(lab, "health-ok")
+    inject(
+        h,
+        {"gpus": {"0000:14:00.0": {"mig_mode": "Enabled"}, "0000:23:00.0": {"mig_mode_pending": "Enabled"}}},
+    )
+    try:
+        got = {}
+        for source in ("nvidia-smi", "auto"):
+            monkeypatch.setenv(SOURCE_ENV, source)
+            got[source] = run_health(h, tmp_path, name=f"mig-{source}")["mig_mode"]
+    finally:
+        inject(h, {})
+    for source, c in got.items():
+        assert c["outcome"] == "failed", (source, c)
+        assert c["reasons"] == [
+            "GPU 1 (0000:14:00.0): MIG mode Enabled, the inventory expects Disabled "
+            "(nvidia-smi -i 1 -mig 0, then a GPU reset)",
+            "GPU 2 (0000:23:00.0): MIG mode Enabled pending: the next GPU reset applies it "
+            "(nvidia-smi -i 2 -mig 0 undoes it)",
+        ], source
+    monkeypatch.delenv(SOURCE_ENV)
+    assert run_health(h, tmp_path, name="mig-ok")["mig_mode"]["outcome"] == "passed"

@@ -156,13 +156,18 @@ static nvmlReturn_t get_ull(nvmlDevice_t d, const char *key, unsigned long long 
     return r;
 }
 
-/* A (current, pending) mode pair: the lab has no pending change, so pending is current. */
+/* A (current, pending) mode pair: pending from KEY_pending where the state has it (a mode change
+ * waiting for a GPU reset, as `nvidia-smi -mig 1` leaves it), else the current mode. */
 static nvmlReturn_t get_mode(nvmlDevice_t d, const char *key, unsigned int *current, unsigned int *pending)
 {
+    char pkey[KEY_LEN];
     if (pending == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t r = get_uint(d, key, current);
-    if (r == NVML_SUCCESS)
+    if (r != NVML_SUCCESS)
+        return r;
+    snprintf(pkey, sizeof pkey, "%s_pending", key);
+    if (get_uint(d, pkey, pending) != NVML_SUCCESS)
         *pending = *current;
     return r;
 }

@@ -141,11 +141,28 @@ def _memory_temp_max(g: GpuView, host: Host) -> str:
     return f"{v} C" if v is not None else ("95 C" if _hbm(g) else "N/A")
 
 
+# Models with MIG (NVIDIA MIG User Guide, "Supported GPUs": A100, A30, H100, H200, H20, B200,
+# B300, GB200, RTX PRO 6000 Blackwell Server Edition); others print [N/A] for both MIG fields
+_MIG_MODELS = ("A100", "A30", "H100", "H200", "H20", "B200", "B300", "GB200", "RTX PRO 6000")
+
+
+def mig_modes(host: Host, g: GpuView) -> tuple[str, str]:
+    """A GPU's MIG mode, current and pending (the mode the next GPU reset applies), as --query-gpu
+    prints them: "Enabled, Enabled" on a GPU an operator partitioned, "Disabled, Enabled" after
+    `nvidia-smi -i N -mig 1` before the reset, "[N/A], [N/A]" on a model without MIG. Faults
+    ``mig_mode`` and ``mig_mode_pending`` (default: the current mode) set them."""
+    if not any(m in g.name for m in _MIG_MODELS):
+        return "[N/A]", "[N/A]"
+    current = str(_fault(host, g, "mig_mode") or "Disabled")
+    return current, str(_fault(host, g, "mig_mode_pending") or current)
+
+
 def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
     h = g.health
     ecc = str(_fault(host, g, "ecc_mode") or "Enabled")
     lk = g.link
     pstate = "P0" if g.holders else "P8"
+    mig, mig_pending = mig_modes(host, g)
     fields: dict[str, tuple[str, str]] = {
         "timestamp": (__import__("time").strftime("%Y/%m/%d %H:%M:%S.000"), ""),
         "driver_version": (host.driver_version, ""),
@@ -227,7 +244,8 @@ def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
         "compute_mode": ("Default", ""),
         "pstate": (pstate, ""),
         "fan.speed": ("[N/A]", "%"),
-        "mig.mode.current": ("[N/A]", ""),
+        "mig.mode.current": (mig, ""),
+        "mig.mode.pending": (mig_pending, ""),
         "display_mode": ("Disabled", ""),
         "vbios_version": ("98.02.2E.00.04", ""),
         "minor_number": (str(g.minor), ""),
@@ -417,7 +435,7 @@ def table(host: Host, ids: str | None) -> None:
             f"|{'N/A':>4}{h.get('temperature', 35):>5}C{perf:>6}{usage:>16} / {cap:>4}W "
             f"|{g.memory_used:>8}MiB / {g.memory_total:>6}MiB |{0:>7}%{'Default':>13} |"
         )
-        o.append(f"|{'':41}|{'':24}|{'Disabled':>21} |")
+        o.append(f"|{'':41}|{'':24}|{mig_modes(host, g)[0].strip('[]'):>21} |")
         o.append(SPLIT_END)
     o.append(" " * 89)
     o.append(LINE)

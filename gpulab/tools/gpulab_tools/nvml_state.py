@@ -49,6 +49,9 @@ FIELDS = (
     ("persistence", "persistence_mode"),
     ("temp", "temperature.gpu"),
     ("ecc_mode", "ecc.mode.current"),
+    # nvmlDeviceGetMigMode's current and pending mode (get_mode reads KEY_pending where there is one)
+    ("mig", "mig.mode.current"),
+    ("mig_pending", "mig.mode.pending"),
     ("ecc_corrected", "ecc.errors.corrected.volatile.total"),
     ("ecc_uncorrected", "ecc.errors.uncorrected.volatile.total"),
     ("retired_pending", "retired_pages.pending"),

@@ -140,6 +140,10 @@ def read_gpu(nv, index, driver):
     cur, pend = ctypes.c_uint(), ctypes.c_uint()
     rc = nv.call("nvmlDeviceGetEccMode", h, ctypes.byref(cur), ctypes.byref(pend))
     row.put("ecc.mode.current", rc, cur.value, "Enabled" if cur.value else "Disabled")
+    cur, pend = ctypes.c_uint(), ctypes.c_uint()
+    rc = nv.call("nvmlDeviceGetMigMode", h, ctypes.byref(cur), ctypes.byref(pend))
+    for key, mode in (("mig.mode.current", cur.value), ("mig.mode.pending", pend.value)):
+        row.put(key, rc, int(mode == MIG_ENABLE), "Enabled" if mode == MIG_ENABLE else "Disabled")
     row.uint("retired_pages.pending", "nvmlDeviceGetRetiredPagesPendingStatus", h)
     rows = [ctypes.c_uint() for _ in range(4)]
     rc = nv.call("nvmlDeviceGetRemappedRows", h, *[ctypes.byref(x) for x in rows])

@@ -55,6 +55,10 @@ QUERY_FIELDS = (
     "clocks_event_reasons_counters.hw_power_brake_slowdown",
     "clocks_event_reasons_counters.sw_thermal_slowdown",
     "clocks_event_reasons_counters.sw_power_cap",
+    # MIG mode now and after the next GPU reset (Enabled/Disabled, [N/A] on a model without MIG;
+    # nvidia-smi --help-query-gpu): health.gpu.check_mig_mode judges them against `mig_mode`
+    "mig.mode.current",
+    "mig.mode.pending",
 )
 # Fields a driver has all or none of: one unknown drops its family in one retry, not one each.
 FIELD_FAMILIES = ("clocks_event_reasons_counters.",)

@@ -59,6 +59,7 @@ from pytest_gpuhost.modules.health.host import (
 )
 from pytest_gpuhost.modules.health.ib import check_infiniband
 from pytest_gpuhost.modules.health.memory import check_memory_temperature
+from pytest_gpuhost.modules.health.mig import check_mig_mode
 from pytest_gpuhost.modules.health.mounts import check_mounts
 from pytest_gpuhost.modules.health.thresholds import (
     THRESHOLDS,
@@ -177,6 +178,15 @@ DECLARED: tuple[HealthCheck, ...] = (
         "No row remapping failure.",
         "a row remap is pending or row remapping failed",
         lab=_LAB_GPUS + "test_row_remap_pending_fails_the_gpu",
+    ),
+    HealthCheck(
+        "mig_mode",
+        check_mig_mode,
+        "Every GPU with MIG is in the inventory's MIG mode (Disabled by default), now and after its next reset.",
+        "a GPU whose model has MIG is in another MIG mode than `mig_mode`, or has a change to "
+        "another pending for its next reset (models without MIG: not judged)",
+        thresholds=("mig_mode",),
+        lab=_LAB_GPUS + "test_a_gpu_left_in_mig_mode_fails",
     ),
     HealthCheck(
         "xid",

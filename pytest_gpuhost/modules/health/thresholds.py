@@ -72,6 +72,8 @@ class Threshold:
     default: Any
     kind: type | tuple[type, ...]
     help: str
+    #: the words a string variable may take (matched without case, kept as written here)
+    choices: tuple[str, ...] = ()
 
 
 THRESHOLDS: tuple[Threshold, ...] = (
@@ -102,6 +104,14 @@ THRESHOLDS: tuple[Threshold, ...] = (
     ),
     Threshold(
         "ecc_corrected_max", None, int, "most volatile corrected ECC errors per GPU; unset: reported only"
+    ),
+    Threshold(
+        "mig_mode",
+        "Disabled",
+        str,
+        "the MIG mode of every GPU whose model has MIG, now and after its next reset: "
+        "Disabled, Enabled, or any (not judged)",
+        choices=("Disabled", "Enabled", "any"),
     ),
     Threshold(
         "xid_ignore",
@@ -266,6 +276,13 @@ class Thresholds:
                 raise ThresholdError(
                     f"inventory variable {name}={value!r}: expected {_kind_names(kinds)} ({spec.help})"
                 )
+            if spec.choices and isinstance(value, str):
+                word = next((c for c in spec.choices if c.lower() == value.lower()), None)
+                if word is None:
+                    raise ThresholdError(
+                        f"inventory variable {name}={value!r}: expected one of {', '.join(spec.choices)}"
+                    )
+                value = word
             values[name] = value
         return cls(values)
 
