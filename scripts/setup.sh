@@ -41,12 +41,12 @@ if [[ ! -x .venv/bin/python ]]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import pytest_gpuhost, mfusepy, moto, testinfra, pytest_html, xdist" 2>/dev/null \
+if ! .venv/bin/python -c "import pytest_gpuhost, mfusepy, moto, testinfra, pytest_html, xdist, ansible" 2>/dev/null \
    || [[ pyproject.toml -nt .venv/.installed ]]; then
   echo "setup: pip install -e .[dev]"
   .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
   .venv/bin/python -m pip install -q -e '.[dev]' 2>&1 | grep -Ev '^WARNING: Location|^ *$' || true
-  .venv/bin/python -c "import pytest_gpuhost, mfusepy, moto, testinfra, pytest_html, xdist" \
+  .venv/bin/python -c "import pytest_gpuhost, mfusepy, moto, testinfra, pytest_html, xdist, ansible" \
     || { echo "setup: pip install failed" >&2; exit 1; }
   touch .venv/.installed
 fi

@@ -268,6 +268,14 @@ def choice(*choices: str) -> Parse:
     return parse
 
 
+def existing_path(raw: Any) -> str:
+    """Take the path of a file or directory that exists (`~` is expanded when checking)."""
+    path = str(raw).strip()
+    if not Path(path).expanduser().exists():
+        raise BadValue("no such file or directory")
+    return path
+
+
 def existing_file(raw: Any) -> str:
     """Take the path of a file that exists (`~` is expanded when checking)."""
     path = str(raw).strip()

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.errors import TargetError
+from pytest_gpuhost.exec.inventory.ansible import READERS
 from pytest_gpuhost.exec.nodename import check_node_name
 from pytest_gpuhost.exec.targets import TargetOptions
 from pytest_gpuhost.run import testinfra_compat
@@ -33,6 +34,7 @@ from pytest_gpuhost.run.options import (
     add_flag,
     choice,
     existing_file,
+    existing_path,
     register,
     seconds,
 )
@@ -122,9 +124,19 @@ OPTIONS: tuple[Option, ...] = (
     _opt(
         "inventory",
         "--inventory",
-        "inventory of targets (YAML or Ansible INI) with per-host variables",
-        parse=existing_file,
-        metavar="FILE",
+        "inventory of targets (YAML, Ansible INI or --list JSON; with --inventory-reader=ansible "
+        "any source ansible-inventory reads) with per-host variables",
+        parse=existing_path,
+        metavar="PATH",
+    ),
+    _opt(
+        "inventory_reader",
+        "--inventory-reader",
+        "who reads --inventory: auto (ours; Ansible for a plugin config), ansible "
+        "(ansible-inventory --list, for any source), builtin (default {default})",
+        parse=choice(*READERS),
+        default=READERS[0],
+        metavar="auto|ansible|builtin",
     ),
     _opt(
         "check_only",
@@ -250,6 +262,7 @@ class Settings:
     node_name: str | None
     container: str | None
     inventory: str | None
+    inventory_reader: str
     check_only: bool
     command_timeout: float
     connect_timeout: float

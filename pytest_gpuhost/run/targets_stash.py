@@ -73,7 +73,7 @@ def load_targets(config: pytest.Config, s: Settings) -> list[Any]:
         from pytest_gpuhost.exec.inventory.load import load_inventory  # YAML, only when an inventory is given
 
         try:
-            specs.extend(load_inventory(s.inventory))
+            specs.extend(load_inventory(s.inventory, reader=s.inventory_reader))
         except GpuhostError as exc:
             raise sources["inventory"].error(f"bad inventory: {exc}") from None
     if s.container:

@@ -2,5 +2,6 @@
 
 `formats` parses YAML, INI and `ansible-inventory --list` JSON into a `model`; `dirs` reads
 `group_vars/` and `host_vars/`; `vars` maps Ansible's connection variables onto a TargetSpec;
-`names` checks host names and expands ranges; `pattern` compiles `--limit` host patterns.
+`names` checks host names and expands ranges; `pattern` compiles `--limit` host patterns;
+`ansible` reads any source through `ansible-inventory --list` (plugin configs, directories).
 """

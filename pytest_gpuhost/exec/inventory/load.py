@@ -1,5 +1,8 @@
 """Load target inventories as Ansible does: YAML, INI, `ansible-inventory --list` JSON, vars directories.
 
+Or through Ansible itself (`inventory.ansible`): plugin configs always, any source with
+`--inventory-reader=ansible`.
+
 YAML::
 
     all:
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_gpuhost.errors import TargetError
+from pytest_gpuhost.exec.inventory.ansible import READERS, is_plugin_config, list_inventory
 from pytest_gpuhost.exec.inventory.dirs import load_vars_dirs
 from pytest_gpuhost.exec.inventory.formats import (
     is_script_json,
@@ -90,7 +94,9 @@ def _read_text(p: Path) -> str:
     except FileNotFoundError:
         raise TargetError(f"inventory file {p} not found") from None
     except IsADirectoryError:
-        raise TargetError(f"inventory {p} is a directory, not a file") from None
+        raise TargetError(
+            f"inventory {p} is a directory, not a file (--inventory-reader=ansible reads directories)"
+        ) from None
     except OSError as exc:
         raise TargetError(f"cannot read inventory {p}: {exc.strerror}") from None
     except UnicodeDecodeError:
@@ -110,20 +116,34 @@ def _looks_ini(text: str) -> bool:
 _YAML_KEY = re.compile(r"^[^\s:#\[]+:(?:\s|$)")  # `all:` (INI's `host:port` has no space after the colon)
 
 
-def read_inventory(path: str | Path, known_vars: Iterable[str] = ()) -> Inventory:
-    """Load an inventory file and the vars directories next to it; nothing is printed.
+def read_inventory(path: str | Path, known_vars: Iterable[str] = (), reader: str = "auto") -> Inventory:
+    """Load an inventory and the vars directories next to it; nothing is printed.
 
     `known_vars` adds variable names (e.g. the health thresholds) to those a misspelling is
-    compared with.
+    compared with. `reader` says who reads it (`inventory.ansible`): `auto` this project's
+    readers, Ansible for a plugin config; `ansible` Ansible for any source; `builtin` never Ansible.
     """
+    if reader not in READERS:
+        raise TargetError(f"inventory reader {reader!r}: choose one of {', '.join(READERS)}")
     p = Path(path)
+    check = KeyCheck(known_vars)
     try:
-        return _read(p, _read_text(p), KeyCheck(known_vars))
+        if reader == "ansible":
+            return _from_ansible(p, check)
+        return _read(p, _read_text(p), check, ansible_plugins=reader == "auto")
     except RecursionError:  # a hostile file nesting groups thousands deep
         raise TargetError(f"inventory {p}: groups or values are nested too deeply") from None
 
 
-def _read(p: Path, text: str, check: KeyCheck) -> Inventory:
+def _from_ansible(p: Path, check: KeyCheck) -> Inventory:
+    """Read what `ansible-inventory --list` makes of `p`; its hostvars already hold the vars directories."""
+    model = Model(f"inventory {p}", check)
+    read_script(model, p, list_inventory(p))
+    specs = model.specs({}, {})
+    return Inventory(p, specs, model.notes + check.warnings())
+
+
+def _read(p: Path, text: str, check: KeyCheck, ansible_plugins: bool = False) -> Inventory:
     model = Model(f"inventory {p}", check)
     suffix = p.suffix.lower()
     if suffix in (".ini", ".cfg", ".hosts") or (
@@ -134,6 +154,13 @@ def _read(p: Path, text: str, check: KeyCheck) -> Inventory:
         data = read_json(p, text) if suffix == ".json" else load_yaml(p, text)
         if is_script_json(data):
             read_script(model, p, data)
+        elif is_plugin_config(data):
+            if not ansible_plugins:
+                raise TargetError(
+                    f"inventory {p}: an Ansible inventory plugin config (plugin: {data['plugin']}); "
+                    "only Ansible reads it (--inventory-reader=auto or ansible)"
+                )
+            return _from_ansible(p, check)
         else:
             read_yaml(model, p, data)
     group_files, host_files = load_vars_dirs(model, p.parent)
@@ -141,9 +168,11 @@ def _read(p: Path, text: str, check: KeyCheck) -> Inventory:
     return Inventory(p, specs, model.notes + check.warnings())
 
 
-def load_inventory(path: str | Path, known_vars: Iterable[str] = ()) -> list[TargetSpec]:
+def load_inventory(
+    path: str | Path, known_vars: Iterable[str] = (), reader: str = "auto"
+) -> list[TargetSpec]:
     """Load an inventory; one TargetSpec per host. Each warning is issued as an InventoryWarning."""
-    inv = read_inventory(path, known_vars)
+    inv = read_inventory(path, known_vars, reader)
     for line in inv.warnings:
         warnings.warn(line, InventoryWarning, stacklevel=2)
     return inv.specs
