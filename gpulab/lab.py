@@ -24,6 +24,10 @@ Each machine runs in its own PID, mount, UTS, IPC, cgroup and network namespaces
 systemd, in cgroup ``gpulab/NAME`` (containers: ``gpulab/NAME/lxc/ID``) of the systemd, pids,
 devices and freezer hierarchies; memory and cpu stay this machine's. Link delay uses netem where
 the kernel has it, else ``gpulab.delayproxy`` in front of the host's sshd; loss needs netem.
+
+The parts, by concept: ``gpulab.cgroups`` (a machine's cgroups, freezing), ``gpulab.procs``
+(processes and mounts seen from this machine), ``gpulab.layer`` (the files put under a host's
+root before it boots), ``gpulab.boot`` (its /etc and /dev), ``gpulab.netns`` (its link).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpulab import boot, netns, nvml, units
+from gpulab import boot, cgroups, layer, netns, procs, units
 from gpulab.errors import LabError
 from gpulab.profile import Profile, ProfileError, Service, load_profile
 
@@ -55,12 +59,10 @@ RUN = Path("/run/gpulab")
 CLIENT_KEY = RUN / "id_ed25519"
 PKG = Path(__file__).resolve().parent
 REPO = PKG.parent
-HOST_PY_SITE = "usr/local/lib/python3.11/dist-packages"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 BOOT_TIMEOUT = 90.0
 FS_SIZE = {"small": "2g", "bench": "4g"}
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: Per-GPU runtime faults (faults.json) a reboot clears: a reboot resets every GPU, so all that
 #: a GPU reset clears (gpulab_tools.nvidia_smi_reset.CLEARED_BY_RESET), and ``reset_sticks``, a GPU
 #: that a reset leaves in error until the node reboots.
@@ -70,28 +72,9 @@ NETEM_MISSING = (
 )
 
 
-def _run(
-    argv: Sequence[str], timeout: float = 30, check: bool = True, **kw: Any
-) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False, **kw)
-    if check and p.returncode != 0:
-        raise LabError(
-            f"{shlex.join(argv)}: {(p.stderr or p.stdout).strip().splitlines()[-1:] or p.returncode}"
-        )
-    return p
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _is_ours(pid: int, name: str) -> bool:
     """Say whether live ``pid`` is a lab process of host ``name`` (guards against reused PIDs)."""
-    if not _alive(pid):
+    if not procs.alive(pid):
         return False
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -105,109 +88,6 @@ def _is_ours(pid: int, name: str) -> bool:
     )
 
 
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        if not _alive(pid):
-            return True
-        time.sleep(0.02)
-    return not _alive(pid)
-
-
-def _mounts_under(prefix: Path) -> list[str]:
-    out = []
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            mp = line.split()[1].encode().decode("unicode_escape")
-            if mp == str(prefix) or mp.startswith(str(prefix) + "/"):
-                out.append(mp)
-    return out
-
-
-def _umount_under(prefix: Path) -> None:
-    """Unmount everything at or below ``prefix``, deepest first (lazily: a hung FUSE must not block)."""
-    for _ in range(4):
-        mps = sorted(set(_mounts_under(prefix)), key=lambda m: (-m.count("/"), m))
-        if not mps:
-            return
-        for mp in mps:
-            _run(["umount", "-l", mp], timeout=10, check=False)
-
-
-def _cgroup_dirs(rel: str) -> list[Path]:
-    """Return ``rel`` in every cgroup hierarchy this machine mounts (v1 controllers and unified)."""
-    out: list[Path] = []
-    if not CGROUP_ROOT.is_dir():
-        return out
-    for h in sorted(CGROUP_ROOT.iterdir()):
-        if h.is_dir() and (h / "cgroup.procs").exists():
-            out.append(h / rel)
-    if (CGROUP_ROOT / "cgroup.procs").exists():  # a pure cgroup2 machine
-        out.append(CGROUP_ROOT / rel)
-    return out
-
-
-def _make_cgroup(rel: str) -> None:
-    for d in _cgroup_dirs(rel):
-        with contextlib.suppress(OSError):
-            d.mkdir(parents=True, exist_ok=True)
-            if (d / "cpuset.cpus").exists():
-                _init_cpuset(d)
-
-
-def _init_cpuset(d: Path) -> None:
-    """Give a new v1 cpuset cgroup (and its new ancestors) the parent's cpus and mems."""
-    chain = []
-    p = d
-    while (p / "cpuset.cpus").exists() and p != p.parent:
-        chain.append(p)
-        p = p.parent
-    for c in reversed(chain):
-        for f in ("cpuset.cpus", "cpuset.mems"):
-            with contextlib.suppress(OSError):
-                if not (c / f).read_text().strip():
-                    (c / f).write_text((c.parent / f).read_text())
-
-
-# Hierarchies a lab process is moved in: systemd's own (name=systemd, unified), the freezer, and
-# the two controllers systemd uses anyway (pids for TasksMax, devices): each machine's cgroup
-# namespace then roots them in its own subtree. memory and cpu keep this machine's limits.
-JOIN_HIERARCHIES = ("systemd", "unified", "freezer", "pids", "devices")
-
-
-def _join_cgroup(rel: str) -> None:
-    """Move the calling process into ``rel`` (systemd and freezer hierarchies; a preexec_fn)."""
-    _make_cgroup(rel)
-    for d in _cgroup_dirs(rel):
-        pure_v2 = (CGROUP_ROOT / "cgroup.procs").exists()
-        if not pure_v2 and d.relative_to(CGROUP_ROOT).parts[0] not in JOIN_HIERARCHIES:
-            continue
-        with contextlib.suppress(OSError):
-            (d / "cgroup.procs").write_text(str(os.getpid()))
-
-
-def _cgroup_tree(d: Path) -> list[Path]:
-    """Return cgroup `d` and every cgroup below it ([] when `d` is gone).
-
-    os.walk, not Path.rglob: a child cgroup removed while it is listed (a lab-exec command ending,
-    systemd cleaning up a unit) is skipped; rglob raised FileNotFoundError out of a host's reset.
-    """
-    return [Path(root) for root, _, _ in os.walk(d)]
-
-
-def _remove_cgroup(rel: str) -> None:
-    for d in _cgroup_dirs(rel):
-        if not d.is_dir():
-            continue
-        for sub in sorted(_cgroup_tree(d)[1:], key=lambda p: -len(p.parts)):
-            with contextlib.suppress(OSError):
-                sub.rmdir()
-        with contextlib.suppress(OSError):
-            d.rmdir()
-
-
 def _py_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -219,7 +99,7 @@ def ensure_client_key() -> Path:
     RUN.mkdir(parents=True, exist_ok=True)
     if not CLIENT_KEY.exists():
         tmp = RUN / f".id_ed25519.{os.getpid()}"
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpulab-client", "-f", str(tmp)])
+        procs.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpulab-client", "-f", str(tmp)])
         os.replace(str(tmp) + ".pub", str(CLIENT_KEY) + ".pub")
         os.replace(tmp, CLIENT_KEY)
     return CLIENT_KEY
@@ -348,7 +228,7 @@ class LabHost:
             env=env,
             input=input,
             check=False,
-            preexec_fn=lambda: _join_cgroup(self._cg(cid, "lab-exec")),
+            preexec_fn=lambda: cgroups.join_cgroup(self._cg(cid, "lab-exec")),
         )
 
     def _cg(self, cid: int | None, leaf: str) -> str:
@@ -440,11 +320,11 @@ class LabHost:
 
     def freeze(self) -> None:
         """Freeze every process of the host and its containers (cgroup freezer)."""
-        _set_frozen(self.cgroup, True)
+        cgroups.set_frozen(self.cgroup, True)
 
     def thaw(self) -> None:
         """Thaw a frozen host."""
-        _set_frozen(self.cgroup, False)
+        cgroups.set_frozen(self.cgroup, False)
 
     def kill_sshd(self, cid: int | None = None) -> None:
         """Stop the host's sshd (as if it died and stayed dead): new SSH connections are refused."""
@@ -467,7 +347,7 @@ class LabHost:
         fs = self.dir / "fs"
         st = os.statvfs(fs)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
-        _run(["mount", "-o", f"remount,size={used + (16 << 20)}", str(fs)])
+        procs.run(["mount", "-o", f"remount,size={used + (16 << 20)}", str(fs)])
         target = self.dir / "root" / "var" / "tmp" / "gpulab-fill"
         with open(target, "wb") as f:
             chunk = b"\0" * (1 << 20)
@@ -480,7 +360,7 @@ class LabHost:
         """Undo fill_disk."""
         target = self.dir / "root" / "var" / "tmp" / "gpulab-fill"
         target.unlink(missing_ok=True)
-        _run(
+        procs.run(
             [
                 "mount",
                 "-o",
@@ -522,14 +402,14 @@ class LabHost:
         t0 = time.monotonic()
         self._halt()
         for m in self.machines():
-            _umount_under(m.dir / "root")
+            procs.umount_under(m.dir / "root")
             for sub in ("upper", "work"):
                 d = self._fs(m) / sub
                 shutil.rmtree(d, ignore_errors=True)
                 d.mkdir(parents=True)
             self._mount_root(m)
-        _stop_pid(self._pid("sysfs"))
-        _umount_under(self.dir / "sysfs")
+        procs.stop_pid(self._pid("sysfs"))
+        procs.umount_under(self.dir / "sysfs")
         for p in self.state_dir.iterdir():
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
@@ -565,7 +445,7 @@ class LabHost:
         root = m.dir / "root"
         root.mkdir(parents=True, exist_ok=True)
         opts = f"lowerdir={fs / 'base'}:/,upperdir={fs / 'upper'},workdir={fs / 'work'}"
-        _run(["mount", "-t", "overlay", f"gpulab-{self.name}", "-o", opts, str(root)])
+        procs.run(["mount", "-t", "overlay", f"gpulab-{self.name}", "-o", opts, str(root)])
 
     def _write_state(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -575,9 +455,9 @@ class LabHost:
 
     def _start_sysfs(self, reset_record: bool) -> None:
         """(Re)start the FUSE daemon with the profile's boot state."""
-        _stop_pid(self._pid("sysfs"))
+        procs.stop_pid(self._pid("sysfs"))
         mnt = self.dir / "sysfs"
-        _umount_under(mnt)
+        procs.umount_under(mnt)
         mnt.mkdir(exist_ok=True)
         if reset_record:
             (self.state_dir / "record.jsonl").unlink(missing_ok=True)
@@ -636,16 +516,16 @@ class LabHost:
                 *unshare, *boot_argv,
             ]  # fmt: skip
             cg = f"{self.cgroup}/lxc/{m.cid}"
-        _make_cgroup(cg)
+        cgroups.make_cgroup(cg)
         log = open(m.dir / "boot.log", "ab")  # noqa: SIM115 - handed to the launcher
         p = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=_py_env(), start_new_session=True,
-            cwd="/", preexec_fn=lambda: _join_cgroup(cg),
+            cwd="/", preexec_fn=lambda: cgroups.join_cgroup(cg),
         )  # fmt: skip
         log.close()
         key = "launcher" if m.cid is None else f"ct{m.cid}-launcher"
         self._set_pid(key, p.pid)
-        init = _find_init(p.pid, timeout=10)
+        init = procs.find_init(p.pid, timeout=10)
         if init is None:
             raise LabError(f"{m.name}: PID 1 did not start; see {m.dir / 'boot.log'}")
         self._set_pid("init" if m.cid is None else f"ct{m.cid}-init", init)
@@ -676,7 +556,7 @@ class LabHost:
                 data[str(m.cid)] = {
                     "name": m.name,
                     "kind": m.kind,
-                    "pid": _nspid(pid, 1),
+                    "pid": procs.nspid(pid, 1),
                     "hostname": m.hostname,
                 }
         tmp = self.state_dir / ".containers.json.tmp"
@@ -734,7 +614,7 @@ class LabHost:
         with open(logdir / f"{svc.name}.log", "ab") as log:
             p = subprocess.Popen(
                 [*self.nsenter_argv(cid), "setsid", "-f", *argv], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                env=env, preexec_fn=lambda: _join_cgroup(self._cg(cid, "by-hand")), cwd="/",
+                env=env, preexec_fn=lambda: cgroups.join_cgroup(self._cg(cid, "by-hand")), cwd="/",
             )  # fmt: skip
         try:
             p.wait(timeout=30)
@@ -744,7 +624,7 @@ class LabHost:
 
     def _halt(self) -> None:
         """SIGKILL the host's PID 1 (which ends its containers too) and wait for the launchers."""
-        _thaw(self.cgroup)  # a frozen task does not die of SIGKILL until it is thawed
+        cgroups.thaw(self.cgroup)  # a frozen task does not die of SIGKILL until it is thawed
         for what in ["init"] + [f"ct{m.cid}-init" for m in self.machines()[1:]]:
             pid = self._pid(what)
             if pid is not None:
@@ -752,17 +632,17 @@ class LabHost:
                     os.kill(pid, signal.SIGKILL)
         for what in ["launcher"] + [f"ct{m.cid}-launcher" for m in self.machines()[1:]]:
             pid = self._pid(what)
-            if pid is not None and not _wait_gone(pid, 10):
+            if pid is not None and not procs.wait_gone(pid, 10):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                _wait_gone(pid, 5)
-        for d in _cgroup_dirs(self.cgroup):
-            for sub in _cgroup_tree(d):
+                procs.wait_gone(pid, 5)
+        for d in cgroups.cgroup_dirs(self.cgroup):
+            for sub in cgroups.cgroup_tree(d):
                 with contextlib.suppress(OSError):
                     for pid_s in (sub / "cgroup.procs").read_text().split():
                         if int(pid_s) != os.getpid():  # the supervisor, rebooting the host
                             os.kill(int(pid_s), signal.SIGKILL)
-        _remove_cgroup(self.cgroup)
+        cgroups.remove_cgroup(self.cgroup)
 
 
 def _clear_reboot_faults(state_dir: Path) -> None:
@@ -789,97 +669,6 @@ def _clear_reboot_faults(state_dir: Path) -> None:
     os.replace(tmp, path)
 
 
-def _set_frozen(cg: str, frozen: bool, timeout: float = 10) -> None:
-    """Freeze or thaw cgroup ``cg``: v1 freezer.state, or cgroup.freeze on a pure cgroup2 machine."""
-    v1 = CGROUP_ROOT / "freezer" / cg / "freezer.state"
-    v2 = CGROUP_ROOT / cg / "cgroup.freeze"
-    if v1.exists():
-        want = "FROZEN" if frozen else "THAWED"
-        v1.write_text(want)
-
-        def done() -> bool:
-            return v1.read_text().strip() == want
-    elif v2.exists():
-        v2.write_text("1" if frozen else "0")
-        events = CGROUP_ROOT / cg / "cgroup.events"
-
-        def done() -> bool:
-            return f"frozen {int(frozen)}" in events.read_text()
-    else:
-        raise LabError(f"no freezer for cgroup {cg} on this machine")
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            raise LabError(f"cgroup {cg} did not {'freeze' if frozen else 'thaw'} within {timeout:g} s")
-        time.sleep(0.02)
-
-
-def _thaw(cg: str) -> None:
-    """Thaw ``cg`` if frozen (a frozen task does not die of SIGKILL); never raises."""
-    with contextlib.suppress(OSError, LabError):
-        _set_frozen(cg, False, timeout=5)
-
-
-def _stop_pid(pid: int | None, timeout: float = 5) -> None:
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    if not _wait_gone(pid, timeout):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        _wait_gone(pid, 2)
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(x) for x in f.read().split()]
-    return out
-
-
-def _nspid(pid: int, level: int) -> int:
-    """Return ``pid`` as seen at PID-namespace depth ``level`` (0 is the root namespace)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("NSpid:"):
-                ids = [int(x) for x in line.split()[1:]]
-                return ids[level] if level < len(ids) else ids[-1]
-    raise LabError(f"no NSpid for {pid}")
-
-
-def _find_init(launcher: int, timeout: float) -> int | None:
-    """Find the PID 1 the launcher (nsenter/unshare) forked: the process whose NSpid ends in 1."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        todo = [launcher]
-        seen = set()
-        while todo:
-            p = todo.pop()
-            if p in seen:
-                continue
-            seen.add(p)
-            with contextlib.suppress(OSError, LabError):
-                ids = _nspid_all(p)
-                if len(ids) >= 2 and ids[-1] == 1 and p != launcher:
-                    return p
-            todo += _children(p)
-        if not _alive(launcher):
-            return None
-        time.sleep(0.01)
-    return None
-
-
-def _nspid_all(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("NSpid:"):
-                return [int(x) for x in line.split()[1:]]
-    return []
-
-
 def _ssh_banner(address: str, timeout: float = 1.0) -> bool:
     try:
         with socket.create_connection((address, 22), timeout=timeout) as s:
@@ -900,35 +689,35 @@ def _teardown(d: Path, name: str, index: int | None) -> None:
                 if _is_ours(pid, name):
                     recorded[f.name] = pid
     cg = f"gpulab/{name}"
-    _thaw(cg)  # a frozen task does not die of SIGKILL until it is thawed
+    cgroups.thaw(cg)  # a frozen task does not die of SIGKILL until it is thawed
     inits = [pid for what, pid in recorded.items() if what.endswith("init")]
     for pid in inits:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     for pid in inits:
-        _wait_gone(pid, 5)
+        procs.wait_gone(pid, 5)
     for what, pid in recorded.items():
-        if what.endswith("launcher") and not _wait_gone(pid, 5):
+        if what.endswith("launcher") and not procs.wait_gone(pid, 5):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    for cgd in _cgroup_dirs(cg):
+    for cgd in cgroups.cgroup_dirs(cg):
         if cgd.is_dir():
-            for sub in _cgroup_tree(cgd):
+            for sub in cgroups.cgroup_tree(cgd):
                 with contextlib.suppress(OSError):
                     for pid_s in (sub / "cgroup.procs").read_text().split():
                         os.kill(int(pid_s), signal.SIGKILL)
     for what, pid in recorded.items():
         if not what.endswith(("init", "launcher")):  # the FUSE daemon, a delay proxy
-            _stop_pid(pid)
-    _umount_under(d)
+            procs.stop_pid(pid)
+    procs.umount_under(d)
     for ns in netns.lab_netns_names():
         if ns == f"gl-{name}" or ns.startswith(f"gl-{name}-"):
             netns.delete_netns(ns)
     if index is not None:
         netns.delete_route(int(index))
     time.sleep(0.05)
-    _remove_cgroup(cg)
-    if not _mounts_under(d):
+    cgroups.remove_cgroup(cg)
+    if not procs.mounts_under(d):
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -1040,7 +829,7 @@ class Lab:
             netns.add_host_link(host.name, host.index, delay_ms=delay_ms, loss_pct=loss_pct)
         fs = d / "fs"
         fs.mkdir()
-        _run(
+        procs.run(
             [
                 "mount",
                 "-t",
@@ -1052,7 +841,7 @@ class Lab:
             ]
         )
         host._write_state()
-        _write_procfiles(d / "proc", prof)
+        layer.write_procfiles(d / "proc", prof)
         nvidia_minors = [g.minor for g in prof.gpus if prof.function(g.bdf).driver == "nvidia"]
         known = []
         for k, m in enumerate(host.machines()):
@@ -1061,7 +850,9 @@ class Lab:
                 (mfs / sub).mkdir(parents=True, exist_ok=True)
             m.dir.mkdir(parents=True, exist_ok=True)
             key = m.dir / "ssh_host_ed25519_key"
-            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{m.hostname}", "-f", str(key)])
+            procs.run(
+                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{m.hostname}", "-f", str(key)]
+            )
             known.append(f"{m.address} {' '.join(Path(str(key) + '.pub').read_text().split()[:2])}")
             self._build_layer(host, m, key, mfs)
             host._mount_root(m)
@@ -1072,7 +863,7 @@ class Lab:
                 for f in sorted((d / "dev").iterdir()):
                     if f.name.startswith("nvidia") and (f.is_char_device() or f.is_file()):
                         (m.dir / "dev" / f.name).touch()
-                        _run(["mount", "--bind", str(f), str(m.dir / "dev" / f.name)])
+                        procs.run(["mount", "--bind", str(f), str(m.dir / "dev" / f.name)])
                 netns.add_container_link(host.name, host.index, m.cid, k - 1)
         (d / "known_hosts").write_text("\n".join(known) + "\n")
         host._start_sysfs(reset_record=True)
@@ -1098,7 +889,7 @@ class Lab:
         prof = host.profile
         tmp = m.dir / "build"
         tmp.mkdir(exist_ok=True)
-        _run(["mount", "-t", "overlay", "gpulab-build", "-o",
+        procs.run(["mount", "-t", "overlay", "gpulab-build", "-o",
               f"lowerdir=/,upperdir={mfs / 'base'},workdir={mfs / 'work0'}", str(tmp)])  # fmt: skip
         try:
             mine = [s for s in prof.services if s.container_id == m.cid]
@@ -1106,7 +897,7 @@ class Lab:
             for svc in mine:
                 if svc.manager != "systemd":
                     continue
-                extra = {"Environment": _service_env(svc)}
+                extra = {"Environment": layer.service_env(svc)}
                 (tmp / "etc/systemd/system" / units.unit_name(svc)).write_text(units.unit_text(svc, extra))
                 if svc.enabled:
                     enabled.append(units.unit_name(svc))
@@ -1120,14 +911,14 @@ class Lab:
             (tmp / "etc/gpulab/machine").write_text(
                 json.dumps({"host": host.name, "container": m.cid}) + "\n"
             )
-            _install_tools(tmp, container=m.cid is not None)
+            layer.install_tools(tmp, container=m.cid is not None)
             if m.cid is None:
-                _populate_files(tmp, prof, host.meta.get("data_scale", "small"))
+                layer.populate_files(tmp, prof, host.meta.get("data_scale", "small"))
             for svc in mine:
                 if svc.kind == "sglang":
                     (tmp / "var/log/sglang").mkdir(parents=True, exist_ok=True)
         finally:
-            _run(["umount", str(tmp)], check=False)
+            procs.run(["umount", str(tmp)], check=False)
             with contextlib.suppress(OSError):
                 tmp.rmdir()
         shutil.rmtree(mfs / "work0", ignore_errors=True)
@@ -1159,95 +950,18 @@ class Lab:
             if ns.startswith(f"gl-{match}"):
                 netns.delete_netns(ns)
                 removed.append(ns)
-        for mp in _mounts_under(RUN):
+        for mp in procs.mounts_under(RUN):
             rel = Path(mp).relative_to(RUN).parts
-            if rel and rel[0].startswith(match) and _mounts_under(RUN / rel[0]):
-                _umount_under(RUN / rel[0])
+            if rel and rel[0].startswith(match) and procs.mounts_under(RUN / rel[0]):
+                procs.umount_under(RUN / rel[0])
                 removed.append(f"mounts of {rel[0]}")
-        for d in _cgroup_dirs("gpulab"):
+        for d in cgroups.cgroup_dirs("gpulab"):
             if d.is_dir():
                 for sub in d.iterdir():
                     if sub.is_dir() and sub.name.startswith(match):
-                        _remove_cgroup(f"gpulab/{sub.name}")
+                        cgroups.remove_cgroup(f"gpulab/{sub.name}")
         if not match:
-            _remove_cgroup("gpulab")
+            cgroups.remove_cgroup("gpulab")
         if not self.names():
             netns.remove_blackhole()
         return removed
-
-
-def _write_procfiles(d: Path, prof: Profile) -> None:
-    """Write the /proc files that carry the profile's kernel: cmdline, version, osrelease."""
-    d.mkdir(exist_ok=True)
-    (d / "cmdline").write_text(prof.cmdline + "\n")
-    (d / "sys_kernel_osrelease").write_text(prof.kernel + "\n")
-    (d / "version").write_text(
-        f"Linux version {prof.kernel} (build@gpulab) (gcc (Debian 12.2.0-14) 12.2.0, GNU ld 2.40)"
-        " #1 SMP PREEMPT_DYNAMIC\n"
-    )
-
-
-def _service_env(svc: Service) -> str:
-    env = [f"GPULAB_SERVICE={svc.name}", f"GPULAB_IGNORE_SIGTERM={svc.ignore_sigterm}"]
-    if svc.gpus:
-        env.append(f"GPULAB_GPUS={','.join(svc.gpus)}")
-    return " ".join(env)
-
-
-# Where each tool of gpulab/tools/ goes in a lab machine (INTERNALS.md section 4).
-TOOL_PATHS = {
-    "nvidia-smi": "usr/bin/nvidia-smi",
-    "nvbandwidth": "usr/bin/nvbandwidth",
-    "nvidia-persistenced": "usr/bin/nvidia-persistenced",
-    "dmesg": "usr/bin/dmesg",
-    "sglang-standin": "usr/local/bin/sglang-standin",
-    "gpulab_tools/all_reduce_perf": "usr/bin/all_reduce_perf",  # nccl-tests' collective (a module with a main)
-}
-
-
-def _install_tools(root: Path, container: bool) -> None:
-    """Copy the in-host tools, the sglang package and pct/lxc-attach into a machine's lab layer."""
-    tools = PKG / "tools"
-    for name, rel in TOOL_PATHS.items():
-        for cand in (tools / name, tools / f"{name}.py"):
-            if cand.is_file():
-                dst = root / rel
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                if dst.exists() or dst.is_symlink():
-                    dst.unlink()
-                shutil.copyfile(cand, dst)
-                dst.chmod(0o755)
-                break
-    site = root / HOST_PY_SITE
-    site.mkdir(parents=True, exist_ok=True)
-    for pkg in ("sglang", "gpulab_tools"):
-        src = tools / pkg
-        if src.is_dir():
-            shutil.copytree(src, site / pkg, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    lib = root / "usr/local/lib/gpulab"
-    lib.mkdir(parents=True, exist_ok=True)
-    (root / nvml.LIB_PATH).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(nvml.build(), root / nvml.LIB_PATH)
-    shutil.copyfile(PKG / "hosttools" / "ptyhold.py", lib / "ptyhold.py")
-    real_uname = shutil.which("uname") or "/usr/bin/uname"
-    shutil.copy2(real_uname, lib / "uname.real")
-    shutil.copyfile(PKG / "hosttools" / "uname", root / "usr/bin/uname")
-    (root / "usr/bin/uname").chmod(0o755)
-    if not container:
-        for name, rel in (("pct", "usr/sbin/pct"), ("lxc-attach", "usr/bin/lxc-attach")):
-            dst = root / rel
-            shutil.copyfile(PKG / "hosttools" / name, dst)
-            dst.chmod(0o755)
-
-
-def _populate_files(root: Path, prof: Profile, scale: str) -> None:
-    if not prof.files:
-        return
-    import importlib
-
-    files = importlib.import_module("gpulab.files")  # H4's generator; only hosts with trees need it
-
-    for tree in prof.files:
-        target = root / tree.root.lstrip("/")
-        target.mkdir(parents=True, exist_ok=True)
-        files.populate(target, tree, scale)

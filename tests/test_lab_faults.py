@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.lab import CGROUP_ROOT, RUN, Lab, LabError
+from gpulab.cgroups import CGROUP_ROOT, cgroup_tree
+from gpulab.lab import RUN, Lab, LabError
 from gpulab.netns import lab_netns_names, netem_available
 
 PROFILE = "proxmox-rtx6000"
@@ -172,8 +173,6 @@ def test_a_cgroup_removed_while_its_tree_is_listed_is_skipped(
 ) -> None:
     """A host's reset lists its cgroups while commands end and their cgroups go: one that goes
     between being seen and being listed is skipped (Path.rglob raised FileNotFoundError there)."""
-    from gpulab import lab as lab_mod
-
     for rel in ("a/lab-exec/x", "a/b"):
         (tmp_path / rel).mkdir(parents=True)
     real = os.scandir
@@ -185,6 +184,6 @@ def test_a_cgroup_removed_while_its_tree_is_listed_is_skipped(
         return real(path)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "scandir", vanishing)
-    got = lab_mod._cgroup_tree(tmp_path / "a")
+    got = cgroup_tree(tmp_path / "a")
     assert tmp_path / "a" in got and tmp_path / "a/b" in got
-    assert lab_mod._cgroup_tree(tmp_path / "gone") == []
+    assert cgroup_tree(tmp_path / "gone") == []

@@ -1,0 +1,97 @@
+"""The lab layer of a machine: the files the lab puts under a lab host's root before it boots.
+
+Its /proc stand-ins (the profile's kernel), the in-host tools (gpulab/tools: nvidia-smi,
+nvbandwidth, the NVML stand-in library, sglang), pct/lxc-attach on a Proxmox host, and the
+profile's data trees. ``LabHost`` mounts the layer under the host's overlay (gpulab/lab.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from gpulab import nvml
+from gpulab.profile import Profile, Service
+
+__all__ = ["HOST_PY_SITE", "TOOL_PATHS", "install_tools", "populate_files", "service_env", "write_procfiles"]
+
+PKG = Path(__file__).resolve().parent
+
+HOST_PY_SITE = "usr/local/lib/python3.11/dist-packages"
+
+
+def write_procfiles(d: Path, prof: Profile) -> None:
+    """Write the /proc files that carry the profile's kernel: cmdline, version, osrelease."""
+    d.mkdir(exist_ok=True)
+    (d / "cmdline").write_text(prof.cmdline + "\n")
+    (d / "sys_kernel_osrelease").write_text(prof.kernel + "\n")
+    (d / "version").write_text(
+        f"Linux version {prof.kernel} (build@gpulab) (gcc (Debian 12.2.0-14) 12.2.0, GNU ld 2.40)"
+        " #1 SMP PREEMPT_DYNAMIC\n"
+    )
+
+
+def service_env(svc: Service) -> str:
+    env = [f"GPULAB_SERVICE={svc.name}", f"GPULAB_IGNORE_SIGTERM={svc.ignore_sigterm}"]
+    if svc.gpus:
+        env.append(f"GPULAB_GPUS={','.join(svc.gpus)}")
+    return " ".join(env)
+
+
+# Where each tool of gpulab/tools/ goes in a lab machine (INTERNALS.md section 4).
+TOOL_PATHS = {
+    "nvidia-smi": "usr/bin/nvidia-smi",
+    "nvbandwidth": "usr/bin/nvbandwidth",
+    "nvidia-persistenced": "usr/bin/nvidia-persistenced",
+    "dmesg": "usr/bin/dmesg",
+    "sglang-standin": "usr/local/bin/sglang-standin",
+    "gpulab_tools/all_reduce_perf": "usr/bin/all_reduce_perf",  # nccl-tests' collective (a module with a main)
+}
+
+
+def install_tools(root: Path, container: bool) -> None:
+    """Copy the in-host tools, the sglang package and pct/lxc-attach into a machine's lab layer."""
+    tools = PKG / "tools"
+    for name, rel in TOOL_PATHS.items():
+        for cand in (tools / name, tools / f"{name}.py"):
+            if cand.is_file():
+                dst = root / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                if dst.exists() or dst.is_symlink():
+                    dst.unlink()
+                shutil.copyfile(cand, dst)
+                dst.chmod(0o755)
+                break
+    site = root / HOST_PY_SITE
+    site.mkdir(parents=True, exist_ok=True)
+    for pkg in ("sglang", "gpulab_tools"):
+        src = tools / pkg
+        if src.is_dir():
+            shutil.copytree(src, site / pkg, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    lib = root / "usr/local/lib/gpulab"
+    lib.mkdir(parents=True, exist_ok=True)
+    (root / nvml.LIB_PATH).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(nvml.build(), root / nvml.LIB_PATH)
+    shutil.copyfile(PKG / "hosttools" / "ptyhold.py", lib / "ptyhold.py")
+    real_uname = shutil.which("uname") or "/usr/bin/uname"
+    shutil.copy2(real_uname, lib / "uname.real")
+    shutil.copyfile(PKG / "hosttools" / "uname", root / "usr/bin/uname")
+    (root / "usr/bin/uname").chmod(0o755)
+    if not container:
+        for name, rel in (("pct", "usr/sbin/pct"), ("lxc-attach", "usr/bin/lxc-attach")):
+            dst = root / rel
+            shutil.copyfile(PKG / "hosttools" / name, dst)
+            dst.chmod(0o755)
+
+
+def populate_files(root: Path, prof: Profile, scale: str) -> None:
+    if not prof.files:
+        return
+    import importlib
+
+    files = importlib.import_module("gpulab.files")  # H4's generator; only hosts with trees need it
+
+    for tree in prof.files:
+        target = root / tree.root.lstrip("/")
+        target.mkdir(parents=True, exist_ok=True)
+        files.populate(target, tree, scale)
