@@ -13,6 +13,12 @@ port's group: the port, the switch below it, GPUs 2 and 3 and their audio functi
 devices with driver_override), so a GPU on nvidia shares its group with a VM's device; the
 service then uses the other three GPUs.
 
+``rtx6000_acs_redirect_routed()``: the same host with the kernel enabling ACS at boot on every
+port, so the switch ports above each GPU pair redirect their peer requests to the root complex,
+and a root complex that routes them back down (``rc_routes_redirected_p2p``): peer copies pass,
+while NCCL collectives over those hops hang, as operators of AMD hosts report
+(noonghunna/club-3090 PR #902; vllm-project/vllm#51513, root ports ``ReqRedir+ CmpltRedir+``).
+
 The profile loader checks the group numbers against what the kernel builds from the ACS bits
 (``gpulab.realkernel.check_groups``), so the variant cannot claim an isolation its ports lack.
 """
@@ -26,7 +32,7 @@ import yaml
 
 from gpulab.profile import PROFILE_DIR, Profile, load_profile
 
-__all__ = ["NO_ACS_PORT", "SHARED_GROUP", "rtx6000_root_port_without_acs"]
+__all__ = ["NO_ACS_PORT", "SHARED_GROUP", "rtx6000_acs_redirect_routed", "rtx6000_root_port_without_acs"]
 
 BASE = "proxmox-rtx6000"
 NO_ACS_PORT = "0000:37:01.0"
@@ -83,3 +89,11 @@ def rtx6000_root_port_without_acs(vm_gpu: str | None = "0000:3b:00.0", kernel: s
     if kernel:
         overrides["kernel"] = kernel
     return load_profile(BASE, overrides)
+
+
+def rtx6000_acs_redirect_routed() -> Profile:
+    """The Intel Proxmox host with ACS redirect on its switch ports, routed back by the root complex."""
+    return load_profile(
+        BASE,
+        {"name": "rtx6000-acs-routed", "kernel_enables_acs": True, "rc_routes_redirected_p2p": True},
+    )

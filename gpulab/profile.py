@@ -470,6 +470,7 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
     prof = Profile(
         iommu=iommu,
         kernel_enables_acs=v.get(data, "kernel_enables_acs", "", bool, False),
+        rc_routes_redirected_p2p=v.get(data, "rc_routes_redirected_p2p", "", bool, False),
         vfio_claimed=v.get(data, "vfio_claimed", "", bool, True),
         kernel_holders=tuple(holders),
         module_params=params,

@@ -194,6 +194,11 @@ class Profile:
     raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
     iommu: IommuInfo = field(default_factory=IommuInfo)
     kernel_enables_acs: bool = False
+    #: the root complex routes peer requests that ACS redirected to it back down (AMD EPYC does):
+    #: copies between GPUs behind a redirecting bridge pass, while NCCL collectives over such a
+    #: hop hang (noonghunna/club-3090 PR #902; vllm-project/vllm#51513: root ports ReqRedir+
+    #: CmpltRedir+, NCCL hangs at TP=2). gpulab_tools.Host.p2p_ok / redirected read it.
+    rc_routes_redirected_p2p: bool = False
     vfio_claimed: bool = True
     kernel_holders: tuple[KernelHolder, ...] = ()
     module_params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)

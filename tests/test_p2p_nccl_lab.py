@@ -114,3 +114,23 @@ def test_wrong_data_fails_and_service_env_is_reported(repaired: Any, tmp_path: P
     text = message(run)
     assert "P2P: wrong data: 35 wrong elements (first at 8388608 B: 7)" in text, text
     assert "the service disables P2P itself (NCCL_P2P_DISABLE=1 in the Environment=" in text, text
+
+
+def test_acs_redirect_routed_by_the_root_complex_passes_copies_and_hangs_the_collective(
+    lab: Any, tmp_path: Path
+) -> None:
+    """The #902 case: ACS redirect on the switch ports, routed back by the root complex. The repair
+    runs, the copies pass, the collective hangs in its bound, names the GPUs and points at ACS."""
+    import os
+
+    from gpulab.p2p_variants import rtx6000_acs_redirect_routed
+
+    h = lab.host(rtx6000_acs_redirect_routed(), name=f"p2pred-{os.getpid()}")
+    run = run_suite(h, tmp_path, "--p2p-nccl-timeout=5")
+    assert run.outcomes["test_p2p_bandwidth"] in ("passed", "fixed"), (run.outcomes, run.output[-3000:])
+    assert run.outcomes[STEP] == "failed", run.outcomes
+    text = message(run)
+    assert "hung after 5 s on 0000:17:00.0, 0000:18:00.0, 0000:3a:00.0, 0000:3b:00.0" in text, text
+    assert "ACS P2P Request/Completion Redirect is on at 0000:16:00.0, 0000:16:01.0, 0000:39:00.0" in text, text
+    assert ours_left(h) == ""
+    assert run.rc != 0

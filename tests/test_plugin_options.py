@@ -12,7 +12,8 @@ import pytest
 OPTIONS = (
     "--host=URL",
     "--container=SPEC",
-    "--inventory=FILE",
+    "--inventory=PATH",
+    "--inventory-reader=auto|ansible|builtin",
     "--check-only",
     "--command-timeout=S",
     "--connect-timeout=S",
@@ -75,7 +76,7 @@ def test_sudo_exists_without_testinfra(pytester: pytest.Pytester) -> None:
         ),
         (
             ["--inventory=/nonexistent/fleet.yaml"],
-            "ERROR: gpuhost: --inventory='/nonexistent/fleet.yaml': no such file",
+            "ERROR: gpuhost: --inventory='/nonexistent/fleet.yaml': no such file or directory",
         ),
         (["--report-name=a/b"], "ERROR: gpuhost: --report-name='a/b': *(no directories)"),
         (["--host=ftp://x"], "ERROR: gpuhost: --host='ftp://x': *unknown target scheme 'ftp'*"),
@@ -124,7 +125,7 @@ def test_ini_twins_are_read_and_named_in_errors(pytester: pytest.Pytester) -> No
     result.stderr.fnmatch_lines(["ERROR: gpuhost: --command-timeout='x': *"])
 
 
-NO_TARGET = "ERROR: gpuhost: * test(s) need one (first: *); pass --host=URL *or --inventory=FILE"
+NO_TARGET = "ERROR: gpuhost: * test(s) need one (first: *); pass --host=URL *or --inventory=PATH"
 
 
 @pytest.mark.parametrize(

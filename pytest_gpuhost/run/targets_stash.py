@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 NO_TARGET_REASON = (
-    "no target: pass --host=URL (e.g. --host=local:// or --host=ssh://root@gpu-host) or --inventory=FILE"
+    "no target: pass --host=URL (e.g. --host=local:// or --host=ssh://root@gpu-host) or --inventory=PATH"
 )
 
 
@@ -277,7 +277,7 @@ def _refuse_without_targets(config: pytest.Config, needing: list[str]) -> None:
         why = "the pytest_gpuhost_targets hook removed every target"
     raise pytest.UsageError(
         f"gpuhost: {why}, and {len(needing)} test(s) need one (first: {printable(needing[0])}); "
-        "pass --host=URL (e.g. --host=local:// or --host=ssh://root@gpu-host) or --inventory=FILE"
+        "pass --host=URL (e.g. --host=local:// or --host=ssh://root@gpu-host) or --inventory=PATH"
     )
 
 

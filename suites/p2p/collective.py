@@ -96,10 +96,14 @@ class CollectiveSteps(ServiceEnvSteps):
                     if names
                     else ""
                 )
+                # a hang or a failure with ACS redirect on the path is the #902 case: the copies
+                # pass through the root complex while the collectives do not (docs/FACTS.md)
+                acs_why = self.redirect_note(None) if base.skip is None else ""
                 raise ProcedureError(
                     "the NCCL collective does not prove P2P with every in-scope group in identity mode: "
                     + base.summary
                     + left
+                    + acs_why
                 )
             env = self.service_env_now()
             if env is not None and env.names_to_unset():

@@ -13,7 +13,6 @@ from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
 from . import persist
-from .plan import redirect_advice
 from .service_env import ServiceEnvSteps
 
 __all__ = ["RestoreSteps"]
@@ -177,15 +176,6 @@ class RestoreSteps(ServiceEnvSteps):
             )
 
         return self.step("p2p bandwidth", check, plan, fix)
-
-    def redirect_note(self, low: list[p2p.PairVerdict] | None) -> str:
-        """ "; ACS redirect: ..." for the planned redirects among these pairs (all planned ones when None)."""
-        assert self.plan is not None
-        reds = self.plan.redirects
-        if low is not None:
-            bad = {frozenset((v.a, v.b)) for v in low}
-            reds = [r for r in reds if frozenset((r.a, r.b)) in bad]
-        return f"; {redirect_advice(reds)}" if reds else ""
 
     # ------------------------------------------------------------------ step 8: persisted
 

@@ -260,6 +260,15 @@ class P2PState(Procedure):
         except Unreachable:
             return None
 
+    def redirect_note(self, low: list[p2p.PairVerdict] | None) -> str:
+        """ "; ACS redirect: ..." for the planned redirects among these pairs (all planned ones when None)."""
+        assert self.plan is not None
+        reds = self.plan.redirects
+        if low is not None:
+            bad = {frozenset((v.a, v.b)) for v in low}
+            reds = [r for r in reds if frozenset((r.a, r.b)) in bad]
+        return f"; {redirect_advice(reds)}" if reds else ""
+
     def measure_conns(self) -> list[Any]:
         """Where P2P can be measured: the host, then the service's container (its CUDA stack)."""
         return [self.conn] if self.svc_conn is self.conn else [self.conn, self.svc_conn]

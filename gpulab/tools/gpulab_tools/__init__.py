@@ -332,16 +332,21 @@ class Host:
                 g.persistence = True
 
     def p2p_ok(self, a: GpuView, b: GpuView) -> bool:
-        """Say whether peer access works: NVLink; or PCIe with both groups in identity
-        (passthrough) and no ACS request/completion redirect on the bridges between them."""
+        """Say whether peer copies work: NVLink; or PCIe with both groups in identity
+        (passthrough) and no ACS request/completion redirect on the bridges between them, or
+        one that the root complex routes back down (profile ``rc_routes_redirected_p2p``)."""
         lk = self.link(a.bdf, b.bdf)
         if lk and lk.get("type") == "nvlink":
             return True
         if a.gtype != "identity" or b.gtype != "identity":
             return False
+        return not self.redirected(a, b) or bool(self.profile.get("rc_routes_redirected_p2p"))
+
+    def redirected(self, a: GpuView, b: GpuView) -> bool:
+        """Say whether a bridge between two GPUs (not shared by both) redirects their peer traffic (ACS)."""
         up_a, up_b = self._ancestors(a.bdf), self._ancestors(b.bdf)
         between = [x for x in up_a if x not in up_b] + [x for x in up_b if x not in up_a]
-        return not any(self.acs_redirect(x) for x in between)
+        return any(self.acs_redirect(x) for x in between)
 
     def _ancestors(self, bdf: str) -> list[str]:
         out: list[str] = []

@@ -19,6 +19,12 @@ How it behaves, and the reports each behaviour stands for:
   at 45% of the link: a hop staged in host memory crosses PCIe twice (the IOMMU-slowed
   copies of NVIDIA/nccl#814 and the SHM-vs-P2P runs of NVIDIA/nccl#1817 show both sides). With
   ``NCCL_SHM_DISABLE=1`` as well, ``[send] via NET/Socket/0`` at 10%.
+- A P2P hop through a bridge with ACS redirect on, on a host whose root complex routes the
+  redirected requests back down (profile ``rc_routes_redirected_p2p``, gpulab/p2p_variants.py):
+  the copies pass (``Host.p2p_ok``) but the run hangs as below, the case of
+  noonghunna/club-3090 PR #902 (`topo -p2p` OK, p2pBandwidthLatencyTest passing, every NCCL
+  collective deadlocked) and vllm-project/vllm#51513 (AMD host, root ports ``ReqRedir+
+  CmpltRedir+``, NCCL hangs at TP=2).
 - Fault ``nccl_hang`` (``/var/lib/gpulab/faults.json``: true, or a list of PCI addresses): a run
   whose ring has a P2P hop among those GPUs prints its header and never finishes, as the runs
   where the driver advertises peer access but the fabric drops the writes (translated IOMMU,
@@ -172,6 +178,7 @@ def main(argv: list[str]) -> int:
     shm_on = env.get("NCCL_SHM_DISABLE", "").strip() in ("", "0")
     rng = random.Random()
     hops = []  # (rank, next rank, transport, GB/s of the hop)
+    redirected = False  # a P2P hop through a bridge whose ACS redirects it (routed by the root complex)
     for r, a in enumerate(ranks):
         nxt = (r + 1) % len(ranks)
         b = ranks[nxt]
@@ -181,6 +188,7 @@ def main(argv: list[str]) -> int:
         gbps = float(link.get("gbps", 20.0))
         if p2p_on and host.p2p_ok(a, b):
             hops.append((r, nxt, "P2P/direct pointer", gbps * P2P_SHARE))
+            redirected = redirected or host.redirected(a, b)
         elif shm_on:
             hops.append((r, nxt, "SHM/direct/direct", gbps * SHM_SHARE))
         else:
@@ -206,7 +214,7 @@ def main(argv: list[str]) -> int:
     out.flush()
     faults = host.faults
     via_p2p = any(h[2].startswith("P2P") for h in hops)
-    if via_p2p and fault_gpus(faults.get("nccl_hang"), ranks):
+    if via_p2p and (redirected or fault_gpus(faults.get("nccl_hang"), ranks)):
         while True:  # the kernels wait for peer writes that never arrive
             time.sleep(3600)
     wrong_fault = faults.get("nccl_wrong") if via_p2p else None
