@@ -181,7 +181,7 @@ MUTATIONS = (
     Mutation(
         "in-s3-send-to-backup-to",
         "with --in-s3-send-to=backup-to, a file not proved in place is owed under --backup-to",
-        "suites/decommission/state.py",
+        "suites/decommission/node.py",
         "            items, unverified = [*items, *more], [*unverified, *missing]",
         "            pass",
         ("tests/test_decommission_inplace.py::test_misses_go_under_backup_to_when_asked_on_local",),
@@ -189,7 +189,7 @@ MUTATIONS = (
     Mutation(
         "destination-owner",
         "a backup directory another node's run wrote is refused before anything is stopped",
-        "suites/decommission/state.py",
+        "suites/decommission/node.py",
         "        if theirs is not None and not same_owner(theirs, me):",
         "        if False:",
         (
@@ -216,8 +216,8 @@ MUTATIONS = (
         "p2p-unset-env-only-when-proven",
         "the service's own NCCL_P2P_DISABLE is unset (drop-in, restart) only once the collective proved P2P",
         "suites/p2p/collective.py",
-        "            if not base.ok or base.skip:",
-        "            if False:",
+        "        if not base.ok or base.skip:",
+        "        if False:",
         ("tests/test_p2p_service_env_lab.py::test_option_does_not_unset_when_the_collective_fails",),
     ),
     Mutation(

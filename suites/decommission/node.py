@@ -1,20 +1,422 @@
-"""The decommission procedure for one node: seven ordered steps on the `Procedure` base.
+"""The decommission procedure for one node: the state its seven steps share.
 
-The shared state (links, destinations, timeline) is in state.py; steps 1-3 (inventory, servers
-stopped, GPUs idle) in stop.py; 4-5 (artifacts backed up, data in S3) in transfer.py; 6-7 (notes
-saved, safe to terminate) in notes.py. Step names follow the convention of every suite: the test
-is `test_<name>`, its remediation `<name>` with spaces ("gpus idle"), its builder `step_<name>`.
+The steps are tests in test_decommission.py, in order. Each builds its `Remediation` from the
+node's one `Decommission`: steps 1-3 (inventory, servers stopped, GPUs idle) are the functions of
+stop.py, 4-5 (artifacts backed up, data in S3) of transfer.py, 6-7 (notes saved, safe to
+terminate) of notes.py. Step names follow the convention of every suite: the test is
+`test_<name>`, its remediation `<name>` with spaces ("gpus idle"), its builder
+`step_<name>(run)`.
+
+State that must outlive a run (what was stopped, the timeline) lives in the backup directory's
+`.gpuhost/` folder, so a rerun (or a run after an interruption) writes the same NOTES.md. Nothing
+a decommission does is undone: servers stay stopped. What `Procedure` brings is the node's
+link, whose loss makes the later steps fail at once, and the verdict naming it.
 """
 
 from __future__ import annotations
 
-from .notes import STEPS, NotesSteps
-from .state import APPS_QUERY, GPU_QUERY
-from .stop import StopSteps
-from .transfer import TransferSteps
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-__all__ = ["APPS_QUERY", "GPU_QUERY", "STEPS", "Decommission"]
+from pytest_gpuhost.exec.s3io import make_client
+from pytest_gpuhost.modules.backup.destination import (
+    OWNER_NAME,
+    DestinationError,
+    describe_owner,
+    owner_record,
+    same_owner,
+)
+from pytest_gpuhost.modules.backup.inplace import InPlace, InPlaceResult, Proof
+from pytest_gpuhost.modules.backup.local import (
+    META,
+    Backup,
+    Listing,
+    Manifest,
+    Progress,
+)
+from pytest_gpuhost.modules.backup.s3 import S3Item, S3Location, S3Upload, items_from_backup, parse_s3_url
+from pytest_gpuhost.modules.process import ProcessTable
+from pytest_gpuhost.run.procedure import Procedure
+
+from . import in_s3
+
+__all__ = ["APPS_QUERY", "GPU_QUERY", "Decommission", "csv_rows", "mb"]
+
+GPU_QUERY = [
+    "nvidia-smi",
+    "--query-gpu=index,pci.bus_id,name,uuid,memory.used,memory.total",
+    "--format=csv,noheader,nounits",
+]
+APPS_QUERY = [
+    "nvidia-smi",
+    "--query-compute-apps=pid,process_name,used_memory,gpu_bus_id",
+    "--format=csv,noheader,nounits",
+]
 
 
-class Decommission(StopSteps, TransferSteps, NotesSteps):
-    """One node being emptied, step by step, in test_decommission.py's order."""
+def csv_rows(text: str) -> list[list[str]]:
+    """Rows of nvidia-smi's CSV output, cells stripped."""
+    return [[c.strip() for c in line.split(",")] for line in text.splitlines() if line.strip()]
+
+
+def mb(n: int) -> str:
+    """Bytes as "12.3 MB"."""
+    return f"{n / 1e6:.1f} MB"
+
+
+def _read_owner(path: Path) -> dict[str, Any] | None:
+    """The owner record at path, or None when there is none (an unreadable one is not ours)."""
+    try:
+        rec = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return {"target": f"unknown (owner record unreadable: {exc})", "hostname": "?"}
+    return (
+        rec if isinstance(rec, dict) else {"target": "unknown (owner record not an object)", "hostname": "?"}
+    )
+
+
+class Decommission(Procedure):
+    """One node being emptied: its link, manifest, destinations and what happened so far."""
+
+    def __init__(
+        self,
+        target: Any,
+        *,
+        manifest: Manifest,
+        dest: Path,
+        check_only: bool = False,
+        s3: S3Location | None = None,
+        endpoint: str | None = None,
+        gpu_idle_mib: int = 256,
+        gpu_idle_timeout: float = 30.0,
+        stall_timeout: float = 60.0,
+        part_size: int | None = None,
+        in_s3_send_to: str = "location",
+        progress: Callable[[Progress], None] | None = None,
+        record: Callable[[str, Any], None] | None = None,
+        measure: Callable[..., None] | None = None,
+    ) -> None:
+        host, _ = Procedure.links_of(target)
+        super().__init__(host, check_only=check_only)
+        self.conn = host
+        self.target = str(target.name)
+        self.manifest = manifest
+        self.dest = dest
+        self.s3 = s3
+        self.endpoint = endpoint
+        self.gpu_idle_mib = gpu_idle_mib
+        self.gpu_idle_timeout = gpu_idle_timeout
+        self.stall_timeout = stall_timeout
+        self.part_size = part_size
+        self.in_s3_send_to = in_s3_send_to  # "location" or "backup-to" (--in-s3-send-to)
+        self.progress = progress
+        self.record_state = record  # evidence.state
+        self.record_measure = measure  # evidence.measure
+        self.outcomes: dict[str, str] = {}  # step name -> outcome, for the verdict
+        self.inventory: dict[str, Any] = {}
+        self._listing: Listing | None = None
+        self._backup: Backup | None = None
+        self._s3: S3Upload | None = None
+        self._in_place: InPlaceResult | None = None
+        self._node_listing: Listing | None = None  # every file, also those proved in place
+        self._in_place_uploads: dict[str, S3Upload] = {}
+
+    # ---------------------------------------------------------------- shared state
+
+    @property
+    def backup(self) -> Backup:
+        """The backup engine, on the node's connection itself (it streams on channels of its own)."""
+        if self._backup is None:
+            self._backup = Backup(
+                self.conn.connection(),
+                self.manifest,
+                self.dest,
+                progress=self.progress,
+                progress_interval=2.0,
+                stall_timeout=self.stall_timeout,
+            )
+        return self._backup
+
+    @property
+    def s3_upload(self) -> S3Upload:
+        """The S3 uploader of the categories marked s3."""
+        assert self.s3 is not None
+        if self._s3 is None:
+            self._s3 = S3Upload(
+                self.dest,
+                self.s3,
+                endpoint=self.endpoint,
+                progress=self.progress,
+                progress_interval=2.0,
+                part_size=self.part_size,
+            )
+        return self._s3
+
+    @property
+    def meta(self) -> Path:
+        """The backup directory's `.gpuhost/` folder (made on first use)."""
+        path = self.dest / ".gpuhost"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def event(self, text: str) -> None:
+        """Append one line to the persistent timeline (UTC)."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        with open(self.meta / "timeline.jsonl", "a") as f:
+            f.write(json.dumps({"t": stamp, "target": self.target, "event": text}) + "\n")
+
+    def timeline(self) -> list[dict[str, str]]:
+        """The timeline so far, over every run."""
+        path = self.meta / "timeline.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def stopped(self) -> list[dict[str, Any]]:
+        """Every process a run stopped, as recorded before it was signalled."""
+        path = self.meta / "stopped.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def _state(self, label: str, value: Any) -> None:
+        if self.record_state is not None:
+            self.record_state(label, value)
+
+    def _measure(self, name: str, value: Any, unit: str | None = None) -> None:
+        if self.record_measure is not None:
+            self.record_measure(name, value, unit)
+
+    # ---------------------------------------------------------------- whose destinations
+
+    def claim(self) -> None:
+        """Refuse destinations that hold another node's backup; mark new ones as this node's.
+
+        Runs before the first step. The node is named by its machine-id (the agent's hello), the
+        destinations' owner records are read (the backup directory's `.gpuhost/node.json`, the
+        `--backup-to` prefix's `.gpuhost/node.json`). Raises DestinationError, one line for all,
+        naming the node that owns each refused destination. Under --check-only nothing is written.
+        """
+        hello = dict(getattr(self.conn.connection(), "hello", None) or {})  # read at connect
+        if "machine_id" not in hello:
+            hello = self.conn.batch([{"op": "hello"}])[0]
+            if isinstance(hello, Exception):
+                raise hello
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        me = owner_record(
+            self.target, str(hello.get("hostname") or ""), str(hello.get("machine_id") or ""), stamp
+        )
+        problems: list[str] = []
+        local = self.dest / META / OWNER_NAME
+        theirs = _read_owner(local)
+        if theirs is not None and not same_owner(theirs, me):
+            problems.append(f"--backup-dir {self.dest} holds the backup of {describe_owner(theirs)}")
+        s3_key = None
+        client = None
+        if self.s3 is not None and (self.s3_cats() or self.in_s3_to_backup_to()):
+            client = make_client(self.endpoint)
+            s3_key = self.s3.key(f"{META}/{OWNER_NAME}")
+            try:
+                body = client.get_object(Bucket=self.s3.bucket, Key=s3_key)["Body"].read()
+                loaded = json.loads(body)
+                theirs_s3: dict[str, Any] | None = (
+                    loaded if isinstance(loaded, dict) else {"target": "unknown (owner record not an object)"}
+                )
+            except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
+                code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+                if code not in ("NoSuchKey", "404"):
+                    raise DestinationError(
+                        f"--backup-to {self.s3.url}: owner record not readable: {code or exc}"
+                    ) from None
+                theirs_s3 = None
+            if theirs_s3 is not None and not same_owner(theirs_s3, me):
+                problems.append(f"--backup-to {self.s3.url} holds the backup of {describe_owner(theirs_s3)}")
+            elif theirs_s3 is not None:
+                s3_key = None  # already ours
+        if problems:
+            raise DestinationError(
+                "; ".join(problems)
+                + f"; this node is {describe_owner(dict(me, claimed=''))}: give it a place of its own "
+                "(a template with {host}, or a new --backup-dir/--backup-to)"
+            )
+        if self.check_only:
+            return
+        if theirs is None:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            tmp = local.with_name(f".{OWNER_NAME}.tmp")
+            tmp.write_text(json.dumps(me, indent=1) + "\n")
+            os.replace(tmp, local)
+        if client is not None and s3_key is not None and self.s3 is not None:
+            client.put_object(Bucket=self.s3.bucket, Key=s3_key, Body=json.dumps(me, indent=1).encode())
+
+    # ---------------------------------------------------------------- 1 inventory
+
+    def take_inventory(self) -> dict[str, Any]:
+        """Read host facts, processes, GPU use and the manifest's files in one round trip."""
+        started = time.monotonic()
+        reqs: list[dict[str, Any]] = [
+            {"op": "hello"},
+            {"op": "proc_list", "gpu_holders": True},
+            {"op": "backup_walk", "categories": [c.wire() for c in self.manifest.categories], "timeout": 300},
+            {"op": "run", "argv": GPU_QUERY, "timeout": 30},
+            {"op": "run", "argv": APPS_QUERY, "timeout": 30},
+            {
+                "op": "run",
+                "argv": ["df", "-P", "-k", *sorted({r for c in self.manifest.categories for r in c.roots})],
+                "timeout": 30,
+            },
+        ]
+        before = getattr(self.conn, "round_trips", 0)
+        hello, procs, walk, gpus, apps, df = self.conn.batch(reqs)
+        for res in (hello, procs, walk):
+            if isinstance(res, Exception):
+                raise res
+        table = ProcessTable.from_result(procs)
+        selected = table.select(self.manifest.stop)
+        listing = self.backup.listing_from(walk)
+        gpu_rows = csv_rows(gpus["stdout"]) if isinstance(gpus, dict) and gpus.get("rc") == 0 else []
+        app_rows = csv_rows(apps["stdout"]) if isinstance(apps, dict) and apps.get("rc") == 0 else []
+        inv = {
+            "hostname": hello.get("hostname"),
+            "kernel": hello.get("kernel"),
+            "python": hello.get("python"),
+            "gpus": [
+                {
+                    "index": r[0],
+                    "bus_id": r[1],
+                    "name": r[2],
+                    "uuid": r[3],
+                    "memory_used_mib": r[4],
+                    "memory_total_mib": r[5],
+                }
+                for r in gpu_rows
+                if len(r) >= 6
+            ],
+            "gpu_apps": [
+                {"pid": r[0], "name": r[1], "used_mib": r[2], "bus_id": r[3]} for r in app_rows if len(r) >= 4
+            ],
+            "to_stop": [dict(p.record(), why=why) for p, why in selected],
+            "categories": listing.totals(),
+            "skipped": listing.skipped,
+            "walk_errors": listing.errors,
+            "df": df.get("stdout", "") if isinstance(df, dict) else str(df),
+            "round_trips": getattr(self.conn, "round_trips", 0) - before,
+            "duration": time.monotonic() - started,
+        }
+        if isinstance(gpus, dict) and gpus.get("rc") != 0:
+            inv["nvidia_smi_error"] = (gpus.get("stderr") or "").strip()[:500]
+        self.inventory = inv
+        self._listing = listing
+        return inv
+
+    def s3_cats(self) -> list[str]:
+        """The manifest's categories marked s3."""
+        return [c.name for c in self.manifest.categories if c.s3]
+
+    # ---------------------------------------------------------------- files already in S3
+
+    def in_place_cats(self) -> list[str]:
+        """The manifest's categories with a root already in S3 (in_s3)."""
+        return [c.name for c in self.manifest.categories if c.in_s3]
+
+    def check_in_place(self, listing: Listing) -> InPlaceResult:
+        """Prove the files under in_s3 roots where they are (reusing this run's earlier proofs).
+
+        An S3 location that cannot be read (credentials, no such bucket) proves nothing: every
+        file under it is an item with the one-line reason, and goes to the local backup.
+        """
+        client = make_client(self.endpoint)
+        checker = InPlace(self.conn.connection(), self.manifest, lambda loc: client)
+        try:
+            res = checker.check(listing, self._in_place)
+        except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code") or type(exc).__name__
+            why = f"S3 not readable: {code}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            res = InPlaceResult(
+                [Proof(f, loc.url, False, why, location=loc.url) for f, loc in checker.files(listing)]
+            )
+        self._in_place = res
+        return res
+
+    def local_view(self, listing: Listing) -> Listing:
+        """The listing without the files proved where they already are (nothing to copy for them)."""
+        proved = self._in_place.proved if self._in_place is not None else set()
+        if not proved:
+            return listing
+        held = self.backup.state.items  # a file sent back from the local copy stays in it
+        keep = [f for f in listing.files if f.key not in proved or "sha256" in held.get(f.key, {})]
+        return dataclasses.replace(listing, files=keep)
+
+    def walk_local(self) -> tuple[Listing, Listing]:
+        """Walk the node; prove the in_s3 files; return (every file, those the local backup holds)."""
+        listing = self.backup.walk()
+        self._node_listing = listing
+        if self.in_place_cats():
+            self.check_in_place(listing)
+        return listing, self.local_view(listing)
+
+    def in_s3_to_backup_to(self) -> bool:
+        """Whether files under in_s3 roots that are not proved there go under --backup-to."""
+        return self.in_s3_send_to == "backup-to" and bool(self.in_place_cats())
+
+    def backup_to_items(self, listing: Listing) -> tuple[list[S3Item], list[tuple[str, str]]]:
+        """The S3 items to have under --backup-to, and (path, why) of those not in the local backup.
+
+        The categories marked s3; with `--in-s3-send-to=backup-to`, also every file under an in_s3
+        root that this run's in-place check did not prove, in the same layout (PREFIX/<rel>).
+        """
+        items, unverified = items_from_backup(self.backup, listing) if self.s3_cats() else ([], [])
+        if self.in_s3_to_backup_to():
+            more, missing = in_s3.to_backup_to(self._in_place, self.backup)
+            items, unverified = [*items, *more], [*unverified, *missing]
+        return items, unverified
+
+    def in_place_outstanding(self) -> list[Proof]:
+        """The in_s3 files the verdict still owes a proof: not proved where they are, and (with
+        `--in-s3-send-to=location`) not covered elsewhere. With backup-to, --backup-to's own
+        check of each object (`backup_to_items`) proves them instead."""
+        return [] if self.in_s3_to_backup_to() else list(in_s3.not_proved(self._in_place))
+
+    def in_place_summary(self) -> dict[str, Any]:
+        """Counts of the latest in-place check, for the evidence (empty when there is none)."""
+        r = self._in_place
+        if r is None:
+            return {}
+        return {
+            "proved": len(r.proved),
+            "to_send": len(r.to_send),
+            "cannot_verify": [(p.file.display, p.how) for p in r.unverifiable][:200],
+            "hashed_bytes": r.hashed_bytes,
+            "heads": r.heads,
+            "seconds": round(r.duration, 3),
+        }
+
+    def in_place_line(self) -> str:
+        """'; N verified where they already are in S3 (...)' for a step's summary, or ''."""
+        r = self._in_place
+        if r is None or not r.proofs:
+            return ""
+        return (
+            f"; {len(r.proved)} verified where they already are in S3, {len(r.to_send)} to send there,"
+            f" {len(r.unverifiable)} that cannot be verified there"
+        )
+
+    def in_place_upload(self, url: str) -> S3Upload:
+        """The uploader that sends a missing or changed file back to its in_s3 location."""
+        if url not in self._in_place_uploads:
+            self._in_place_uploads[url] = S3Upload(
+                self.dest,
+                parse_s3_url(url),
+                endpoint=self.endpoint,
+                progress=self.progress,
+                progress_interval=2.0,
+                part_size=self.part_size,
+            )
+        return self._in_place_uploads[url]

@@ -13,9 +13,21 @@ from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
-from .state import DecommissionState
+from .node import Decommission
 
-__all__ = ["STEPS", "NotesSteps", "cell", "md", "verdict"]
+__all__ = [
+    "STEPS",
+    "cell",
+    "in_place_notes",
+    "md",
+    "notes_after_failure",
+    "notes_body",
+    "notes_current",
+    "step_notes_saved",
+    "step_safe_to_terminate",
+    "verdict",
+    "write_notes",
+]
 
 STEPS = ("inventory", "servers stopped", "gpus idle", "artifacts backed up", "data in s3", "notes saved")
 
@@ -76,236 +88,225 @@ def verdict(
     return problems
 
 
-class NotesSteps(DecommissionState):
-    """The steps that write what happened and judge whether the node may go."""
+def notes_body(run: Decommission, problems: Sequence[str] = ()) -> str:
+    """Return NOTES.md without its timeline: what the node was, what ran, what was kept where.
 
-    # ---------------------------------------------------------------- 6 notes saved
-
-    def notes_body(self, problems: Sequence[str] = ()) -> str:
-        """Return NOTES.md without its timeline: what the node was, what ran, what was kept where.
-
-        `problems` are the verdict's, when NOTES.md is written by the verdict after a failed step
-        (`notes_after_failure`): they open the file, under "Not safe to terminate". Every string
-        from the node goes through `md` (one line, secrets hidden, control characters shown).
-        """
-        inv = self.inventory or self.take_inventory()
-        listing: Listing = getattr(self, "_listing", None) or self.backup.walk()
-        lines = [f"# Decommission notes: {md(inv.get('hostname'))} ({md(self.target)})", ""]
-        if problems:
-            lines += [f"## Not safe to terminate ({len(problems)} problems)", ""]
-            lines += [f"- {md(p)}" for p in problems[:200]]
-            if len(problems) > 200:
-                lines.append(f"- ... and {len(problems) - 200} more (see the safe-to-terminate step)")
-            lines.append("")
+    `problems` are the verdict's, when NOTES.md is written by the verdict after a failed step
+    (`notes_after_failure`): they open the file, under "Not safe to terminate". Every string
+    from the node goes through `md` (one line, secrets hidden, control characters shown).
+    """
+    inv = run.inventory or run.take_inventory()
+    listing: Listing = getattr(run, "_listing", None) or run.backup.walk()
+    lines = [f"# Decommission notes: {md(inv.get('hostname'))} ({md(run.target)})", ""]
+    if problems:
+        lines += [f"## Not safe to terminate ({len(problems)} problems)", ""]
+        lines += [f"- {md(p)}" for p in problems[:200]]
+        if len(problems) > 200:
+            lines.append(f"- ... and {len(problems) - 200} more (see the safe-to-terminate step)")
+        lines.append("")
+    lines += [
+        "## The node",
+        "",
+        f"- hostname: {md(inv.get('hostname'))}",
+        f"- kernel: {md(inv.get('kernel'))}",
+        f"- manifest: {md(run.manifest.name)} ({md(run.manifest.path)})",
+        "",
+    ]
+    if inv.get("gpus"):
+        lines += ["| GPU | bus id | model | UUID | memory |", "|---|---|---|---|---|"]
         lines += [
-            "## The node",
-            "",
-            f"- hostname: {md(inv.get('hostname'))}",
-            f"- kernel: {md(inv.get('kernel'))}",
-            f"- manifest: {md(self.manifest.name)} ({md(self.manifest.path)})",
-            "",
+            f"| {cell(g['index'])} | {cell(g['bus_id'])} | {cell(g['name'])} | {cell(g['uuid'])} "
+            f"| {cell(g['memory_total_mib'])} MiB |"
+            for g in inv["gpus"]
         ]
-        if inv.get("gpus"):
-            lines += ["| GPU | bus id | model | UUID | memory |", "|---|---|---|---|---|"]
-            lines += [
-                f"| {cell(g['index'])} | {cell(g['bus_id'])} | {cell(g['name'])} | {cell(g['uuid'])} "
-                f"| {cell(g['memory_total_mib'])} MiB |"
-                for g in inv["gpus"]
-            ]
-            lines.append("")
-        lines += ["## What ran", ""]
-        seen = set()
-        for p in self.stopped():
-            key = (p["pid"], p["starttime"])
-            if key in seen:
-                continue
-            seen.add(key)
-            gpus = f" on {md(', '.join(p['gpus']))}" if p.get("gpus") else ""
-            lines.append(f"- PID {md(p['pid'])} ({md(p['why'])}){gpus}: `{md(p['cmdline'])}`")
-        if not seen:
-            lines.append("- nothing selected by the manifest was running")
-        lines += [
-            "",
-            "## What was backed up",
-            "",
-            "| category | files | links | bytes | allocated on the node | destinations |",
-            "|---|---|---|---|---|---|",
-        ]
-        totals = (self._node_listing or listing).totals()
-        for cat in self.manifest.categories:
-            t = totals.get(cat.name, {"files": 0, "links": 0, "bytes": 0, "allocated": 0})
-            where = f"{self.dest / cat.name}"
-            if cat.s3 and self.s3 is not None:
-                where += f", {self.s3.url}/{cat.name}"
-            for root, url in cat.in_s3:
-                where += f", {root} already in {url}"
-            lines.append(
-                f"| {cell(cat.name)} | {t['files']} | {t['links']} | {t['bytes']} | {t.get('allocated', 0)} "
-                f"| {cell(where)} |"
-            )
-        missing = self.backup.verify(listing)
-        if missing:
-            # The verdict fails on each of these; NOTES.md names them too (nothing dropped silently).
-            lines += ["", f"## Not verified ({len(missing)})", ""]
-            lines += [f"- `{md(p)}`: {md(why)}" for p, why in missing[:200]]
-            if len(missing) > 200:
-                lines.append(f"- ... and {len(missing) - 200} more (see the safe-to-terminate step)")
-        lines += self.in_place_notes()
-        sums = self.dest / "SHA256SUMS"
-        digest = hashlib.sha256(sums.read_bytes()).hexdigest() if sums.exists() else "(not written)"
-        lines += [
-            "",
-            f"- checksums: `SHA256SUMS` (SHA-256 computed on the node, checked on arrival; "
-            f"`sha256sum -c SHA256SUMS` in {md(self.dest)}); its own SHA-256: {digest}",
-        ]
-        if listing.skipped:
-            lines.append(f"- left out by the manifest's rules: {len(listing.skipped)} files")
-            lines += [
-                f"  - {md(s['category'])}: {md(s['path'])} ({md(s['why'])})" for s in listing.skipped[:50]
-            ]
-        lines += ["", "## Where it went", "", f"- local: {md(self.dest.resolve())}"]
-        if self.s3 is not None:
-            lines.append(
-                f"- S3: {md(self.s3.url)} (endpoint {md(self.endpoint or 'AWS default')}), categories "
-                f"{md(', '.join(self.s3_cats()) or 'none')}"
-            )
-        return "\n".join(lines) + "\n"
-
-    def in_place_notes(self) -> list[str]:
-        """NOTES.md lines on the files under in_s3 roots: how each was proved, or why it was not."""
-        r = self._in_place
-        if r is None or not r.proofs:
-            return []
-        out = ["", f"## Verified where it already was in S3 ({len(r.proved)} of {len(r.proofs)})", ""]
-        by_how: dict[str, int] = {}
-        for p in r.proofs:
-            if p.ok:
-                how = p.how.removesuffix(" matches the node's file")
-                by_how[how] = by_how.get(how, 0) + 1
-        out += [f"- {n} files by {md(how)}" for how, n in sorted(by_how.items())]
-        proved_bytes = sum(p.file.size for p in r.proofs if p.ok)
-        out.append(
-            f"- {proved_bytes} bytes proved from the node's own reads of them, none copied off the node"
+        lines.append("")
+    lines += ["## What ran", ""]
+    seen = set()
+    for p in run.stopped():
+        key = (p["pid"], p["starttime"])
+        if key in seen:
+            continue
+        seen.add(key)
+        gpus = f" on {md(', '.join(p['gpus']))}" if p.get("gpus") else ""
+        lines.append(f"- PID {md(p['pid'])} ({md(p['why'])}){gpus}: `{md(p['cmdline'])}`")
+    if not seen:
+        lines.append("- nothing selected by the manifest was running")
+    lines += [
+        "",
+        "## What was backed up",
+        "",
+        "| category | files | links | bytes | allocated on the node | destinations |",
+        "|---|---|---|---|---|---|",
+    ]
+    totals = (run._node_listing or listing).totals()
+    for cat in run.manifest.categories:
+        t = totals.get(cat.name, {"files": 0, "links": 0, "bytes": 0, "allocated": 0})
+        where = f"{run.dest / cat.name}"
+        if cat.s3 and run.s3 is not None:
+            where += f", {run.s3.url}/{cat.name}"
+        for root, url in cat.in_s3:
+            where += f", {root} already in {url}"
+        lines.append(
+            f"| {cell(cat.name)} | {t['files']} | {t['links']} | {t['bytes']} | {t.get('allocated', 0)} "
+            f"| {cell(where)} |"
         )
-        bad = [p for p in r.proofs if not p.ok]
-        if bad:
-            elsewhere = (
-                f"; sent under --backup-to {self.s3.url}" if self.in_s3_to_backup_to() and self.s3 else ""
+    missing = run.backup.verify(listing)
+    if missing:
+        # The verdict fails on each of these; NOTES.md names them too (nothing dropped silently).
+        lines += ["", f"## Not verified ({len(missing)})", ""]
+        lines += [f"- `{md(p)}`: {md(why)}" for p, why in missing[:200]]
+        if len(missing) > 200:
+            lines.append(f"- ... and {len(missing) - 200} more (see the safe-to-terminate step)")
+    lines += in_place_notes(run)
+    sums = run.dest / "SHA256SUMS"
+    digest = hashlib.sha256(sums.read_bytes()).hexdigest() if sums.exists() else "(not written)"
+    lines += [
+        "",
+        f"- checksums: `SHA256SUMS` (SHA-256 computed on the node, checked on arrival; "
+        f"`sha256sum -c SHA256SUMS` in {md(run.dest)}); its own SHA-256: {digest}",
+    ]
+    if listing.skipped:
+        lines.append(f"- left out by the manifest's rules: {len(listing.skipped)} files")
+        lines += [f"  - {md(s['category'])}: {md(s['path'])} ({md(s['why'])})" for s in listing.skipped[:50]]
+    lines += ["", "## Where it went", "", f"- local: {md(run.dest.resolve())}"]
+    if run.s3 is not None:
+        lines.append(
+            f"- S3: {md(run.s3.url)} (endpoint {md(run.endpoint or 'AWS default')}), categories "
+            f"{md(', '.join(run.s3_cats()) or 'none')}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def in_place_notes(run: Decommission) -> list[str]:
+    """NOTES.md lines on the files under in_s3 roots: how each was proved, or why it was not."""
+    r = run._in_place
+    if r is None or not r.proofs:
+        return []
+    out = ["", f"## Verified where it already was in S3 ({len(r.proved)} of {len(r.proofs)})", ""]
+    by_how: dict[str, int] = {}
+    for p in r.proofs:
+        if p.ok:
+            how = p.how.removesuffix(" matches the node's file")
+            by_how[how] = by_how.get(how, 0) + 1
+    out += [f"- {n} files by {md(how)}" for how, n in sorted(by_how.items())]
+    proved_bytes = sum(p.file.size for p in r.proofs if p.ok)
+    out.append(f"- {proved_bytes} bytes proved from the node's own reads of them, none copied off the node")
+    bad = [p for p in r.proofs if not p.ok]
+    if bad:
+        elsewhere = f"; sent under --backup-to {run.s3.url}" if run.in_s3_to_backup_to() and run.s3 else ""
+        out += ["", f"### Not proved there ({len(bad)})", ""]
+        out += [f"- `{md(p.file.display)}` ({md(p.url)}): {md(p.how)}{md(elsewhere)}" for p in bad[:200]]
+    shown = [p for p in r.proofs if p.ok][:200]
+    out += ["", "### How each file was proved", ""]
+    out += [f"- `{md(p.file.display)}`: {md(p.how)}" for p in shown]
+    if len(r.proved) > len(shown):
+        out.append(f"- ... and {len(r.proved) - len(shown)} more (see the evidence of step 5)")
+    return out
+
+
+def step_notes_saved(run: Decommission) -> Step:
+    """Step 6: NOTES.md says what the node was, what ran, what was kept and where."""
+    path = run.dest / "NOTES.md"
+    box: dict[str, str] = {}
+
+    def check() -> Check:
+        body = notes_body(run)
+        box["body"] = body
+        if notes_current(run, body):
+            return Check(True, f"{path} is up to date")
+        return Check(False, f"{path} is {'out of date' if path.exists() else 'missing'}")
+
+    def plan(before: Check) -> list[Action]:
+        return [
+            Action(
+                f"write {path}",
+                "NOTES.md: node, what ran, what was backed up, where, timeline",
+                destructive=False,
             )
-            out += ["", f"### Not proved there ({len(bad)})", ""]
-            out += [f"- `{md(p.file.display)}` ({md(p.url)}): {md(p.how)}{md(elsewhere)}" for p in bad[:200]]
-        shown = [p for p in r.proofs if p.ok][:200]
-        out += ["", "### How each file was proved", ""]
-        out += [f"- `{md(p.file.display)}`: {md(p.how)}" for p in shown]
-        if len(r.proved) > len(shown):
-            out.append(f"- ... and {len(r.proved) - len(shown)} more (see the evidence of step 5)")
-        return out
+        ]
 
-    def step_notes_saved(self) -> Step:
-        """Step 6: NOTES.md says what the node was, what ran, what was kept and where."""
-        path = self.dest / "NOTES.md"
-        box: dict[str, str] = {}
+    def fix(actions: list[Action], before: Check) -> None:
+        write_notes(run, box["body"], "NOTES.md written")
 
-        def check() -> Check:
-            body = self.notes_body()
-            box["body"] = body
-            if self.notes_current(body):
-                return Check(True, f"{path} is up to date")
-            return Check(False, f"{path} is {'out of date' if path.exists() else 'missing'}")
+    return run.step("notes saved", check, plan, fix)
 
-        def plan(before: Check) -> list[Action]:
-            return [
-                Action(
-                    f"write {path}",
-                    "NOTES.md: node, what ran, what was backed up, where, timeline",
-                    destructive=False,
-                )
-            ]
 
-        def fix(actions: list[Action], before: Check) -> None:
-            self.write_notes(box["body"], "NOTES.md written")
+def notes_current(run: Decommission, body: str) -> bool:
+    """Whether NOTES.md holds `body` already (its timeline aside)."""
+    path = run.dest / "NOTES.md"
+    current = path.read_text(errors="replace") if path.exists() else ""
+    return current.split("\n## Timeline\n", 1)[0] == body.rstrip("\n") + "\n" or current.startswith(body)
 
-        return self.step("notes saved", check, plan, fix)
 
-    def notes_current(self, body: str) -> bool:
-        """Whether NOTES.md holds `body` already (its timeline aside)."""
-        path = self.dest / "NOTES.md"
-        current = path.read_text(errors="replace") if path.exists() else ""
-        return current.split("\n## Timeline\n", 1)[0] == body.rstrip("\n") + "\n" or current.startswith(body)
+def write_notes(run: Decommission, body: str, event: str) -> None:
+    """Write NOTES.md: `body`, then the timeline with `event` as its last line (temp name, then rename)."""
+    path = run.dest / "NOTES.md"
+    run.event(event)
+    timeline = ["", "## Timeline", ""] + [f"- {md(e['t'])} {md(e['event'])}" for e in run.timeline()]
+    tmp = path.with_name(".NOTES.md.tmp")
+    tmp.write_text(body.rstrip("\n") + "\n" + "\n".join(timeline) + "\n")
+    os.replace(tmp, path)
 
-    def write_notes(self, body: str, event: str) -> None:
-        """Write NOTES.md: `body`, then the timeline with `event` as its last line (temp name, then rename)."""
-        path = self.dest / "NOTES.md"
-        self.event(event)
-        timeline = ["", "## Timeline", ""] + [f"- {md(e['t'])} {md(e['event'])}" for e in self.timeline()]
-        tmp = path.with_name(".NOTES.md.tmp")
-        tmp.write_text(body.rstrip("\n") + "\n" + "\n".join(timeline) + "\n")
-        os.replace(tmp, path)
 
-    def notes_after_failure(self, problems: Sequence[str]) -> str | None:
-        """Write NOTES.md from the verdict when step 6 did not (a failed step blocked it).
+def notes_after_failure(run: Decommission, problems: Sequence[str]) -> str | None:
+    """Write NOTES.md from the verdict when step 6 did not (a failed step blocked it).
 
-        A node that is not safe gets its NOTES.md all the same: the verdict's problems first, and
-        what the node was, what ran, what is in the backup and what is not verified, as far as the
-        run got. Never under --check-only. Return a problem line when it could not be written.
-        """
-        if self.check_only or self.outcomes.get("notes saved") in ("passed", "fixed"):
-            return None
-        try:
-            body = self.notes_body(problems)
-            if not self.notes_current(body):
-                self.write_notes(body, "NOTES.md written by the verdict (not safe to terminate)")
-        except Exception as exc:  # noqa: BLE001 - the verdict lists its problems whatever happens here
-            return f"NOTES.md not written: {md(type(exc).__name__)}: {md(str(exc).splitlines()[0] if str(exc) else '')}"
+    A node that is not safe gets its NOTES.md all the same: the verdict's problems first, and
+    what the node was, what ran, what is in the backup and what is not verified, as far as the
+    run got. Never under --check-only. Return a problem line when it could not be written.
+    """
+    if run.check_only or run.outcomes.get("notes saved") in ("passed", "fixed"):
         return None
+    try:
+        body = notes_body(run, problems)
+        if not notes_current(run, body):
+            write_notes(run, body, "NOTES.md written by the verdict (not safe to terminate)")
+    except Exception as exc:  # noqa: BLE001 - the verdict lists its problems whatever happens here
+        return f"NOTES.md not written: {md(type(exc).__name__)}: {md(str(exc).splitlines()[0] if str(exc) else '')}"
+    return None
 
-    # ---------------------------------------------------------------- 7 safe to terminate
 
-    def step_safe_to_terminate(self) -> Step:
-        """Step 7, the verdict: every step passed or was fixed and every byte is verified at its destination."""
+def step_safe_to_terminate(run: Decommission) -> Step:
+    """Step 7, the verdict: every step passed or was fixed and every byte is verified at its destination."""
 
-        def check() -> Check:
-            table = ProcessTable.read(self.conn, gpu_holders=self.manifest.stop.gpu_holders)
-            running = [f"PID {p.pid} {p.cmdline}" for p, _ in table.select(self.manifest.stop)]
-            full, listing = self.walk_local()
-            s3_missing: list[tuple[str, str]] = []
-            open_uploads: list[str] = []
-            s3_unreadable: list[str] = []
-            if (self.s3_cats() or self.in_s3_to_backup_to()) and self.s3 is not None:
-                try:
-                    items, unverified = self.backup_to_items(listing)
-                    s3_missing = [*unverified, *self.s3_upload.verify(items)]
-                    open_uploads = [k for k, _ in self.s3_upload.open_uploads()]
-                except Exception as exc:  # noqa: BLE001 - a problem line, never a traceback wall
-                    s3_unreadable.append(f"--backup-to {self.s3.url}: {s3_problem(exc, self.endpoint)}")
-            problems = verdict(
-                self.outcomes,
-                running=running,
-                local_missing=self.backup.verify(listing),
-                s3_categories=self.s3_cats(),
-                s3_configured=self.s3 is not None,
-                s3_missing=s3_missing,
-                open_uploads=open_uploads,
-                in_place_missing=[(p.file.display, p.how) for p in self.in_place_outstanding()],
-                s3_unreadable=s3_unreadable,
-            )
-            if problems:
-                self._listing = listing  # what the local backup is to hold, as step 4 sets it
-                failed = self.notes_after_failure(problems)
-                problems += [failed] if failed else []
-            state = {"problems": problems, "files": len(full.files), "in_place": self.in_place_summary()}
-            if problems:
-                head = "\n  ".join(problems[:30])
-                more = f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else ""
-                return Check(
-                    False, f"NOT safe to terminate: {len(problems)} problems:\n  {head}{more}", state
-                )
-            self.event("safe to terminate")
-            return Check(
-                True, f"safe to terminate: {len(full.files)} files verified in every destination", state
-            )
+    def check() -> Check:
+        table = ProcessTable.read(run.conn, gpu_holders=run.manifest.stop.gpu_holders)
+        running = [f"PID {p.pid} {p.cmdline}" for p, _ in table.select(run.manifest.stop)]
+        full, listing = run.walk_local()
+        s3_missing: list[tuple[str, str]] = []
+        open_uploads: list[str] = []
+        s3_unreadable: list[str] = []
+        if (run.s3_cats() or run.in_s3_to_backup_to()) and run.s3 is not None:
+            try:
+                items, unverified = run.backup_to_items(listing)
+                s3_missing = [*unverified, *run.s3_upload.verify(items)]
+                open_uploads = [k for k, _ in run.s3_upload.open_uploads()]
+            except Exception as exc:  # noqa: BLE001 - a problem line, never a traceback wall
+                s3_unreadable.append(f"--backup-to {run.s3.url}: {s3_problem(exc, run.endpoint)}")
+        problems = verdict(
+            run.outcomes,
+            running=running,
+            local_missing=run.backup.verify(listing),
+            s3_categories=run.s3_cats(),
+            s3_configured=run.s3 is not None,
+            s3_missing=s3_missing,
+            open_uploads=open_uploads,
+            in_place_missing=[(p.file.display, p.how) for p in run.in_place_outstanding()],
+            s3_unreadable=s3_unreadable,
+        )
+        if problems:
+            run._listing = listing  # what the local backup is to hold, as step 4 sets it
+            failed = notes_after_failure(run, problems)
+            problems += [failed] if failed else []
+        state = {"problems": problems, "files": len(full.files), "in_place": run.in_place_summary()}
+        if problems:
+            head = "\n  ".join(problems[:30])
+            more = f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else ""
+            return Check(False, f"NOT safe to terminate: {len(problems)} problems:\n  {head}{more}", state)
+        run.event("safe to terminate")
+        return Check(True, f"safe to terminate: {len(full.files)} files verified in every destination", state)
 
-        def fix(actions: list[Action], before: Check) -> None:
-            raise ProcedureError("nothing here can make the node safe; fix the steps above and run again")
+    def fix(actions: list[Action], before: Check) -> None:
+        raise ProcedureError("nothing here can make the node safe; fix the steps above and run again")
 
-        return self.step("safe to terminate", check, None, fix)
+    return run.step("safe to terminate", check, None, fix)

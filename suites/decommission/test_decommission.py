@@ -11,40 +11,44 @@ from __future__ import annotations
 
 import pytest
 
+from .notes import step_notes_saved, step_safe_to_terminate
+from .stop import step_gpus_idle, step_inventory, step_servers_stopped
+from .transfer import step_artifacts_backed_up, step_data_in_s3
+
 pytestmark = pytest.mark.gpuhost_procedure
 
 
 def test_inventory(decom, step):
     """Host facts, GPU processes, servers to stop and the manifest's files, in one round trip."""
-    step(decom.step_inventory())
+    step(step_inventory(decom))
 
 
 def test_servers_stopped(decom, step):
     """The manifest's servers are stopped (SIGTERM, bounded wait, SIGKILL), and nothing else."""
-    step(decom.step_servers_stopped())
+    step(step_servers_stopped(decom))
 
 
 def test_gpus_idle(decom, step):
     """No compute process on any GPU, memory back to baseline."""
-    step(decom.step_gpus_idle())
+    step(step_gpus_idle(decom))
 
 
 def test_artifacts_backed_up(decom, step):
     """Every manifest file is in the local backup, SHA-256 checked against the node's."""
-    step(decom.step_artifacts_backed_up())
+    step(step_artifacts_backed_up(decom))
 
 
 def test_data_in_s3(decom, step):
     """The categories marked s3 are in the bucket with the same SHA-256; no upload left open."""
-    step(decom.step_data_in_s3())
+    step(step_data_in_s3(decom))
 
 
 def test_notes_saved(decom, step):
     """NOTES.md says what the node was, what ran, what was kept and where."""
-    step(decom.step_notes_saved())
+    step(step_notes_saved(decom))
 
 
 @pytest.mark.gpuhost_final
 def test_safe_to_terminate(decom, step):
     """Every step passed or was fixed and every byte is verified at its destination."""
-    step(decom.step_safe_to_terminate())
+    step(step_safe_to_terminate(decom))

@@ -11,354 +11,345 @@ from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
 from . import in_s3
-from .state import DecommissionState, mb
+from .node import Decommission, mb
 
-__all__ = ["TransferSteps"]
+__all__ = ["finish_s3_pipeline", "start_s3_pipeline", "step_artifacts_backed_up", "step_data_in_s3"]
 
 
-class TransferSteps(DecommissionState):
-    """The steps that copy the node's files to the local backup and to S3, verified."""
+def step_artifacts_backed_up(run: Decommission) -> Step:
+    """Step 4: every manifest file is in the local backup, SHA-256 checked against the node's."""
+    plan_box: list[BackupPlan] = []
 
-    # ---------------------------------------------------------------- 4 artifacts backed up
-
-    def step_artifacts_backed_up(self) -> Step:
-        """Step 4: every manifest file is in the local backup, SHA-256 checked against the node's."""
-        plan_box: list[BackupPlan] = []
-
-        def check() -> Check:
-            _, listing = self.walk_local()
-            self._listing = listing
-            plan = self.backup.plan(listing)
-            plan_box[:] = [plan]
-            missing = self.backup.verify(listing)
-            state = {
-                "plan": plan.summary(),
-                "totals": listing.totals(),
-                "skipped": listing.skipped,
-                "walk_errors": listing.errors,
-                "missing": len(missing),
-            }
-            if listing.errors:
-                state["walk_errors"] = listing.errors
-            in_place = self.in_place_summary()
-            if in_place:
-                state["in_place"] = in_place
-            if not plan.copy and not plan.links and not plan.rehash and not missing and not listing.errors:
-                self.backup.write_checksums(listing)
-                return Check(
-                    True,
-                    f"{len(listing.files)} files verified in {self.dest} ({plan.summary()})"
-                    + self.in_place_line(),
-                    state,
-                )
-            return Check(
-                False,
-                plan.summary()
-                + (f"; {len(listing.errors)} unreadable on the node" if listing.errors else ""),
-                state,
-            )
-
-        def plan(before: Check) -> list[Action]:
-            p = plan_box[0]
-            extra = []
-            if self.s3 is not None and self.s3_cats():
-                extra.append(
-                    Action(
-                        f"upload files of {', '.join(self.s3_cats())} to {self.s3.url} as they arrive",
-                        "boto3 put_object / multipart (ChecksumSHA256) from the verified local copy",
-                        destructive=False,
-                    )
-                )
-            by_cat: dict[str, list[int]] = {}
-            for f in p.copy + p.rehash:
-                c = by_cat.setdefault(f.category, [0, 0])
-                c[0] += 1
-                c[1] += f.size
-            actions = [
-                Action(
-                    f"copy {n} files ({mb(b)}) of category {cat} to {self.dest / cat}",
-                    "one bulk stream: python3 -c <agent/probe_backup.py sender> | local writer; "
-                    "SHA-256 on the node and on arrival, temp name then rename",
-                    destructive=False,
-                )
-                for cat, (n, b) in sorted(by_cat.items())
-            ]
-            if p.links:
-                actions.append(
-                    Action(
-                        f"recreate {len(p.links)} symlinks as links (never followed)",
-                        "os.symlink(target) then rename",
-                        destructive=False,
-                    )
-                )
-            return actions + extra
-
-        def fix(actions: list[Action], before: Check) -> None:
-            self.event(f"backup started: {plan_box[0].summary()}")
-            session = self._start_s3_pipeline()
-            try:
-                res = self.backup.run(plan_box[0])
-            finally:
-                self.backup.on_placed = None
-                if session is not None:
-                    self._finish_s3_pipeline(session)
-            self._measure("copied files", res.copied_files)
-            self._measure("copied bytes", res.copied_bytes, "B")
-            self._measure("copy time", round(res.duration, 3), "s")
-            if res.duration > 0:
-                self._measure("copy rate", round(res.copied_bytes / res.duration / 1e6, 1), "MB/s")
-            self._state(
-                "backup result",
-                {
-                    "copied_files": res.copied_files,
-                    "copied_bytes": res.copied_bytes,
-                    "links": res.links,
-                    "same_by_node_hash": res.rehashed_same,
-                    "failed": res.failed[:200],
-                    "error": res.error,
-                },
-            )
-            assert self._listing is not None  # walked by the check
-            self.backup.write_checksums(self._listing)
-            self.backup.finish()
-            self.event(
-                f"backup: {res.copied_files} files, {mb(res.copied_bytes)} in {res.duration:.1f} s"
-                + (f"; {res.error}" if res.error else "")
-            )
-            if not res.ok:
-                lines = [f"{p}: {why}" for p, why in res.failed[:20]]
-                raise ProcedureError(
-                    (res.error or f"{len(res.failed)} files failed")
-                    + ("\n" + "\n".join(lines) if lines else "")
-                )
-
-        def verify() -> Check:
-            _, listing = self.walk_local()
-            self._listing = listing
-            missing = self.backup.verify(listing)
-            self.backup.write_checksums(listing)
-            if missing:
-                head = "; ".join(f"{p} ({why})" for p, why in missing[:10])
-                return Check(
-                    False, f"{len(missing)} files not verified in {self.dest}: {head}", {"missing": missing}
-                )
+    def check() -> Check:
+        _, listing = run.walk_local()
+        run._listing = listing
+        plan = run.backup.plan(listing)
+        plan_box[:] = [plan]
+        missing = run.backup.verify(listing)
+        state = {
+            "plan": plan.summary(),
+            "totals": listing.totals(),
+            "skipped": listing.skipped,
+            "walk_errors": listing.errors,
+            "missing": len(missing),
+        }
+        if listing.errors:
+            state["walk_errors"] = listing.errors
+        in_place = run.in_place_summary()
+        if in_place:
+            state["in_place"] = in_place
+        if not plan.copy and not plan.links and not plan.rehash and not missing and not listing.errors:
+            run.backup.write_checksums(listing)
             return Check(
                 True,
-                f"{len(listing.files)} files verified in {self.dest}" + self.in_place_line(),
-                {"totals": listing.totals(), "in_place": self.in_place_summary()},
+                f"{len(listing.files)} files verified in {run.dest} ({plan.summary()})" + run.in_place_line(),
+                state,
+            )
+        return Check(
+            False,
+            plan.summary() + (f"; {len(listing.errors)} unreadable on the node" if listing.errors else ""),
+            state,
+        )
+
+    def plan(before: Check) -> list[Action]:
+        p = plan_box[0]
+        extra = []
+        if run.s3 is not None and run.s3_cats():
+            extra.append(
+                Action(
+                    f"upload files of {', '.join(run.s3_cats())} to {run.s3.url} as they arrive",
+                    "boto3 put_object / multipart (ChecksumSHA256) from the verified local copy",
+                    destructive=False,
+                )
+            )
+        by_cat: dict[str, list[int]] = {}
+        for f in p.copy + p.rehash:
+            c = by_cat.setdefault(f.category, [0, 0])
+            c[0] += 1
+            c[1] += f.size
+        actions = [
+            Action(
+                f"copy {n} files ({mb(b)}) of category {cat} to {run.dest / cat}",
+                "one bulk stream: python3 -c <agent/probe_backup.py sender> | local writer; "
+                "SHA-256 on the node and on arrival, temp name then rename",
+                destructive=False,
+            )
+            for cat, (n, b) in sorted(by_cat.items())
+        ]
+        if p.links:
+            actions.append(
+                Action(
+                    f"recreate {len(p.links)} symlinks as links (never followed)",
+                    "os.symlink(target) then rename",
+                    destructive=False,
+                )
+            )
+        return actions + extra
+
+    def fix(actions: list[Action], before: Check) -> None:
+        run.event(f"backup started: {plan_box[0].summary()}")
+        session = start_s3_pipeline(run)
+        try:
+            res = run.backup.run(plan_box[0])
+        finally:
+            run.backup.on_placed = None
+            if session is not None:
+                finish_s3_pipeline(run, session)
+        run._measure("copied files", res.copied_files)
+        run._measure("copied bytes", res.copied_bytes, "B")
+        run._measure("copy time", round(res.duration, 3), "s")
+        if res.duration > 0:
+            run._measure("copy rate", round(res.copied_bytes / res.duration / 1e6, 1), "MB/s")
+        run._state(
+            "backup result",
+            {
+                "copied_files": res.copied_files,
+                "copied_bytes": res.copied_bytes,
+                "links": res.links,
+                "same_by_node_hash": res.rehashed_same,
+                "failed": res.failed[:200],
+                "error": res.error,
+            },
+        )
+        assert run._listing is not None  # walked by the check
+        run.backup.write_checksums(run._listing)
+        run.backup.finish()
+        run.event(
+            f"backup: {res.copied_files} files, {mb(res.copied_bytes)} in {res.duration:.1f} s"
+            + (f"; {res.error}" if res.error else "")
+        )
+        if not res.ok:
+            lines = [f"{p}: {why}" for p, why in res.failed[:20]]
+            raise ProcedureError(
+                (res.error or f"{len(res.failed)} files failed") + ("\n" + "\n".join(lines) if lines else "")
             )
 
-        return self.step("artifacts backed up", check, plan, fix, verify)
+    def verify() -> Check:
+        _, listing = run.walk_local()
+        run._listing = listing
+        missing = run.backup.verify(listing)
+        run.backup.write_checksums(listing)
+        if missing:
+            head = "; ".join(f"{p} ({why})" for p, why in missing[:10])
+            return Check(
+                False, f"{len(missing)} files not verified in {run.dest}: {head}", {"missing": missing}
+            )
+        return Check(
+            True,
+            f"{len(listing.files)} files verified in {run.dest}" + run.in_place_line(),
+            {"totals": listing.totals(), "in_place": run.in_place_summary()},
+        )
 
-    def _start_s3_pipeline(self) -> Any:
-        """Start uploading the S3 categories while the local copy runs (None when not configured)."""
-        if self.s3 is None or not self.s3_cats():
-            return None
-        cats = set(self.s3_cats())
+    return run.step("artifacts backed up", check, plan, fix, verify)
+
+
+def start_s3_pipeline(run: Decommission) -> Any:
+    """Start uploading the S3 categories while the local copy runs (None when not configured)."""
+    if run.s3 is None or not run.s3_cats():
+        return None
+    cats = set(run.s3_cats())
+    try:
+        session = run.s3_upload.start(skip_current=True)
+    except Exception as exc:  # noqa: BLE001 - the S3 step retries and reports
+        run.event(f"S3 upload during the backup not started: {type(exc).__name__}: {exc}")
+        return None
+
+    def offer(f: RemoteFile, rec: dict[str, Any]) -> None:
+        if f.category in cats:
+            session.offer(item_for(f, rec))
+
+    run.backup.on_placed = offer
+    return session
+
+
+def finish_s3_pipeline(run: Decommission, session: Any) -> None:
+    res = session.finish()
+    run.s3_upload.finish()
+    run._state(
+        "S3 upload during the backup",
+        {
+            "uploaded": res.uploaded,
+            "failed": res.failed[:200],
+            "aborted_uploads": res.aborted_uploads,
+            "open_uploads_after": res.open_uploads_after,
+        },
+    )
+    run.event(
+        f"S3 (during the backup): {res.uploaded} objects, {mb(res.uploaded_bytes)}"
+        + (f", {len(res.failed)} failed (the S3 step retries)" if res.failed else "")
+    )
+
+
+def step_data_in_s3(run: Decommission) -> Step:
+    """Step 5: the categories marked s3 are in the bucket with the same SHA-256, the in_s3 files
+    are proved where they already are (or sent back there); no upload left open."""
+
+    box: dict[str, Any] = {}
+
+    def backup_to(listing: Listing | None) -> tuple[bool, str, dict[str, Any]]:
+        """The categories marked s3 (and, with --in-s3-send-to=backup-to, the in_s3 files not
+        proved in place), under --backup-to."""
+        if run.s3 is None:
+            return (
+                False,
+                f"categories {', '.join(run.s3_cats())} are marked s3 but there is no "
+                "--backup-to=s3://BUCKET/PREFIX",
+                {"categories": run.s3_cats()},
+            )
+        items, unverified = run.backup_to_items(listing or run.backup.walk())
+        up = run.s3_upload
         try:
-            session = self.s3_upload.start(skip_current=True)
-        except Exception as exc:  # noqa: BLE001 - the S3 step retries and reports
-            self.event(f"S3 upload during the backup not started: {type(exc).__name__}: {exc}")
-            return None
+            plan = up.plan(items)
+            open_uploads = up.open_uploads()
+        except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
+            line = f"--backup-to {run.s3.url}: {s3_problem(exc, run.endpoint)}"
+            box.update(s3_error=line)
+            return False, line, {"s3_unreadable": line}
+        box.update(items=items, plan=plan, unverified=unverified)
+        state = {
+            "to_upload": len(plan.upload),
+            "upload_bytes": plan.upload_bytes,
+            "current": len(plan.current),
+            "open_multipart_uploads": [k for k, _ in open_uploads],
+            "not_in_local_backup": len(unverified),
+        }
+        if not plan.upload and not open_uploads and not unverified:
+            return True, f"{len(items)} objects verified in {run.s3.url}", state
+        summary = f"{len(plan.upload)} objects ({mb(plan.upload_bytes)}) to upload to {run.s3.url}"
+        if unverified:
+            summary += f"; {len(unverified)} files not in the local backup yet"
+        if open_uploads:
+            summary += f"; {len(open_uploads)} interrupted multipart uploads to abort"
+        return False, summary, state
 
-        def offer(f: RemoteFile, rec: dict[str, Any]) -> None:
-            if f.category in cats:
-                session.offer(item_for(f, rec))
+    def in_place() -> tuple[bool, str, dict[str, Any]]:
+        """The files under in_s3 roots: proved there, or to be sent back there (or, with
+        --in-s3-send-to=backup-to, counted under --backup-to by `backup_to`)."""
+        if run.in_s3_to_backup_to():
+            bad = in_s3.not_proved(run._in_place)
+            n = len(run._in_place.proofs) if run._in_place else 0
+            state = dict(run.in_place_summary(), sent_to="--backup-to")
+            return True, f"{n - len(bad)} files proved in place, {len(bad)} go under --backup-to", state
+        to_send, unverified = in_s3.sends(run._in_place, run.backup)
+        box.update(sends=to_send, send_unverified=unverified)
+        bad = in_s3.not_proved(run._in_place)
+        cannot = [p for p in bad if not p.send]
+        n_send = sum(len(v) for v in to_send.values())
+        state = dict(run.in_place_summary(), not_in_local_backup=len(unverified))
+        if not bad:
+            return (
+                True,
+                f"{len(run._in_place.proofs) if run._in_place else 0} files proved in place",
+                state,
+            )
+        summary = f"{n_send + len(unverified)} files to send back to where they belong in S3"
+        if cannot:
+            head = "; ".join(f"{p.file.display} ({p.how})" for p in cannot[:3])
+            summary += f"; {len(cannot)} cannot be verified there: {head}"
+        return False, summary, state
 
-        self.backup.on_placed = offer
-        return session
+    def check() -> Check:
+        parts = []
+        listing = run.walk_local()[0] if run.in_place_cats() else None
+        if run.s3_cats() or run.in_s3_to_backup_to():
+            parts.append(("backup_to", *backup_to(listing)))
+        if run.in_place_cats():
+            parts.append(("in_place", *in_place()))
+        if not parts:
+            return Check(True, "no category is marked s3", skip="the manifest marks no category for S3")
+        ok = all(p[1] for p in parts)
+        return Check(ok, "; ".join(p[2] for p in parts), {p[0]: p[3] for p in parts})
 
-    def _finish_s3_pipeline(self, session: Any) -> None:
-        res = session.finish()
-        self.s3_upload.finish()
-        self._state(
-            "S3 upload during the backup",
+    def plan(before: Check) -> list[Action]:
+        actions = []
+        if run.s3 is not None and "plan" in box:
+            p = box["plan"]
+            n_unverified = len(box["unverified"])
+            actions.append(
+                Action(
+                    f"upload {len(p.upload) + n_unverified} objects "
+                    f"({mb(p.upload_bytes)} known now) to {run.s3.url}",
+                    f"boto3 put_object / multipart upload (ChecksumSHA256) to {run.endpoint or 'AWS'}",
+                )
+            )
+            if before.state.get("backup_to", {}).get("open_multipart_uploads"):
+                actions.append(
+                    Action(
+                        "abort interrupted multipart uploads under the prefix",
+                        "boto3 abort_multipart_upload",
+                    )
+                )
+        for url, items in sorted(box.get("sends", {}).items()):
+            actions.append(
+                Action(
+                    f"send {len(items)} missing or changed files ({mb(sum(i.size for i in items))}) back to {url}",
+                    "boto3 put_object / multipart upload (ChecksumSHA256) from the verified local copy, "
+                    "each to its own key; nothing that cannot be verified is overwritten",
+                )
+            )
+        return actions
+
+    def upload(up: Any, plan: Any, where: str) -> None:
+        run.event(f"S3 upload started: {len(plan.upload)} objects to {where}")
+        res = up.run(plan)
+        up.finish()
+        run._measure("uploaded objects", res.uploaded)
+        run._measure("uploaded bytes", res.uploaded_bytes, "B")
+        run._measure("upload time", round(res.duration, 3), "s")
+        run._state(
+            f"S3 result ({where})",
             {
                 "uploaded": res.uploaded,
-                "failed": res.failed[:200],
                 "aborted_uploads": res.aborted_uploads,
+                "failed": res.failed[:200],
                 "open_uploads_after": res.open_uploads_after,
             },
         )
-        self.event(
-            f"S3 (during the backup): {res.uploaded} objects, {mb(res.uploaded_bytes)}"
-            + (f", {len(res.failed)} failed (the S3 step retries)" if res.failed else "")
-        )
-
-    # ---------------------------------------------------------------- 5 data in S3
-
-    def step_data_in_s3(self) -> Step:
-        """Step 5: the categories marked s3 are in the bucket with the same SHA-256, the in_s3 files
-        are proved where they already are (or sent back there); no upload left open."""
-
-        box: dict[str, Any] = {}
-
-        def backup_to(listing: Listing | None) -> tuple[bool, str, dict[str, Any]]:
-            """The categories marked s3 (and, with --in-s3-send-to=backup-to, the in_s3 files not
-            proved in place), under --backup-to."""
-            if self.s3 is None:
-                return (
-                    False,
-                    f"categories {', '.join(self.s3_cats())} are marked s3 but there is no "
-                    "--backup-to=s3://BUCKET/PREFIX",
-                    {"categories": self.s3_cats()},
-                )
-            items, unverified = self.backup_to_items(listing or self.backup.walk())
-            up = self.s3_upload
-            try:
-                plan = up.plan(items)
-                open_uploads = up.open_uploads()
-            except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
-                line = f"--backup-to {self.s3.url}: {s3_problem(exc, self.endpoint)}"
-                box.update(s3_error=line)
-                return False, line, {"s3_unreadable": line}
-            box.update(items=items, plan=plan, unverified=unverified)
-            state = {
-                "to_upload": len(plan.upload),
-                "upload_bytes": plan.upload_bytes,
-                "current": len(plan.current),
-                "open_multipart_uploads": [k for k, _ in open_uploads],
-                "not_in_local_backup": len(unverified),
-            }
-            if not plan.upload and not open_uploads and not unverified:
-                return True, f"{len(items)} objects verified in {self.s3.url}", state
-            summary = f"{len(plan.upload)} objects ({mb(plan.upload_bytes)}) to upload to {self.s3.url}"
-            if unverified:
-                summary += f"; {len(unverified)} files not in the local backup yet"
-            if open_uploads:
-                summary += f"; {len(open_uploads)} interrupted multipart uploads to abort"
-            return False, summary, state
-
-        def in_place() -> tuple[bool, str, dict[str, Any]]:
-            """The files under in_s3 roots: proved there, or to be sent back there (or, with
-            --in-s3-send-to=backup-to, counted under --backup-to by `backup_to`)."""
-            if self.in_s3_to_backup_to():
-                bad = in_s3.not_proved(self._in_place)
-                n = len(self._in_place.proofs) if self._in_place else 0
-                state = dict(self.in_place_summary(), sent_to="--backup-to")
-                return True, f"{n - len(bad)} files proved in place, {len(bad)} go under --backup-to", state
-            to_send, unverified = in_s3.sends(self._in_place, self.backup)
-            box.update(sends=to_send, send_unverified=unverified)
-            bad = in_s3.not_proved(self._in_place)
-            cannot = [p for p in bad if not p.send]
-            n_send = sum(len(v) for v in to_send.values())
-            state = dict(self.in_place_summary(), not_in_local_backup=len(unverified))
-            if not bad:
-                return (
-                    True,
-                    f"{len(self._in_place.proofs) if self._in_place else 0} files proved in place",
-                    state,
-                )
-            summary = f"{n_send + len(unverified)} files to send back to where they belong in S3"
-            if cannot:
-                head = "; ".join(f"{p.file.display} ({p.how})" for p in cannot[:3])
-                summary += f"; {len(cannot)} cannot be verified there: {head}"
-            return False, summary, state
-
-        def check() -> Check:
-            parts = []
-            listing = self.walk_local()[0] if self.in_place_cats() else None
-            if self.s3_cats() or self.in_s3_to_backup_to():
-                parts.append(("backup_to", *backup_to(listing)))
-            if self.in_place_cats():
-                parts.append(("in_place", *in_place()))
-            if not parts:
-                return Check(True, "no category is marked s3", skip="the manifest marks no category for S3")
-            ok = all(p[1] for p in parts)
-            return Check(ok, "; ".join(p[2] for p in parts), {p[0]: p[3] for p in parts})
-
-        def plan(before: Check) -> list[Action]:
-            actions = []
-            if self.s3 is not None and "plan" in box:
-                p = box["plan"]
-                n_unverified = len(box["unverified"])
-                actions.append(
-                    Action(
-                        f"upload {len(p.upload) + n_unverified} objects "
-                        f"({mb(p.upload_bytes)} known now) to {self.s3.url}",
-                        f"boto3 put_object / multipart upload (ChecksumSHA256) to {self.endpoint or 'AWS'}",
-                    )
-                )
-                if before.state.get("backup_to", {}).get("open_multipart_uploads"):
-                    actions.append(
-                        Action(
-                            "abort interrupted multipart uploads under the prefix",
-                            "boto3 abort_multipart_upload",
-                        )
-                    )
-            for url, items in sorted(box.get("sends", {}).items()):
-                actions.append(
-                    Action(
-                        f"send {len(items)} missing or changed files ({mb(sum(i.size for i in items))}) back to {url}",
-                        "boto3 put_object / multipart upload (ChecksumSHA256) from the verified local copy, "
-                        "each to its own key; nothing that cannot be verified is overwritten",
-                    )
-                )
-            return actions
-
-        def upload(up: Any, plan: Any, where: str) -> None:
-            self.event(f"S3 upload started: {len(plan.upload)} objects to {where}")
-            res = up.run(plan)
-            up.finish()
-            self._measure("uploaded objects", res.uploaded)
-            self._measure("uploaded bytes", res.uploaded_bytes, "B")
-            self._measure("upload time", round(res.duration, 3), "s")
-            self._state(
-                f"S3 result ({where})",
-                {
-                    "uploaded": res.uploaded,
-                    "aborted_uploads": res.aborted_uploads,
-                    "failed": res.failed[:200],
-                    "open_uploads_after": res.open_uploads_after,
-                },
+        run.event(f"S3: {res.uploaded} objects, {mb(res.uploaded_bytes)} in {res.duration:.1f} s to {where}")
+        if not res.ok:
+            lines = [f"{p}: {why}" for p, why in res.failed[:20]]
+            raise ProcedureError(
+                f"{len(res.failed)} uploads failed, {len(res.open_uploads_after)} left open\n"
+                + "\n".join(lines)
             )
-            self.event(
-                f"S3: {res.uploaded} objects, {mb(res.uploaded_bytes)} in {res.duration:.1f} s to {where}"
+
+    def fix(actions: list[Action], before: Check) -> None:
+        if "s3_error" in box:
+            raise ProcedureError(f"S3 not readable: {box['s3_error']}")
+        unverified = [*box.get("unverified", []), *box.get("send_unverified", [])]
+        if unverified:
+            head = ", ".join(p for p, _ in unverified[:5])
+            raise ProcedureError(f"{len(unverified)} files are not in the verified local backup: {head}")
+        if run.s3_cats() or run.in_s3_to_backup_to():
+            if run.s3 is None:
+                raise ProcedureError("no --backup-to=s3://BUCKET/PREFIX given")
+            upload(run.s3_upload, box["plan"], run.s3.url)
+        for url, items in sorted(box.get("sends", {}).items()):
+            up = run.in_place_upload(url)
+            upload(up, up.plan(items), url)
+
+    def verify() -> Check:
+        problems: list[str] = []
+        n = 0
+        if "s3_error" in box:
+            problems.append(box["s3_error"])
+        elif run.s3_cats() or run.in_s3_to_backup_to():
+            assert run.s3 is not None
+            missing = run.s3_upload.verify(box["items"])
+            open_uploads = run.s3_upload.open_uploads()
+            problems += [f"{p} ({why})" for p, why in missing]
+            problems += [f"open multipart upload {k}" for k, _ in open_uploads]
+            n += len(box["items"])
+        if run.in_place_cats():
+            run.walk_local()
+            problems += [f"{p.file.display} ({p.how})" for p in run.in_place_outstanding()]
+            n += len(run._in_place.proofs) if run._in_place else 0
+        if problems:
+            return Check(
+                False,
+                f"{len(problems)} objects not verified: {'; '.join(problems[:10])}",
+                {"missing": problems},
             )
-            if not res.ok:
-                lines = [f"{p}: {why}" for p, why in res.failed[:20]]
-                raise ProcedureError(
-                    f"{len(res.failed)} uploads failed, {len(res.open_uploads_after)} left open\n"
-                    + "\n".join(lines)
-                )
+        return Check(True, f"{n} objects verified in S3" + run.in_place_line())
 
-        def fix(actions: list[Action], before: Check) -> None:
-            if "s3_error" in box:
-                raise ProcedureError(f"S3 not readable: {box['s3_error']}")
-            unverified = [*box.get("unverified", []), *box.get("send_unverified", [])]
-            if unverified:
-                head = ", ".join(p for p, _ in unverified[:5])
-                raise ProcedureError(f"{len(unverified)} files are not in the verified local backup: {head}")
-            if self.s3_cats() or self.in_s3_to_backup_to():
-                if self.s3 is None:
-                    raise ProcedureError("no --backup-to=s3://BUCKET/PREFIX given")
-                upload(self.s3_upload, box["plan"], self.s3.url)
-            for url, items in sorted(box.get("sends", {}).items()):
-                up = self.in_place_upload(url)
-                upload(up, up.plan(items), url)
-
-        def verify() -> Check:
-            problems: list[str] = []
-            n = 0
-            if "s3_error" in box:
-                problems.append(box["s3_error"])
-            elif self.s3_cats() or self.in_s3_to_backup_to():
-                assert self.s3 is not None
-                missing = self.s3_upload.verify(box["items"])
-                open_uploads = self.s3_upload.open_uploads()
-                problems += [f"{p} ({why})" for p, why in missing]
-                problems += [f"open multipart upload {k}" for k, _ in open_uploads]
-                n += len(box["items"])
-            if self.in_place_cats():
-                self.walk_local()
-                problems += [f"{p.file.display} ({p.how})" for p in self.in_place_outstanding()]
-                n += len(self._in_place.proofs) if self._in_place else 0
-            if problems:
-                return Check(
-                    False,
-                    f"{len(problems)} objects not verified: {'; '.join(problems[:10])}",
-                    {"missing": problems},
-                )
-            return Check(True, f"{n} objects verified in S3" + self.in_place_line())
-
-        return self.step("data in s3", check, plan, fix, verify)
+    return run.step("data in s3", check, plan, fix, verify)

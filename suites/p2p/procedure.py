@@ -1,27 +1,502 @@
-"""The P2P procedure on one target: nine ordered steps on the `Procedure` base.
+"""The P2P procedure on one target: the state its nine steps share, the facts, the plan and the undo.
 
-The steps are tests in test_p2p.py (in order, `gpuhost_procedure`); each asks this object for a
-`Remediation`. The state they share (facts, plan, measurements, undo) is in state.py, steps 1-4
-(take the host apart) in prepare.py, steps 5-6 and 8-9 (put it back, prove it) in restore.py,
-step 7 (the NCCL collective) in collective.py. The module fixture's teardown (`finish`) runs the
-pending undos in reverse: no in-scope function is left without its driver, and what this run
-stopped runs again, whatever happened in between.
+The steps are tests in test_p2p.py (in order, `gpuhost_procedure`). Each builds its `Remediation`
+from the one `P2PProcedure` of the target: steps 1-4 (take the host apart) are the functions of
+prepare.py, steps 5-6 and 8-9 (put it back, prove it) of restore.py, step 7 (the NCCL collective)
+of collective.py, and the service's own NCCL settings those steps read and unset of
+service_env.py. Step names follow one convention in every suite: the test is `test_<name>`, its
+remediation is named `<name>` with spaces ("iommu groups identity"), the function that builds it
+`step_<name>(run)`.
 
-Step names follow one convention in every suite: the test is `test_<name>`, its remediation is
-named `<name>` with spaces ("iommu groups identity"), the method that builds it `step_<name>`.
+Facts are read once in step 1 and re-read where a step must verify. The host's journal
+(`/var/lib/gpuhost/journal/p2p.json`) records every destructive action before it is taken; the
+undo stack of `Procedure` puts back, at the end of the run (the module fixture's teardown,
+`finish`), what a failed or cut run left: unbound functions (rebound in the original order),
+nvidia-persistenced and the service this run stopped. No in-scope function is left without its
+driver, whatever happened in between.
 """
 
 from __future__ import annotations
 
-from pytest_gpuhost.run.procedure import ProcedureError
+from dataclasses import dataclass
+from typing import Any
 
-from .collective import CollectiveSteps
-from .prepare import PrepareSteps
-from .restore import RestoreSteps
-from .state import P2POptions
+from pytest_gpuhost.errors import Unreachable
+from pytest_gpuhost.modules import acs, gpu, iommu, p2p, pci, service_env
+from pytest_gpuhost.modules.journal import Journal
+from pytest_gpuhost.modules.service import Service, ServiceError
+from pytest_gpuhost.run import evidence
+from pytest_gpuhost.run.procedure import Procedure, ProcedureError
+from pytest_gpuhost.run.remediation import Action
 
-__all__ = ["P2POptions", "P2PProcedure", "ProcedureError"]
+from . import persist
+from .plan import P2PPlan, make_plan, redirect_advice
+
+__all__ = ["HOST_FACTS", "P2POptions", "P2PProcedure"]
+
+# pci_paths: the ports above each GPU with their ACS bits (why a group is shared; ACS redirect)
+HOST_FACTS = ("gpus", "gpu_holders", "persistence", "host_info", "nvidia_smi_gpus", "pci_paths")
+QUICK = 10.0  # seconds to wait for a reply to a small metadata op (readlink, journal, lock)
 
 
-class P2PProcedure(PrepareSteps, RestoreSteps, CollectiveSteps):
-    """One suites/p2p run against one target: the nine steps, in test_p2p.py's order."""
+@dataclass
+class P2POptions:
+    """The suite's settings (suites/p2p/options.py fills them from the command line and ini)."""
+
+    gpus: list[str] | None = None
+    stop_timeout: float = 20.0
+    min_gbps: float | None = None
+    fraction: float = p2p.DEFAULT_FRACTION
+    service: str = "sglang-qwen"
+    health_url: str | None = None
+    health_port: int = 30000
+    health_timeout: float = 120.0
+    lock_wait: float = 60.0
+    lock_stale: float = 600.0
+    unbind_timeout: float = 15.0
+    # after a rebind the first open boots each GPU's firmware (GSP) before nvidia-smi lists it;
+    # real figures are not measured (the lab's AMD profile: 3 s per GPU): wait this long at most
+    gsp_wait: float = 90.0
+    log_paths: tuple[str, ...] = ()
+    # each arm of the NCCL collective check, enforced on the target (timeout -k 5): a healthy
+    # 8-128 MiB all_reduce on a few GPUs takes seconds; NCCL's init alone can take tens
+    nccl_timeout: float = 120.0
+    # the service's own NCCL_P2P_DISABLE / NCCL_P2P_LEVEL: reported; unset only when asked
+    unset_service_env: bool = False
+
+
+def _texts(reply: Any) -> dict[str, str | None]:
+    """Path -> text of a read_files reply (None for a file that could not be read)."""
+    if not isinstance(reply, dict):
+        return {}
+    return {p: (e.get("data") if isinstance(e, dict) else None) for p, e in reply.items()}
+
+
+class P2PProcedure(Procedure):
+    """One suites/p2p run against one target (the host, and the service's container)."""
+
+    def __init__(self, target: Any, opts: P2POptions, *, check_only: bool) -> None:
+        host, container = Procedure.links_of(target)
+        journal = Journal(host, "p2p")
+        super().__init__(host, check_only=check_only, container=container, journal=journal)
+        self.target = target
+        self.opts = opts
+        self.conn = host
+        self.svc_conn = container or host  # where the service runs
+        self.service = Service(self.svc_conn, opts.service, where=self.svc_conn.name)
+        self.persistenced = Service(self.conn, "nvidia-persistenced", where=self.conn.name)
+        self.journal: Journal = journal
+        self.facts: dict[str, Any] = {}
+        self.plan: P2PPlan | None = None
+        self.old_journal: dict[str, Any] | None = None
+        self.before: p2p.P2PMatrix | None = None
+        self.before_ok: bool | None = None
+        self.changed = False  # this run unbound/rebound something: P2P must be measured again
+        self.stopped_service = False  # this run (or the interrupted one it completes) stopped it
+        self.stopped_persistenced = False
+        self.service_state: Any = None
+        self.blocked: list[str] = []  # writes left blocked in the kernel (an nvidia unbind while held)
+        self.no_tool = ""  # step 6: why nothing could be measured (no tool on the host or in the container)
+        self.topo: dict[tuple[str, str], str] = {}  # nvidia-smi topo -m link per GPU pair (NV#, PIX, ...)
+        self.boot_record: dict[str, dict[str, Any]] = {}  # functions listed by the installed boot script
+        self.snp: iommu.SnpFacts | None = None  # SEV-SNP on the IOMMU, from step 1
+        self.module_files: dict[str, str | None] = {}  # nvidia_drm/nvidia_uvm files (kernel-side holders)
+        self.service_env: service_env.ServiceEnv | None = None  # what the service set, read in step 1
+        self.unset_names: list[str] = []  # what this run's drop-in unsets (suites/p2p/service_env.py)
+
+    # ------------------------------------------------------------------ facts and plan
+
+    def read_facts(self, names: tuple[str, ...] = HOST_FACTS, **params: Any) -> dict[str, Any]:
+        """Read host facts (all the procedure needs by default), the journal and the boot script in one round trip."""
+        kernel_side = "host_info" in names  # step 1's read: what the kernel will refuse or block
+        requests = [
+            {"op": "facts", "names": list(names), "params": params, "timeout": 60},
+            self.journal.read_request(),
+            {"op": "read_files", "paths": [persist.SCRIPT], "timeout": 5},
+        ]
+        if kernel_side:
+            requests += [
+                {"op": "read_files", "paths": [iommu.SNP_PARAM, *gpu.MODULE_FILES], "timeout": 5},
+                {"op": "run", "argv": ["dmesg"], "timeout": 20, "max_output": 4 << 20},
+                {"op": "glob", "pattern": "/sys/class/iommu/*", "timeout": 5},
+            ]
+        replies = self.conn.batch(requests)
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        self.facts.update(replies[0])
+        self.old_journal = Journal.parse(replies[1])
+        script = replies[2].get(persist.SCRIPT, {}) if isinstance(replies[2], dict) else {}
+        self.boot_record = persist.recorded_functions(script.get("data", "")) if "data" in script else {}
+        if kernel_side:
+            self._kernel_facts(*replies[3:6])
+        return self.facts
+
+    def _kernel_facts(self, files: Any, dmesg: Any, classes: Any) -> None:
+        """Keep SEV-SNP and kernel-side holder facts from step 1's round trip."""
+        text = _texts(files)
+        self.module_files = {p: text.get(p) for p in gpu.MODULE_FILES}
+        log = dmesg.get("stdout") if isinstance(dmesg, dict) and dmesg.get("rc") == 0 else None
+        if log is None:
+            r = self.conn.run(["journalctl", "-k", "-b", "-o", "cat", "--no-pager"], timeout=30)
+            log = r.stdout if r.rc == 0 else None
+        found = classes if isinstance(classes, list) else None
+        cmdline = str((self.facts.get("host_info") or {}).get("cmdline") or "")
+        self.snp = iommu.snp_facts(cmdline, log, text.get(iommu.SNP_PARAM), list(found or []))
+        if self.snp.unknown:
+            evidence.current().note(self.snp.unknown)
+
+    def kernel_holders(self, held: dict[str, int]) -> list[str]:
+        """Kernel-side holders of the GPUs (from the module files last read), given the files processes hold."""
+        return gpu.kernel_holders(self.module_files, held)
+
+    def read_module_files(self) -> None:
+        """Read the nvidia module files again (just before the first unbind)."""
+        self.module_files = _texts(
+            self.conn.call("read_files", paths=list(gpu.MODULE_FILES), reply_timeout=QUICK)
+        )
+
+    def gpus(self) -> list[gpu.GpuInfo]:
+        """GpuInfo from the last facts read."""
+        return gpu.from_facts(self.facts.get("gpus"), self.facts.get("gpu_holders"))
+
+    def kernel(self) -> str:
+        """Kernel release of the target."""
+        info = self.facts.get("host_info") or {}
+        return str(info.get("kernel") or self.conn.hello.get("kernel") or "")
+
+    def make_plan(self) -> P2PPlan:
+        """(Re)plan from the last facts read and any journal found."""
+        journal = (
+            self.old_journal
+            if self.old_journal and self.old_journal.get("run_id") != self.journal.run_id
+            else None
+        )
+        gpus = self.gpus()
+        if journal is None:
+            journal = self._boot_record_journal(gpus)
+        self.plan = make_plan(
+            gpus,
+            kernel=self.kernel(),
+            selected=self.opts.gpus,
+            journal=journal,
+            paths=acs.parse_paths(self.facts.get("pci_paths")),
+        )
+        self.plan.errors.extend(self.kernel_refusals(self.plan))
+        smi = self.facts.get("nvidia_smi_gpus") or {}
+        names = [str((smi.get(b) or {}).get("name") or "") for b in self.plan.gpus]
+        self.plan.model = names[0] if names else ""
+        return self.plan
+
+    def kernel_refusals(self, plan: P2PPlan) -> list[str]:
+        """What the kernel will refuse or never finish, decided before anything is stopped or written."""
+        out = []
+        if self.snp is not None:
+            why = iommu.snp_refusal(self.snp, plan.kernel, plan.needs_identity)
+            if why:
+                out.append(why)
+        if plan.groups_to_fix:
+            held = gpu.open_counts(gpu.parse_holders(self.facts.get("gpu_holders")))
+            for k in self.kernel_holders(held):
+                out.append(
+                    f"{k}: an nvidia unbind would wait in the kernel until reboot: needs a reboot path"
+                )
+        return out
+
+    def _boot_record_journal(self, gpus: list[gpu.GpuInfo]) -> dict[str, Any] | None:
+        """A journal-shaped record, from the installed boot script, of functions that lost their driver.
+
+        Only functions with no driver now are taken from it: what is bound now always wins.
+        """
+        driverless = {m.bdf for g in gpus if g.group for m in g.group.members if not m.driver}
+        record = [f for b, f in self.boot_record.items() if b in driverless]
+        if not record:
+            return None
+        evidence.current().note(
+            "no driver now, driver known from the boot script: "
+            + ", ".join(f"{f['bdf']} ({f['driver']})" for f in record)
+        )
+        return {
+            "run_id": None,
+            "plan": {"groups": [{"number": -1, "original_type": None, "functions": record}]},
+        }
+
+    def adopt_old_journal(self) -> None:
+        """Take over what an interrupted run's journal says it stopped (this run restarts it)."""
+        if self.old_journal and self.plan is not None and self.plan.resumed_from:
+            self.stopped_service = self.stopped_service or bool(self.old_journal.get("service_stopped"))
+            self.stopped_persistenced = self.stopped_persistenced or bool(
+                self.old_journal.get("persistenced_stopped")
+            )
+
+    def gather(self) -> P2PPlan:
+        """Step 1's read: facts, journal, plan, service state, and P2P before anything changes."""
+        self.read_facts()
+        plan = self.make_plan()
+        ev = evidence.current()
+        ev.state("plan", plan.to_dict(), target=self.conn.name)
+        for bdf, why in plan.excluded.items():
+            ev.note(f"{bdf}: excluded: {why}")
+        for g in plan.groups:
+            if g.kept:
+                ev.note(
+                    f"group {g.number}: {', '.join(g.kept)} stay bound: from kernel 6.4 a driver that manages "
+                    "its own DMA (pcieport, pci-stub, vfio-pci) does not count in group->owner_cnt"
+                )
+        if plan.redirects:
+            ev.note("ACS redirect: " + redirect_advice(plan.redirects))
+        try:
+            self.service_state = self.service.state()
+        except (ServiceError, ProcedureError) as exc:
+            self.service_state = None
+            ev.note(f"service {self.service.unit}: {exc}")
+        self.service_env = self.read_service_env()  # before any stop: the processes' environment
+        if self.old_journal and plan.resumed_from:
+            ev.note(
+                f"journal of interrupted run {plan.resumed_from} found at phase {self.old_journal.get('phase')}"
+            )
+            self.adopt_old_journal()
+        if len(plan.gpus) >= 2 and not plan.unbound:
+            index = self.smi_index()
+            self.topo = p2p.topology(self.conn, plan.gpus, index)
+            self.before = p2p.measure_anywhere(self.measure_conns(), plan.gpus, index=index)
+            self.before_ok = all(v.ok for v in self.judge(self.before))
+            self.record_matrix("P2P bandwidth before", self.before)
+        return plan
+
+    def read_service_env(self) -> service_env.ServiceEnv | None:
+        """What the service and its processes set that keeps NCCL off P2P (None: its side did not answer)."""
+        try:
+            return service_env.read(self.svc_conn, self.service.unit)
+        except Unreachable:
+            return None
+
+    def redirect_note(self, low: list[p2p.PairVerdict] | None) -> str:
+        """ "; ACS redirect: ..." for the planned redirects among these pairs (all planned ones when None)."""
+        assert self.plan is not None
+        reds = self.plan.redirects
+        if low is not None:
+            bad = {frozenset((v.a, v.b)) for v in low}
+            reds = [r for r in reds if frozenset((r.a, r.b)) in bad]
+        return f"; {redirect_advice(reds)}" if reds else ""
+
+    def measure_conns(self) -> list[Any]:
+        """Where P2P can be measured: the host, then the service's container (its CUDA stack)."""
+        return [self.conn] if self.svc_conn is self.conn else [self.conn, self.svc_conn]
+
+    def smi_index(self) -> dict[int, str] | None:
+        """nvidia-smi index -> PCI address, from the last facts read (None when unknown)."""
+        smi = self.facts.get("nvidia_smi_gpus") or {}
+        index = {int(row["index"]): bdf for bdf, row in smi.items() if str(row.get("index", "")).isdigit()}
+        return index or None
+
+    def judge(self, matrix: p2p.P2PMatrix) -> list[p2p.PairVerdict]:
+        """Each in-scope pair's verdict against its threshold."""
+        assert self.plan is not None
+        return p2p.judge(
+            matrix,
+            self.plan.links,
+            min_gbps=self.opts.min_gbps,
+            fraction=self.opts.fraction,
+            topo=self.topo,
+            model=self.plan.model,
+        )
+
+    def record_matrix(self, name: str, matrix: p2p.P2PMatrix) -> None:
+        """Put a measured matrix (a heatmap in the report) and how it was measured in the evidence."""
+        verdicts = self.judge(matrix)
+        thresholds = [v.threshold for v in verdicts if v.threshold is not None]
+        ev = evidence.current()
+        ev.matrix(
+            name,
+            matrix.bdfs,
+            matrix.rows(),
+            unit="GB/s",
+            threshold=min(thresholds) if thresholds else None,
+            target=self.conn.name,
+        )
+        where = f" on {matrix.where}" if matrix.where else ""
+        what = f"measured with {matrix.source}{where}" if not matrix.no_tool else "not measured"
+        ev.note(f"{name}: {what}" + (f"; {matrix.note}" if matrix.note else ""))
+
+    def current_groups(self) -> dict[int, str | None]:
+        """IOMMU group -> type, from the last facts read."""
+        return {g.iommu_group: g.group_type for g in self.gpus() if g.iommu_group is not None}
+
+    def driver_now(self, bdf: str) -> str | None:
+        """The driver `bdf` is bound to right now (one readlink), or None."""
+        link = f"{pci.DEVICES}/{bdf}/driver"
+        r = self.conn.call("readlink", paths=[link], reply_timeout=QUICK)
+        entry = r.get(link) or {}
+        target = entry.get("target") if isinstance(entry, dict) else None
+        return target.rsplit("/", 1)[-1] if target else None
+
+    def legacy_on(self) -> list[str]:
+        """In-scope GPUs with legacy persistence mode on (per the last persistence fact)."""
+        assert self.plan is not None
+        legacy = (self.facts.get("persistence") or {}).get("legacy") or {}
+        return [b for b in self.plan.gpus if str(legacy.get(b, "")).lower() in ("enabled", "1", "on")]
+
+    # ------------------------------------------------------------------ undo
+
+    def rollback(self) -> list[str]:
+        """Rebind every in-scope function that has no driver, in the original order; return refusals.
+
+        A function the kernel refuses is reported and the others are still tried; an unreachable
+        host raises (the journal on it tells the next run).
+        """
+        if self.plan is None:
+            return []
+        errors = []
+        for f in self.plan.rebind_order:
+            try:
+                if self.driver_now(f.bdf):
+                    continue
+                self.record("rollback-bind", bdf=f.bdf, driver=f.driver)
+                pci.bind(self.conn, f.bdf, f.driver, timeout=self.opts.unbind_timeout)
+            except pci.PciError as exc:  # this function refused; try the others
+                errors.append(str(exc))
+        for e in errors:
+            evidence.current().note(f"rollback: {e}")
+        return errors
+
+    def _undo_rebind(self) -> None:
+        errors = self.rollback()
+        if errors:
+            raise ProcedureError("; ".join(errors))
+
+    def refuse_start_while_blocked(self, unit: str) -> None:
+        """Raise when an unbind is pending in the kernel: starting `unit` would hand the GPU to a removal.
+
+        The pending nv_pci_remove completes the moment the GPU's last user lets go, and takes the GPU
+        from under whatever was started on it; only a reboot ends it cleanly.
+        """
+        if self.blocked:
+            raise ProcedureError(
+                f"not started: {', '.join(self.blocked)} is still pending in the kernel and would take the GPU "
+                f"from under {unit} once it lets go: reboot needed"
+            )
+
+    def _undo_persistenced(self) -> None:
+        if self.stopped_persistenced:
+            self.refuse_start_while_blocked(self.persistenced.unit)
+            self.persistenced.start()
+            self.stopped_persistenced = False
+            self.journal.write(persistenced_stopped=False)
+
+    def _undo_service(self) -> None:
+        if self.stopped_service:
+            self.refuse_start_while_blocked(self.service.unit)
+            self.service.start()
+            self.stopped_service = False
+            self.journal.write(service_stopped=False)
+
+    def push_service_undo(self) -> None:
+        """Pending until step 9 starts it: start the service this run (or the one it completes) stopped.
+
+        Skipped when an undo before it failed: the service must not start on GPUs without a driver.
+        """
+        self.push_undo(
+            "start-service",
+            f"start {self.service.unit}",
+            self._undo_service,
+            link=self.svc_conn,
+            after_failure=False,
+        )
+
+    def push_persistenced_undo(self) -> None:
+        """Pending until step 9 starts it: start nvidia-persistenced again."""
+        self.push_undo(
+            "start-persistenced", f"start {self.persistenced.unit}", self._undo_persistenced, link=self.conn
+        )
+
+    def push_rebind_undo(self) -> None:
+        """Pending to the end: bind every in-scope function left without a driver (idempotent)."""
+        self.push_undo(
+            "rebind", "bind in-scope functions left without a driver", self._undo_rebind, link=self.conn
+        )
+
+    def unfinished(self) -> list[str]:
+        """A write still blocked in the kernel: the journal stays for the next run to complete."""
+        if not self.blocked:
+            return []
+        return [
+            f"{', '.join(self.blocked)} is still blocked in the kernel: reboot needed (nothing was started; "
+            "the journal stays for the run after the reboot to complete)"
+        ]
+
+    # ------------------------------------------------------------------ planned actions
+
+    def stop_actions(self) -> list[Action]:
+        """Stopping the service, as its commands."""
+        return [
+            Action(f"stop {self.service.unit}", cmd, self.svc_conn.name)
+            for cmd in self.service.commands(self.opts.stop_timeout)
+        ]
+
+    def release_actions(self) -> list[Action]:
+        """Stopping nvidia-persistenced and turning legacy persistence off."""
+        t = self.conn.name
+        acts = [
+            Action(f"stop {self.persistenced.unit}", cmd, t)
+            for cmd in self.persistenced.commands(self.opts.stop_timeout)[:1]
+        ]
+        for b in self.legacy_on() if self.facts.get("persistence") else []:
+            acts.append(
+                Action(
+                    f"persistence mode off on {b} (if still on once nvidia-persistenced is stopped)",
+                    f"nvidia-smi -i {b} -pm 0",
+                    t,
+                )
+            )
+        return acts
+
+    def group_actions(self) -> list[Action]:
+        """Unbinding each group's functions and writing identity."""
+        assert self.plan is not None
+        t = self.conn.name
+        acts: list[Action] = []
+        for g in self.plan.groups_to_fix:
+            for f in g.unbind_order:
+                if f.current:
+                    acts.append(
+                        Action(
+                            f"unbind {f.bdf} from {f.current} (group {g.number})",
+                            pci.unbind_command(f.bdf, f.current),
+                            t,
+                        )
+                    )
+            if not g.identity:
+                acts.append(
+                    Action(
+                        f"group {g.number}: {g.type} -> identity", iommu.type_command(g.number, "identity"), t
+                    )
+                )
+        return acts
+
+    def bind_actions(self, all_functions: bool = False) -> list[Action]:
+        """Binding functions to their original drivers, in the original order."""
+        assert self.plan is not None
+        todo = self.plan.rebind_order
+        if not all_functions:
+            todo = [f for f in todo if f.current != f.driver]
+        t = self.conn.name
+        return [Action(f"bind {f.bdf} to {f.driver}", pci.bind_command(f.bdf, f.driver), t) for f in todo]
+
+    def persist_actions(self) -> list[Action]:
+        """Installing and enabling the boot unit."""
+        t = self.conn.name
+        return [
+            Action("install the boot script", f"write {persist.SCRIPT} (mode 0755)", t, False),
+            Action("install the unit", f"write {persist.UNIT}", t, False),
+            Action("reload systemd", "systemctl daemon-reload", t, False),
+            Action("enable the unit", f"systemctl reenable {persist.UNIT_NAME}", t, False),
+        ]
+
+    def start_action(self, destructive: bool = True) -> Action:
+        """Starting the service again."""
+        return Action(
+            f"start {self.service.unit}",
+            f"systemctl start {self.service.unit}",
+            self.svc_conn.name,
+            destructive,
+        )

@@ -25,219 +25,243 @@ from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError
 from pytest_gpuhost.run.remediation import Action
 
-from .state import P2PState
+from .procedure import P2PProcedure
 
-__all__ = ["ServiceEnvSteps"]
+__all__ = [
+    "adopt_env_journal",
+    "env_actions",
+    "env_hint",
+    "env_left_after_start",
+    "env_note",
+    "env_started",
+    "env_state",
+    "push_env_undo",
+    "put_dropin_back",
+    "read_dropin",
+    "run_on_service",
+    "service_env_now",
+    "unset_env",
+    "wants_unset",
+]
 
 
-class ServiceEnvSteps(P2PState):
-    """Find, report and (when asked) unset what the service sets that keeps NCCL off P2P."""
+def service_env_now(run: P2PProcedure) -> ServiceEnv | None:
+    """The service's settings now; while it is stopped, its processes' as step 1 read them.
 
-    def service_env_now(self) -> ServiceEnv | None:
-        """The service's settings now; while it is stopped, its processes' as step 1 read them.
+    A name the unit now unsets is left out of the processes' settings then: the service's
+    next start, by this run's step 9, goes without it.
+    """
+    env = run.read_service_env()
+    before = run.service_env
+    if env is not None and before is not None and not env.main_pid:
+        for s in before.settings:
+            if s.kind == "argv" or (s.kind == "process" and s.name not in env.unset):
+                env.settings.append(s)
+    return env
 
-        A name the unit now unsets is left out of the processes' settings then: the service's
-        next start, by this run's step 9, goes without it.
-        """
-        env = self.read_service_env()
-        before = self.service_env
-        if env is not None and before is not None and not env.main_pid:
-            for s in before.settings:
-                if s.kind == "argv" or (s.kind == "process" and s.name not in env.unset):
-                    env.settings.append(s)
-        return env
 
-    def env_note(self, env: ServiceEnv | None) -> str:
-        """The sentence for what the service sets itself ("" when nothing)."""
-        if env is None or not env.findings:
-            return ""
-        parts = []
-        if env.p2p_off:
+def env_note(run: P2PProcedure, env: ServiceEnv | None) -> str:
+    """The sentence for what the service sets itself ("" when nothing)."""
+    if env is None or not env.findings:
+        return ""
+    parts = []
+    if env.p2p_off:
+        parts.append(
+            "the service disables P2P itself ("
+            + "; ".join(s.describe() for s in env.p2p_off)
+            + "); after the repair it would still use SHM"
+        )
+    other = [s for s in env.findings if s not in env.p2p_off]
+    for s in other:
+        if s.kind == "argv":
             parts.append(
-                "the service disables P2P itself ("
-                + "; ".join(s.describe() for s in env.p2p_off)
-                + "); after the repair it would still use SHM"
+                f"{s.describe()}: SGLang/vLLM's own custom all-reduce kernels are off (not NCCL P2P: "
+                "NCCL still picks its transport); left as it is"
             )
-        other = [s for s in env.findings if s not in env.p2p_off]
-        for s in other:
-            if s.kind == "argv":
-                parts.append(
-                    f"{s.describe()}: SGLang/vLLM's own custom all-reduce kernels are off (not NCCL P2P: "
-                    "NCCL still picks its transport); left as it is"
-                )
-            else:
-                parts.append(s.describe())
-        return "; ".join(parts)
-
-    def wants_unset(self, env: ServiceEnv | None) -> list[str]:
-        """The names the option would unset now ([] without the option or without findings)."""
-        if not self.opts.unset_service_env or env is None:
-            return []
-        return env.names_to_unset()
-
-    def env_actions(self, env: ServiceEnv) -> list[Action]:
-        """The drop-in, the reload and, for a service running with the names, its restart."""
-        unit, t = self.service.unit, self.svc_conn.name
-        names = env.names_to_unset()
-        acts = [
-            Action(
-                f"unset {' '.join(names)} for {unit} (only once the collective proves P2P)",
-                f"write {service_env.dropin_path(unit)}: [Service] UnsetEnvironment={' '.join(names)}",
-                t,
-            ),
-            Action("reload systemd", "systemctl daemon-reload", t),
-        ]
-        if env.in_processes and not self.stopped_service:
-            acts += self.stop_actions()
-            acts.append(self.start_action())
-        return acts
-
-    def read_dropin(self) -> str | None:
-        """The drop-in's text now (None when there is none)."""
-        path = service_env.dropin_path(self.service.unit)
-        text = self.svc_conn.read_files([path]).get(path)
-        return text if isinstance(text, str) else None
-
-    def _ensure_journal(self) -> None:
-        """Take the lock and start a journal when no repair of this run did (a healthy host)."""
-        if self.journal.held:
-            return
-        owner = {"controller": socket.gethostname(), "procedure": "suites/p2p"}
-        self.journal.acquire(wait=self.opts.lock_wait, stale_s=self.opts.lock_stale, owner=owner)
-        self.journal.data = {
-            "procedure": "suites/p2p",
-            "started": time.time(),
-            "controller": owner["controller"],
-            "service": {"unit": self.service.unit, "where": self.service.where},
-            "service_stopped": self.stopped_service,
-            "persistenced_stopped": self.stopped_persistenced,
-            "steps": [],
-        }
-        self.journal.write(phase="planned")
-
-    def unset_env(self, env: ServiceEnv) -> None:
-        """Write the drop-in (journaled, its undo pending), reload systemd, restart a service that has the names."""
-        names = env.names_to_unset()
-        unit, path = self.service.unit, service_env.dropin_path(self.service.unit)
-        self._ensure_journal()
-        previous = self.read_dropin()
-        restart = env.in_processes and not self.stopped_service and bool(self.service.state().running)
-        if restart:  # pushed first, so that a failed run removes the drop-in before it starts the service
-            self.push_service_undo()
-        record = {
-            "unit": unit,
-            "where": self.service.where,
-            "path": path,
-            "names": names,
-            "previous": previous,
-        }
-        self.record("unset-service-env", **record)
-        self.journal.write(service_env=record | {"pending": True})
-        self.push_env_undo(path, previous)
-        self._run(["mkdir", "-p", "--", path.rsplit("/", 1)[0]])
-        w = self.svc_conn.write_file(path, service_env.dropin_text(names), timeout=15)
-        if not w.ok:
-            raise ProcedureError(f"writing {path} failed: {w.error}")
-        self._run(["systemctl", "daemon-reload"])
-        now = self.read_service_env()
-        left = [n for n in names if now is None or n not in now.unset]
-        if left:
-            raise ProcedureError(
-                f"{unit}'s UnsetEnvironment= does not list {' '.join(left)} after the reload "
-                "(a later drop-in resets it?): not restarting"
-            )
-        evidence.current().note(f"{path} written: UnsetEnvironment={' '.join(names)}")
-        if restart:
-            self.stopped_service = True
-            self.record("stop-service", unit=unit, where=self.service.where)
-            self.journal.write(service_stopped=True)
-            self.service.stop(self.opts.stop_timeout)
-        self.unset_names = names
-
-    def _run(self, argv: list[str]) -> None:
-        r = self.svc_conn.run(argv, timeout=60)
-        if r.rc != 0:
-            raise ProcedureError(
-                f"{' '.join(argv)} failed (rc {r.rc}): {(r.stderr or r.stdout).strip()[:200]}"
-            )
-
-    def push_env_undo(self, path: str, previous: str | None) -> None:
-        """Pending until step 9 starts the service: the drop-in's previous text back (or none), then reload."""
-        self.push_undo(
-            "service-env",
-            f"put {path} back as it was",
-            lambda: self.put_dropin_back(path, previous),
-            link=self.svc_conn,
-        )
-
-    def put_dropin_back(self, path: str, previous: str | None) -> None:
-        """Write the drop-in's previous text (remove it when there was none) and reload systemd."""
-        if previous is None:
-            self._run(["rm", "-f", "--", path])
         else:
-            w = self.svc_conn.write_file(path, previous, timeout=15)
-            if not w.ok:
-                raise ProcedureError(f"writing {path} back failed: {w.error}")
-        self._run(["systemctl", "daemon-reload"])
-        self.unset_names = []
-        if self.journal.held:
-            self.journal.write(service_env=None)
+            parts.append(s.describe())
+    return "; ".join(parts)
 
-    def env_started(self) -> None:
-        """Step 9 started the service with the drop-in in force: it stays; nothing to undo."""
-        if self.unset_names:
-            self.resolve("service-env")
-            data = self.journal.data.get("service_env")
-            if isinstance(data, dict):
-                self.journal.write(service_env=data | {"pending": False})
 
-    def adopt_env_journal(self) -> None:
-        """An interrupted run wrote the drop-in and never started the service: keep it when asked, else put it back now."""
-        data = (self.old_journal or {}).get("service_env")
-        if not isinstance(data, dict) or not data.get("pending") or data.get("unit") != self.service.unit:
-            return
-        path = service_env.dropin_path(self.service.unit)
-        if data.get("path") != path:
-            return  # not the path this suite writes: never touch it
-        previous = data.get("previous") if isinstance(data.get("previous"), str) else None
-        names = " ".join(str(n) for n in data.get("names") or [])
-        self.journal.write(service_env=data)
-        if self.opts.unset_service_env:
-            self.unset_names = [str(n) for n in data.get("names") or []]
-            self.push_env_undo(path, previous)
-            return
-        self.record("put-back-service-env", unit=self.service.unit, path=path)
-        self.put_dropin_back(path, previous)
-        evidence.current().note(
-            f"an interrupted run unset {names} in {path}; without --p2p-unset-service-env it is put back"
+def wants_unset(run: P2PProcedure, env: ServiceEnv | None) -> list[str]:
+    """The names the option would unset now ([] without the option or without findings)."""
+    if not run.opts.unset_service_env or env is None:
+        return []
+    return env.names_to_unset()
+
+
+def env_actions(run: P2PProcedure, env: ServiceEnv) -> list[Action]:
+    """The drop-in, the reload and, for a service running with the names, its restart."""
+    unit, t = run.service.unit, run.svc_conn.name
+    names = env.names_to_unset()
+    acts = [
+        Action(
+            f"unset {' '.join(names)} for {unit} (only once the collective proves P2P)",
+            f"write {service_env.dropin_path(unit)}: [Service] UnsetEnvironment={' '.join(names)}",
+            t,
+        ),
+        Action("reload systemd", "systemctl daemon-reload", t),
+    ]
+    if env.in_processes and not run.stopped_service:
+        acts += run.stop_actions()
+        acts.append(run.start_action())
+    return acts
+
+
+def read_dropin(run: P2PProcedure) -> str | None:
+    """The drop-in's text now (None when there is none)."""
+    path = service_env.dropin_path(run.service.unit)
+    text = run.svc_conn.read_files([path]).get(path)
+    return text if isinstance(text, str) else None
+
+
+def _ensure_journal(run: P2PProcedure) -> None:
+    """Take the lock and start a journal when no repair of this run did (a healthy host)."""
+    if run.journal.held:
+        return
+    owner = {"controller": socket.gethostname(), "procedure": "suites/p2p"}
+    run.journal.acquire(wait=run.opts.lock_wait, stale_s=run.opts.lock_stale, owner=owner)
+    run.journal.data = {
+        "procedure": "suites/p2p",
+        "started": time.time(),
+        "controller": owner["controller"],
+        "service": {"unit": run.service.unit, "where": run.service.where},
+        "service_stopped": run.stopped_service,
+        "persistenced_stopped": run.stopped_persistenced,
+        "steps": [],
+    }
+    run.journal.write(phase="planned")
+
+
+def unset_env(run: P2PProcedure, env: ServiceEnv) -> None:
+    """Write the drop-in (journaled, its undo pending), reload systemd, restart a service that has the names."""
+    names = env.names_to_unset()
+    unit, path = run.service.unit, service_env.dropin_path(run.service.unit)
+    _ensure_journal(run)
+    previous = read_dropin(run)
+    restart = env.in_processes and not run.stopped_service and bool(run.service.state().running)
+    if restart:  # pushed first, so that a failed run removes the drop-in before it starts the service
+        run.push_service_undo()
+    record = {
+        "unit": unit,
+        "where": run.service.where,
+        "path": path,
+        "names": names,
+        "previous": previous,
+    }
+    run.record("unset-service-env", **record)
+    run.journal.write(service_env=record | {"pending": True})
+    push_env_undo(run, path, previous)
+    run_on_service(run, ["mkdir", "-p", "--", path.rsplit("/", 1)[0]])
+    w = run.svc_conn.write_file(path, service_env.dropin_text(names), timeout=15)
+    if not w.ok:
+        raise ProcedureError(f"writing {path} failed: {w.error}")
+    run_on_service(run, ["systemctl", "daemon-reload"])
+    now = run.read_service_env()
+    left = [n for n in names if now is None or n not in now.unset]
+    if left:
+        raise ProcedureError(
+            f"{unit}'s UnsetEnvironment= does not list {' '.join(left)} after the reload "
+            "(a later drop-in resets it?): not restarting"
         )
+    evidence.current().note(f"{path} written: UnsetEnvironment={' '.join(names)}")
+    if restart:
+        run.stopped_service = True
+        run.record("stop-service", unit=unit, where=run.service.where)
+        run.journal.write(service_stopped=True)
+        run.service.stop(run.opts.stop_timeout)
+    run.unset_names = names
 
-    def env_left_after_start(self) -> list[str]:
-        """After step 9's start: the unset names still in the service's processes (set by a wrapper or the program)."""
-        if not self.unset_names:
-            return []
-        try:
-            env = self.read_service_env()
-        except GpuhostError:
-            return []
-        if env is None:
-            return []
-        return [
-            f"{s.describe()}: set by its command line or the program itself, which UnsetEnvironment= cannot remove"
-            for s in env.p2p_off
-            if s.kind == "process" and s.name in self.unset_names
-        ]
 
-    def env_hint(self) -> str:
-        """Why a running service is on SHM when it turns P2P off itself, and the option that changes it."""
-        env = self.service_env
-        if env is None or not env.p2p_off or self.unset_names:
-            return ""
-        return (
-            f" ({'; '.join(s.describe() for s in env.p2p_off)}: --p2p-unset-service-env unsets it "
-            "once the collective proves P2P)"
-        )
+def run_on_service(run: P2PProcedure, argv: list[str]) -> None:
+    r = run.svc_conn.run(argv, timeout=60)
+    if r.rc != 0:
+        raise ProcedureError(f"{' '.join(argv)} failed (rc {r.rc}): {(r.stderr or r.stdout).strip()[:200]}")
 
-    def env_state(self, env: ServiceEnv | None) -> dict[str, Any]:
-        """The settings found, as evidence."""
-        return env.to_dict() if env is not None else {"unread": "the service's side did not answer"}
+
+def push_env_undo(run: P2PProcedure, path: str, previous: str | None) -> None:
+    """Pending until step 9 starts the service: the drop-in's previous text back (or none), then reload."""
+    run.push_undo(
+        "service-env",
+        f"put {path} back as it was",
+        lambda: put_dropin_back(run, path, previous),
+        link=run.svc_conn,
+    )
+
+
+def put_dropin_back(run: P2PProcedure, path: str, previous: str | None) -> None:
+    """Write the drop-in's previous text (remove it when there was none) and reload systemd."""
+    if previous is None:
+        run_on_service(run, ["rm", "-f", "--", path])
+    else:
+        w = run.svc_conn.write_file(path, previous, timeout=15)
+        if not w.ok:
+            raise ProcedureError(f"writing {path} back failed: {w.error}")
+    run_on_service(run, ["systemctl", "daemon-reload"])
+    run.unset_names = []
+    if run.journal.held:
+        run.journal.write(service_env=None)
+
+
+def env_started(run: P2PProcedure) -> None:
+    """Step 9 started the service with the drop-in in force: it stays; nothing to undo."""
+    if run.unset_names:
+        run.resolve("service-env")
+        data = run.journal.data.get("service_env")
+        if isinstance(data, dict):
+            run.journal.write(service_env=data | {"pending": False})
+
+
+def adopt_env_journal(run: P2PProcedure) -> None:
+    """An interrupted run wrote the drop-in and never started the service: keep it when asked, else put it back now."""
+    data = (run.old_journal or {}).get("service_env")
+    if not isinstance(data, dict) or not data.get("pending") or data.get("unit") != run.service.unit:
+        return
+    path = service_env.dropin_path(run.service.unit)
+    if data.get("path") != path:
+        return  # not the path this suite writes: never touch it
+    previous = data.get("previous") if isinstance(data.get("previous"), str) else None
+    names = " ".join(str(n) for n in data.get("names") or [])
+    run.journal.write(service_env=data)
+    if run.opts.unset_service_env:
+        run.unset_names = [str(n) for n in data.get("names") or []]
+        push_env_undo(run, path, previous)
+        return
+    run.record("put-back-service-env", unit=run.service.unit, path=path)
+    put_dropin_back(run, path, previous)
+    evidence.current().note(
+        f"an interrupted run unset {names} in {path}; without --p2p-unset-service-env it is put back"
+    )
+
+
+def env_left_after_start(run: P2PProcedure) -> list[str]:
+    """After step 9's start: the unset names still in the service's processes (set by a wrapper or the program)."""
+    if not run.unset_names:
+        return []
+    try:
+        env = run.read_service_env()
+    except GpuhostError:
+        return []
+    if env is None:
+        return []
+    return [
+        f"{s.describe()}: set by its command line or the program itself, which UnsetEnvironment= cannot remove"
+        for s in env.p2p_off
+        if s.kind == "process" and s.name in run.unset_names
+    ]
+
+
+def env_hint(run: P2PProcedure) -> str:
+    """Why a running service is on SHM when it turns P2P off itself, and the option that changes it."""
+    env = run.service_env
+    if env is None or not env.p2p_off or run.unset_names:
+        return ""
+    return (
+        f" ({'; '.join(s.describe() for s in env.p2p_off)}: --p2p-unset-service-env unsets it "
+        "once the collective proves P2P)"
+    )
+
+
+def env_state(run: P2PProcedure, env: ServiceEnv | None) -> dict[str, Any]:
+    """The settings found, as evidence."""
+    return env.to_dict() if env is not None else {"unread": "the service's side did not answer"}
