@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import boto3  # noqa: E402
 
-from gpulab.lab import CLIENT_KEY, Lab, LabHost  # noqa: E402
+from gpulab.host.lab import CLIENT_KEY, Lab, LabHost  # noqa: E402
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url  # noqa: E402
 from pytest_gpuhost.modules.backup.local import Backup, load_manifest  # noqa: E402
 from pytest_gpuhost.modules.backup.s3 import S3Upload, item_for, items_from_backup, parse_s3_url  # noqa: E402

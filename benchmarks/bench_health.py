@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from health_cpu import CGROUP_ROOTS, CpuAccount, cpu_now, cpu_since  # noqa: E402  (beside this file)
 from proc_acct import Accounting, cgroup_pids, summary  # noqa: E402  (beside this file)
 
-from gpulab.lab import CLIENT_KEY, Lab, LabError, LabHost  # noqa: E402
+from gpulab.host.lab import CLIENT_KEY, Lab, LabError, LabHost  # noqa: E402
 
 CHECKS = 19
 # Plugins neither suite uses, blocked for both: the cache writes .pytest_cache, and Hypothesis's

@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpulab.lab import Lab  # noqa: E402
-from gpulab.profile import load_profile  # noqa: E402
+from gpulab.host.lab import Lab  # noqa: E402
+from gpulab.profiles.load import load_profile  # noqa: E402
 
 
 def main() -> int:

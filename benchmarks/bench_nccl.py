@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpulab.lab import Lab, LabHost  # noqa: E402
+from gpulab.host.lab import Lab, LabHost  # noqa: E402
 from tests.test_p2p_suite import run_suite  # noqa: E402
 
 STEP = "test_p2p_collective"

@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpulab.lab import CLIENT_KEY, Lab, LabHost  # noqa: E402
+from gpulab.host.lab import CLIENT_KEY, Lab, LabHost  # noqa: E402
 from suites.health.reset import VERIFY_TIMEOUT  # noqa: E402
 
 BUS = "0000:14:00.0"

@@ -4,7 +4,7 @@
     sudo python benchmarks/bench_slurm.py --smoke      # 2 nodes, 1 round (CI)
 
 Boots N ``health-ok`` lab hosts (host names gpu-node-01..N, the Slurm node names), starts
-slurmctld here and slurmd in each (gpulab/slurm.py) and moto on the controller's lab-side
+slurmctld here and slurmd in each (gpulab/slurm/cluster.py) and moto on the controller's lab-side
 address. Each round: ``srun --nodes=N --ntasks-per-node=1`` runs ``pytest suites/health
 --host=local:// --check-only`` on every node, each node writes its summary to S3, then
 ``python -m pytest_gpuhost.merge s3://...`` builds the fleet report (which must hold N hosts). One
@@ -33,9 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpulab.lab import Lab, LabError, LabHost  # noqa: E402
-from gpulab.profile import Profile, load_profile  # noqa: E402
-from gpulab.slurm import SlurmCluster, slurm_unavailable  # noqa: E402
+from gpulab.host.lab import Lab, LabError, LabHost  # noqa: E402
+from gpulab.profiles.load import Profile, load_profile  # noqa: E402
+from gpulab.slurm.cluster import SlurmCluster, slurm_unavailable  # noqa: E402
 from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")

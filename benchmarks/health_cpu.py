@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpulab.lab import LabHost
+    from gpulab.host.lab import LabHost
 
 __all__ = ["CpuAccount", "cpu_now", "cpu_since"]
 

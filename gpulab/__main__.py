@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from gpulab.lab import Lab, LabError, LabHost
+from gpulab.host.lab import Lab, LabError, LabHost
 
 FAULTS = {
     "cut-link": ("take the host's link down", LabHost.cut_link),

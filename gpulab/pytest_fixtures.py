@@ -32,8 +32,8 @@ from typing import Any
 
 import pytest
 
-from gpulab.lab import RUN, Lab, LabError, LabHost
-from gpulab.profile import Profile
+from gpulab.host.lab import RUN, Lab, LabError, LabHost
+from gpulab.profiles.load import Profile
 
 __all__ = ["LabSession", "lab"]
 

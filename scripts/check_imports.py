@@ -13,7 +13,13 @@ Layers, lowest first; a module may import only from its own layer or below:
     report    pytest_gpuhost.report.*
     plugin    pytest_gpuhost.plugin, pytest_gpuhost.nodecheck, pytest_gpuhost.merge, suites.*
 
-gpulab/ is checked for cycles too, and no module of the plugin or the suites may import it.
+gpulab/ has layers of its own, lowest first (no module of the plugin or the suites may import it):
+
+    lab-base  gpulab.errors, gpulab.profiles.types, gpulab.kernel.acs (pure rules over a profile)
+    profiles  gpulab.profiles.*                (load and validate; the variants)
+    kernel    gpulab.kernel.*                  (the emulated kernel, served over FUSE)
+    host      gpulab.host.*, gpulab.nvml       (lab hosts as machines)
+    lab       gpulab.slurm.*, gpulab.vm, gpulab.pytest_fixtures, gpulab.__main__, gpulab
 Exit 1 when a problem is found, so CI can run it. A module over `--max-lines N` (default 500) is a
 warning only: a module grows until it holds two ideas, and then splits along them.
 """
@@ -28,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pytest_gpuhost", "suites", "gpulab")
 LAYERS = ("base", "exec", "modules", "run", "report", "plugin")
+LAB_LAYERS = ("lab-base", "profiles", "kernel", "host", "lab")
 NO_PYTEST = ("exec", "modules", "base")
 
 
@@ -36,6 +43,15 @@ def module_name(path: Path) -> str:
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
+
+
+def lab_layer(mod: str) -> str:
+    if mod in ("gpulab.errors", "gpulab.profiles.types", "gpulab.kernel.acs"):
+        return "lab-base"
+    for name, pkgs in (("profiles", ("profiles",)), ("kernel", ("kernel",)), ("host", ("host", "nvml"))):
+        if any(mod == f"gpulab.{p}" or mod.startswith(f"gpulab.{p}.") for p in pkgs):
+            return name
+    return "lab"
 
 
 def layer(mod: str) -> str:
@@ -152,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
                 problems.append(f"layer: {mod} imports the suite module {dep}")
             elif mod.startswith(("pytest_gpuhost", "suites")) and dep.startswith("gpulab"):
                 problems.append(f"layer: {mod} imports the lab module {dep} (the plugin knows no lab)")
+            elif mod.startswith("gpulab") and dep.startswith("gpulab"):
+                if LAB_LAYERS.index(lab_layer(dep)) > LAB_LAYERS.index(lab_layer(mod)):
+                    problems.append(f"layer: {mod} ({lab_layer(mod)}) imports {dep} ({lab_layer(dep)})")
             elif LAYERS.index(layer(dep)) > mine:
                 problems.append(f"layer: {mod} ({layer(mod)}) imports {dep} ({layer(dep)})")
         if layer(mod) in NO_PYTEST and uses_pytest(paths[mod]):

@@ -4,13 +4,17 @@
 Each table sits in its doc between a start marker and an end marker, `<!-- generated: NAME -->`
 and `<!-- /generated: NAME -->`; what lies between is replaced. Today: the health thresholds
 (`health.thresholds.THRESHOLDS`) and the health checks (`health.checks.DECLARED`), both in
-docs/fleet.md. `--check` exits 1 naming each stale table, so
-a test (tests/test_docs_tables.py) fails when the code changed and the doc did not.
+docs/fleet.md, and the module indexes: every module of `pytest_gpuhost/exec/` in docs/EXEC.md,
+every other module of `pytest_gpuhost/`, `suites/` and `gpulab/` in docs/INTERNALS.md, each with
+the first line of its docstring (the module's own one-line summary is the one home of what it
+holds). `--check` exits 1 naming each stale table, so a test (tests/test_docs_tables.py) fails
+when the code changed and the doc did not.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,10 +25,55 @@ sys.path.insert(0, str(ROOT))
 from pytest_gpuhost.modules.health.checks import checks_table  # noqa: E402
 from pytest_gpuhost.modules.health.thresholds import markdown_table  # noqa: E402
 
+PACKAGES = ("pytest_gpuhost", "suites", "gpulab")
+EXEC = "pytest_gpuhost/exec/"
+
+
+def modules(where: str = "") -> list[Path]:
+    """Every module (and package with a docstring) of the packages, under `where` when given."""
+    out = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if path.name == "__init__.py" and not path.read_text(encoding="utf-8").strip():
+                continue
+            if rel.startswith(where):
+                out.append(path)
+    return out
+
+
+def summary(path: Path) -> str:
+    """The first line of a module's docstring; ValueError for a module without one."""
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    if not doc:
+        raise ValueError(f"{path.relative_to(ROOT)} has no docstring: say in one line what it holds")
+    return doc.strip().splitlines()[0].replace("|", "\\|")
+
+
+def module_table(paths: list[Path]) -> str:
+    """A markdown table of modules: the path (a package as `dir/`) and its one-line summary."""
+    rows = ["| module | what it holds |", "|---|---|"]
+    for path in paths:
+        rel = path.relative_to(ROOT).as_posix()
+        name = rel[: -len("__init__.py")] if path.name == "__init__.py" else rel
+        rows.append(f"| `{name}` | {summary(path)} |")
+    return "\n".join(rows) + "\n"
+
+
+def exec_index() -> str:
+    return module_table(modules(EXEC))
+
+
+def internals_index() -> str:
+    return module_table([p for p in modules() if not p.relative_to(ROOT).as_posix().startswith(EXEC)])
+
+
 #: name -> (doc, the function that renders the table)
 TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "thresholds": ("docs/fleet.md", markdown_table),
     "checks": ("docs/fleet.md", checks_table),
+    "exec-modules": ("docs/EXEC.md", exec_index),
+    "modules": ("docs/INTERNALS.md", internals_index),
 }
 
 

@@ -15,7 +15,7 @@ if ((${#need_apt[@]})); then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-# Slurm and munge for the lab's real Slurm cluster (gpulab/slurm.py, tests/test_slurm_lab.py).
+# Slurm and munge for the lab's real Slurm cluster (gpulab/slurm/cluster.py, tests/test_slurm_lab.py).
 # Optional: where they cannot be installed, the Slurm tests skip and say so. Installing must not
 # start or enable any daemon on this machine (the lab runs its own with its own config and key):
 # a policy-rc.d that denies every start (invoke-rc.d(8)) while apt runs, then the units disabled.

@@ -20,7 +20,7 @@ pytest_plugins = [
     "tests.helpers.sshd",
     "tests.helpers.s3server",
     "gpulab.pytest_fixtures",
-    "gpulab.slurm_fixtures",
+    "gpulab.slurm.fixtures",
 ]
 
 

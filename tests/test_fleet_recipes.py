@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gpulab.lab import CLIENT_KEY
+from gpulab.host.lab import CLIENT_KEY
 from tests.helpers.installed import ROOT, Installed, installed_fixture  # noqa: F401  (fixture `installed`)
 
 DOC = ROOT / "docs" / "fleet.md"

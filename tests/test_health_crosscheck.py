@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from gpulab.lab import CLIENT_KEY
+from gpulab.host.lab import CLIENT_KEY
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url
 from pytest_gpuhost.modules.health.crosscheck import differences, read_both
 from pytest_gpuhost.modules.health.thresholds import Thresholds, probe_params

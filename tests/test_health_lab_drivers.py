@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gpulab.profile import load_profile
+from gpulab.profiles.load import load_profile
 from tests.test_health_lab_gpus import inject, run_suite
 
 

@@ -325,8 +325,8 @@ def test_opt_in_nvbandwidth_fails_gpus_whose_host_copies_are_slow(lab: Any, tmp_
 
 
 def test_infiniband_port_down_since_the_last_run_fails(lab: Any, tmp_path: Path) -> None:
-    """Two NDR ports and an uncabled Ethernet port (gpulab.ib): mlx5_1/1 drops between runs."""
-    from gpulab import ib
+    """Two NDR ports and an uncabled Ethernet port (gpulab.kernel.infiniband): mlx5_1/1 drops between runs."""
+    from gpulab.kernel import infiniband as ib
 
     h = lab.host("health-ok", name=f"hg{os.getpid() % 100000}-ib")
     ports = {

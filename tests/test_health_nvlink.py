@@ -238,7 +238,7 @@ def test_model_table_and_h100_counter_names() -> None:
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
 def test_the_labs_nvlink_e_prints_what_the_probe_reads(tmp_path: Path) -> None:
     """The lab's nvidia-smi nvlink -e on the B200 profile: NVLink 5 lines per link, -i, the fault."""
-    from gpulab.sysfs import StandaloneMount
+    from gpulab.kernel.sysfs import StandaloneMount
     from tests.test_lab_tools import Lab
 
     with StandaloneMount("b200-nvl8", tmp_path / "m") as m:

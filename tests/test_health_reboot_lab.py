@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from gpulab.profile import load_profile
+from gpulab.profiles.load import load_profile
 from tests.test_health_reset_lab import REPO, _argv, _boot_id, _main_pid
 
 GPU3 = "0000:61:00"  # GPU 3 of b200-nvl8 (minor 3), as the kernel's Xid line names it

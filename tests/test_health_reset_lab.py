@@ -7,7 +7,7 @@ one does), starts both again and confirms from the GPU's own field. A holder out
 of the inventory is never stopped: the GPU is not reset and the holder is named. A reset that
 returns 0 but leaves the GPU in error (the lab's `reset_sticks`, cleared only by a reboot) fails
 the step under `--fix=reset` and reboots the node under `--fix=reset,reboot` (a `systemctl reboot`
-inside the lab host boots it again: gpulab.supervise).
+inside the lab host boots it again: gpulab.host.supervise).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gpulab.profile import load_profile
+from gpulab.profiles.load import load_profile
 
 PROFILE = "proxmox-rtx6000"
 GPU0, AUDIO0, GPU1, AUDIO1 = "0000:17:00.0", "0000:17:00.1", "0000:18:00.0", "0000:18:00.1"
@@ -223,7 +223,7 @@ def test_amd_snp_host_on_a_6_8_backport_refuses_identity_with_enodev(lab):
     """A 6.8 distribution kernel carrying the 6.9 SNP host support (mainline 6.8 has no SNP on its
     IOMMU): amd_iommu_domain_alloc() returns NULL for an identity domain under SNP and
     iommu_setup_default_domain() answers -ENODEV; the group keeps its type."""
-    from gpulab.snp_variants import SNP_LINE, epyc_snp_backport
+    from gpulab.profiles.snp_variants import SNP_LINE, epyc_snp_backport
 
     prof = epyc_snp_backport("6.8.12-4-pve", driver_version="580.105.08")
     host = lab.host(prof, name=f"e68-{os.getpid()}", pristine=True)

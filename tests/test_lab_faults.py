@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.cgroups import CGROUP_ROOT, cgroup_tree
-from gpulab.lab import RUN, Lab, LabError
-from gpulab.netns import lab_netns_names, netem_available
+from gpulab.host.cgroups import CGROUP_ROOT, cgroup_tree
+from gpulab.host.lab import RUN, Lab, LabError
+from gpulab.host.netns import lab_netns_names, netem_available
 
 PROFILE = "proxmox-rtx6000"
 

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
-from gpulab.profile import PROFILE_DIR, load_profile
+from gpulab.profiles.load import PROFILE_DIR, load_profile
 
 StandaloneMount = pytest.importorskip(
-    "gpulab.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
+    "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
 ).StandaloneMount
 
 pytestmark = pytest.mark.skipif(

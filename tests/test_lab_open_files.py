@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpulab.kernelio import open_file_counts
+from gpulab.kernel.kernelio import open_file_counts
 
 
 def _hold(path: Path, opens: int, dups: int = 0) -> subprocess.Popen[bytes]:
@@ -78,7 +78,7 @@ def test_gpu_nodes_are_character_devices(tmp_path: Path) -> None:
     import stat
     import subprocess as sp
 
-    from gpulab import boot
+    from gpulab.host import boot
 
     dev = tmp_path / "dev"
     boot.make_dev(dev, [0, 1])

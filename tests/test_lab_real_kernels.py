@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpulab import realkernel
-from gpulab.model import find_holders
-from gpulab.profile import PROFILE_DIR, ProfileError, load_profile, parse_profile
+from gpulab.kernel import acs
+from gpulab.kernel.model import find_holders
+from gpulab.profiles.load import PROFILE_DIR, ProfileError, load_profile, parse_profile
 
 StandaloneMount = pytest.importorskip(
-    "gpulab.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
+    "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
 ).StandaloneMount
 
 pytestmark = pytest.mark.skipif(
@@ -279,7 +279,7 @@ def test_kernel_enables_acs_at_boot_and_groups_follow(a: StandaloneMount) -> Non
     assert gpu[0x100:0x102] == b"\0\0"  # endpoints have no ACS capability
     assert sorted(os.listdir(P(a, "iommu_groups/30/devices"))) == [GPU0, AUD0]
     prof = load_profile(AMD)
-    assert realkernel.check_groups(prof) == ""
+    assert acs.check_groups(prof) == ""
     # a switch without ACS puts the GPU in its downstream port's group: such a profile is refused
     data = yaml.safe_load((PROFILE_DIR / f"{AMD}.yaml").read_text())
     for f in data["pci"]:
@@ -291,14 +291,14 @@ def test_kernel_enables_acs_at_boot_and_groups_follow(a: StandaloneMount) -> Non
 
 def test_p2p_route_switch_versus_root_complex() -> None:
     amd, intel = load_profile(AMD), load_profile(INTEL)
-    same_switch = realkernel.p2p_route(amd, GPU0, GPU1)
+    same_switch = acs.p2p_route(amd, GPU0, GPU1)
     assert same_switch is not None and same_switch.kind == "root-complex" and same_switch.redirected
     assert same_switch.gbps == 40.0
-    old = realkernel.p2p_route(intel, GPU0, GPU1)  # the Intel profile keeps ACS off (old model)
+    old = acs.p2p_route(intel, GPU0, GPU1)  # the Intel profile keeps ACS off (old model)
     assert old is not None and (old.kind, old.redirected, old.gbps) == ("switch", False, 52.0)
-    across = realkernel.p2p_route(amd, GPU0, "0000:3a:00.0")
+    across = acs.p2p_route(amd, GPU0, "0000:3a:00.0")
     assert across is not None and (across.kind, across.redirected) == ("root-complex", False)
-    assert realkernel.p2p_route(amd, GPU0, VFIO_GPU).kind == "cross-socket"  # type: ignore[union-attr]
+    assert acs.p2p_route(amd, GPU0, VFIO_GPU).kind == "cross-socket"  # type: ignore[union-attr]
 
 
 # ------------------------------------------------------------------ firmware on first open

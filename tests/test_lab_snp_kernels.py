@@ -2,7 +2,7 @@
 
 Mainline enables SNP on the IOMMU from 6.9 (the SNP host setup of tag x86_sev_for_v6.9_rc1): a
 mainline 6.8 kernel has none and prints no SNP line; a distribution kernel older than 6.9 may carry
-it as a backport (``gpulab.snp_variants``) and then says so in its kernel log. From 5.11 to 6.4 a
+it as a backport (``gpulab.profiles.snp_variants``) and then says so in its kernel log. From 5.11 to 6.4 a
 refused identity domain falls back to DMA without an error (drivers/iommu/iommu.c
 iommu_group_alloc_default_domain()). docs/LAB-SOURCES.md has the rows.
 """
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpulab.profile import Profile, load_profile
-from gpulab.snp_variants import BACKPORT_LABEL, SNP_LINE, epyc_snp_backport
+from gpulab.profiles.load import Profile, load_profile
+from gpulab.profiles.snp_variants import BACKPORT_LABEL, SNP_LINE, epyc_snp_backport
 
 StandaloneMount = pytest.importorskip(
-    "gpulab.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
+    "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
 ).StandaloneMount
 
 needs_fuse = pytest.mark.skipif(

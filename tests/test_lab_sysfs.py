@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.profile import ProfileError, default_domain_for, load_profile, parse_profile
+from gpulab.profiles.load import ProfileError, default_domain_for, load_profile, parse_profile
 
 StandaloneMount = pytest.importorskip(
-    "gpulab.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
+    "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
 ).StandaloneMount
 
 pytestmark = pytest.mark.skipif(

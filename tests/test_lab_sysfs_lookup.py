@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.model import HostModel
-from gpulab.profile import load_profile
+from gpulab.kernel.model import HostModel
+from gpulab.profiles.load import load_profile
 
 SysfsTree = pytest.importorskip(
-    "gpulab.sysfs_tree", reason="the lab's sysfs needs libfuse", exc_type=ImportError
+    "gpulab.kernel.sysfs_tree", reason="the lab's sysfs needs libfuse", exc_type=ImportError
 ).SysfsTree
-mfusepy = pytest.importorskip("mfusepy")  # loaded by gpulab.sysfs_tree just above
+mfusepy = pytest.importorskip("mfusepy")  # loaded by gpulab.kernel.sysfs_tree just above
 
 PROFILES = sorted(
     p.stem for p in (Path(__file__).resolve().parents[1] / "fixtures" / "profiles").glob("*.yaml")

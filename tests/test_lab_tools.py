@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.files import populate
-from gpulab.model import find_holders
-from gpulab.profile import load_profile
+from gpulab.host.datatrees import populate
+from gpulab.kernel.model import find_holders
+from gpulab.profiles.load import load_profile
 
 StandaloneMount = pytest.importorskip(
-    "gpulab.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
+    "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
 ).StandaloneMount
 
 pytestmark = pytest.mark.skipif(

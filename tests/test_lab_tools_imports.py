@@ -74,7 +74,7 @@ def test_loads_bad_json_raises_valueerror() -> None:
 
 def test_every_profile_reads_the_same(tmp_path: Path) -> None:
     """The profiles as the lab writes them for its hosts (profile.json) read back identically."""
-    from gpulab.profile import load_profile
+    from gpulab.profiles.load import load_profile
 
     for prof in sorted((ROOT / "fixtures" / "profiles").glob("*.yaml")):
         text = load_profile(prof.stem).to_json()

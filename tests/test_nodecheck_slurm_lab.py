@@ -1,4 +1,4 @@
-"""Drain and resume in a real Slurm (gpulab/slurm.py): gpuhost-nodecheck --slurm-drain and --fix=drain.
+"""Drain and resume in a real Slurm (gpulab/slurm/cluster.py): gpuhost-nodecheck --slurm-drain and --fix=drain.
 
 Three lab hosts are the nodes of a real slurmctld/slurmd (Debian 12's Slurm 22.05): gpu-node-01
 gets Xid 79 (NVIDIA's catalogue: reboot), gpu-node-02 a GPU whose cells read [GPU requires reset],

@@ -2,7 +2,7 @@
 
 Unit tests: modules/acs.py (the kernel's pci_acs_enabled() rules, ACS redirect between two GPUs of
 one switch), the plan (a group shared with a VM's device, pcieport members from 6.4), the agent's
-`pci_paths` probe on config space bytes. Lab tests (over SSH): `gpulab.p2p_variants` gives the
+`pci_paths` probe on config space bytes. Lab tests (over SSH): `gpulab.profiles.p2p_variants` gives the
 Intel Proxmox host with the kernel enabling ACS and a root port without ACS, so that a GPU on
 nvidia and a VM's GPU share one IOMMU group; a kernel 5.10 host has the read-only `type` file.
 """
@@ -248,7 +248,7 @@ def test_vm_device_in_the_gpus_group_is_refused_and_never_touched(lab: Any, tmp_
     """Root port 37:01.0 without ACS: 3a:00.0 (nvidia) shares group 14 with the VM's 3b:00.0. The run
     repairs groups 30 and 31, refuses group 14 naming both devices and the port, never writes anything
     of 3b:00 or group 14, and says that ACS redirect keeps 17:00.0 <-> 18:00.0 on the root complex."""
-    from gpulab.p2p_variants import rtx6000_root_port_without_acs
+    from gpulab.profiles.p2p_variants import rtx6000_root_port_without_acs
 
     host = lab.host(rtx6000_root_port_without_acs(), name=f"p2pacs-{os.getpid()}")
     run = run_suite(host, tmp_path)
@@ -286,7 +286,7 @@ def test_vm_device_in_the_gpus_group_is_refused_and_never_touched(lab: Any, tmp_
 def test_pcieport_stays_bound_while_the_group_changes_on_6_4_plus(lab: Any, tmp_path: Path) -> None:
     """Kernel 6.8: group 14 holds the root port, the switch and GPUs 2-3; pcieport does not count in
     group->owner_cnt, so only the GPUs and their audio are unbound and the type write succeeds."""
-    from gpulab.p2p_variants import rtx6000_root_port_without_acs
+    from gpulab.profiles.p2p_variants import rtx6000_root_port_without_acs
 
     host = lab.host(rtx6000_root_port_without_acs(vm_gpu=None), name=f"p2ppcie-{os.getpid()}")
     run = run_suite(host, tmp_path)
@@ -309,7 +309,7 @@ def test_pcieport_stays_bound_while_the_group_changes_on_6_4_plus(lab: Any, tmp_
 def test_kernel_5_10_type_file_is_read_only_and_nothing_is_touched(lab: Any, tmp_path: Path) -> None:
     """5.2-5.10: /sys/kernel/iommu_groups/N/type is readable, its write fails with EACCES even as root:
     the run says so (and what to do) before anything is stopped or written."""
-    from gpulab.profile import load_profile
+    from gpulab.profiles.load import load_profile
 
     host = lab.host(
         load_profile("proxmox-rtx6000", {"kernel": "5.10.0-28-amd64"}), name=f"p2p510-{os.getpid()}"
@@ -324,21 +324,21 @@ def test_kernel_5_10_type_file_is_read_only_and_nothing_is_touched(lab: Any, tmp
 
 
 def test_lab_grouping_counts_unimplemented_acs_bits_as_on() -> None:
-    """gpulab.realkernel follows pci_acs_flags_enabled(): a downstream port that implements only SV and UF,
+    """gpulab.kernel.acs follows pci_acs_flags_enabled(): a downstream port that implements only SV and UF,
     both on, isolates (RR/CR are hard-wired); one without the capability does not."""
     import dataclasses
 
-    from gpulab import realkernel
-    from gpulab.p2p_variants import rtx6000_root_port_without_acs
+    from gpulab.kernel import acs
+    from gpulab.profiles.p2p_variants import rtx6000_root_port_without_acs
 
     base = rtx6000_root_port_without_acs(vm_gpu=None)
 
     def group_of(cap: tuple[str, ...], ctl: tuple[str, ...]) -> set[str]:
         pci = tuple(dataclasses.replace(f, acs_cap=cap) if f.bdf == "0000:16:00.0" else f for f in base.pci)
         prof = dataclasses.replace(base, pci=pci)
-        parts = realkernel.kernel_group_partition(
+        parts = acs.kernel_group_partition(
             prof,
-            lambda b: ctl if b == "0000:16:00.0" else realkernel.boot_acs_ctl(prof, prof.function(b)),
+            lambda b: ctl if b == "0000:16:00.0" else acs.boot_acs_ctl(prof, prof.function(b)),
         )
         return next(s for s in parts if "0000:17:00.0" in s)
 

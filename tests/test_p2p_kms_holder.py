@@ -24,7 +24,7 @@ def _touched(run: Any) -> list[dict[str, Any]]:
 
 
 def test_modeset_on_570_is_refused_at_the_plan_with_refcnt_zero(lab: Any, tmp_path: Path) -> None:
-    from gpulab.profile import load_profile
+    from gpulab.profiles.load import load_profile
 
     host = lab.host(load_profile(BASE, {"module_params": KMS}), name=f"kms570-{os.getpid()}")
     assert sh(host, "cat /sys/module/nvidia_drm/refcnt") == "0"
@@ -41,7 +41,7 @@ def test_modeset_on_570_is_refused_at_the_plan_with_refcnt_zero(lab: Any, tmp_pa
 
 
 def test_modeset_on_580_105_08_is_no_holder(lab: Any, tmp_path: Path) -> None:
-    from gpulab.profile import load_profile
+    from gpulab.profiles.load import load_profile
 
     prof = load_profile(BASE, {"module_params": KMS, "driver_version": "580.105.08"})
     host = lab.host(prof, name=f"kms580-{os.getpid()}")

@@ -123,7 +123,7 @@ def test_acs_redirect_routed_by_the_root_complex_passes_copies_and_hangs_the_col
     runs, the copies pass, the collective hangs in its bound, names the GPUs and points at ACS."""
     import os
 
-    from gpulab.p2p_variants import rtx6000_acs_redirect_routed
+    from gpulab.profiles.p2p_variants import rtx6000_acs_redirect_routed
 
     h = lab.host(rtx6000_acs_redirect_routed(), name=f"p2pred-{os.getpid()}")
     run = run_suite(h, tmp_path, "--p2p-nccl-timeout=5")
@@ -131,6 +131,8 @@ def test_acs_redirect_routed_by_the_root_complex_passes_copies_and_hangs_the_col
     assert run.outcomes[STEP] == "failed", run.outcomes
     text = message(run)
     assert "hung after 5 s on 0000:17:00.0, 0000:18:00.0, 0000:3a:00.0, 0000:3b:00.0" in text, text
-    assert "ACS P2P Request/Completion Redirect is on at 0000:16:00.0, 0000:16:01.0, 0000:39:00.0" in text, text
+    assert "ACS P2P Request/Completion Redirect is on at 0000:16:00.0, 0000:16:01.0, 0000:39:00.0" in text, (
+        text
+    )
     assert ours_left(h) == ""
     assert run.rc != 0

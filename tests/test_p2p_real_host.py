@@ -59,7 +59,7 @@ def test_snp_host_is_refused_before_anything_changes(snp: Any, tmp_path: Path, c
 def test_snp_on_a_6_8_backport_kernel_is_decided_from_its_log(lab: Any, tmp_path: Path) -> None:
     """A 6.8 distribution kernel carrying the 6.9 SNP host support (mainline 6.8 has none): no kvm_amd
     sev_snp parameter yet; the AMD-Vi boot line decides, not the release; ENODEV and the backport named."""
-    from gpulab.snp_variants import epyc_snp_backport
+    from gpulab.profiles.snp_variants import epyc_snp_backport
 
     host = lab.host(epyc_snp_backport("6.8.12-4-pve"), name=f"snp68-{os.getpid()}")
     run = run_suite(host, tmp_path)
@@ -73,7 +73,7 @@ def test_snp_on_a_6_8_backport_kernel_is_decided_from_its_log(lab: Any, tmp_path
 def test_refused_type_write_rolls_back_and_restores_the_service(lab: Any, tmp_path: Path) -> None:
     """The SNP facts are gone (kernel log rotated, a 6.8 backport has no kvm_amd sev_snp): the suite writes, the
     kernel refuses (ENODEV); the run rebinds, restarts nvidia-persistenced and the service, and says so."""
-    from gpulab.snp_variants import epyc_snp_backport
+    from gpulab.profiles.snp_variants import epyc_snp_backport
 
     prof = epyc_snp_backport("6.8.12-4-pve", snp_log=False, module_params=NO_MODESET)
     host = lab.host(prof, name=f"snpfault-{os.getpid()}")
@@ -102,7 +102,7 @@ def test_silent_fallback_to_dma_is_reported_and_rolled_back(lab: Any, tmp_path: 
     """6.4 with the SNP host backport, SNP lines gone from its log: the identity write returns success
     and the group reads DMA (iommu_group_alloc_default_domain()'s fallback). The suite says the group
     is not identity and what it read, puts the type back, rebinds every function and the service."""
-    from gpulab.snp_variants import epyc_snp_backport
+    from gpulab.profiles.snp_variants import epyc_snp_backport
 
     prof = epyc_snp_backport("6.4.0", snp_log=False, module_params=NO_MODESET)
     host = lab.host(prof, name=f"snpfb-{os.getpid()}")
@@ -134,7 +134,7 @@ exec REAL "$@"
 def test_first_nvidia_smi_after_rebind_waits_for_the_firmware(lab: Any, tmp_path: Path) -> None:
     """6 s of firmware start per GPU: the first nvidia-smi after the rebind outlasts its 20 s limit; the
     suite waits for the GPUs to come up instead of failing step 5."""
-    from gpulab.profile import load_profile
+    from gpulab.profiles.load import load_profile
 
     host = lab.host(load_profile("proxmox-rtx6000", {"gsp_boot_s": 6.0}), name=f"p2pgsp-{os.getpid()}")
     real = host.ssh("command -v nvidia-smi").stdout.strip()
@@ -155,7 +155,7 @@ def test_first_nvidia_smi_after_rebind_waits_for_the_firmware(lab: Any, tmp_path
 
 def test_kernel_side_holder_is_seen_at_its_real_path(lab: Any, tmp_path: Path) -> None:
     """nvidia_uvm holding a GPU with no open file (open-gpu-kernel-modules/issues/1119 and /1374): the lab host serves
-    /sys/module at its real path (gpulab/boot.py), the suite reads the count there and stops with "needs a reboot path" before it stops, signals or unbinds anything."""
+    /sys/module at its real path (gpulab/host/boot.py), the suite reads the count there and stops with "needs a reboot path" before it stops, signals or unbinds anything."""
     host = lab.host("proxmox-rtx6000")
     host.reset()
     try:

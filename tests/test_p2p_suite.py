@@ -377,7 +377,7 @@ def test_stopped_container_is_not_a_lost_host(host: Any, tmp_path: Path) -> None
 
 def test_old_kernel_is_refused_before_anything_is_touched(lab: Any, tmp_path: Path) -> None:
     """Kernel 6.1: groups of GPU + audio cannot change type; the run says so and changes nothing."""
-    from gpulab.profile import load_profile
+    from gpulab.profiles.load import load_profile
 
     old = lab.host(load_profile("proxmox-rtx6000", {"kernel": "6.1.0-18-amd64"}), name=f"p2p61-{os.getpid()}")
     run = run_suite(old, tmp_path)

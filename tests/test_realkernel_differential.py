@@ -18,7 +18,7 @@ import pytest
 from gpulab import vm
 
 StandaloneMount = pytest.importorskip(
-    "gpulab.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
+    "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
 ).StandaloneMount
 
 pytestmark = pytest.mark.realkernel

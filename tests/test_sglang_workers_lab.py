@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpulab.lab import CLIENT_KEY
+from gpulab.host.lab import CLIENT_KEY
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url
 from pytest_gpuhost.modules.backup.local import load_manifest
 from pytest_gpuhost.modules.process import Proc, ProcessTable, Selection, stop_processes

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from gpulab.model import find_holders
-from gpulab.profile import load_profile
+from gpulab.kernel.model import find_holders
+from gpulab.profiles.load import load_profile
 
 StandaloneMount = pytest.importorskip(
-    "gpulab.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
+    "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
 ).StandaloneMount
 
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""A real Slurm over lab hosts: slurmctld here, slurmd and munged in four lab hosts (gpulab/slurm.py).
+"""A real Slurm over lab hosts: slurmctld here, slurmd and munged in four lab hosts (gpulab/slurm/cluster.py).
 
 srun runs suites/health on every node against ``local://`` (each node names itself after its
 host name, which is its Slurm node name), each node writes its summary to S3 (moto, bound to the
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from gpulab.profile import load_profile
+from gpulab.profiles.load import load_profile
 from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto
 
 REPO = Path(__file__).resolve().parent.parent
@@ -220,7 +220,7 @@ def _fake_host(name: str, index: int) -> Any:
 
 
 def test_missing_packages_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import gpulab.slurm as gs
+    import gpulab.slurm.cluster as gs
 
     monkeypatch.setattr(gs, "PATH", str(tmp_path))  # nothing installed there
     why = gs.slurm_unavailable()
@@ -231,7 +231,7 @@ def test_missing_packages_are_named(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 def test_node_names_must_differ_and_conf_names_every_node() -> None:
     import shutil
 
-    from gpulab.slurm import SlurmCluster, SlurmError
+    from gpulab.slurm.cluster import SlurmCluster, SlurmError
 
     with pytest.raises(SlurmError, match=r"share the host name\(s\) gpu-node.*overrides=\{'hostname'"):
         SlurmCluster([_fake_host("gpu-node", 5), _fake_host("gpu-node", 6)])

@@ -3,7 +3,7 @@
 Two halves. ``prepare_root``, ``make_dev`` and friends run in the root namespace on the merged
 overlay (writes there land in the overlay's upper dir, so this machine's own files are never
 changed). ``main`` runs as PID 1 of fresh PID, mount, UTS and IPC namespaces already joined to the
-machine's netns (``python -m gpulab.boot --root R ...``): it mounts /proc, a read-only /sys with the
+machine's netns (``python -m gpulab.host.boot --root R ...``): it mounts /proc, a read-only /sys with the
 FUSE subtrees bound over /sys/bus/pci, /sys/kernel/iommu_groups and /sys/module (and /proc/modules),
 the machine's /dev, the state dir at /var/lib/gpulab, pivots into R and execs systemd.
 """
@@ -267,7 +267,7 @@ def make_dev(dev: Path, nvidia_minors: Iterable[int]) -> None:
 def _mount(*args: str) -> None:
     p = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=10)
     if p.returncode != 0:
-        raise SystemExit(f"gpulab.boot: mount {' '.join(args)}: {p.stderr.strip()}")
+        raise SystemExit(f"gpulab.host.boot: mount {' '.join(args)}: {p.stderr.strip()}")
 
 
 def _inner(ns: argparse.Namespace) -> None:
@@ -310,7 +310,7 @@ def _inner(ns: argparse.Namespace) -> None:
         _mount("--bind", os.path.join(ns.sysfs, "iommu_groups"), str(r / "sys/kernel/iommu_groups"))
         # The NVIDIA modules' use counts and parameters (and kvm_amd's sev_snp) as the profile's
         # kernel shows them: /sys/module/M/{refcnt,holders,parameters} and /proc/modules
-        # (kernel/module/sysfs.c, kernel/module/procfs.c m_show(); gpulab/realkernel.py). The lab
+        # (kernel/module/sysfs.c, kernel/module/procfs.c m_show(); gpulab/kernel/acs.py). The lab
         # host sees only these modules there, as a host with just them loaded would.
         _mount("--bind", os.path.join(ns.sysfs, "module"), str(r / "sys/module"))
         if (r / "proc/modules").exists():  # absent where this machine's kernel has no module support
@@ -323,7 +323,7 @@ def _inner(ns: argparse.Namespace) -> None:
     # The checkout under test is the lab's stand-in for software installed on the host: lab hosts
     # see it (and its .venv) through the overlay of this machine's /, except where the fresh /tmp
     # hides it (a CI clone in /tmp). Bind it back there, read-only, at the same path.
-    checkout = Path(__file__).resolve().parents[1]
+    checkout = Path(__file__).resolve().parents[2]
     if checkout.is_relative_to("/tmp"):
         inside = r / checkout.relative_to("/")
         inside.mkdir(parents=True, exist_ok=True)
@@ -352,7 +352,7 @@ def _inner(ns: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run as PID 1 of a new lab machine: mount, pivot, exec systemd."""
-    ap = argparse.ArgumentParser(prog="python -m gpulab.boot")
+    ap = argparse.ArgumentParser(prog="python -m gpulab.host.boot")
     ap.add_argument("--root", required=True)
     ap.add_argument("--dev", required=True)
     ap.add_argument("--sysfs", default="")
@@ -361,11 +361,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--procfiles", default="", help="dir with cmdline, version, sys_kernel_osrelease")
     ns = ap.parse_args(argv)
     if os.getpid() != 1:
-        raise SystemExit("gpulab.boot: must run as PID 1 of a new PID namespace")
+        raise SystemExit("gpulab.host.boot: must run as PID 1 of a new PID namespace")
     try:
         _inner(ns)
     except Exception as e:  # a failed boot must say why on the launcher's log, then end the namespace
-        print(f"gpulab.boot: {e}", file=sys.stderr, flush=True)
+        print(f"gpulab.host.boot: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 

@@ -1,6 +1,6 @@
 """Delay a lab host's SSH port in user space, for kernels without the netem qdisc.
 
-Run by the lab inside the host's netns (``ip netns exec gl-NAME python -m gpulab.delayproxy
+Run by the lab inside the host's netns (``ip netns exec gl-NAME python -m gpulab.host.delayproxy
 --listen 198.18.I.2:22 --to 127.0.0.1:22 --delay-ms D --pidfile FILE``) while the host's sshd
 listens on loopback only. Every chunk waits ``D`` ms in each direction, in order, and a new
 connection waits ``D`` ms more, as the handshake over a delayed link would: the round trip is
@@ -76,7 +76,7 @@ def _addr(text: str) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve until SIGTERM."""
-    ap = argparse.ArgumentParser(prog="python -m gpulab.delayproxy")
+    ap = argparse.ArgumentParser(prog="python -m gpulab.host.delayproxy")
     ap.add_argument("--listen", required=True, help="HOST:PORT to accept on")
     ap.add_argument("--to", required=True, help="HOST:PORT to forward to")
     ap.add_argument("--delay-ms", type=float, required=True, help="delay each way")

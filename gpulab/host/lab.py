@@ -18,16 +18,16 @@ Layout in the root namespace for host ``NAME`` (index ``I``)::
 The lab layer (base) holds whiteouts for every unit this machine has enabled, so the host's
 systemd only starts ssh and the profile's units. ``reset`` drops upper (a pristine host);
 ``reboot`` keeps it (what was installed survives). A reboot asked for inside the host
-(``systemctl reboot``) boots it again the same way: ``gpulab.supervise``, the launcher's parent.
+(``systemctl reboot``) boots it again the same way: ``gpulab.host.supervise``, the launcher's parent.
 
 Each machine runs in its own PID, mount, UTS, IPC, cgroup and network namespaces, PID 1 a real
 systemd, in cgroup ``gpulab/NAME`` (containers: ``gpulab/NAME/lxc/ID``) of the systemd, pids,
 devices and freezer hierarchies; memory and cpu stay this machine's. Link delay uses netem where
-the kernel has it, else ``gpulab.delayproxy`` in front of the host's sshd; loss needs netem.
+the kernel has it, else ``gpulab.host.delayproxy`` in front of the host's sshd; loss needs netem.
 
-The parts, by concept: ``gpulab.cgroups`` (a machine's cgroups, freezing), ``gpulab.procs``
-(processes and mounts seen from this machine), ``gpulab.layer`` (the files put under a host's
-root before it boots), ``gpulab.boot`` (its /etc and /dev), ``gpulab.netns`` (its link).
+The parts, by concept: ``gpulab.host.cgroups`` (a machine's cgroups, freezing), ``gpulab.host.procs``
+(processes and mounts seen from this machine), ``gpulab.host.layer`` (the files put under a host's
+root before it boots), ``gpulab.host.boot`` (its /etc and /dev), ``gpulab.host.netns`` (its link).
 """
 
 from __future__ import annotations
@@ -49,15 +49,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpulab import boot, cgroups, layer, netns, procs, units
 from gpulab.errors import LabError
-from gpulab.profile import Profile, ProfileError, Service, load_profile
+from gpulab.host import boot, cgroups, layer, netns, procs, units
+from gpulab.profiles.load import Profile, ProfileError, Service, load_profile
 
 __all__ = ["CLIENT_KEY", "RUN", "Lab", "LabError", "LabHost"]
 
 RUN = Path("/run/gpulab")
 CLIENT_KEY = RUN / "id_ed25519"
-PKG = Path(__file__).resolve().parent
+PKG = Path(__file__).resolve().parents[1]  # gpulab/
 REPO = PKG.parent
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
@@ -463,7 +463,7 @@ class LabHost:
             (self.state_dir / "record.jsonl").unlink(missing_ok=True)
         log = open(self.dir / "sysfs.log", "ab")  # noqa: SIM115 - handed to the daemon
         argv = [
-            sys.executable, "-m", "gpulab.sysfs", "--profile", str(self.dir / "profile.json"),
+            sys.executable, "-m", "gpulab.kernel.sysfs", "--profile", str(self.dir / "profile.json"),
             "--state", str(self.state_dir), "--mount", str(mnt), "--devdir", str(self.dir / "dev"),
         ]  # fmt: skip
         p = subprocess.Popen(
@@ -487,10 +487,10 @@ class LabHost:
             time.sleep(0.02)
 
     def _launch(self, m: _Machine) -> None:
-        """Start the machine's PID 1 (python -m gpulab.boot, which execs systemd)."""
+        """Start the machine's PID 1 (python -m gpulab.host.boot, which execs systemd)."""
         root = m.dir / "root"
         boot_argv = [
-            sys.executable, "-m", "gpulab.boot", "--root", str(root), "--dev", str(m.dir / "dev"),
+            sys.executable, "-m", "gpulab.host.boot", "--root", str(root), "--dev", str(m.dir / "dev"),
             "--sysfs", str(self.dir / "sysfs"), "--state", str(self.state_dir), "--procfiles", str(self.dir / "proc"),
         ]  # fmt: skip
         unshare = [
@@ -507,7 +507,7 @@ class LabHost:
         boot_argv.append("--cgroupns")
         if m.cid is None:
             argv = ["nsenter", f"--net=/run/netns/{self.netns}", *unshare, *boot_argv]
-            argv = [sys.executable, "-m", "gpulab.supervise", self.name, "--", *argv]
+            argv = [sys.executable, "-m", "gpulab.host.supervise", self.name, "--", *argv]
             cg = self.cgroup
         else:
             host_pid = self.init_pid()
@@ -569,7 +569,7 @@ class LabHost:
         deadline = t0 + timeout
         ms = self.machines()
         timings: dict[str, float] = {}
-        (self.dir / "proc" / "boot_id").unlink(missing_ok=True)  # a boot id per boot (gpulab.boot)
+        (self.dir / "proc" / "boot_id").unlink(missing_ok=True)  # a boot id per boot (gpulab.host.boot)
         # Containers start once the host's boot is done, as Proxmox starts guests from
         # pve-guests.service after the boot units (a boot-time IOMMU fix runs before any guest).
         self._launch(ms[0])
@@ -873,7 +873,7 @@ class Lab:
         pidfile = host.dir / "pids" / "delayproxy"
         pidfile.parent.mkdir(parents=True, exist_ok=True)
         argv = [
-            "ip", "netns", "exec", host.netns, sys.executable, "-m", "gpulab.delayproxy",
+            "ip", "netns", "exec", host.netns, sys.executable, "-m", "gpulab.host.delayproxy",
             "--listen", f"{host.address}:22", "--to", "127.0.0.1:22", "--delay-ms", str(delay_ms),
             "--pidfile", str(pidfile),
         ]  # fmt: skip

@@ -2,7 +2,7 @@
 
 Its /proc stand-ins (the profile's kernel), the in-host tools (gpulab/tools: nvidia-smi,
 nvbandwidth, the NVML stand-in library, sglang), pct/lxc-attach on a Proxmox host, and the
-profile's data trees. ``LabHost`` mounts the layer under the host's overlay (gpulab/lab.py).
+profile's data trees. ``LabHost`` mounts the layer under the host's overlay (gpulab/host/lab.py).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import shutil
 from pathlib import Path
 
 from gpulab import nvml
-from gpulab.profile import Profile, Service
+from gpulab.profiles.load import Profile, Service
 
 __all__ = ["HOST_PY_SITE", "TOOL_PATHS", "install_tools", "populate_files", "service_env", "write_procfiles"]
 
-PKG = Path(__file__).resolve().parent
+PKG = Path(__file__).resolve().parents[1]  # gpulab/
 
 HOST_PY_SITE = "usr/local/lib/python3.11/dist-packages"
 
@@ -89,7 +89,7 @@ def populate_files(root: Path, prof: Profile, scale: str) -> None:
         return
     import importlib
 
-    files = importlib.import_module("gpulab.files")  # H4's generator; only hosts with trees need it
+    files = importlib.import_module("gpulab.host.datatrees")  # H4's generator; only hosts with trees need it
 
     for tree in prof.files:
         target = root / tree.root.lstrip("/")

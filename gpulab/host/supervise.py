@@ -1,9 +1,9 @@
 """A lab host's supervisor: the parent of its launcher, which boots the host again on a reboot.
 
-    python -m gpulab.supervise NAME -- LAUNCHER...
+    python -m gpulab.host.supervise NAME -- LAUNCHER...
 
 ``LabHost._launch`` starts the host's launcher (``nsenter ... unshare --pid --fork ... python -m
-gpulab.boot``) under this process. A reboot inside the host (``systemctl reboot``) ends in
+gpulab.host.boot``) under this process. A reboot inside the host (``systemctl reboot``) ends in
 systemd-shutdown calling reboot(2). In a PID namespace other than the first that ends the
 namespace's init, and "wait(2) in the parent process reports that the child was killed with a
 SIGHUP signal" (SIGINT for a halt or power-off; reboot(2), "Behavior inside PID namespaces",
@@ -34,8 +34,10 @@ def supervise(name: str, launcher: list[str]) -> int:
     rc = p.wait()
     if rc != -signal.SIGHUP:
         return 0 if rc == 0 else 1
-    print(f"gpulab.supervise: {name}: PID 1 asked for a reboot; booting again", file=sys.stderr, flush=True)
-    from gpulab.lab import LabHost  # only a reboot needs the lab's machinery
+    print(
+        f"gpulab.host.supervise: {name}: PID 1 asked for a reboot; booting again", file=sys.stderr, flush=True
+    )
+    from gpulab.host.lab import LabHost  # only a reboot needs the lab's machinery
 
     LabHost(name).reboot_from_inside()
     return 0
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``NAME -- LAUNCHER...`` and supervise."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 3 or args[1] != "--":
-        print("usage: python -m gpulab.supervise NAME -- LAUNCHER...", file=sys.stderr)
+        print("usage: python -m gpulab.host.supervise NAME -- LAUNCHER...", file=sys.stderr)
         return 2
     return supervise(args[0], args[2:])
 

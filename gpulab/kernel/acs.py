@@ -1,6 +1,7 @@
-"""What real kernels and NVIDIA drivers do that the lab's host model reproduces, each with its source.
+"""ACS on the lab's PCIe ports: its bits at boot, the IOMMU groups they make, the P2P routes they force.
 
-Pure functions over a ``Profile`` (no FUSE, no threads), used by ``gpulab.model``:
+What real kernels do, each rule with its source, as pure functions over a ``Profile`` (no FUSE, no
+threads), used by the host model, the config space and the profile loader:
 
 - ACS at boot: with an IOMMU active the kernel sets Source Validation, P2P Request Redirect,
   P2P Completion Redirect and Upstream Forwarding on every port that implements ACS
@@ -13,7 +14,6 @@ Pure functions over a ``Profile`` (no FUSE, no threads), used by ``gpulab.model`
 - P2P routing: with Request/Completion Redirect on the downstream ports of a switch, peer
   requests go up to the root complex and back instead of turning inside the switch (PCIe Base
   Spec 6.12 "Access Control Services"; NCCL "Troubleshooting: PCI Access Control Services").
-- The text of ``/proc/modules`` and ``/sys/module/*`` for the NVIDIA modules.
 
 See docs/LAB-SOURCES.md for the table of behaviours and their sources.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gpulab.profile_types import ACS_BITS, PciFunction, Profile
+from gpulab.profiles.types import ACS_BITS, PciFunction, Profile
 
 __all__ = [
     "ACS_CAP_DEFAULT",
@@ -34,7 +34,6 @@ __all__ = [
     "kernel_group_partition",
     "p2p_route",
     "port_type",
-    "proc_modules",
 ]
 
 # Bits a port implements when the profile does not say: SV TB RR CR UF DT (0x5f), as the
@@ -212,24 +211,3 @@ def p2p_route(
     fa, fb = profile.function(a), profile.function(b)
     kind = "cross-socket" if fa.numa_node != fb.numa_node else "root-complex"
     return P2PRoute(kind, lk.gbps, False)
-
-
-# Module sizes are placeholders, not taken from a real host (docs/LAB-SOURCES.md says so): the
-# suite must read the use count and the users, never the size.
-_MODULE_SIZE = {"nvidia_uvm": 2076672, "nvidia_drm": 131072, "nvidia_modeset": 1548288, "nvidia": 11321344}
-
-
-def proc_modules(refcnt: Mapping[str, int], users: Mapping[str, list[str]]) -> str:
-    """Return ``/proc/modules`` lines for the NVIDIA modules (kernel/module/procfs.c m_show()).
-
-    Each line: name, size, use count, the modules using it (``a,b,`` or ``-``), ``Live``, the
-    load address (zeros without CAP_SYSLOG) and taint flags (``(OE)``: out of tree and unsigned,
-    as DKMS-built open modules show; the open modules are MIT/GPL, so no ``P``).
-    """
-    lines = []
-    for name in ("nvidia_uvm", "nvidia_drm", "nvidia_modeset", "nvidia"):
-        if name not in refcnt:
-            continue
-        by = "".join(f"{u}," for u in users.get(name, [])) or "-"
-        lines.append(f"{name} {_MODULE_SIZE[name]} {refcnt[name]} {by} Live 0x0000000000000000 (OE)")
-    return "\n".join(lines) + ("\n" if lines else "")

@@ -1,8 +1,8 @@
 """PCI config space of the lab's functions: header, PCIe capability with link status, ACS.
 
-A mixin of ``gpulab.model.HostModel``: the 4 KiB ``config`` file that ``lspci -vvv`` and
-``setpci`` read, with the ACS capability at 0x100 on ports that implement ACS (control bits at
-boot from ``gpulab.realkernel.boot_acs_ctl()``). Only the command register and ACS control are
+``ConfigSpace`` is the 4 KiB ``config`` file of each function that ``lspci -vvv`` and ``setpci``
+read, with the ACS capability at 0x100 on ports that implement ACS (control bits at
+boot from ``gpulab.kernel.acs.boot_acs_ctl()``). Only the command register and ACS control are
 writable, as ``setpci`` would find them.
 """
 
@@ -10,19 +10,30 @@ from __future__ import annotations
 
 import threading
 
-from gpulab import realkernel
-from gpulab.profile import ACS_BITS, PciFunction, Profile
+from gpulab.kernel import acs
+from gpulab.profiles.load import ACS_BITS, PciFunction, Profile
 
-__all__ = ["ConfigSpaceMixin"]
+__all__ = ["ConfigSpace"]
 
 
-class ConfigSpaceMixin:
-    """Config-space state and rules; expects ``profile``, ``functions``, ``config`` and ``lock``."""
+class ConfigSpace:
+    """The config space of every function of one lab host, at boot and as setpci changed it."""
 
-    profile: Profile
-    functions: dict[str, PciFunction]
-    config: dict[str, bytearray]
-    lock: threading.RLock
+    def __init__(self, profile: Profile, lock: threading.RLock) -> None:
+        self.profile = profile
+        self.functions: dict[str, PciFunction] = {f.bdf: f for f in profile.pci}
+        self.lock = lock
+        self.config: dict[str, bytearray] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Every function's config space as the kernel left it at boot."""
+        with self.lock:
+            self.config = {b: self._boot_config(b) for b in self.functions}
+
+    def read(self, bdf: str) -> bytes:
+        """The function's 4 KiB config space."""
+        return bytes(self.config[bdf])
 
     def bus_range(self, bdf: str) -> tuple[int, int]:
         """Return (secondary, subordinate) bus numbers of a bridge, from the profile's tree."""
@@ -39,17 +50,6 @@ class ConfigSpaceMixin:
             todo += [g for g in self.profile.pci if g.parent == f.bdf]
         return lo, hi
 
-    def port_type(self, bdf: str) -> int:
-        """Return the PCIe device/port type: 0 endpoint, 4 root port, 5 upstream, 6 downstream."""
-        f = self.functions[bdf]
-        if not f.klass.startswith("0x0604"):
-            return 0
-        if f.parent is None:
-            return 4
-        if any(k.klass.startswith("0x0604") for k in self.profile.pci if k.parent == bdf):
-            return 5
-        return 6
-
     def _boot_config(self, bdf: str) -> bytearray:
         """Build the function's 4 KiB config space: header, PCIe capability, ACS on ports."""
         f = self.functions[bdf]
@@ -64,7 +64,7 @@ class ConfigSpaceMixin:
         put(0x06, 0x0010, 2)  # capabilities list
         put(0x08, 0xA1, 1)
         put(0x09, int(f.klass, 16), 3)  # prog-if, subclass, class
-        ptype = self.port_type(bdf)
+        ptype = acs.port_type(self.profile, bdf)
         put(0x0E, 0x01 if ptype else 0x00, 1)
         if ptype:
             sec, sub = self.bus_range(bdf)
@@ -80,14 +80,14 @@ class ConfigSpaceMixin:
         if f.link is not None:
             put(0x4C, _speed_code(f.link.max_speed) | (f.link.max_width << 4), 4)
             put(0x52, _speed_code(f.link.speed) | (f.link.width << 4), 2)
-        cap = realkernel.acs_cap(self.profile, f)
+        cap = acs.acs_cap(self.profile, f)
         if cap:
             put(0x100, 0x000D | (1 << 16), 4)  # ACS extended capability, version 1, last
             put(0x104, sum(1 << ACS_BITS.index(b) for b in cap), 2)
-            put(0x106, sum(1 << ACS_BITS.index(b) for b in realkernel.boot_acs_ctl(self.profile, f)), 2)
+            put(0x106, sum(1 << ACS_BITS.index(b) for b in acs.boot_acs_ctl(self.profile, f)), 2)
         return c
 
-    def config_write(self, bdf: str, offset: int, data: bytes) -> None:
+    def write(self, bdf: str, offset: int, data: bytes) -> None:
         """Write config space like setpci: only the command register and ACS control take it."""
         writable = set(range(0x04, 0x06))
         if self.config[bdf][0x100:0x102] == b"\x0d\x00":

@@ -30,7 +30,7 @@ ROOT = "/sys/class/infiniband"
 def _run(host: Any, script: str) -> None:
     r = host.ssh(["sh", "-c", script])
     if r.returncode != 0:
-        raise RuntimeError(f"gpulab.ib on {host.name}: {r.stderr.strip() or r.stdout.strip()}")
+        raise RuntimeError(f"gpulab.kernel.infiniband on {host.name}: {r.stderr.strip() or r.stdout.strip()}")
 
 
 def _port_script(name: str, **values: Any) -> str:

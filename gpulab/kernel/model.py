@@ -1,8 +1,9 @@
 """The state of one lab host's PCI bus and IOMMU groups, with the kernel's rules for changing it.
 
-``HostModel`` is what the FUSE daemon (``gpulab.sysfs``) serves. It knows which driver each
+``HostModel`` is what the FUSE daemon (``gpulab.kernel.sysfs``) serves. It knows which driver each
 function is bound to, each function's ``driver_override``, each IOMMU group's domain type, the
-nvidia minor numbers and legacy persistence mode, and it applies the errno rules of
+nvidia minor numbers, legacy persistence mode and the nvidia driver's own state (kernel-side
+holders, GSP firmware start, module use counts), and it applies the errno rules of
 ``drivers/base/bus.c`` and ``drivers/iommu/iommu.c`` for the profile's kernel era (see
 ``docs/FACTS.md`` and ``docs/LAB-SOURCES.md``). An nvidia unbind waits, like the driver's
 nv_pci_remove(), until the GPU's usage count is zero: no process holds its ``/dev/nvidiaN`` and
@@ -23,10 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpulab.configspace import ConfigSpaceMixin
-from gpulab.kernelio import SysfsError, find_holders
-from gpulab.nvdriver import NvidiaDriverMixin
-from gpulab.profile import PciFunction, Profile
+from gpulab.kernel.configspace import ConfigSpace
+from gpulab.kernel.kernelio import SysfsError, find_holders, open_file_counts
+from gpulab.profiles.load import KERNEL_HOLDER_MODULES, PciFunction, Profile
 
 __all__ = ["HostModel", "SysfsError", "find_holders", "DOMAIN_WRITE_VALUES"]
 
@@ -56,7 +56,7 @@ class _Boot:
     minor: dict[str, int]
 
 
-class HostModel(ConfigSpaceMixin, NvidiaDriverMixin):
+class HostModel:
     """PCI/IOMMU state of one lab host and the kernel rules for changing it."""
 
     def __init__(
@@ -77,6 +77,7 @@ class HostModel(ConfigSpaceMixin, NvidiaDriverMixin):
         names = {f.driver for f in profile.pci if f.driver} | {"nvidia", "vfio-pci"}
         self.drivers = sorted(names)
         self._dev_locks = {b: threading.Lock() for b in self.functions}
+        self.cfg = ConfigSpace(profile, self.lock)  # lspci/setpci's view, ACS control
         self.boot = _Boot(
             driver={f.bdf: f.driver for f in profile.pci},
             # Proxmox binds a VM's devices by setting driver_override before the VM starts.
@@ -119,9 +120,9 @@ class HostModel(ConfigSpaceMixin, NvidiaDriverMixin):
             self.gsp_ready: dict[str, bool] = {b: self.driver.get(b) == "nvidia" for b in self.gpu_bdfs}
             self.dma_broken: set[int] = set()
             self.dyn_ids: dict[str, list[tuple[str, str]]] = {d: [] for d in self.drivers}
-            self.config: dict[str, bytearray] = {b: self._boot_config(b) for b in self.functions}
+            self.cfg.reset()
 
-    # ----------------------------------------------------------------- config space
+    # ----------------------------------------------------------------- reading
 
     def snapshot(self) -> dict[str, object]:
         """Return the current state as plain data (served as ``ctl/state.json``)."""
@@ -411,6 +412,100 @@ class HostModel(ConfigSpaceMixin, NvidiaDriverMixin):
             if self.driver.get(bdf) != "nvidia":
                 raise SysfsError(errno.ENODEV)
             self.persistence[bdf] = int(value)
+
+    # ----------------------------------------------------------------- the nvidia driver
+
+    def kmsg(self, msg: str) -> None:
+        """Append a kernel message to ``STATE/kmsg`` (printed by the lab's dmesg)."""
+        if self.state_dir is None:
+            return
+        data = (json.dumps({"epoch": round(time.time(), 6), "msg": msg}) + "\n").encode()
+        fd = os.open(self.state_dir / "kmsg", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    def set_kernel_holders(self, bdf: str, value: str) -> None:
+        """Write ``ctl/kernel_holders/BDF``: ``MODULE`` adds a kernel-side holder, ``-MODULE``
+        drops it, empty drops all (a fault option: what nvidia-uvm/-modeset/-drm do, issues
+        #1119 and #1374). ENODEV unless the GPU is bound to nvidia; EINVAL for other names."""
+        name = value.lstrip("-")
+        if name and name not in KERNEL_HOLDER_MODULES:
+            raise SysfsError(errno.EINVAL)
+        with self.lock:
+            if self.driver.get(bdf) != "nvidia":
+                raise SysfsError(errno.ENODEV)
+            cur = self.kholders[bdf]
+            if not value:
+                cur.clear()
+            elif value.startswith("-"):
+                if name in cur:
+                    cur.remove(name)
+            elif name not in cur:
+                cur.append(name)
+
+    def first_open(self, bdf: str) -> float:
+        """Open the GPU like a first client does: start its GSP firmware if it is not running.
+
+        nv_open_device() -> nv_start_device() -> rm_init_adapter() boots GSP-RM on the first open
+        after a bind (or after the last client left, without persistence); this takes
+        ``profile.gsp_boot_s`` seconds. In a group whose identity domain an SNP IOMMU refuses,
+        the firmware's DMA faults and the open fails with EIO. Returns the seconds it took.
+        """
+        with self.lock:
+            if self.driver.get(bdf) != "nvidia":
+                raise SysfsError(errno.ENODEV)
+            if self.gsp_ready[bdf]:
+                return 0.0
+            group = self.group_of(bdf)
+            broken = group in self.dma_broken
+        if broken:
+            # the event format of drivers/iommu/amd/iommu.c iommu_print_event(), as quoted in
+            # commit ba17de98545d; then nv_start_device(): rm_init_adapter() fails and the open
+            # returns -EIO with "rm_init_adapter failed, device minor number %d" (kernel-open/
+            # nvidia/nv.c; the "NVRM: GPU BDF: " prefix of NV_DEV_PRINTF is from memory)
+            self.kmsg(
+                f"iommu ivhd0: AMD-Vi: Event logged [ILLEGAL_DEV_TABLE_ENTRY device={bdf[5:]} "
+                "pasid=0x00000 address=0x3737b01000 flags=0x0020]"
+            )
+            minor = self.minor.get(bdf, 0)
+            self.kmsg(f"NVRM: GPU {bdf}: rm_init_adapter failed, device minor number {minor}")
+            raise SysfsError(errno.EIO)
+        start = time.monotonic()
+        if self.stopping.wait(self.profile.gsp_boot_s):
+            raise SysfsError(errno.EINTR)
+        with self.lock:
+            if self.driver.get(bdf) == "nvidia":
+                self.gsp_ready[bdf] = True
+        return time.monotonic() - start
+
+    def module_refcnt(self) -> dict[str, int]:
+        """Return the use count of each NVIDIA module (``/sys/module/M/refcnt``, /proc/modules).
+
+        nvidia_uvm: kernel-side retains plus two per open file of ``/dev/nvidia-uvm``; nvidia_drm:
+        the holds named ``nvidia_drm`` (profile, ``ctl/kernel_holders``); its KMS hold through
+        nvkms_open_gpu() (``HostModel.nvkms``) takes no module reference and counts nowhere;
+        nvidia_modeset: nvidia_drm plus its own holds;
+        nvidia: its two dependent modules plus two per open file of any ``/dev/nvidiaN``.
+        """
+        with self.lock:
+            held = {
+                m: sum(m in v for v in self.kholders.values())
+                for m in ("nvidia_uvm", "nvidia_drm", "nvidia_modeset")
+            }
+            paths = [p for b in self.gpu_bdfs if (p := self.dev_path(b)) is not None]
+        uvm = [self.devdir / "nvidia-uvm"] if self.devdir is not None else []
+        # two references per open file, as chrdev_open() takes them (cdev_get, fops_get)
+        found = open_file_counts([*paths, *uvm], self.proc)
+        uvm_users = 2 * found.get(str(uvm[0]), 0) if uvm else 0
+        gpu_users = 2 * sum(v for k, v in found.items() if not k.endswith("nvidia-uvm"))
+        return {
+            "nvidia_uvm": held["nvidia_uvm"] + uvm_users,
+            "nvidia_drm": held["nvidia_drm"],
+            "nvidia_modeset": 1 + held["nvidia_modeset"],
+            "nvidia": 2 + gpu_users,
+        }
 
 
 def _is_hex(s: str) -> bool:

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-from gpulab.profile import load_profile
+from gpulab.profiles.load import load_profile
 
 __all__ = ["StandaloneMount"]
 
@@ -17,7 +17,7 @@ class StandaloneMount:
 
     ``StandaloneMount(profile, workdir, kernel=None)`` creates ``workdir/{mnt,state,dev}`` (``dev``
     with ``nvidiaN`` for every GPU minor of the profile, ``nvidiactl``, ``nvidia-uvm``), starts
-    ``python -m gpulab.sysfs`` and waits (bounded) until the mount answers. On exit it stops the
+    ``python -m gpulab.kernel.sysfs`` and waits (bounded) until the mount answers. On exit it stops the
     daemon (SIGTERM, then SIGKILL after 5 s) and lazily unmounts whatever is left.
     """
 
@@ -38,7 +38,7 @@ class StandaloneMount:
             os.makedirs(d, exist_ok=True)
         for name in [f"nvidia{g.minor}" for g in prof.gpus] + ["nvidiactl", "nvidia-uvm"]:
             open(os.path.join(self.dev, name), "a").close()
-        argv = [sys.executable, "-m", "gpulab.sysfs", "--profile", self.profile, "--state", self.state]
+        argv = [sys.executable, "-m", "gpulab.kernel.sysfs", "--profile", self.profile, "--state", self.state]
         argv += ["--mount", self.mnt, "--devdir", self.dev]
         if self.kernel:
             argv += ["--kernel", self.kernel]
@@ -49,13 +49,13 @@ class StandaloneMount:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"gpulab.sysfs exited with {self.proc.returncode}; see {self.work}/sysfs.log"
+                    f"gpulab.kernel.sysfs exited with {self.proc.returncode}; see {self.work}/sysfs.log"
                 )
             if os.path.ismount(self.mnt) and os.path.isdir(os.path.join(self.mnt, "pci", "devices")):
                 return self
             time.sleep(0.05)
         self.__exit__(None, None, None)
-        raise RuntimeError(f"gpulab.sysfs did not mount {self.mnt} within 15 s")
+        raise RuntimeError(f"gpulab.kernel.sysfs did not mount {self.mnt} within 15 s")
 
     def stop(self, timeout: float = 5.0) -> int | None:
         """Send SIGTERM and wait; return the exit code (None if it had to be killed)."""

@@ -1,6 +1,6 @@
 """FUSE daemon that serves a lab host's ``/sys/bus/pci``, ``/sys/kernel/iommu_groups`` and ctl files.
 
-Run: ``python -m gpulab.sysfs --profile FILE --state DIR --mount DIR --devdir DIR`` (foreground).
+Run: ``python -m gpulab.kernel.sysfs --profile FILE --state DIR --mount DIR --devdir DIR`` (foreground).
 The mount has three subtrees that the lab binds into the host: ``pci/`` over ``/sys/bus/pci``,
 ``iommu_groups/`` over ``/sys/kernel/iommu_groups`` and ``ctl/`` over ``/var/lib/gpulab/ctl``.
 Symlinks are relative like the kernel's and resolve inside the host (``devices/BDF/driver ->
@@ -40,12 +40,12 @@ try:
 except OSError as exc:  # mfusepy raises OSError at import where libfuse is missing: tests skip on ImportError
     raise ImportError(f"mfusepy cannot load libfuse ({exc}): apt-get install fuse3") from exc
 
-from gpulab.model import HostModel, SysfsError
-from gpulab.profile import ProfileError, default_domain_for, load_profile
-from gpulab.standalone import StandaloneMount
-from gpulab.sysfs_tree import HOST_PREFIX, SysfsTree
+from gpulab.kernel.model import HostModel, SysfsError
+from gpulab.kernel.standalone import StandaloneMount
+from gpulab.kernel.sysfs_tree import HOST_PREFIX, SysfsTree
+from gpulab.profiles.load import ProfileError, default_domain_for, load_profile
 
-__all__ = ["StandaloneMount", "SysfsOps", "main"]  # StandaloneMount lives in gpulab.standalone
+__all__ = ["StandaloneMount", "SysfsOps", "main"]  # StandaloneMount lives in gpulab.kernel.standalone
 
 # libfuse calls the operations from threads of its own. ctypes makes a Python thread state for
 # such a thread at every call and frees it when the call returns (PyGILState_Ensure/Release), and
@@ -272,7 +272,7 @@ class SysfsOps(SysfsTree, mfusepy.Operations):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Mount the lab sysfs for one host and serve it in the foreground until unmounted."""
-    ap = argparse.ArgumentParser(prog="python -m gpulab.sysfs", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m gpulab.kernel.sysfs", description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True, help="profile name, YAML or JSON file")
     ap.add_argument("--state", required=True, help="state dir (record.jsonl goes there)")
     ap.add_argument("--mount", required=True, help="mount point")
@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides["default_domain"] = default_domain_for(args.cmdline, profile.default_domain)
             profile = load_profile(args.profile, overrides)
     except ProfileError as e:
-        print(f"gpulab.sysfs: {e}", file=sys.stderr)
+        print(f"gpulab.kernel.sysfs: {e}", file=sys.stderr)
         return 2
     os.makedirs(args.state, exist_ok=True)
     model = HostModel(profile, args.state, args.devdir)
@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as e:
         # libfuse's main returns 8 when its loop ended on SIGTERM/SIGINT: a normal stop.
         if str(e) != "8":
-            print(f"gpulab.sysfs: fuse ended with {e}", file=sys.stderr)
+            print(f"gpulab.kernel.sysfs: fuse ended with {e}", file=sys.stderr)
             return 1
     finally:
         model.stopping.set()

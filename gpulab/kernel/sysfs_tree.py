@@ -1,7 +1,7 @@
 """The file tree the lab's sysfs daemon serves: which node each path is, and what it reads or writes.
 
 ``SysfsTree`` maps a FUSE path (``/pci/devices/BDF/driver``) to a ``Node`` over a ``HostModel``;
-``gpulab.sysfs.SysfsOps`` adds the FUSE operations. Subtrees: ``pci/`` (/sys/bus/pci),
+``gpulab.kernel.sysfs.SysfsOps`` adds the FUSE operations. Subtrees: ``pci/`` (/sys/bus/pci),
 ``iommu_groups/`` (/sys/kernel/iommu_groups), ``ctl/`` (/var/lib/gpulab/ctl), ``module/``
 (/sys/module) and ``proc/modules`` (/proc/modules).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 try:
@@ -18,11 +18,10 @@ try:
 except OSError as exc:  # mfusepy raises OSError at import where libfuse is missing: tests skip on ImportError
     raise ImportError(f"mfusepy cannot load libfuse ({exc}): apt-get install fuse3") from exc
 
-from gpulab import realkernel
-from gpulab.aer import FILES as AER_FILES
-from gpulab.aer import aer_text
-from gpulab.kernelio import SysfsError
-from gpulab.model import HostModel
+from gpulab.kernel.aer import FILES as AER_FILES
+from gpulab.kernel.aer import aer_text
+from gpulab.kernel.kernelio import SysfsError
+from gpulab.kernel.model import HostModel
 
 __all__ = ["HOST_PREFIX", "Node", "SysfsTree"]
 
@@ -36,6 +35,29 @@ HOST_PREFIX = {
 NVIDIA_MODULES = ("nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_drm")
 # who uses whom, as /sys/module/M/holders/ and /proc/modules list it
 MODULE_USERS = {"nvidia": ["nvidia_uvm", "nvidia_modeset"], "nvidia_modeset": ["nvidia_drm"]}
+
+
+# Module sizes are placeholders, not taken from a real host (docs/LAB-SOURCES.md says so): the
+# suite must read the use count and the users, never the size.
+_MODULE_SIZE = {"nvidia_uvm": 2076672, "nvidia_drm": 131072, "nvidia_modeset": 1548288, "nvidia": 11321344}
+
+
+def proc_modules(refcnt: Mapping[str, int], users: Mapping[str, list[str]]) -> str:
+    """Return ``/proc/modules`` lines for the NVIDIA modules (kernel/module/procfs.c m_show()).
+
+    Each line: name, size, use count, the modules using it (``a,b,`` or ``-``), ``Live``, the
+    load address (zeros without CAP_SYSLOG) and taint flags (``(OE)``: out of tree and unsigned,
+    as DKMS-built open modules show; the open modules are MIT/GPL, so no ``P``).
+    """
+    lines = []
+    for name in ("nvidia_uvm", "nvidia_drm", "nvidia_modeset", "nvidia"):
+        if name not in refcnt:
+            continue
+        by = "".join(f"{u}," for u in users.get(name, [])) or "-"
+        lines.append(f"{name} {_MODULE_SIZE[name]} {refcnt[name]} {by} Live 0x0000000000000000 (OE)")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 SYS = (
     "../../../.."  # from /sys/bus/pci/devices/BDF, /sys/bus/pci/drivers/X, /sys/kernel/iommu_groups/N/devices
 )
@@ -137,7 +159,7 @@ class SysfsTree:
             if not rest:
                 return _dir(lambda: ["modules"])
             if rest == ["modules"]:
-                return _ro(lambda: realkernel.proc_modules(m.module_refcnt(), MODULE_USERS))
+                return _ro(lambda: proc_modules(m.module_refcnt(), MODULE_USERS))
         return None
 
     def _module_names(self) -> list[str]:
@@ -242,7 +264,7 @@ class SysfsTree:
         """Return the node of one entry of a device's directory (the names ``_device_names`` lists).
 
         Only the asked-for node is built: the daemon looks every path up again for each FUSE
-        request (no kernel caching, see ``gpulab.sysfs.main``), and building all ~25 nodes of the
+        request (no kernel caching, see ``gpulab.kernel.sysfs.main``), and building all ~25 nodes of the
         directory each time was most of the daemon's Python time.
         """
         m = self.model
@@ -278,13 +300,13 @@ class SysfsTree:
             return Node(
                 "file",
                 0o644,
-                read_bin=lambda: bytes(m.config[bdf]),
-                write_bin=lambda data, off: m.config_write(bdf, off, data),
+                read_bin=lambda: m.cfg.read(bdf),
+                write_bin=lambda data, off: m.cfg.write(bdf, off, data),
             )
         if name in ("secondary_bus_number", "subordinate_bus_number"):
             if not f.klass.startswith("0x0604"):
                 return None
-            sec, sub = m.bus_range(bdf)
+            sec, sub = m.cfg.bus_range(bdf)
             value = sec if name == "secondary_bus_number" else sub
             return _ro(lambda: f"{value}\n")
         if name in _LINK_ATTRS:
@@ -293,7 +315,7 @@ class SysfsTree:
                 return None
             attr = _LINK_ATTRS[name]
             return _ro(lambda: f"{getattr(lk, attr)}\n")
-        if name in AER_FILES:  # AER counters (gpulab/aer.py)
+        if name in AER_FILES:  # AER counters (gpulab/kernel/aer.py)
             return _aer_node(m, bdf, name) if self._has_aer(bdf) else None
         if name == "iommu_group":
             if f.iommu_group is None:

@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from gpulab import realkernel
-from gpulab.profile_types import (
+from gpulab.kernel import acs
+from gpulab.profiles.types import (
     ACS_BITS,
     KERNEL_RE,
     Container,
@@ -56,7 +56,7 @@ __all__ = [
     "profile_names",
 ]
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "profiles"
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "profiles"
 
 BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 HEX16_RE = re.compile(r"^0x[0-9a-f]{4}$")
@@ -495,7 +495,7 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
     if prof.kernel_enables_acs:
         # groups follow ACS (drivers/iommu/iommu.c pci_device_group()); a profile must not claim
         # an isolation its ports cannot give
-        why = realkernel.check_groups(prof)
+        why = acs.check_groups(prof)
         if why:
             raise v.fail("pci", why)
     return prof

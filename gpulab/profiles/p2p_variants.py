@@ -20,7 +20,7 @@ while NCCL collectives over those hops hang, as operators of AMD hosts report
 (noonghunna/club-3090 PR #902; vllm-project/vllm#51513, root ports ``ReqRedir+ CmpltRedir+``).
 
 The profile loader checks the group numbers against what the kernel builds from the ACS bits
-(``gpulab.realkernel.check_groups``), so the variant cannot claim an isolation its ports lack.
+(``gpulab.kernel.acs.check_groups``), so the variant cannot claim an isolation its ports lack.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from gpulab.profile import PROFILE_DIR, Profile, load_profile
+from gpulab.profiles.load import PROFILE_DIR, Profile, load_profile
 
 __all__ = ["NO_ACS_PORT", "SHARED_GROUP", "rtx6000_acs_redirect_routed", "rtx6000_root_port_without_acs"]
 

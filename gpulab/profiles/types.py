@@ -1,4 +1,4 @@
-"""The dataclasses a validated lab profile is made of (built by ``gpulab.profile.parse_profile``)."""
+"""The dataclasses a validated lab profile is made of (built by ``gpulab.profiles.load.parse_profile``)."""
 
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ class Service:
 
 @dataclass(frozen=True)
 class FileTree:
-    """A tree the lab creates on the host with a generator from ``gpulab.files``."""
+    """A tree the lab creates on the host with a generator from ``gpulab.host.datatrees``."""
 
     root: str
     generator: str

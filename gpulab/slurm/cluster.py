@@ -57,7 +57,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from gpulab.errors import LabError
-from gpulab.lab import PATH, LabHost
+from gpulab.host.lab import PATH, LabHost
 
 __all__ = ["NEEDED", "SlurmCluster", "SlurmError", "slurm_unavailable"]
 
@@ -157,7 +157,7 @@ class SlurmCluster:
         """Return slurm.conf (slurm.conf(5) of Slurm 22.05)."""
         d = self.dir
         lines = [
-            "# written by gpulab.slurm for one lab cluster; every path is under this directory",
+            "# written by gpulab.slurm.cluster for one lab cluster; every path is under this directory",
             "ClusterName=gpulab",
             f"SlurmctldHost={CTL_NAME}({self.ctl_address})",
             "SlurmctldPort=6817",

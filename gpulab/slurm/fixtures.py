@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
-from gpulab.lab import LabHost
-from gpulab.profile import load_profile
-from gpulab.slurm import SlurmCluster, slurm_unavailable
+from gpulab.host.lab import LabHost
+from gpulab.profiles.load import load_profile
+from gpulab.slurm.cluster import SlurmCluster, slurm_unavailable
 
 __all__ = ["SlurmSession", "slurm"]
 

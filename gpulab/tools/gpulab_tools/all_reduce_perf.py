@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """The lab's nccl-tests ``all_reduce_perf`` (one process, ``-g N`` GPUs) over the lab host's state.
 
-Installed as ``/usr/bin/all_reduce_perf`` in every lab machine (gpulab/lab.py TOOL_PATHS). The
+Installed as ``/usr/bin/all_reduce_perf`` in every lab machine (gpulab/host/lab.py TOOL_PATHS). The
 output is nccl-tests' own layout (src/util.cu ``writeDeviceReport``, ``writeResultHeader``,
 ``writeBenchmarkLine*``, ``writeResultFooter`` at NVIDIA/nccl-tests a0b82b2260cf; exit 1 when a
 result was wrong, common.cu) and, with ``NCCL_DEBUG=INFO``, NCCL's channel lines (src/transport/
@@ -20,7 +20,7 @@ How it behaves, and the reports each behaviour stands for:
   copies of NVIDIA/nccl#814 and the SHM-vs-P2P runs of NVIDIA/nccl#1817 show both sides). With
   ``NCCL_SHM_DISABLE=1`` as well, ``[send] via NET/Socket/0`` at 10%.
 - A P2P hop through a bridge with ACS redirect on, on a host whose root complex routes the
-  redirected requests back down (profile ``rc_routes_redirected_p2p``, gpulab/p2p_variants.py):
+  redirected requests back down (profile ``rc_routes_redirected_p2p``, gpulab/profiles/p2p_variants.py):
   the copies pass (``Host.p2p_ok``) but the run hangs as below, the case of
   noonghunna/club-3090 PR #902 (`topo -p2p` OK, p2pBandwidthLatencyTest passing, every NCCL
   collective deadlocked) and vllm-project/vllm#51513 (AMD host, root ports ``ReqRedir+

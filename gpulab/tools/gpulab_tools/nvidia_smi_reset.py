@@ -73,7 +73,7 @@ def gpu_reset(host: Host, gpus: list[GpuView]) -> int:
         if mine.get("reset_sticks"):
             # a lab fault, not nvidia-smi's own behaviour: a GPU that stays in error after a reset
             # that returned 0, so that a caller is held to the GPU's own signals rather than the
-            # command's exit code; only a reboot clears it (gpulab/lab.py CLEARED_BY_REBOOT)
+            # command's exit code; only a reboot clears it (gpulab/host/lab.py CLEARED_BY_REBOOT)
             continue
         for key in CLEARED_BY_RESET:
             mine.pop(key, None)
