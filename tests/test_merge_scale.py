@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from pytest_gpuhost import merge
 from pytest_gpuhost.redact import redact_obj
-from pytest_gpuhost.report import merge
 from pytest_gpuhost.report.summary import NAMES_SHOWN, summary_lines
 
 ROOT = Path(__file__).resolve().parents[1]
