@@ -95,6 +95,14 @@ def test_profile_validation_errors_are_one_line() -> None:
         load_profile("nope")
     with pytest.raises(ProfileError, match=r"kernel: 'x' is not a kernel release"):
         load_profile("b200-nvl8", {"kernel": "x"})
+    # the schema (gpulab/profiles/schema.yaml) knows every key: a typo is refused, not ignored
+    with pytest.raises(ProfileError, match=r"^x\.yaml: \(top level\): .*'kernel_enable_acs' was unexpected"):
+        parse_profile(dict(prof.raw, kernel_enable_acs=True), "x.yaml")
+    gpus = [dict(prof.raw["gpus"][0], health={"temprature": 90}), *prof.raw["gpus"][1:]]
+    with pytest.raises(ProfileError, match=r"^x\.yaml: gpus\[0\]\.health: .*'temprature' was unexpected"):
+        parse_profile(dict(prof.raw, gpus=gpus), "x.yaml")
+    with pytest.raises(ProfileError, match=r"^x\.yaml: gpus\[0\]\.bdf: 0000:fe:00\.0 is not in pci$"):
+        parse_profile(dict(prof.raw, gpus=[dict(prof.raw["gpus"][0], bdf="0000:fe:00.0")]), "x.yaml")
 
 
 def test_default_domain_from_the_kernel_command_line() -> None:
