@@ -19,6 +19,7 @@ from pytest_gpuhost.errors import AgentError, CommandTimeout, GpuhostError
 from pytest_gpuhost.exec.agent import (
     BOOTSTRAP,
     CORE_FILES,
+    PYTHON_FLAGS,
     _core,
     agent_source,
     core,
@@ -588,5 +589,25 @@ def test_state_dir_comes_from_the_agents_environment(tmp_path, monkeypatch) -> N
     conn = open_connection(parse_host_url("local://"))
     try:
         assert conn.call("hello")["state_dir"] == "/var/lib/gpuhost"
+    finally:
+        conn.close()
+
+
+# ----------------------------------------------------------------------
+# How the agent is started: `python3 -S -u -c BOOTSTRAP` (no site initialisation, unbuffered).
+
+
+def test_agent_runs_without_site_initialisation() -> None:
+    """-S: the target's .pth files are not run (the agent needs the standard library only)."""
+    assert PYTHON_FLAGS == ("-S", "-u")
+    conn = open_connection(parse_host_url("local://"))
+    try:
+        pid = conn.call("hello")["pid"]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert argv[1:3] == [b"-S", b"-u"] and argv[3] == b"-c", argv[:4]
+        # ...and it still does its work: a command, a read, a fact
+        assert conn.run(["true"]).ok
+        assert conn.call("facts", names=["kernel"])["kernel"]["release"] == os.uname().release
     finally:
         conn.close()

@@ -12,7 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
+
+from suites.decommission.notes import cell, md
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,3 +150,31 @@ def test_a_name_with_a_newline_or_escape_bytes_cannot_start_a_line_of_notes(tmp_
     gpu_rows = [line for line in notes.split("\n") if line.startswith("| 0 |")]
     assert len(gpu_rows) == 1 and gpu_rows[0].count(" | ") == 4 and "\\x1b[2J\\|x" in gpu_rows[0], notes
     _assert_one_line_each(notes, tmp_path / "backup")
+
+
+# ----------------------------------------------------------------------
+# The line renderer of NOTES.md and the verdict (suites/decommission/notes.py `md`, `cell`).
+
+
+KEY_ID = "AKIAIOSFODNN7EXAMPLE"
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("a\nb", "a\\nb"),
+        ("a\r\nb", "a\\r\\nb"),
+        ("\x1b[2J\x1b]0;t\x07", "\\x1b[2J\\x1b]0;t\\x07"),
+        ("a\u2028b\x85c", "a\\u2028b\\x85c"),
+        (f"/d/creds-{KEY_ID}", "/d/creds-***"),
+        ("/d/db password=hunter2", "/d/db password=***"),
+        ("plain /data/a b $(x)", "plain /data/a b $(x)"),
+    ],
+)
+def test_md_gives_one_line_with_no_secret_and_no_control_byte(text: str, want: str) -> None:
+    assert md(text) == want
+    assert "\n" not in md(text) and md(text).isprintable()
+
+
+def test_cell_keeps_a_pipe_in_its_column() -> None:
+    assert cell("NVIDIA | B200\n") == "NVIDIA \\| B200\\n"
