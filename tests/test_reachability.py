@@ -205,7 +205,7 @@ def test_link_cut_under_the_fallback_is_unreachable(sshd):
 def test_exec_imports_neither_pytest_nor_the_run_layer():
     code = (
         "import sys\n"
-        "import pytest_gpuhost.exec.targets, pytest_gpuhost.exec.inventory, pytest_gpuhost.exec.transport\n"
+        "import pytest_gpuhost.exec.targets, pytest_gpuhost.exec.inventory, pytest_gpuhost.exec.ssh.paramiko\n"
         "bad = sorted(m for m in sys.modules if m in ('pytest', '_pytest') or m.startswith('pytest_gpuhost.run'))\n"
         "print(bad)\n"
     )

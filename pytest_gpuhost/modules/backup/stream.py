@@ -38,7 +38,7 @@ class ChannelIO:
 
     def __init__(self, chan: Any, stall_timeout: float = 60.0) -> None:
         self.chan = chan
-        if hasattr(chan, "recv") and hasattr(chan, "close_stdin"):  # pytest_gpuhost.exec.transport.RawChannel
+        if hasattr(chan, "recv") and hasattr(chan, "close_stdin"):  # pytest_gpuhost.exec.channels.RawChannel
 
             def recv(n: int) -> bytes:
                 return bytes(chan.recv(stall_timeout))  # TimeoutError (an OSError) when stalled
