@@ -1,4 +1,4 @@
-"""Health verdicts: one host's `health` facts and its thresholds -> one verdict per check.
+"""Every health check declared once (`DECLARED`), and one host's facts and thresholds -> a verdict per check.
 
 Pure logic, no I/O: the facts come from the agent's `health` facts (exec/agent/probe_health*.py,
 one request per host, merged by `health.facts.merge`), the thresholds from the inventory's host
