@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpulab import netns  # noqa: E402
+from gpulab.host import netns  # noqa: E402
 from gpulab.host.lab import Lab, LabHost  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

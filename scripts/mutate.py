@@ -356,7 +356,7 @@ MUTATIONS = (
         "pytest_gpuhost/redact.py",
         'return "remember" if _secret_shaped(v) else ""',
         'return ""',
-        ("tests/test_redact_corpus.py",),
+        ("tests/test_redact.py",),
     ),
 )
 

@@ -150,7 +150,7 @@ def _llm_corpus(name: str) -> list[str]:
     return [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln and not ln.startswith("#")]
 
 
-#: The LLM-host corpus of tests/test_redact_corpus.py, through every artefact too: honest lines
+#: The LLM-host corpus of tests/test_redact.py, through every artefact too: honest lines
 #: that every output prints as they are (no quote, backslash or markup, which JSON and HTML escape).
 LLM_HONEST = [ln for ln in _llm_corpus("honest.txt") if not set(ln) & set("\"\\<>&'")]
 LLM_SECRETS = [(ln.split("\t")[0], ln.split("\t")[1]) for ln in _llm_corpus("secrets.txt") if "\\n" not in ln]
