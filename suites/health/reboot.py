@@ -214,12 +214,12 @@ def reboot_node(
     ev = evidence.current()
     allowed = units(hh.thresholds)
     foreign = []
-    for p in plans:
-        g = rows.get(p.bus)
+    for m in (m for p in plans for m in p.members):
+        g = rows.get(m.bus)
         if g is not None:
-            foreign += plan_gpu(conn, p.bus, p.why, g, allowed).refused
+            foreign += plan_gpu(conn, m.bus, m.why, g, allowed).refused
     old = _may_reboot(hh, foreign)
-    shown = {p.bus: p.smi_id for p in plans}
+    shown = {m.bus: m.smi_id for p in plans for m in p.members}
     ev.note(
         "reboot: "
         + "; ".join(
@@ -232,10 +232,11 @@ def reboot_node(
         for p in plans:
             for u in p.units:
                 journal.step("stop", unit=u, gpu=p.smi_id)
-            if p.persistence:
-                journal.step("persistence_off", gpu=p.smi_id)
-    persistent = [p.smi_id for p in plans if p.persistence]
-    return _reboot(hh, old, stopped, persistent, timeout, journal, [p.smi_id for p in plans])
+            for m in p.members:
+                if m.persistence:
+                    journal.step("persistence_off", gpu=m.smi_id)
+    persistent = [m.smi_id for p in plans for m in p.members if m.persistence]
+    return _reboot(hh, old, stopped, persistent, timeout, journal, [i for p in plans for i in p.ids])
 
 
 def _may_reboot(hh: Any, refused: Sequence[str]) -> str:
