@@ -314,10 +314,20 @@ MUTATIONS = (
         "reboot-owed-only-when-allowed",
         "a node that owes a reboot (Xid 79) is rebooted only under --fix=reset,reboot",
         "suites/health/reset.py",
-        '            if box["reboots"] and allow_reboot:\n                box["rebooted"]',
-        '            if box["reboots"]:\n                box["rebooted"]',
+        '            if box["reboots"] and allow_reboot and not refused:\n',
+        '            if box["reboots"] and not refused:\n',
         (
             "tests/test_health_reboot_lab.py::test_xid_79_on_gpu_3_reboots_the_node_with_its_servers_stopped_and_started",
+        ),
+    ),
+    Mutation(
+        "reboot-cut-run-completed",
+        "what a cut run stopped for a reboot stays stopped through the next run's and is started after it",
+        "suites/health/reboot.py",
+        "    stopped = list(dict.fromkeys([*kept, *node.units]))",
+        "    stopped = list(node.units)",
+        (
+            "tests/test_health_reboot_lab.py::test_a_run_cut_between_the_stops_and_the_reboot_is_completed_by_the_next",
         ),
     ),
     Mutation(

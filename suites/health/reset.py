@@ -184,7 +184,17 @@ def remediation(
         plans: list[GpuReset] = box["plans"]
         units_left, gpus_left = box["leftover"]
         first: list[Action] = []
-        if units_left or gpus_left:
+        if (units_left or gpus_left) and box["reboots"] and allow_reboot and not refusals(before):
+            first.append(
+                Action(
+                    "complete the cut reset run: what it stopped "
+                    f"({', '.join(units_left) or 'no unit'}) stays stopped through the reboot this run "
+                    "takes, and is started after the boot (from its journal on the host)",
+                    "",
+                    destructive=False,
+                )
+            )
+        elif units_left or gpus_left:
             cmds = [["nvidia-smi", "-i", g, "-pm", "1"] for g in gpus_left]
             cmds += [["systemctl", "start", "--", u] for u in reversed(units_left)]
             first.append(
@@ -239,6 +249,14 @@ def remediation(
         try:
             units_left, gpus_left = box["leftover"]
             refused = refusals(before)
+            if box["reboots"] and allow_reboot and not refused:
+                # The node owes a reboot: what a cut run stopped (for a reset, or for the reboot it
+                # did not get to) stays stopped through this one and is started after the boot,
+                # journaled again before anything else is done, so a second cut loses nothing.
+                box["rebooted"] = reboot.reboot_owed(
+                    hh, box["reboots"], reboot_timeout, journal, kept=units_left, kept_persistence=gpus_left
+                )
+                return
             if units_left or gpus_left:
                 # A GPU the cut run was resetting, that still owes its reset, is reset with what
                 # the cut run stopped still stopped (each unit journaled again by reset_one, so
@@ -262,9 +280,6 @@ def remediation(
                     + "; ".join(refused)
                     + " (stop it, or name its unit in the inventory's `service`)"
                 )
-            if box["reboots"] and allow_reboot:
-                box["rebooted"] = reboot.reboot_owed(hh, box["reboots"], reboot_timeout, journal)
-                return
             for p in box["plans"]:
                 reset_one(conn, p, journal)
             box["left"] = left = settle()
@@ -374,7 +389,7 @@ def remediation(
         left = {**owed_resets(facts, hh.thresholds)}
         for b, w in reboot.owed_reboots(facts, hh.thresholds).items():
             left.setdefault(b, []).extend(w)
-        down = [u for u in box["node"].units if not Service(conn, u).state().running]
+        down = [u for u in done.units if not Service(conn, u).state().running]
         if left or down:
             return Check(
                 ok=False,
@@ -389,11 +404,11 @@ def remediation(
         return Check(
             ok=fine,
             summary=f"the node rebooted ({done.seconds:.0f} s to a new boot id) for {paid}; no GPU "
-            f"owes a reset or a reboot; {', '.join(box['node'].units) or 'no unit'} active again; {line}",
+            f"owes a reset or a reboot; {', '.join(done.units) or 'no unit'} active again; {line}",
             state={
                 "boot_id": {"before": done.old, "after": done.new},
                 "reboot_s": round(done.seconds, 1),
-                "units": box["node"].units,
+                "units": done.units,
             },
         )
 
