@@ -387,7 +387,7 @@ def test_pci_ids_from_uevent_or_the_single_files(tmp_path: Path) -> None:
 def test_scan_bus_lists_nvidia_gpus_whatever_their_driver(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The whole bus, one uevent each: bridges, and NVIDIA VGA/3D functions bound or not."""
+    """The whole bus, one uevent each: bridges, NVIDIA VGA/3D functions bound or not, NVSwitches."""
     for bdf, text in (
         ("0000:12:00.0", "DRIVER=pcieport\nPCI_CLASS=60400\nPCI_ID=1000:C030\n"),
         ("0000:13:00.0", "DRIVER=nvidia\nPCI_CLASS=30200\nPCI_ID=10DE:2BB5\n"),
@@ -399,8 +399,8 @@ def test_scan_bus_lists_nvidia_gpus_whatever_their_driver(
         (tmp_path / bdf).mkdir()
         (tmp_path / bdf / "uevent").write_text(text)
     monkeypatch.setattr(probe_health_pci, "SYS_PCI", str(tmp_path))
-    bridges, gpus = probe_health_pci.scan_bus()
-    assert bridges == {"0000:12:00.0"}
+    bridges, gpus, switches = probe_health_pci.scan_bus()
+    assert bridges == {"0000:12:00.0"} and switches == ["0000:05:00.0"]
     assert gpus == {
         "0000:13:00.0": {"class": "0x030200", "driver": "nvidia"},
         "0000:24:00.0": {"class": "0x030200", "driver": None},

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +117,72 @@ def test_xid_79_on_gpu_3_reboots_the_node_with_its_servers_stopped_and_started(
     assert set(failed) == other, (failed, proc.stdout[-3000:])
     assert f"reboot seen since Xid 79 on {GPU3}" in cells["xid"]["summary"], cells["xid"]
     assert (h.name, "xid") in {(c["host"], c["check"]) for c in doc["comparison"]["recovered"]}
+
+
+JOURNAL = "/var/lib/gpuhost/journal/health-reset.json"
+SLOW = "/etc/systemd/system/sglang-dp6.service.d/slow-stop.conf"
+
+
+def _journal(h: Any) -> dict[str, Any]:
+    r = h.ssh(["cat", JOURNAL])
+    return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else {}
+
+
+def test_a_run_cut_between_the_stops_and_the_reboot_is_completed_by_the_next(
+    lab: Any, tmp_path: Path
+) -> None:
+    """The controller is killed while the last server stops for the reboot (it ignores SIGTERM for
+    a few seconds), after six stops: the node is left with its servers stopped and no reboot. The
+    next run reads the host's journal and takes the reboot the cut run did not, with those servers
+    kept stopped through it, and starts them after the boot (the last one is not enabled: only the
+    run starts it)."""
+    h = lab.host(_b200_under_systemd(), name=f"hx{os.getpid() % 100000}")  # the first test's host
+    slow = "[Service]\nEnvironment=GPULAB_IGNORE_SIGTERM=6\n"  # the stand-in's stuck-shutdown knob
+    assert (
+        h.ssh(["sh", "-c", f"mkdir -p {os.path.dirname(SLOW)} && cat > {SLOW}"], input=slow).returncode == 0
+    )
+    try:
+        # restarted last, so it is the last holder the reboot path finds and stops; not enabled, so
+        # only the run brings it back after the boot
+        r = h.ssh(
+            "systemctl daemon-reload && systemctl disable sglang-dp6.service && systemctl restart sglang-dp6.service"
+        )
+        assert r.returncode == 0, r.stderr
+        after_boot = max(k.t for k in h.profile.kernel_log) + 1.0
+        line = json.dumps({"t": after_boot, "msg": XID79}) + "\n"
+        assert h.ssh(["sh", "-c", "cat >> /var/lib/gpulab/kmsg"], input=line).returncode == 0
+        boot = _boot_id(h)
+
+        argv = _argv(h, tmp_path, "cut", "-o", "health_reboot_timeout=60", fix="reset,reboot", service=UNITS)
+        ctl = subprocess.Popen(
+            argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + 120
+        stops: list[str] = []
+        while time.monotonic() < deadline and ctl.poll() is None:
+            stops = [s["unit"] for s in _journal(h).get("steps") or [] if s.get("step") == "stop"]
+            if len(stops) == len(UNITS):
+                break
+            time.sleep(0.2)
+        assert stops and stops[-1] == "sglang-dp6.service" and len(stops) == len(UNITS), stops
+        os.killpg(ctl.pid, signal.SIGKILL)  # cut: six servers stopped, the seventh stopping, no reboot
+        ctl.wait(timeout=30)
+        for _ in range(60):  # the seventh exits by itself once its SIGTERM grace is over
+            if "ActiveState=inactive" in _main_pid(h, "sglang-dp6.service"):
+                break
+            time.sleep(0.5)
+        assert all("ActiveState=inactive" in v for v in _pids(h).values()), _pids(h)
+        assert _boot_id(h) == boot and _journal(h).get("phase") == "stop"
+        assert h.ssh(f"rm -f {SLOW} && systemctl daemon-reload").returncode == 0
+
+        proc, doc = _run(h, tmp_path, "after-cut", "-o", "health_reboot_timeout=60", fix="reset,reboot")
+        cell = doc["hosts"][h.name]["checks"]["reset"]
+        assert cell["outcome"] == "fixed", (cell, proc.stdout[-4000:])
+        assert "a cut reset run" in cell["summary"] and "sglang-dp6.service" in cell["summary"], cell
+        assert _boot_id(h) != boot
+        assert all("ActiveState=active" in v for v in _pids(h).values()), _pids(h)
+        assert h.ssh(["test", "-e", JOURNAL]).returncode != 0  # retired
+        report = (tmp_path / "after-cut.html").read_text()
+        assert "kept so through the reboot, put back after it" in report
+    finally:
+        h.ssh(f"rm -f {SLOW} && systemctl daemon-reload && systemctl enable sglang-dp6.service")

@@ -295,6 +295,25 @@ def test_b200_nvlink_all_to_all(tmp_path: Path) -> None:
         assert status[1] == "\t Link 0: 53.125 GB/s" and len(status) == 8 * 19
 
 
+def test_gpu_reset_takes_the_nvlink_peers_nvidia_smi_1_requires(tmp_path: Path) -> None:
+    """-r on one GPU: a Blackwell GPU alone; an A100 on NVSwitches without Fabric Manager is refused,
+    naming its seven NVLink peers, and reset with them in one command (nvidia_smi_reset.py)."""
+    from gpulab.profiles.nvlink_variants import a100_nvswitch
+
+    with StandaloneMount("b200-nvl8", tmp_path / "m") as m:
+        b = Lab(m, tmp_path / "root", "b200-nvl8")
+        assert (
+            b.run("nvidia-smi", "-r", "-i", "0000:61:00.0")
+            == "GPU 00000000:61:00.0 was successfully reset.\n"
+        )
+        (b.root / "var/lib/gpulab/profile.json").write_text(a100_nvswitch().to_json())
+        out = b.run("nvidia-smi", "-r", "-i", "0000:61:00.0", rc=255)
+        named = [ln.strip() for ln in out.splitlines() if ln.startswith("  GPU ")]
+        assert len(named) == 7 and "GPU 00000000:61:00.0" not in named, out
+        everyone = ",".join(["0000:61:00.0", *(n.removeprefix("GPU ") for n in named)])
+        assert b.run("nvidia-smi", "-r", "-i", everyone).count("was successfully reset") == 8
+
+
 # ------------------------------------------------------------------ dmesg
 
 

@@ -255,6 +255,53 @@ def test_fix_reset_drains_resets_and_resumes_only_the_drain_it_made(cluster: Any
             c.run(["scontrol", "update", f"nodename={n}", "state=resume"])
 
 
+def test_xid_79_drains_reboots_and_resumes_only_the_drain_it_made(cluster: Any, tmp_path: Path) -> None:
+    """--fix=drain --fix=reset,reboot with Xid 79 (a reboot's to pay) on a node this run drains and on
+    one a person drained: both rebooted and confirmed, the first resumed, the second left drained.
+
+    The nodes' munged and slurmd are enabled units (gpulab/slurm.py), so a rebooted node rejoins
+    the cluster by itself and the run resumes it with scontrol on the node, after the boot.
+    """
+    c = cluster
+    n1, n2, n3 = "gpu-node-01", "gpu-node-02", "gpu-node-03"
+    for n in (n1, n3):
+        add_xid(c.nodes[n])
+    hand_drain(c, n3)
+    boots = {n: _boot_id(h) for n, h in c.nodes.items()}
+    try:
+        s = run_suite(
+            c, tmp_path, "--fix=drain", "--fix=reset,reboot", "-o", "health_reboot_timeout=60",
+            "-o", "health_reset_verify_timeout=3", name="xid79",
+            more_vars=", service: sglang-qwen, service_port: 30000",
+        )  # fmt: skip
+        cells = {n: s["hosts"][n]["checks"] for n in (n1, n2, n3)}
+        report = html.unescape(html.unescape((tmp_path / "xid79.html").read_text()))
+        # n1: drained with gpuhost's reason, rebooted, confirmed, resumed because this run drained it
+        assert cells[n1]["drain"]["outcome"] == "fixed", cells[n1]["drain"]
+        assert cells[n1]["drain"]["summary"].startswith(f"drain {n1}: 'gpuhost: xid: Xid 79 on 0000:13:00"), (
+            cells[n1]["drain"]
+        )
+        assert cells[n1]["reset"]["outcome"] == "fixed", cells[n1]["reset"]
+        assert f"node resumed (this run drained it): now {n1}: IDLE" in report
+        # n3: a person's drain: rebooted and confirmed all the same, and left drained
+        assert cells[n3]["drain"]["outcome"] == "passed", cells[n3]["drain"]
+        assert cells[n3]["reset"]["outcome"] == "fixed", cells[n3]["reset"]
+        assert "node drained by someone else ('maintenance'): left drained" in report
+        # n2: nothing owed, nothing done
+        assert cells[n2]["reset"]["outcome"] == "passed", cells[n2]["reset"]
+        after = {n: _boot_id(h) for n, h in c.nodes.items()}
+        assert after[n1] != boots[n1] and after[n3] != boots[n3] and after[n2] == boots[n2]
+        states = wait_states(c, {n1: "idle", n2: "idle", n3: "drained"})
+        assert states == {n1: "idle", n2: "idle", n3: "drained"}, (states, c.node_reasons())
+        assert c.node_reasons() == {n3: "maintenance"}
+    finally:
+        c.run(["scontrol", "update", f"nodename={n3}", "state=resume"])
+
+
+def _boot_id(h: Any) -> str:
+    return h.ssh(["cat", "/proc/sys/kernel/random/boot_id"]).stdout.strip()
+
+
 HEALTHCHECK = "/usr/local/sbin/gpuhost-healthcheck"
 
 

@@ -35,8 +35,11 @@ Node names are the hosts' host names (slurmd takes its NodeName from gethostname
 ``load_profile(name, overrides={"hostname": ...})``. No cgroups: ``ProctrackType=proctrack/linuxproc``
 (process tree from /proc), ``TaskPlugin=task/none``, ``JobAcctGatherType=jobacct_gather/none``;
 ``SlurmdParameters=config_overrides`` lets a node with more CPUs than configured register
-(slurm.conf(5)). Teardown stops exactly what start started: the two transient units in each node
-(``systemctl stop``; a unit's processes, job steps included, are stopped with it: systemd.kill(5)
+(slurm.conf(5)). munged and slurmd run in each node as two enabled units of the node's systemd
+(``gpuhost-slurm-munged``, ``gpuhost-slurm-slurmd``), as on a real node: a node that reboots comes
+back into the cluster by itself, D put back from the node's own copy (``NODE_KEEP``) before munged
+starts. Teardown stops exactly what start started: those two units in each node (stopped and
+removed; a unit's processes, job steps included, are stopped with it: systemd.kill(5)
 KillMode=control-group), slurmctld and munged on this machine by the PIDs it started them with,
 and the routes. ``reconfigure()`` changes slurm.conf everywhere and runs ``scontrol reconfigure``
 (how the test turns on a HealthCheckProgram); ``files`` are extra files under ``D`` on every side.
@@ -74,6 +77,11 @@ NEEDED = {
 CTL_NAME = "gpuhost-slurmctld"
 MUNGE_UNIT = "gpuhost-slurm-munged"
 SLURMD_UNIT = "gpuhost-slurm-slurmd"
+#: A node's copy of its cluster files (key, slurm.conf, hosts, extra files), on its persistent
+#: root: D is in the node's /tmp, which every boot starts empty; munged's unit puts D back from
+#: here before it starts, so a node that reboots (``systemctl reboot`` inside it, as a repair
+#: does) comes back into the cluster by itself, as a real node whose daemons are enabled does.
+NODE_KEEP = "/var/lib/gpulab-slurm"
 START_TIMEOUT = 60.0
 TABLE_BASE = 30000  # routing table of a cluster: TABLE_BASE + its first host's lab index
 RULE_PRIORITY = 1000
@@ -247,13 +255,42 @@ class SlurmCluster:
             raise SlurmError(f"cluster file {rel!r} is outside the cluster's directory {self.dir}")
         return path
 
+    @property
+    def node_keep(self) -> str:
+        """Where each node keeps its copy of the cluster files (``NODE_KEEP``)."""
+        return f"{NODE_KEEP}/{self.dir.name}"
+
     def _write_node_files(self, h: LabHost) -> None:
         files = {"slurm.conf": self.conf.read_text(), "hosts": (self.dir / "hosts").read_text(), **self.files}
         for rel, text in files.items():
             path = self._file_path(rel)
             mode = "755" if text.startswith("#!") else "644"
-            cmd = f"mkdir -p {shlex.quote(str(path.parent))} && cat > {shlex.quote(str(path))} && chmod {mode} {shlex.quote(str(path))}"
-            self._node_ok(h, h.exec(["/bin/sh", "-c", cmd], input=text, timeout=30), f"write {rel}")
+            for p in (str(path), f"{self.node_keep}/{path.relative_to(self.dir)}"):
+                cmd = f"mkdir -p {shlex.quote(os.path.dirname(p))} && cat > {shlex.quote(p)} && chmod {mode} {shlex.quote(p)}"
+                self._node_ok(h, h.exec(["/bin/sh", "-c", cmd], input=text, timeout=30), f"write {rel}")
+
+    def _unit_texts(self) -> dict[str, str]:
+        """The two units of a node: munged (which puts D back from the node's copy first), slurmd."""
+        d, keep = self.dir, self.node_keep
+        restore = shlex.quote(f"umask 022; mkdir -p {d}/munge {d}/spool && cp -an {keep}/. {d}/")
+        munged = (
+            "[Unit]\nDescription=munged of a gpulab Slurm cluster\n\n[Service]\nType=simple\n"
+            f"ExecStartPre=/bin/sh -c {restore}\n"
+            f"ExecStart=/usr/sbin/munged -F --key-file={d}/munge/munge.key --socket={d}/munge/munge.socket "
+            f"--pid-file={d}/munge/munged.pid --seed-file={d}/munge/munged.seed\n"
+            "TimeoutStopSec=10\n\n[Install]\nWantedBy=multi-user.target\n"
+        )
+        # no "$" in an Exec line: systemd expands it (systemd.service(5), "Command lines")
+        wait = shlex.quote(f"until test -S {d}/munge/munge.socket; do sleep 0.1; done")
+        slurmd = (
+            f"[Unit]\nDescription=slurmd of a gpulab Slurm cluster\nRequires={MUNGE_UNIT}.service\n"
+            f"After={MUNGE_UNIT}.service\n\n[Service]\nType=simple\n"
+            f"BindReadOnlyPaths={d}/hosts:/etc/hosts\nEnvironment=SLURM_CONF={self.conf}\n"
+            f"ExecStartPre=/usr/bin/timeout 20 /bin/sh -c {wait}\n"
+            f"ExecStart=/usr/sbin/slurmd -D -f {self.conf}\nTimeoutStopSec=10\n\n"
+            "[Install]\nWantedBy=multi-user.target\n"
+        )
+        return {MUNGE_UNIT: munged, SLURMD_UNIT: slurmd}
 
     # ---- start ----------------------------------------------------------------------------
 
@@ -325,30 +362,31 @@ class SlurmCluster:
 
     def _start_node(self, h: LabHost, key: str) -> None:
         d = self.dir
+        keep = self.node_keep
         setup = (
-            f"set -e; umask 022; rm -rf {d}; mkdir -p {d}/munge {d}/spool; "
-            f"(umask 077; cat > {d}/munge/munge.key)"
+            f"set -e; umask 022; rm -rf {d} {keep}; mkdir -p {d}/munge {d}/spool {keep}/munge; "
+            f"(umask 077; cat > {d}/munge/munge.key; cp -a {d}/munge/munge.key {keep}/munge/)"
         )
         self._node_ok(h, h.exec(["/bin/sh", "-c", setup], input=key, timeout=30), "write the munge key")
         self._write_node_files(h)
         self._started_nodes.append(h)
-        munged = [
-            "systemd-run", f"--unit={MUNGE_UNIT}", "--collect", "--quiet", "-p", "Type=simple", "-p", "TimeoutStopSec=10", "--",
-            "/usr/sbin/munged", "-F", f"--key-file={d}/munge/munge.key", f"--socket={d}/munge/munge.socket",
-            f"--pid-file={d}/munge/munged.pid", f"--seed-file={d}/munge/munged.seed",
-        ]  # fmt: skip
-        self._node_ok(h, h.exec(munged, timeout=30), "start munged")
+        # enabled units, not transient ones: they start again at the node's next boot
+        for unit, text in self._unit_texts().items():
+            path = f"/etc/systemd/system/{unit}.service"
+            self._node_ok(
+                h, h.exec(["/bin/sh", "-c", f"cat > {path}"], input=text, timeout=30), f"write {unit}"
+            )
+        # `enable` reloads the manager itself (systemctl(1)); slurmd's ExecStartPre waits for
+        # munged's socket
+        units = [f"{MUNGE_UNIT}.service", f"{SLURMD_UNIT}.service"]
+        self._node_ok(
+            h, h.exec(["systemctl", "enable", "--now", *units], timeout=60), "start munged and slurmd"
+        )
         deadline = time.monotonic() + 20
         while h.exec(["test", "-S", f"{d}/munge/munge.socket"], timeout=10).returncode != 0:
             if time.monotonic() > deadline:
                 raise SlurmError(f"{h.name}: munged did not create its socket within 20 s")
             time.sleep(0.1)
-        slurmd = [
-            "systemd-run", f"--unit={SLURMD_UNIT}", "--collect", "--quiet", "-p", "Type=simple", "-p", "TimeoutStopSec=10",
-            "-p", f"BindReadOnlyPaths={d}/hosts:/etc/hosts", "--setenv", f"SLURM_CONF={self.conf}",
-            "--", "/usr/sbin/slurmd", "-D", "-f", str(self.conf),
-        ]  # fmt: skip
-        self._node_ok(h, h.exec(slurmd, timeout=30), "start slurmd")
 
     @staticmethod
     def _node_ok(h: LabHost, r: subprocess.CompletedProcess[str], what: str) -> None:
@@ -542,12 +580,18 @@ class SlurmCluster:
     def _stop_node(self, h: LabHost) -> None:
         if not h.is_running():
             return
+        units = [f"{SLURMD_UNIT}.service", f"{MUNGE_UNIT}.service"]
         with contextlib.suppress(subprocess.TimeoutExpired, LabError):
-            h.exec(["systemctl", "stop", f"{SLURMD_UNIT}.service", f"{MUNGE_UNIT}.service"], timeout=30)
+            h.exec(["systemctl", "stop", *units], timeout=30)
+            h.exec(["systemctl", "reset-failed", *units], timeout=10)
+            # what `disable` would remove, without the manager reload it costs: the next boot (or
+            # the next cluster's `enable`, which reloads) finds no unit
+            wants = "/etc/systemd/system/multi-user.target.wants"
             h.exec(
-                ["systemctl", "reset-failed", f"{SLURMD_UNIT}.service", f"{MUNGE_UNIT}.service"], timeout=10
+                ["rm", "-f", *(f"/etc/systemd/system/{u}" for u in units), *(f"{wants}/{u}" for u in units)],
+                timeout=10,
             )
-            h.exec(["rm", "-rf", str(self.dir)], timeout=30)
+            h.exec(["rm", "-rf", str(self.dir), self.node_keep], timeout=30)
 
     def stop(self) -> None:
         """Stop what start() started (nodes' units, then slurmctld and munged here); remove the files."""

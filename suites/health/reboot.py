@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpuhost.errors import GpuhostError
@@ -80,6 +80,7 @@ class Rebooted:
     old: str
     new: str
     seconds: float
+    units: list[str] = field(default_factory=list)  # stopped for the reboot, active again after it
 
 
 def boot_id(conn: Any, timeout: float = READ_TIMEOUT) -> str | None:
@@ -169,20 +170,38 @@ def owed_reboots(facts: Mapping[str, Any], thresholds: Any) -> dict[str, list[st
 
 
 def reboot_owed(
-    hh: Any, owed: Mapping[str, list[str]], timeout: float, journal: Journal | None = None
+    hh: Any,
+    owed: Mapping[str, list[str]],
+    timeout: float,
+    journal: Journal | None = None,
+    kept: Sequence[str] = (),
+    kept_persistence: Sequence[str] = (),
 ) -> Rebooted:
     """Reboot the node for GPUs that owe a reboot, its inventory units stopped first.
 
     Raise ProcedureError, nothing stopped and nothing rebooted, when a process no inventory unit
     owns holds any GPU of the node, or the boot id is unreadable. Each unit's stop is journaled
     (gpu `node`) before it is taken, so a run cut anywhere here is completed by the next
-    (cutrun.leftover): a unit systemd did not start at boot is started then.
+    (reset.py): it takes the reboot the cut run did not, with what that run stopped (`kept`: its
+    units; `kept_persistence`: the GPUs it turned persistence off on) journaled again first and
+    kept stopped through it, then started, and persistence turned on, after the boot.
     """
     conn = hh.target.conn
     ev = evidence.current()
     node = plan_node(conn, units(hh.thresholds))
     old = _may_reboot(hh, node.refused)
-    persistent = _persistent(hh.facts or {})
+    persistent = list(dict.fromkeys([*_persistent(hh.facts or {}), *kept_persistence]))
+    if journal is not None:  # the cut run's leftovers, in this run's journal before anything else
+        for u in kept:
+            journal.step("stop", unit=u, gpu=NODE)
+        for gpu in kept_persistence:
+            journal.step("persistence_off", gpu=gpu)
+    if kept or kept_persistence:
+        ev.note(
+            f"reboot: the cut run left {', '.join(kept) or 'no unit'} stopped"
+            + (f" and persistence off on {', '.join(kept_persistence)}" if kept_persistence else "")
+            + ": kept so through the reboot, put back after it"
+        )
     ev.note(
         "reboot: "
         + "; ".join(f"{b} owes a reboot ({', '.join(w)})" for b, w in owed.items())
@@ -193,7 +212,8 @@ def reboot_owed(
             journal.step("stop", unit=u, gpu=NODE)
         report = Service(conn, u).stop(cutrun.STOP_TIMEOUT)
         ev.note(f"reboot: stopped {u} ({report.duration:g} s)")
-    return _reboot(hh, old, node.units, persistent, timeout, journal, [NODE])
+    stopped = list(dict.fromkeys([*kept, *node.units]))
+    return _reboot(hh, old, stopped, persistent, timeout, journal, [NODE, *kept_persistence])
 
 
 def reboot_node(
@@ -214,12 +234,12 @@ def reboot_node(
     ev = evidence.current()
     allowed = units(hh.thresholds)
     foreign = []
-    for p in plans:
-        g = rows.get(p.bus)
+    for m in (m for p in plans for m in p.members):
+        g = rows.get(m.bus)
         if g is not None:
-            foreign += plan_gpu(conn, p.bus, p.why, g, allowed).refused
+            foreign += plan_gpu(conn, m.bus, m.why, g, allowed).refused
     old = _may_reboot(hh, foreign)
-    shown = {p.bus: p.smi_id for p in plans}
+    shown = {m.bus: m.smi_id for p in plans for m in p.members}
     ev.note(
         "reboot: "
         + "; ".join(
@@ -232,10 +252,11 @@ def reboot_node(
         for p in plans:
             for u in p.units:
                 journal.step("stop", unit=u, gpu=p.smi_id)
-            if p.persistence:
-                journal.step("persistence_off", gpu=p.smi_id)
-    persistent = [p.smi_id for p in plans if p.persistence]
-    return _reboot(hh, old, stopped, persistent, timeout, journal, [p.smi_id for p in plans])
+            for m in p.members:
+                if m.persistence:
+                    journal.step("persistence_off", gpu=m.smi_id)
+    persistent = [m.smi_id for p in plans for m in p.members if m.persistence]
+    return _reboot(hh, old, stopped, persistent, timeout, journal, [i for p in plans for i in p.ids])
 
 
 def _may_reboot(hh: Any, refused: Sequence[str]) -> str:
@@ -279,6 +300,7 @@ def _reboot(
     if journal is not None:
         journal.step("reboot", boot_id=old)
     done = reboot_and_wait(conn, old, timeout)
+    done.units = list(stopped)
     restart_units(conn, stopped)
     for gpu in persistent:  # legacy persistence mode does not survive a reboot
         try:

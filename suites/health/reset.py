@@ -51,7 +51,7 @@ from pytest_gpuhost.run.procedure import ProcedureError
 from pytest_gpuhost.run.remediation import Action, Check
 
 from . import compute, cutrun, drain, reboot
-from .holders import GpuReset, NodeHolders, gpu_rows, key, plan_gpu, plan_node, units
+from .holders import GpuReset, NodeHolders, gpu_rows, key, plan_node, plan_resets, units
 
 __all__ = ["RESET_TIMEOUT", "GpuReset", "owed_resets", "remediation"]
 
@@ -118,15 +118,14 @@ def remediation(
         box["leftover_by_gpu"] = cutrun.by_gpu(theirs)
         owed = owed_resets(facts, hh.thresholds)
         gpus = gpu_rows(facts)
-        plans = []
-        missing = []
-        for bus, why in sorted(owed.items()):
-            g = gpus.get(bus)
-            if g is None:
-                missing.append(f"{bus}: owes a reset ({'; '.join(why)}) but nvidia-smi does not list it")
-                continue
-            plans.append(plan_gpu(conn, bus, why, g, units(hh.thresholds)))
+        missing = [
+            f"{bus}: owes a reset ({'; '.join(why)}) but nvidia-smi does not list it"
+            for bus, why in sorted(owed.items())
+            if bus not in gpus
+        ]
+        plans = plan_resets(conn, owed, gpus, units(hh.thresholds), facts)
         box["plans"] = plans
+        box["owed"] = {m.bus for p in plans for m in p.members if m.bus in owed}
         box["rows"] = gpus
         reboots = reboot.owed_reboots(facts, hh.thresholds)
         node = plan_node(conn, units(hh.thresholds)) if reboots else NodeHolders()
@@ -139,6 +138,8 @@ def remediation(
                     "holders_units": p.units,
                     "refused": p.refused,
                     "persistence": p.persistence,
+                    "with_peers": [m.bus for m in p.peers],
+                    "together": p.together or None,
                 }
                 for p in plans
             ],
@@ -160,7 +161,7 @@ def remediation(
         if not owed and not cut and not reboots:
             first = Check(ok=True, summary="no GPU owes a reset or a reboot", state=state)
         else:
-            parts = cut + [f"{p.smi_id} owes a reset ({'; '.join(p.why)})" for p in plans] + missing
+            parts = cut + [p.owes() for p in plans] + missing
             parts += [f"{b} owes a reboot ({'; '.join(w)})" for b, w in reboots.items()]
             refused = [r for p in plans for r in p.refused]
             if refused:
@@ -183,7 +184,17 @@ def remediation(
         plans: list[GpuReset] = box["plans"]
         units_left, gpus_left = box["leftover"]
         first: list[Action] = []
-        if units_left or gpus_left:
+        if (units_left or gpus_left) and box["reboots"] and allow_reboot and not refusals(before):
+            first.append(
+                Action(
+                    "complete the cut reset run: what it stopped "
+                    f"({', '.join(units_left) or 'no unit'}) stays stopped through the reboot this run "
+                    "takes, and is started after the boot (from its journal on the host)",
+                    "",
+                    destructive=False,
+                )
+            )
+        elif units_left or gpus_left:
             cmds = [["nvidia-smi", "-i", g, "-pm", "1"] for g in gpus_left]
             cmds += [["systemctl", "start", "--", u] for u in reversed(units_left)]
             first.append(
@@ -209,7 +220,13 @@ def remediation(
             ]
         actions = first + [
             Action(
-                f"reset GPU {p.smi_id} ({'; '.join(p.why)})", " && ".join(shlex.join(c) for c in p.commands())
+                f"reset GPU {p.smi_id} ({'; '.join(p.why)})"
+                + (
+                    f" with its NVLink peers {', '.join(p.ids[1:])} in one command (nvidia-smi(1) -r: {p.together})"
+                    if p.peers
+                    else ""
+                ),
+                " && ".join(shlex.join(c) for c in p.commands()),
             )
             for p in plans
         ]
@@ -232,16 +249,25 @@ def remediation(
         try:
             units_left, gpus_left = box["leftover"]
             refused = refusals(before)
+            if box["reboots"] and allow_reboot and not refused:
+                # The node owes a reboot: what a cut run stopped (for a reset, or for the reboot it
+                # did not get to) stays stopped through this one and is started after the boot,
+                # journaled again before anything else is done, so a second cut loses nothing.
+                box["rebooted"] = reboot.reboot_owed(
+                    hh, box["reboots"], reboot_timeout, journal, kept=units_left, kept_persistence=gpus_left
+                )
+                return
             if units_left or gpus_left:
                 # A GPU the cut run was resetting, that still owes its reset, is reset with what
                 # the cut run stopped still stopped (each unit journaled again by reset_one, so
                 # a second cut loses nothing); whatever else it left is put back now.
                 by_gpu, pers = box["leftover_by_gpu"]
                 plans = [] if refused else box["plans"]
-                planned = {p.smi_id for p in plans}
+                planned = {i for p in plans for i in p.ids}
                 for p in plans:
-                    p.units = list(dict.fromkeys([*by_gpu.get(p.smi_id, []), *p.units]))
-                    p.persistence = p.persistence or bool(pers.get(p.smi_id))
+                    p.units = list(dict.fromkeys([*(u for i in p.ids for u in by_gpu.get(i, [])), *p.units]))
+                    for m in p.members:
+                        m.persistence = m.persistence or bool(pers.get(m.smi_id))
                 covered = {u for g in planned for u in by_gpu.get(g, [])}
                 rest = [u for u in units_left if u not in covered]
                 for note in cutrun.complete(conn, rest, [g for g in gpus_left if g not in planned]):
@@ -254,9 +280,6 @@ def remediation(
                     + "; ".join(refused)
                     + " (stop it, or name its unit in the inventory's `service`)"
                 )
-            if box["reboots"] and allow_reboot:
-                box["rebooted"] = reboot.reboot_owed(hh, box["reboots"], reboot_timeout, journal)
-                return
             for p in box["plans"]:
                 reset_one(conn, p, journal)
             box["left"] = left = settle()
@@ -274,7 +297,7 @@ def remediation(
     def settle() -> dict[str, list[str]]:
         """Re-read the GPUs' signals (bounded) until none of the reset ones asks for a reset."""
         deadline = time.monotonic() + verify_timeout
-        want = {p.bus for p in box["plans"]}
+        want = box["owed"]
         while True:
             fresh = hh._facts(parts=["gpus", "remap"])
             left = {bus: why for bus, why in owed_resets_signals(fresh).items() if bus in want}
@@ -287,7 +310,7 @@ def remediation(
         return left
 
     def verify() -> Check:
-        want = {p.bus for p in box["plans"]}
+        want = box["owed"]
         units_left, _ = box["leftover"]
         down = [u for u in units_left if not Service(conn, u).state().running]
         if down:
@@ -308,7 +331,7 @@ def remediation(
                     summary=f"still owed after the reset and a reboot (boot id {done.new}): "
                     + "; ".join(f"{b}: {', '.join(w)}" for b, w in left.items()),
                 )
-            fine, line = recovered([p.smi_id for p in box["plans"]], fresh=True)
+            fine, line = recovered([i for p in box["plans"] for i in p.ids], fresh=True)
             return Check(
                 ok=fine,
                 summary=f"{len(want)} GPU(s) reset, then the node rebooted ({done.seconds:.0f} s to "
@@ -320,7 +343,7 @@ def remediation(
             )
         left = box["left"] if "left" in box else settle()
         if left and not allow_reboot:
-            shown = {p.bus: p.smi_id for p in box["plans"]}
+            shown = {m.bus: m.smi_id for p in box["plans"] for m in p.members}
             gpus = ", ".join(f"{shown.get(b, b)} ({', '.join(w)})" for b, w in left.items())
             return Check(
                 ok=False,
@@ -333,9 +356,11 @@ def remediation(
                 summary="still owed after the reset: "
                 + "; ".join(f"{b}: {', '.join(w)}" for b, w in left.items()),
             )
-        fine, line = recovered([p.smi_id for p in box["plans"]])
+        fine, line = recovered([i for p in box["plans"] for i in p.ids])
+        peers = sum(len(p.peers) for p in box["plans"])
+        also = f" (with {peers} NVLink peer(s) in the same command)" if peers else ""
         return Check(
-            ok=fine, summary=f"{len(want)} GPU(s) reset; their signals no longer ask for one; {line}"
+            ok=fine, summary=f"{len(want)} GPU(s) reset{also}; their signals no longer ask for one; {line}"
         )
 
     def recovered(gpus: list[str], fresh: bool = False) -> tuple[bool, str]:
@@ -364,7 +389,7 @@ def remediation(
         left = {**owed_resets(facts, hh.thresholds)}
         for b, w in reboot.owed_reboots(facts, hh.thresholds).items():
             left.setdefault(b, []).extend(w)
-        down = [u for u in box["node"].units if not Service(conn, u).state().running]
+        down = [u for u in done.units if not Service(conn, u).state().running]
         if left or down:
             return Check(
                 ok=False,
@@ -379,11 +404,11 @@ def remediation(
         return Check(
             ok=fine,
             summary=f"the node rebooted ({done.seconds:.0f} s to a new boot id) for {paid}; no GPU "
-            f"owes a reset or a reboot; {', '.join(box['node'].units) or 'no unit'} active again; {line}",
+            f"owes a reset or a reboot; {', '.join(done.units) or 'no unit'} active again; {line}",
             state={
                 "boot_id": {"before": done.old, "after": done.new},
                 "reboot_s": round(done.seconds, 1),
-                "units": box["node"].units,
+                "units": done.units,
             },
         )
 
@@ -406,17 +431,18 @@ def owed_resets_signals(facts: Mapping[str, Any]) -> dict[str, list[str]]:
 
 
 def reset_one(conn: Any, p: GpuReset, journal: Journal | None = None) -> None:
-    """Stop what holds the GPU, reset it, and start again every unit stopped, whatever failed.
+    """Stop what holds the GPU (and its peers), reset them in one command, start every unit again.
 
     Each destructive step is journaled on the host before it is taken, and `restored` once
     everything is put back, so that a run cut in between is completed by the next (`leftover`).
     """
     ev = evidence.current()
     stopped: list[str] = []
+    off: list[str] = []  # GPUs whose persistence mode this run turned off
 
-    def note(what: str, **detail: Any) -> None:
+    def note(what: str, gpu: str = p.smi_id, **detail: Any) -> None:
         if journal is not None:
-            journal.step(what, gpu=p.smi_id, **detail)
+            journal.step(what, gpu=gpu, **detail)
 
     restored = False
     try:
@@ -425,38 +451,45 @@ def reset_one(conn: Any, p: GpuReset, journal: Journal | None = None) -> None:
             report = Service(conn, u).stop(STOP_TIMEOUT)
             stopped.append(u)
             ev.note(f"reset {p.smi_id}: stopped {u} ({report.duration:g} s)")
-        if p.minor is not None:
+        minors = {f"/dev/nvidia{m.minor}" for m in p.members if m.minor is not None}
+        if minors:
             left = [
                 f"PID {x.pid}"
                 for x in ProcessTable.read(conn, gpu_holders=True).gpu_holders()
-                if f"/dev/nvidia{p.minor}" in x.gpus
+                if minors & set(x.gpus)
             ]
             if left:
-                raise ProcedureError(f"{p.smi_id} still held after the stop ({', '.join(left)}): not reset")
-        if p.persistence:
-            note("persistence_off")
-            cutrun.run_checked(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "0"], 30)
+                raise ProcedureError(
+                    f"{', '.join(p.ids)} still held after the stop ({', '.join(left)}): not reset"
+                )
+        for m in p.members:
+            if m.persistence:
+                note("persistence_off", m.smi_id)
+                off.append(m.smi_id)
+                cutrun.run_checked(conn, ["nvidia-smi", "-i", m.smi_id, "-pm", "0"], 30)
         note("reset")
-        r = conn.run(["nvidia-smi", "-r", "-i", p.smi_id], timeout=RESET_TIMEOUT)
+        ids = ",".join(p.ids)
+        r = conn.run(["nvidia-smi", "-r", "-i", ids], timeout=RESET_TIMEOUT)
         if r.timed_out:
             raise ProcedureError(
-                f"nvidia-smi -r -i {p.smi_id} did not return in {RESET_TIMEOUT:g} s (driver hung?)"
+                f"nvidia-smi -r -i {ids} did not return in {RESET_TIMEOUT:g} s (driver hung?)"
             )
-        ev.note(f"reset {p.smi_id}: nvidia-smi -r exited {r.rc}: {(r.stdout or r.stderr).strip()[-300:]}")
+        ev.note(f"reset {ids}: nvidia-smi -r exited {r.rc}: {(r.stdout or r.stderr).strip()[-300:]}")
         if r.rc != 0:
             raise ProcedureError(
-                f"nvidia-smi -r -i {p.smi_id} exited {r.rc}: {(r.stdout + r.stderr).strip()[-300:]}"
+                f"nvidia-smi -r -i {ids} exited {r.rc}: {(r.stdout + r.stderr).strip()[-300:]}"
             )
     finally:
         restored = True
-        if p.persistence:
+        for gpu in off:
             try:
-                cutrun.run_checked(conn, ["nvidia-smi", "-i", p.smi_id, "-pm", "1"], 30)
+                cutrun.run_checked(conn, ["nvidia-smi", "-i", gpu, "-pm", "1"], 30)
             except ProcedureError as exc:
                 restored = False
-                ev.note(f"reset {p.smi_id}: {exc}")
+                ev.note(f"reset {gpu}: {exc}")
         for u in reversed(stopped):
             Service(conn, u).start(timeout=STOP_TIMEOUT * 2)
             ev.note(f"reset {p.smi_id}: started {u} again")
         if restored:
-            note("restored")
+            for gpu in p.ids:
+                note("restored", gpu)

@@ -16,6 +16,7 @@ SYS_PCI = "/sys/bus/pci/devices"
 NVIDIA_DRIVER = "/sys/bus/pci/drivers/nvidia"  # a link per function bound to nvidia
 ACS_BITS = ("SrcValid", "TransBlk", "ReqRedir", "CmpltRedir", "UpstreamFwd", "EgressCtrl", "DirectTrans")
 GPU_CLASSES = ("0x0300", "0x0302")  # PCI class code: VGA-compatible, 3D controller
+NVSWITCH_CLASS = "0x0680"  # "other bridge": how an NVSwitch presents itself on PCIe
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 # PCIe AER counters per device since boot (Documentation/ABI/testing/sysfs-bus-pci-devices-aer_stats;
 # drivers/pci/pcie/aer.c aer_stats_dev_attr: one "NAME count" line per error, then "TOTAL_ERR_*").
@@ -105,18 +106,22 @@ def pci_ids(base):
 
 
 def scan_bus():
-    """Return (bridges, NVIDIA GPUs) of the whole PCI bus: one `uevent` read per function.
+    """Return (bridges, NVIDIA GPUs, NVSwitches) of the whole PCI bus: one `uevent` read per function.
 
     The GPUs are the NVIDIA (vendor 0x10de) display controllers, class 0x0300 (VGA) or 0x0302
     (3D), whatever driver holds them or none: a GPU whose nvidia probe failed is not in the
-    driver's directory, and nvidia-smi does not list it, but it is still on the bus.
+    driver's directory, and nvidia-smi does not list it, but it is still on the bus. The
+    NVSwitches are NVIDIA's class 0x0680 functions ("Bridge [0680]: NVIDIA Corporation GH100
+    [H100 NVSwitch] [10de:22a3]" in lspci of an HGX H100; 10de:1af1 on HGX A100): whether a
+    GPU's NVLinks run through switches decides what a GPU reset must take with it.
     """
     try:
         names = os.listdir(SYS_PCI)
     except OSError:
-        return set(), {}
+        return set(), {}, []
     bridges = set()
     gpus = {}
+    switches = []
     for b in names:
         if not _BDF.match(b):
             continue
@@ -125,7 +130,9 @@ def scan_bus():
             bridges.add(b)
         elif vendor == "0x10de" and cls[:6] in GPU_CLASSES:
             gpus[b] = {"class": cls, "driver": driver}
-    return bridges, gpus
+        elif vendor == "0x10de" and cls.startswith(NVSWITCH_CLASS):
+            switches.append(b)
+    return bridges, gpus, sorted(switches)
 
 
 @fact("health_pci")
@@ -151,7 +158,7 @@ def fact_health_pci(params):
         bound = []  # the driver is not loaded: no GPU on nvidia
     # The whole bus, read once: the GPUs on it are the count nvidia-smi must show when the
     # inventory does not say (health_gpu.check_gpu_count), the bridges serve a flat sysfs.
-    all_bridges, on_bus = scan_bus()
+    all_bridges, on_bus, nvswitches = scan_bus()
     devices = {}
     acs_cache = {}  # type: dict
     ranges = {}  # type: dict
@@ -187,6 +194,7 @@ def fact_health_pci(params):
         "ok": True,
         "devices": devices,
         "on_bus": on_bus,
+        "nvswitches": nvswitches,
         "iommu_groups_present": os.path.isdir("/sys/kernel/iommu_groups"),
         "commands": record,
     }

@@ -10,7 +10,15 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["MODELS", "MODEL_SPECS", "model_name", "model_spec", "unknown_models", "unknown_note"]
+__all__ = [
+    "MODELS",
+    "MODEL_SPECS",
+    "architecture",
+    "model_name",
+    "model_spec",
+    "unknown_models",
+    "unknown_note",
+]
 
 #: Per GPU model, the figures the checks need (`MODEL_SPECS`, by model), and the names nvidia-smi
 #: prints for it (`MODELS`: text the name contains, case-insensitive, as a whole model name - "B200"
@@ -31,7 +39,10 @@ __all__ = ["MODELS", "MODEL_SPECS", "model_name", "model_spec", "unknown_models"
 #: expect; none known for the others; `nvlink_errors_max`, the growth of each NVLink error counter
 #: allowed per link since the last run, per class (health_nvlink.CLASSES): 0 for every class, the
 #: defaults of the NVLink error check of facebookresearch/gcm (`check-dcgmi nvlink`: CRC data/flit,
-#: replay and recovery thresholds 0); an inventory nvlink_<class>_max overrides it. `source` names
+#: replay and recovery thresholds 0); an inventory nvlink_<class>_max overrides it; `arch`, the GPU
+#: architecture NVIDIA names the model by (its datasheet's "NVIDIA Blackwell", "Hopper", "Ampere",
+#: "Ada Lovelace"), which decides whether a reset must take the GPU's NVLink peers with it
+#: (modules/health/reset_set.py). `source` names
 #: where each figure comes from; a figure that could not be confirmed in an NVIDIA document says
 #: "not verified".
 _NVLINK_ERRORS_MAX = {"replay": 0, "recovery": 0, "crc": 0, "link_errors": 0}
@@ -67,6 +78,7 @@ _HOPPER_SXM: dict[str, Any] = {
 _NVLINK_PAGE = "NVIDIA NVLink product page (nvidia.com/data-center/nvlink)"
 MODEL_SPECS: dict[str, dict[str, Any]] = {
     "B300": {
+        "arch": "Blackwell",
         **_NVLINK5,
         "pcie_gen": 6,
         "pcie_width": 16,
@@ -76,6 +88,7 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "pages, no NVIDIA datasheet found)",
     },
     "GB300": {
+        "arch": "Blackwell",
         **_NVLINK5,
         "fabric": False,
         "pcie_gen": None,
@@ -86,6 +99,7 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "off Grace over NVLink-C2C, no PCIe figure (not verified)",
     },
     "GB200": {
+        "arch": "Blackwell",
         **_NVLINK5,
         "fabric": False,
         "pcie_gen": None,
@@ -94,6 +108,7 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "and PCIe as GB300 (not verified)",
     },
     "B200": {
+        "arch": "Blackwell",
         **_NVLINK5,
         "pcie_gen": 5,
         "pcie_width": 16,
@@ -101,29 +116,35 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "PCIe Gen5 x16: not verified (HGX B200 host interface, no per-GPU datasheet figure found)",
     },
     "H200 NVL": {
+        "arch": "Hopper",
         **_HOPPER_PCIE,
         "source": "NVIDIA H200 datasheet: H200 NVL, PCIe Gen5 x16, NVLink bridge optional (2- or 4-way), "
         "none required; HBM limit as H100",
     },
     "H200 SXM": {
+        "arch": "Hopper",
         **_HOPPER_SXM,
         "source": "NVIDIA H200 datasheet: H200 SXM NVLink 900 GB/s (18 NVLink 4 links), PCIe Gen5 x16",
     },
     "H100 PCIe": {
+        "arch": "Hopper",
         **_HOPPER_PCIE,
         "source": "NVIDIA H100 PCIe product brief PB-11133-001: a PCI Express Gen5 card; NVLink bridge "
         "optional, none required",
     },
     "H100 NVL": {
+        "arch": "Hopper",
         **_HOPPER_PCIE,
         "source": "NVIDIA H100 datasheet: H100 NVL, PCIe Gen5 x16, NVLink bridge optional",
     },
     "H100 SXM": {
+        "arch": "Hopper",
         **_HOPPER_SXM,
         "source": f"NVIDIA H100 datasheet and {_NVLINK_PAGE}: H100 SXM 18 NVLink 4 links, 900 GB/s; "
         "PCIe Gen5 x16",
     },
     "H800 PCIe": {
+        "arch": "Hopper",
         **_HOPPER_PCIE,
         "memory_temp_max": None,
         "h2d_gbps_min": None,
@@ -131,6 +152,7 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "(not verified: no NVIDIA datasheet found)",
     },
     "H800 SXM": {
+        "arch": "Hopper",
         **_HOPPER_SXM,
         "nvlinks": 8,
         "memory_temp_max": None,
@@ -141,6 +163,7 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "-q` (github.com/NVIDIA/DCGM/issues/120); PCIe Gen5 x16 and the HBM limit: not verified",
     },
     "H20": {
+        "arch": "Hopper",
         **_HOPPER_SXM,
         "memory_temp_max": None,
         "h2d_gbps_min": None,
@@ -149,6 +172,7 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "and the HBM limit: not verified",
     },
     "A100 SXM4": {
+        "arch": "Ampere",
         "nvlinks": 12,
         "nvlink_gen": 3,
         "fabric": False,
@@ -162,6 +186,7 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "limit: not verified",
     },
     "A100 PCIe": {
+        "arch": "Ampere",
         "nvlinks": 0,
         "nvlink_gen": 3,
         "fabric": False,
@@ -173,6 +198,7 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "for 2 GPUs optional, none required; HBM limit: not verified",
     },
     "L40S": {
+        "arch": "Ada Lovelace",
         "nvlinks": 0,
         "fabric": False,
         "ecc": True,
@@ -183,6 +209,7 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
         "x16 (64 GB/s bidirectional), NVLink not supported; GDDR: no memory temperature",
     },
     "RTX PRO 6000": {
+        "arch": "Blackwell",
         "nvlinks": 0,
         "fabric": False,
         "ecc": True,
@@ -234,6 +261,24 @@ def model_spec(name: str) -> dict[str, Any] | None:
     """Return the MODELS entry for a GPU name as nvidia-smi prints it, None for a model not listed."""
     model = model_name(name)
     return MODEL_SPECS[model] if model is not None else None
+
+
+#: GPUs before Ampere that have NVLink, which the model table does not judge, by the names
+#: nvidia-smi prints for them ("Tesla V100-SXM2-32GB", "Quadro GV100", "Tesla P100-SXM2-16GB"):
+#: only their architecture is known here, for the reset rule of reset_set.py.
+_OLDER: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(r"(?<![a-z0-9])" + key + r"(?![0-9])"), arch)
+    for key, arch in (("v100", "Volta"), ("gv100", "Volta"), ("p100", "Pascal"), ("gp100", "Pascal"))
+)
+
+
+def architecture(name: str) -> str | None:
+    """Return the architecture of a GPU name as nvidia-smi prints it ("Blackwell"), None if not known."""
+    spec = model_spec(name)
+    if spec is not None:
+        return str(spec["arch"])
+    low = name.lower()
+    return next((arch for rx, arch in _OLDER if rx.search(low)), None)
 
 
 def unknown_models(gpus: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]:
