@@ -315,6 +315,8 @@ class Arm:
     channels: list[Channel] = field(default_factory=list)
     where: str = ""
     tail: str = ""
+    tool: str = ""  # what ran: all_reduce_perf, or torch.distributed and its interpreter (nccl_run.Tool)
+    marker: str = ""  # GPUHOST_NCCL_RUN=TOKEN in the environment of this arm's processes
 
     @property
     def transports(self) -> dict[str, int]:
@@ -355,6 +357,7 @@ class Arm:
         r = self.result
         return {
             "arm": self.name,
+            "tool": self.tool,
             "where": self.where,
             "gpus": self.gpus,
             "env": self.env,
