@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_gpuhost.modules import nccl
-from pytest_gpuhost.modules.nccl_run import ARGS, NO_TOOL, TOOL, find_tool, run_both, side
+from pytest_gpuhost.modules.nccl_run import ARGS, NO_TOOL, TOOL, TORCH, find_tool, run_both, side
 from pytest_gpuhost.modules.service_env import ServiceEnv
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
@@ -94,7 +94,8 @@ def step_p2p_collective(run: P2PProcedure) -> Step:
             acts.append(
                 Action(
                     "run the collective again after steps 2-5 set the groups to identity",
-                    f"{TOOL} {' '.join(ARGS)} -g {len(run.plan.gpus)} (with NCCL_P2P_DISABLE=0, then =1)",
+                    f"{TOOL} {' '.join(ARGS)} -g {len(run.plan.gpus)} (with NCCL_P2P_DISABLE=0, then =1; "
+                    f"without nccl-tests, the same through {TORCH})",
                     run.conn.name,
                     False,
                 )
