@@ -5,7 +5,10 @@ use it) and checks that every source agrees on the GPUs: `nvidia-smi -L`, the ag
 `nvidia_smi_gpus` facts, NVML (pynvml, where installed), the health facts through the agent's own
 NVML reader against nvidia-smi (both kept), `nvidia-smi topo -m` and `topo -p2p r`
 through parsers.py; then measures P2P as the suite does (cupy probe, else nvbandwidth) and keeps
-the matrix. Writes DIR/compare.json and one line per check; exits 1 when a check failed.
+the matrix; reads the torch all-reduce program's runs on NCCL (nccl-torch-*.txt) with
+nccl.parse_perf, and runs the collective as the suites do (nccl_run.find_tool, run_arm: one GPU,
+then both arms and the verdict on every GPU where there are two or more). Writes DIR/compare.json
+and one line per check; exits 1 when a check failed.
 
     python scripts/gpu_check.py DIR
 """
@@ -23,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url  # noqa: E402
-from pytest_gpuhost.modules import p2p, parsers  # noqa: E402
+from pytest_gpuhost.modules import nccl, nccl_run, p2p, parsers  # noqa: E402
 from pytest_gpuhost.modules.health import crosscheck  # noqa: E402
 from pytest_gpuhost.modules.health.thresholds import Thresholds, probe_params  # noqa: E402
 
@@ -137,6 +140,36 @@ def main(argv: list[str]) -> int:
                 (out / "p2p-matrix.json").write_text(json.dumps(matrix, indent=1) + "\n")
         else:
             results.append({"check": "P2P measurement", "ok": True, "detail": "one GPU: no pair to measure"})
+        for f in sorted(out.glob("nccl-torch-*.txt")):
+
+            def torch_run(f: Path = f) -> str:
+                r = nccl.parse_perf(f.read_text(errors="replace"))
+                assert r.concluded, f"no footer: {'; '.join(r.errors) or 'see ' + f.name}"
+                assert r.wrong == 0, f"{r.wrong} wrong elements"
+                assert [x.size for x in r.rows] == [8 << 20, 16 << 20, 32 << 20, 64 << 20, 128 << 20], r.rows
+                buses = {d.bus for d in r.devices}
+                assert buses <= {b.rsplit(".", 1)[0] for b in bdfs}, f"device lines {buses} vs {bdfs}"
+                chans = nccl.parse_channels(f.read_text(errors="replace"))
+                kinds = sorted({c.transport for c in chans})
+                return f"{len(r.devices)} rank(s), avg busbw {r.avg_busbw} GB/s, 0 wrong, transports {kinds}"
+
+            check(f"parse_perf({f.name})", torch_run)
+
+        def collective() -> dict[str, Any]:
+            tool, looked = nccl_run.find_tool([conn])
+            assert tool is not None, f"no NCCL tool: {looked}"
+            one = nccl_run.run_arm(tool, "compute", bdfs[:1], {}, 300.0)
+            assert one.failure() == "" and one.result.wrong == 0, one.failure() or one.tail[-500:]
+            kept: dict[str, Any] = {"tool": tool.describe(), "one GPU": one.to_dict()}
+            if len(bdfs) >= 2:
+                first, control = nccl_run.run_both(tool, bdfs, 300.0)
+                kept["arms"] = [first.to_dict(), control.to_dict()]
+                kept["verdict"] = nccl.verdict(first, control).summary  # kept, not judged: any host
+            (out / "nccl-collective.json").write_text(json.dumps(kept, indent=1, default=str) + "\n")
+            return {"tool": kept["tool"], "verdict": kept.get("verdict", "one GPU: code path only")}
+
+        if bdfs:
+            check("NCCL collective as the suites run it (nccl_run)", collective)
     finally:
         conn.close()
     (out / "compare.json").write_text(json.dumps(results, indent=1, default=str) + "\n")

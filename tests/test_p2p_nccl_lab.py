@@ -136,3 +136,31 @@ def test_acs_redirect_routed_by_the_root_complex_passes_copies_and_hangs_the_col
     )
     assert ours_left(h) == ""
     assert run.rc != 0
+
+
+def test_without_nccl_tests_the_services_own_python_is_asked(repaired: Any, tmp_path: Path) -> None:
+    """No all_reduce_perf on the host nor in LXC 101: the step asks the SGLang stand-in's own Python
+    (its #! interpreter, read in the container at step 1) and python3 on both PATHs for a torch with
+    NCCL; the lab has none, so it skips, naming each place and why."""
+    host = repaired[0]
+    tool = "/usr/bin/all_reduce_perf"
+    r = host.ssh(f"mv {tool} {tool}.aside && pct exec 101 -- mv {tool} {tool}.aside")
+    assert r.returncode == 0, r.stderr
+    try:
+        run = run_suite(host, tmp_path, "--check-only")
+    finally:
+        host.ssh(f"mv {tool}.aside {tool}; pct exec 101 -- mv {tool}.aside {tool}")
+    assert run.outcomes[STEP] == "skipped", run.outcomes
+    text = message(run)
+    assert text.startswith(
+        "p2p collective: not checked: no NCCL tool (nccl-tests' all_reduce_perf on PATH, or a Python "
+        "whose torch has NCCL): "
+    ), text
+    assert text.count(": no all_reduce_perf") == 2, text  # the host and the container
+    before = next(s["value"] for s in run.evidence(STEP)["states"] if s["label"] == "before")
+    (python,) = before["service_env"]["pythons"]  # ExecStart=python3 ...: its /proc/PID/exe
+    path, _, where = python.partition(" (")
+    assert path.startswith("/usr/bin/python3") and where.endswith("of sglang-qwen.service)"), python
+    asked = f"{path} on {host.address}/101: ModuleNotFoundError: No module named 'torch'"
+    assert asked in text, text
+    assert text.index(asked) < text.index("python3 on "), text  # the service's own first

@@ -6,6 +6,7 @@ mode; NVIDIA/nccl-tests#117; NVIDIA/nccl#1999) or return wrong data while peer c
 (vllm-project/vllm#51513). So the check runs ``all_reduce_perf`` twice on the in-scope GPUs, once
 as is (the P2P arm) and once with ``NCCL_P2P_DISABLE=1`` (the control arm, through host memory),
 both with ``-c 1`` (check every result) and ``NCCL_DEBUG=INFO`` (which transport each channel took).
+Where nccl-tests is missing, the torch program of nccl_torch.py prints the same format.
 
 The output format is nccl-tests' own (src/util.cu at
 https://github.com/NVIDIA/nccl-tests/blob/a0b82b2260cf5152b9f8c061bbf7eaf0ba096432/src/util.cu):
@@ -315,6 +316,8 @@ class Arm:
     channels: list[Channel] = field(default_factory=list)
     where: str = ""
     tail: str = ""
+    tool: str = ""  # what ran: all_reduce_perf, or torch.distributed and its interpreter (nccl_run.Tool)
+    marker: str = ""  # GPUHOST_NCCL_RUN=TOKEN in the environment of this arm's processes
 
     @property
     def transports(self) -> dict[str, int]:
@@ -355,6 +358,7 @@ class Arm:
         r = self.result
         return {
             "arm": self.name,
+            "tool": self.tool,
             "where": self.where,
             "gpus": self.gpus,
             "env": self.env,

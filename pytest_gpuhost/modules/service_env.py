@@ -13,6 +13,14 @@ on SHM after a perfect repair. The setting can live in four places, each read he
   else ``ExecStart=``). That flag is not NCCL P2P: it turns off the servers' own all-reduce
   kernels, and NCCL still picks its transport. It is reported, never changed.
 
+The same read names the service's Python interpreters (`ServiceEnv.pythons`), which the NCCL
+collective check runs its torch program with where nccl-tests is missing (modules/nccl_run.py):
+a process's ``argv[0]`` when it is an absolute path (a venv's ``bin/python``: ``/proc/PID/exe``
+names the base interpreter behind the venv's symlink, which does not see the venv's packages),
+``$VIRTUAL_ENV/bin/python`` and ``$CONDA_PREFIX/bin/python`` from its environment, its
+``/proc/PID/exe``, and last ``ExecStart=``'s program; only names that look like a Python
+(``python``, ``python3``, ``python3.11``).
+
 ``UnsetEnvironment=`` is applied as the final step when the environment is compiled
 (systemd.exec(5); src/core/exec-invoke.c at
 https://github.com/systemd/systemd/blob/000057e5b36d08791700af60e0585d779594cd75/src/core/exec-invoke.c:
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,6 +74,7 @@ READ_TIMEOUT = 15.0  # seconds to wait for the files' contents
 _CLIP = 160
 _NAMES = ("NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE")  # what nccl.env_findings judges
 _FILES = re.compile(r"^(.*) \(ignore_errors=(yes|no)\)$")
+_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 
 
 class _Conn(Protocol):
@@ -117,6 +127,7 @@ class ServiceEnv:
     unset: list[str] = field(default_factory=list)  # the unit's UnsetEnvironment= now
     main_pid: int = 0
     notes: list[str] = field(default_factory=list)
+    pythons: list[tuple[str, str]] = field(default_factory=list)  # (interpreter, where it was seen)
 
     @property
     def findings(self) -> list[Setting]:
@@ -146,6 +157,7 @@ class ServiceEnv:
             "findings": [s.describe() for s in self.findings],
             "settings": [s.to_dict() for s in self.settings],
             "notes": self.notes,
+            "pythons": [f"{path} ({where})" for path, where in self.pythons],
         }
 
 
@@ -263,14 +275,41 @@ def read(conn: _Conn, unit: str) -> ServiceEnv:
         for p in procs:
             data = environs.get(f"/proc/{p.pid}/environ")
             label = f"the environment of PID {p.pid} ({unit})"
+            env = parse_environ(data) if data is not None else {}
             if data is not None:
-                res.settings += _settings(parse_environ(data), label, "process", res.unset)
+                res.settings += _settings(env, label, "process", res.unset)
+            res.pythons += interpreters(p.argv, p.exe, env, f"process {p.pid} of {unit}")
             if CUSTOM_ALL_REDUCE in p.argv and not argv_seen:
                 argv_seen = True
                 res.settings.append(_flag(f"the command line of PID {p.pid} ({unit})"))
     if not argv_seen and CUSTOM_ALL_REDUCE in show["exec_start"]:
         res.settings.append(_flag(f"the ExecStart= of {unit}"))
+    res.pythons += interpreters(show["exec_start"][:1], None, {}, f"the ExecStart= of {unit}")
+    first: dict[str, str] = {}
+    for path, where in res.pythons:
+        first.setdefault(path, where)
+    res.pythons = list(first.items())
     return res
+
+
+def interpreters(
+    argv: Sequence[str], exe: str | None, env: dict[str, str], where: str
+) -> list[tuple[str, str]]:
+    """The Python interpreters one process names, best first, each with `where` (see the docstring)."""
+    out: list[str] = []
+    is_python = bool(exe and _PYTHON.match(exe.rsplit("/", 1)[-1]))
+    a0 = argv[0] if argv else ""
+    if a0.startswith("/") and _PYTHON.match(a0.rsplit("/", 1)[-1]):
+        out.append(a0)
+        is_python = True
+    if is_python:
+        for var in ("VIRTUAL_ENV", "CONDA_PREFIX"):
+            prefix = env.get(var, "")
+            if prefix.startswith("/") and "\n" not in prefix:
+                out.append(f"{prefix.rstrip('/')}/bin/python")
+        if exe and exe.startswith("/") and _PYTHON.match(exe.rsplit("/", 1)[-1]):
+            out.append(exe)
+    return [(p, where) for p in out]
 
 
 def _read(conn: _Conn, paths: list[str], max_bytes: int) -> tuple[dict[str, str], dict[str, str]]:

@@ -95,15 +95,17 @@ RESET_VERIFY_TIMEOUT = Option(
 NCCL = Option(
     "health_nccl",
     "--health-nccl",
-    "health: also run an NCCL all-reduce (nccl-tests all_reduce_perf -c 1) on every GPU of each "
-    "host, with a NCCL_P2P_DISABLE=1 control arm, each bounded on the host; report only",
+    "health: also run an NCCL all-reduce (nccl-tests all_reduce_perf -c 1, else the torch program "
+    "with python3) on every GPU of each host, with a NCCL_P2P_DISABLE=1 control arm, each bounded "
+    "on the host; report only",
     kind="flag",
     default=False,
 )
 NCCL_TIMEOUT = Option(
     "health_nccl_timeout",
     None,
-    "health: with --health-nccl, the bound on each all_reduce_perf arm, enforced on the host (default {default})",
+    "health: with --health-nccl, the bound on each arm (all_reduce_perf or the torch program), "
+    "enforced on the host (default {default})",
     parse=seconds,
     default=120.0,
 )

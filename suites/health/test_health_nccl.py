@@ -3,8 +3,9 @@
 A copy that passes is not proof that the collectives work (NCCL hangs, or a collective returns
 wrong data, while copies and p2pBandwidthLatencyTest pass: github.com/vllm-project/vllm/issues/
 51513, github.com/NVIDIA/nccl-tests/issues/117). On hosts with two or more GPUs, nccl-tests'
-`all_reduce_perf -c 1` runs on all of them as NCCL chooses (the P2P arm) and with
-NCCL_P2P_DISABLE=1 (the control), each bounded on the host (pytest_gpuhost/modules/nccl_run.py);
+`all_reduce_perf -c 1` (else the torch program with `python3` on the host's PATH, where its torch
+has NCCL) runs on all of them as NCCL chooses (the P2P arm) and with NCCL_P2P_DISABLE=1 (the
+control), each bounded on the host (pytest_gpuhost/modules/nccl_run.py);
 the verdict (pytest_gpuhost/modules/nccl.py) passes only when the first arm completed in its
 bound with 0 wrong elements. On GPUs that NCCL connects through P2P (every channel via P2P/...)
 it must also beat the control by the stated margin; a host whose NCCL uses SHM or NET for its
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.modules import nccl
-from pytest_gpuhost.modules.nccl_run import TOOL, cuda_order, find_tool, run_both, side
+from pytest_gpuhost.modules.nccl_run import NO_TOOL, cuda_order, find_tool, run_both, side
 from pytest_gpuhost.run import evidence
 
 from . import options
@@ -48,9 +49,10 @@ def test_nccl_collective(health: Any, request: Any) -> None:
         pytest.skip("fewer than two GPUs: no collective")
     tool, looked = find_tool([conn])
     if tool is None:
-        pytest.skip(f"not checked: no NCCL tool (install nccl-tests: {TOOL} on PATH) on {health.name}")
-    first, control = run_both(tool, gpus, options.nccl_timeout(request.config))
+        pytest.skip(f"not checked: no NCCL tool ({NO_TOOL}): {'; '.join(looked)}")
     ev = evidence.current()
+    ev.note(f"collective run with {tool.describe()}")
+    first, control = run_both(tool, gpus, options.nccl_timeout(request.config))
     for arm in (first, control):
         ev.state(arm.name, side(arm), target=health.name)
     ok, summary = judge(first, control)

@@ -1,7 +1,9 @@
 """Step 7 of suites/p2p: the NCCL collective proves P2P on the in-scope GPUs (or says why not).
 
 Both arms run through pytest_gpuhost/modules/nccl_run.py (bounded on the target, nothing left
-behind); the verdict is pytest_gpuhost/modules/nccl.py.
+behind): nccl-tests' all_reduce_perf on the host or in the service's container, else the torch
+program with the service's own Python (the interpreters read at step 1, before the stop, in its
+container), else ``python3`` on either's PATH. The verdict is pytest_gpuhost/modules/nccl.py.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_gpuhost.modules import nccl
-from pytest_gpuhost.modules.nccl_run import ARGS, TOOL, find_tool, run_both, side
+from pytest_gpuhost.modules.nccl_run import ARGS, NO_TOOL, TOOL, TORCH, find_tool, run_both, side
 from pytest_gpuhost.modules.service_env import ServiceEnv
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
@@ -25,7 +27,15 @@ from .service_env import (
     wants_unset,
 )
 
-__all__ = ["step_p2p_collective"]
+__all__ = ["service_pythons", "step_p2p_collective"]
+
+
+def service_pythons(run: P2PProcedure) -> list[tuple[Any, str, str]]:
+    """The service's Python interpreters as step 1 read them, on the service's side (its container)."""
+    env = run.service_env
+    if env is None:
+        return []
+    return [(run.svc_conn, path, f"the service's Python ({where})") for path, where in env.pythons]
 
 
 def step_p2p_collective(run: P2PProcedure) -> Step:
@@ -54,18 +64,18 @@ def step_p2p_collective(run: P2PProcedure) -> Step:
         note = env_note(run, env)
         if note:
             ev.note(note)
-        conn, looked = find_tool(run.measure_conns())
-        if conn is None:
-            why = (
-                f"not checked: no NCCL tool (install nccl-tests: {TOOL} on PATH) on {' nor on '.join(looked)}"
-            )
+        tool, looked = find_tool(run.measure_conns(), service_pythons(run))
+        if tool is None:
+            why = f"not checked: no NCCL tool ({NO_TOOL}): {'; '.join(looked)}"
             base = Check(True, why, {"looked": looked}, skip=why)
         else:
-            first, control = run_both(conn, gpus, run.opts.nccl_timeout)
+            ev.note(f"collective run with {tool.describe()}")
+            first, control = run_both(tool, gpus, run.opts.nccl_timeout)
             for arm in (first, control):
-                ev.state(arm.name, side(arm), target=conn.name)
+                ev.state(arm.name, side(arm), target=tool.conn.name)
             v = nccl.verdict(first, control)
             state: dict[str, Any] = {
+                "tool": tool.describe(),
                 "arms": [first.to_dict(), control.to_dict()],
                 "margin": nccl.P2P_OVER_CONTROL,
                 "verdict": v.summary,
@@ -84,7 +94,8 @@ def step_p2p_collective(run: P2PProcedure) -> Step:
             acts.append(
                 Action(
                     "run the collective again after steps 2-5 set the groups to identity",
-                    f"{TOOL} {' '.join(ARGS)} -g {len(run.plan.gpus)} (with NCCL_P2P_DISABLE=0, then =1)",
+                    f"{TOOL} {' '.join(ARGS)} -g {len(run.plan.gpus)} (with NCCL_P2P_DISABLE=0, then =1; "
+                    f"without nccl-tests, the same through {TORCH})",
                     run.conn.name,
                     False,
                 )

@@ -133,8 +133,8 @@ NCCL_TIMEOUT = _opt(
     "nccl_timeout",
     "--p2p-nccl-timeout",
     "SECONDS",
-    "bound on each all_reduce_perf arm of the collective check, enforced on the target; a run "
-    "still going then is reported as hung (default {default})",
+    "bound on each arm of the collective check (all_reduce_perf or the torch program), enforced on "
+    "the target; a run still going then is reported as hung (default {default})",
     parse=number(5, 3600),
     default=_D.nccl_timeout,
 )
