@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -56,3 +57,50 @@ def test_no_import_cycles_or_layer_breaks() -> None:
         [sys.executable, str(ROOT / "scripts/check_imports.py")], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+# A tracker's numbers ("issue" or "task" and a number, a session's or a stop's number) mean nothing
+# outside the tracker. An upstream reference names its repository first (NVIDIA/nccl issue 257).
+_TASK_NUMBER = re.compile(r"\b(?:issue|task|session|stop)s? \d{1,2}\b", re.I)
+_REPO_BEFORE = re.compile(r"[\w.-]+/[\w.-]+ $")
+_OWN = Path(__file__).resolve()
+
+
+def task_numbers(line: str) -> list[str]:
+    """The tracker numbers in one line (an upstream repository's issue is not one)."""
+    return [m.group(0) for m in _TASK_NUMBER.finditer(line) if not _REPO_BEFORE.search(line[: m.start()])]
+
+
+def test_task_numbers_are_found_and_upstream_issues_are_not() -> None:
+    assert task_numbers("see issue 12 for why") == ["issue 12"]
+    assert task_numbers("as in session 4, and Stop 33") == ["session 4", "Stop 33"]
+    assert task_numbers("zzc0721/torch-performance-test-data issue 77 says so") == []
+    assert task_numbers("NVIDIA/nccl#257, tissue 5, upstream issue #446, pct stop 101") == []
+
+
+def test_no_task_numbers_in_code_or_docs() -> None:
+    """History is in the commits and the CHANGELOG; code and docs say what is true now."""
+    paths = [ROOT / "README.md"]
+    for root in (
+        "pytest_gpuhost",
+        "suites",
+        "gpulab",
+        "scripts",
+        "benchmarks",
+        "docs",
+        "fixtures",
+        "tests",
+        "deploy",
+    ):
+        paths += sorted(p for p in (ROOT / root).rglob("*") if p.is_file() and p.resolve() != _OWN)
+    found = []
+    for path in paths:
+        if path.suffix not in (".py", ".md", ".yaml", ".sh", ".txt", ".c", ""):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            found += [f"{path.relative_to(ROOT)}:{n}: {t!r}" for t in task_numbers(line)]
+    assert found == [], "\n".join(found)
