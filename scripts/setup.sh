@@ -68,11 +68,12 @@ if ! .venv/bin/python -c "import torch.distributed" 2>/dev/null; then
 fi
 
 # ---- real-kernel tier (gpulab/vm, tests marked realkernel) -------------------------------------
-# QEMU, busybox-static, cpio, kmod (depmod) and xz from Debian; the two kernel images are fetched
-# with apt-get download into the VM cache (never installed as this machine's kernel).
+# QEMU, busybox-static, cpio, kmod (depmod), xz and e2fsprogs (mkfs.ext4: the systemd guest's disk)
+# from Debian; the two kernel images are fetched with apt-get download into the VM cache (never
+# installed as this machine's kernel).
 VM_CACHE=${GPUHOST_VM_CACHE:-/var/cache/gpuhost-vm}
 need_vm=()
-for t in qemu-system-x86_64:qemu-system-x86 cpio:cpio depmod:kmod xz:xz-utils; do
+for t in qemu-system-x86_64:qemu-system-x86 cpio:cpio depmod:kmod xz:xz-utils mkfs.ext4:e2fsprogs; do
   command -v "${t%%:*}" >/dev/null 2>&1 || [[ -x /usr/sbin/${t%%:*} ]] || need_vm+=("${t#*:}")
 done
 [[ -x /bin/busybox ]] && /bin/busybox --list 2>/dev/null | grep -qx insmod || need_vm+=(busybox-static)
