@@ -6,8 +6,8 @@ lab side runs the same operations on a standalone sysfs mount of proxmox-rtx6000
 kernel version (GPU group 30 for the multi-device rows, GPU 1 for bind and unbind, root port
 group 10 for a group whose only driver manages its own DMA), module references on the lab's
 ``nvidia_uvm`` (the VM's are on ``tun``), the suite's holder count through a ``local://`` agent
-on this machine, and device nodes from the lab host's ``/dev`` (gpulab.boot.make_dev). IOMMU
-grouping is compared by giving ``gpulab.realkernel.kernel_group_partition()`` the PCI tree and
+on this machine, and device nodes from the lab host's ``/dev`` (gpulab.host.boot.make_dev). IOMMU
+grouping is compared by giving ``gpulab.kernel.acs.kernel_group_partition()`` the PCI tree and
 ACS bits each guest read and holding its answer to the guest's own groups.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from gpulab import vm
-from gpulab.profile_types import PciFunction, Profile
-from gpulab.realkernel import kernel_group_partition
+from gpulab.kernel.acs import kernel_group_partition
+from gpulab.profiles.types import PciFunction, Profile
 from gpulab.vm import guest
 
 StandaloneMount = pytest.importorskip(
@@ -158,7 +158,7 @@ def lab_rows(kernel: str, tmp: Path) -> dict[str, str]:
         files = set(os.listdir(mnt / "module/nvidia_uvm"))
         rows["module_files"] = ",".join(sorted(files & set(guest.SUITE_MODULE_FILES)))
         rows["module_version_file"] = "present" if (mnt / "module/nvidia/version").exists() else "absent"
-    from gpulab import boot
+    from gpulab.host import boot
 
     nodes = tmp / "dev"
     boot.make_dev(nodes, [0])
