@@ -57,11 +57,14 @@ set -u
 rc=0
 UNIT=gpuhost-iommu-identity.service
 driver_of() { d=$(readlink "/sys/bus/pci/devices/$1/driver" 2>/dev/null) && basename "$d"; }
+# sysfs writes through coreutils' echo: dash's builtin reports every refused write as "I/O error",
+# /bin/echo the kernel's errno ("write error: Operation not permitted"), which the journal keeps
+put() { env echo "$1" > "$2"; }
 gpu_users() {  # PIDs with a /dev/nvidiaN open: an nvidia unbind would block until they exit
   find /proc/[0-9]*/fd -lname '/dev/nvidia[0-9]*' 2>/dev/null | cut -d/ -f3 | sort -u | tr '\n' ' '
 }
 unbind() {  # BDF DRIVER; a write blocked in the kernel cannot be killed: never wait on it > 10 s
-  ( echo "$1" > "/sys/bus/pci/drivers/$2/unbind" ) & w=$!
+  ( put "$1" "/sys/bus/pci/drivers/$2/unbind" ) & w=$!
   n=0
   while kill -0 "$w" 2>/dev/null; do
     n=$((n + 1))
@@ -88,12 +91,12 @@ group_identity() {  # group, then BDF=DRIVER pairs
     b=${p%%=*}; cur=$(driver_of "$b") || continue
     unbind "$b" "$cur" || return
   done
-  echo identity > "/sys/kernel/iommu_groups/$g/type" || { echo "group $g: identity refused" >&2; rc=1; }
+  put identity "/sys/kernel/iommu_groups/$g/type" || { echo "group $g: identity refused" >&2; rc=1; }
 }
 rebind() {  # BDF DRIVER; the driver's module is loaded first if it is not yet
   driver_of "$1" >/dev/null && return 0
   [ -d "/sys/bus/pci/drivers/$2" ] || modprobe "$2" 2>/dev/null || true
-  echo "$1" > "/sys/bus/pci/drivers/$2/bind" || { echo "bind $1 to $2 failed" >&2; rc=1; }
+  put "$1" "/sys/bus/pci/drivers/$2/bind" || { echo "bind $1 to $2 failed" >&2; rc=1; }
 }
 finish() {  # EXIT trap: whatever ended the script, every recorded function without a driver is bound
   trap - EXIT HUP INT TERM
