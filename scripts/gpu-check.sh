@@ -46,16 +46,20 @@ boot=$("$py" -c 'from pytest_gpuhost.modules.nccl_torch import BOOT; print(BOOT)
 ngpu=$(printf '%s\n' "$smi" | grep -c '^GPU [0-9]')
 nccl_args="-b 8M -e 128M -f 2 -c 1 -w 5 -n 20"
 cap nccl-torch-probe.json "$tpy" -c "$boot" --probe <"$prog"
-# shellcheck disable=SC2086  # nccl_args is words on purpose
-cap nccl-torch-p2p-g$ngpu.txt env CUDA_DEVICE_ORDER=PCI_BUS_ID NCCL_DEBUG=INFO NCCL_P2P_DISABLE=0 \
-  timeout -k 5 300 "$tpy" -c "$boot" $nccl_args -g "$ngpu" <"$prog"
-# shellcheck disable=SC2086
-cap nccl-torch-control-g$ngpu.txt env CUDA_DEVICE_ORDER=PCI_BUS_ID NCCL_DEBUG=INFO NCCL_P2P_DISABLE=1 \
-  timeout -k 5 300 "$tpy" -c "$boot" $nccl_args -g "$ngpu" <"$prog"
-if [ "$ngpu" -gt 1 ]; then
+# the runs only where that Python's torch has NCCL (the probe's "nccl": true); gpu_check.py says
+# "not checked" otherwise, as the suites do
+if grep -q '"nccl": true' "$out/nccl-torch-probe.json"; then
+  # shellcheck disable=SC2086  # nccl_args is words on purpose
+  cap nccl-torch-p2p-g$ngpu.txt env CUDA_DEVICE_ORDER=PCI_BUS_ID NCCL_DEBUG=INFO NCCL_P2P_DISABLE=0 \
+    timeout -k 5 300 "$tpy" -c "$boot" $nccl_args -g "$ngpu" <"$prog"
   # shellcheck disable=SC2086
-  cap nccl-torch-g1.txt env CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0 NCCL_DEBUG=INFO \
-    timeout -k 5 300 "$tpy" -c "$boot" $nccl_args -g 1 <"$prog"
+  cap nccl-torch-control-g$ngpu.txt env CUDA_DEVICE_ORDER=PCI_BUS_ID NCCL_DEBUG=INFO NCCL_P2P_DISABLE=1 \
+    timeout -k 5 300 "$tpy" -c "$boot" $nccl_args -g "$ngpu" <"$prog"
+  if [ "$ngpu" -gt 1 ]; then
+    # shellcheck disable=SC2086
+    cap nccl-torch-g1.txt env CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0 NCCL_DEBUG=INFO \
+      timeout -k 5 300 "$tpy" -c "$boot" $nccl_args -g 1 <"$prog"
+  fi
 fi
 cap health.txt "$py" -m pytest suites/health --host=local:// --check-only --report-dir="$out/reports" -p no:cacheprovider -q
 cap p2p-check-only.txt "$py" -m pytest suites/p2p --host=local:// --check-only --report-dir="$out/reports" -p no:cacheprovider -q

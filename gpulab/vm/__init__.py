@@ -26,6 +26,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import shlex
 import shutil
 import stat
 import subprocess
@@ -124,11 +125,15 @@ mount -t overlay -o lowerdir=/host,upperdir=/layer/upper,workdir=/layer/work roo
 mkdir -p /newroot/lib/modules/$(uname -r)
 cp -a /lib/modules/$(uname -r)/. /newroot/lib/modules/$(uname -r)/
 mark root
+# the checkout under test, where the guest's own /tmp would hide it (a CI clone in /tmp): bound back
+bind_checkout() { [ -n "${CHECKOUT:-}" ] && mkdir -p "/newroot$CHECKOUT" && mount --bind "/host$CHECKOUT" "/newroot$CHECKOUT"; }
 if [ "$MODE" = systemd ]; then
+  bind_checkout
   for d in dev proc sys; do mount --move /$d /newroot/$d; done
   exec switch_root /newroot /lib/systemd/systemd
 fi
 for d in tmp run; do mount -t tmpfs $d /newroot/$d; done
+bind_checkout
 for d in dev proc sys; do mount --move /$d /newroot/$d; done
 cp /run.sh /newroot/tmp/run.sh
 chroot /newroot /bin/sh /tmp/run.sh
@@ -232,8 +237,6 @@ TOPOLOGY = [
 
 def guest_command(*args: str) -> str:
     """The shell line that runs ``python -m gpulab.vm.guest ARGS`` in the guest with this checkout."""
-    import shlex
-
     py = os.path.realpath(sys.executable)
     script = Path(__file__).with_name("guest.py")
     argv = [py, "-S", "-B", str(script), *args]
@@ -301,7 +304,8 @@ def _boot(
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "r"
         root.mkdir()
-        (root / "vm.conf").write_text(conf)
+        under_tmp = CHECKOUT.is_relative_to("/tmp") or CHECKOUT.is_relative_to("/var/tmp")
+        (root / "vm.conf").write_text(conf + (f"CHECKOUT={shlex.quote(str(CHECKOUT))}\n" if under_tmp else ""))
         (root / "run.sh").write_text(script)
         extra_cpio = Path(tmp) / "extra.cpio"
         _cpio(root, extra_cpio)
