@@ -305,7 +305,9 @@ def _boot(
         root = Path(tmp) / "r"
         root.mkdir()
         under_tmp = CHECKOUT.is_relative_to("/tmp") or CHECKOUT.is_relative_to("/var/tmp")
-        (root / "vm.conf").write_text(conf + (f"CHECKOUT={shlex.quote(str(CHECKOUT))}\n" if under_tmp else ""))
+        (root / "vm.conf").write_text(
+            conf + (f"CHECKOUT={shlex.quote(str(CHECKOUT))}\n" if under_tmp else "")
+        )
         (root / "run.sh").write_text(script)
         extra_cpio = Path(tmp) / "extra.cpio"
         _cpio(root, extra_cpio)
