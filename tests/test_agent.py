@@ -255,6 +255,14 @@ def test_run_argv_and_shell(conn):
     assert conn.run(["/no/such/binary"]).rc == 127
 
 
+def test_a_command_that_does_not_read_its_stdin_leaves_the_agent_serving(conn):
+    # 1 MiB fills the pipe, so the agent is still writing when `true` exits: an EPIPE, which must
+    # not become a SIGPIPE that kills the agent.
+    for _ in range(3):
+        assert conn.run(["true"], stdin="x" * (1 << 20), timeout=10).rc == 0
+    assert conn.run(["echo", "alive"]).stdout == "alive\n"
+
+
 def test_hostile_arguments_are_data(conn, tmp_path):
     canary = tmp_path / "x"
     hostile = [

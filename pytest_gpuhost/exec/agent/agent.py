@@ -31,10 +31,16 @@ def main():
     os.close(devnull)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # A command that exits without reading its stdin must cost an EPIPE in the runner, not the
+    # agent: SIGPIPE stays ignored here (subprocess restores it for every child), and a broken
+    # protocol pipe, which means the controller is gone, ends the agent quietly.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
     def send(obj):
-        proto_out.write(json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n")
+        try:
+            proto_out.write(json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n")
+        except BrokenPipeError:
+            sys.exit(0)
 
     while True:
         line = proto_in.readline()
