@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gpulab.host.lab import Lab, LabError, LabHost  # noqa: E402
-from gpulab.profiles.load import Profile, load_profile  # noqa: E402
+from gpulab.profiles.load import load_profile  # noqa: E402
+from gpulab.profiles.types import Profile  # noqa: E402
 from gpulab.slurm.cluster import SlurmCluster, slurm_unavailable  # noqa: E402
 from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto  # noqa: E402
 

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 from gpulab.host.lab import RUN, Lab, LabError, LabHost
-from gpulab.profiles.load import Profile
+from gpulab.profiles.types import Profile
 
 __all__ = ["LabSession", "lab"]
 

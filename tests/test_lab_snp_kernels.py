@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpulab.profiles.load import Profile, load_profile
+from gpulab.profiles.load import load_profile
 from gpulab.profiles.snp_variants import BACKPORT_LABEL, SNP_LINE, epyc_snp_backport
+from gpulab.profiles.types import Profile
 
 StandaloneMount = pytest.importorskip(
     "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError

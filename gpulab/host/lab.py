@@ -51,7 +51,8 @@ from typing import Any
 
 from gpulab.errors import LabError
 from gpulab.host import boot, cgroups, layer, netns, procs, units
-from gpulab.profiles.load import Profile, ProfileError, Service, load_profile
+from gpulab.profiles.load import ProfileError, load_profile
+from gpulab.profiles.types import Profile, Service
 
 __all__ = ["CLIENT_KEY", "RUN", "Lab", "LabError", "LabHost"]
 

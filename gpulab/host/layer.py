@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from gpulab import nvml
-from gpulab.profiles.load import Profile, Service
+from gpulab.profiles.types import Profile, Service
 
 __all__ = ["HOST_PY_SITE", "TOOL_PATHS", "install_tools", "populate_files", "service_env", "write_procfiles"]
 

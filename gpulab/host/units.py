@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gpulab.profiles.load import Service
+from gpulab.profiles.types import Service
 
 __all__ = ["service_argv", "unit_name", "unit_text"]
 

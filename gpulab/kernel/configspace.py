@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from gpulab.kernel import acs
-from gpulab.profiles.load import ACS_BITS, PciFunction, Profile
+from gpulab.profiles.types import ACS_BITS, PciFunction, Profile
 
 __all__ = ["ConfigSpace"]
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from gpulab.kernel.configspace import ConfigSpace
 from gpulab.kernel.kernelio import SysfsError, find_holders, open_file_counts
-from gpulab.profiles.load import KERNEL_HOLDER_MODULES, PciFunction, Profile
+from gpulab.profiles.load import KERNEL_HOLDER_MODULES
+from gpulab.profiles.types import PciFunction, Profile
 
 __all__ = ["HostModel", "SysfsError", "find_holders", "DOMAIN_WRITE_VALUES"]
 

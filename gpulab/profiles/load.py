@@ -20,7 +20,6 @@ import yaml
 
 from gpulab.kernel import acs
 from gpulab.profiles.types import (
-    ACS_BITS,
     KERNEL_RE,
     Container,
     FileTree,
@@ -37,23 +36,12 @@ from gpulab.profiles.types import (
 )
 
 __all__ = [
-    "ACS_BITS",
+    "KERNEL_HOLDER_MODULES",
     "PROFILE_DIR",
-    "Container",
-    "FileTree",
-    "Gpu",
-    "GpuHealth",
-    "GpuLink",
-    "IommuInfo",
-    "KernelHolder",
-    "KernelLogLine",
-    "LinkState",
-    "PciFunction",
-    "Profile",
     "ProfileError",
-    "Service",
     "default_domain_for",
     "load_profile",
+    "parse_profile",
     "profile_names",
 ]
 

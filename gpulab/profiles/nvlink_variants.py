@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpulab.profiles.load import Profile, load_profile
+from gpulab.profiles.load import load_profile
+from gpulab.profiles.types import Profile
 
 __all__ = ["GV100_PAIRS", "a100_nvswitch", "gv100_bridged_pairs"]
 

@@ -30,7 +30,8 @@ from typing import Any
 
 import yaml
 
-from gpulab.profiles.load import PROFILE_DIR, Profile, load_profile
+from gpulab.profiles.load import PROFILE_DIR, load_profile
+from gpulab.profiles.types import Profile
 
 __all__ = ["NO_ACS_PORT", "SHARED_GROUP", "rtx6000_acs_redirect_routed", "rtx6000_root_port_without_acs"]
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from gpulab.profiles.load import PROFILE_DIR, SNP_LOG_WORD, Profile, load_profile
+from gpulab.profiles.load import PROFILE_DIR, SNP_LOG_WORD, load_profile
+from gpulab.profiles.types import Profile
 
 __all__ = ["BACKPORT_LABEL", "SNP_LINE", "epyc_snp_backport"]
 
