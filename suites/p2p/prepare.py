@@ -17,6 +17,7 @@ from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
+from . import actions
 from .procedure import P2PProcedure
 from .service_env import adopt_env_journal
 
@@ -39,12 +40,12 @@ def planned_actions(run: P2PProcedure) -> list[Action]:
         Action("take the run lock", f"mkdir {run.journal.lock_path}", t, False),
         Action("write the journal", f"write {run.journal.path}", t, False),
     ]
-    acts += run.stop_actions()
-    acts += run.release_actions()
-    acts += run.group_actions()
-    acts += run.bind_actions(all_functions=True)
-    acts += run.persist_actions()
-    acts.append(run.start_action())
+    acts += actions.stop_actions(run)
+    acts += actions.release_actions(run)
+    acts += actions.group_actions(run)
+    acts += actions.bind_actions(run, all_functions=True)
+    acts += actions.persist_actions(run)
+    acts.append(actions.start_action(run))
     return acts
 
 
@@ -136,7 +137,7 @@ def step_service_stopped(run: P2PProcedure) -> Step:
         for s in report.steps:
             ev.note(f"{run.service.unit}: {s['step']} at {s['t']} s: {s['state']}")
 
-    return run.step("service stopped", check, lambda before: run.stop_actions(), fix, on=run.svc_conn)
+    return run.step("service stopped", check, lambda before: actions.stop_actions(run), fix, on=run.svc_conn)
 
 
 def gpu_holders(run: P2PProcedure) -> list[gpu.Holder]:
@@ -188,7 +189,7 @@ def step_gpus_released(run: P2PProcedure) -> Step:
         )
 
     def plan(before: Check) -> list[Action]:
-        acts = run.release_actions()
+        acts = actions.release_actions(run)
         pers = set((before.state or {}).get("persistenced_pids") or [])
         others = [h for h in (before.state or {}).get("holders", []) if h.get("pid") not in pers]
         for h in others:
@@ -314,4 +315,4 @@ def step_iommu_groups_identity(run: P2PProcedure) -> Step:
                     evidence.current().note(f"rollback: {again}")
             raise
 
-    return run.step("iommu groups identity", check, lambda before: run.group_actions(), fix)
+    return run.step("iommu groups identity", check, lambda before: actions.group_actions(run), fix)

@@ -4,7 +4,7 @@ The steps are tests in test_p2p.py (in order, `gpuhost_procedure`). Each builds 
 from the one `P2PProcedure` of the target: steps 1-4 (take the host apart) are the functions of
 prepare.py, steps 5-6 and 8-9 (put it back, prove it) of restore.py, step 7 (the NCCL collective)
 of collective.py, and the service's own NCCL settings those steps read and unset of
-service_env.py. Step names follow one convention in every suite: the test is `test_<name>`, its
+service_env.py. What each step runs, as the actions its plan shows, is actions.py. Step names follow one convention in every suite: the test is `test_<name>`, its
 remediation is named `<name>` with spaces ("iommu groups identity"), the function that builds it
 `step_<name>(run)`.
 
@@ -27,7 +27,6 @@ from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import Procedure, ProcedureError
-from pytest_gpuhost.run.remediation import Action
 
 from . import persist
 from .plan import P2PPlan, make_plan, redirect_advice
@@ -423,80 +422,3 @@ class P2PProcedure(Procedure):
             f"{', '.join(self.blocked)} is still blocked in the kernel: reboot needed (nothing was started; "
             "the journal stays for the run after the reboot to complete)"
         ]
-
-    # ------------------------------------------------------------------ planned actions
-
-    def stop_actions(self) -> list[Action]:
-        """Stopping the service, as its commands."""
-        return [
-            Action(f"stop {self.service.unit}", cmd, self.svc_conn.name)
-            for cmd in self.service.commands(self.opts.stop_timeout)
-        ]
-
-    def release_actions(self) -> list[Action]:
-        """Stopping nvidia-persistenced and turning legacy persistence off."""
-        t = self.conn.name
-        acts = [
-            Action(f"stop {self.persistenced.unit}", cmd, t)
-            for cmd in self.persistenced.commands(self.opts.stop_timeout)[:1]
-        ]
-        for b in self.legacy_on() if self.facts.get("persistence") else []:
-            acts.append(
-                Action(
-                    f"persistence mode off on {b} (if still on once nvidia-persistenced is stopped)",
-                    f"nvidia-smi -i {b} -pm 0",
-                    t,
-                )
-            )
-        return acts
-
-    def group_actions(self) -> list[Action]:
-        """Unbinding each group's functions and writing identity."""
-        assert self.plan is not None
-        t = self.conn.name
-        acts: list[Action] = []
-        for g in self.plan.groups_to_fix:
-            for f in g.unbind_order:
-                if f.current:
-                    acts.append(
-                        Action(
-                            f"unbind {f.bdf} from {f.current} (group {g.number})",
-                            pci.unbind_command(f.bdf, f.current),
-                            t,
-                        )
-                    )
-            if not g.identity:
-                acts.append(
-                    Action(
-                        f"group {g.number}: {g.type} -> identity", iommu.type_command(g.number, "identity"), t
-                    )
-                )
-        return acts
-
-    def bind_actions(self, all_functions: bool = False) -> list[Action]:
-        """Binding functions to their original drivers, in the original order."""
-        assert self.plan is not None
-        todo = self.plan.rebind_order
-        if not all_functions:
-            todo = [f for f in todo if f.current != f.driver]
-        t = self.conn.name
-        return [Action(f"bind {f.bdf} to {f.driver}", pci.bind_command(f.bdf, f.driver), t) for f in todo]
-
-    def persist_actions(self) -> list[Action]:
-        """Installing and enabling the boot unit."""
-        t = self.conn.name
-        return [
-            Action("install the boot script", f"write {persist.SCRIPT} (mode 0755)", t, False),
-            Action("install the unit", f"write {persist.UNIT}", t, False),
-            Action("reload systemd", "systemctl daemon-reload", t, False),
-            Action("enable the unit", f"systemctl reenable {persist.UNIT_NAME}", t, False),
-        ]
-
-    def start_action(self, destructive: bool = True) -> Action:
-        """Starting the service again."""
-        return Action(
-            f"start {self.service.unit}",
-            f"systemctl start {self.service.unit}",
-            self.svc_conn.name,
-            destructive,
-        )

@@ -12,7 +12,7 @@ from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
-from . import persist
+from . import actions, persist
 from .procedure import P2PProcedure
 from .service_env import env_hint, env_left_after_start, env_started
 
@@ -108,7 +108,7 @@ def step_drivers_bound(run: P2PProcedure) -> Step:
     return run.step(
         "drivers bound",
         check,
-        lambda before: run.bind_actions(all_functions=run.check_only),
+        lambda before: actions.bind_actions(run, all_functions=run.check_only),
         fix,
     )
 
@@ -238,7 +238,7 @@ def step_persisted(run: P2PProcedure) -> Step:
                     f"{' '.join(argv)} failed (rc {r.rc}): {(r.stderr or r.stdout).strip()[:200]}"
                 )
 
-    return run.step("persisted", check, lambda before: run.persist_actions(), fix)
+    return run.step("persisted", check, lambda before: actions.persist_actions(run), fix)
 
 
 def health_url(run: P2PProcedure) -> str:
@@ -317,4 +317,6 @@ def step_service_restored(run: P2PProcedure) -> Step:
         run.resolve("start-service")
         env_started(run)
 
-    return run.step("service restored", check, lambda before: [run.start_action(False)], fix, on=run.svc_conn)
+    return run.step(
+        "service restored", check, lambda before: [actions.start_action(run, False)], fix, on=run.svc_conn
+    )

@@ -25,6 +25,7 @@ from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError
 from pytest_gpuhost.run.remediation import Action
 
+from . import actions
 from .procedure import P2PProcedure
 
 __all__ = [
@@ -103,8 +104,8 @@ def env_actions(run: P2PProcedure, env: ServiceEnv) -> list[Action]:
         Action("reload systemd", "systemctl daemon-reload", t),
     ]
     if env.in_processes and not run.stopped_service:
-        acts += run.stop_actions()
-        acts.append(run.start_action())
+        acts += actions.stop_actions(run)
+        acts.append(actions.start_action(run))
     return acts
 
 
