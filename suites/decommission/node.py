@@ -120,6 +120,7 @@ class Decommission(Procedure):
         self.record_state = record  # evidence.state
         self.record_measure = measure  # evidence.measure
         self.outcomes: dict[str, str] = {}  # step name -> outcome, for the verdict
+        self._events: list[dict[str, str]] = []  # the timeline of a --check-only run, kept in memory
         self.inventory: dict[str, Any] = {}
         self._listing: Listing | None = None
         self._backup: Backup | None = None
@@ -141,6 +142,7 @@ class Decommission(Procedure):
                 progress=self.progress,
                 progress_interval=2.0,
                 stall_timeout=self.stall_timeout,
+                read_only=self.check_only,
             )
         return self._backup
 
@@ -156,28 +158,33 @@ class Decommission(Procedure):
                 progress=self.progress,
                 progress_interval=2.0,
                 part_size=self.part_size,
+                read_only=self.check_only,
             )
         return self._s3
 
     @property
     def meta(self) -> Path:
-        """The backup directory's `.gpuhost/` folder (made on first use)."""
+        """The backup directory's `.gpuhost/` folder (made on first use, never under --check-only)."""
         path = self.dest / ".gpuhost"
-        path.mkdir(parents=True, exist_ok=True)
+        if not self.check_only:
+            path.mkdir(parents=True, exist_ok=True)
         return path
 
     def event(self, text: str) -> None:
-        """Append one line to the persistent timeline (UTC)."""
+        """Append one line to the persistent timeline (UTC); under --check-only, to this run's only."""
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        entry = {"t": stamp, "target": self.target, "event": text}
+        if self.check_only:
+            self._events.append(entry)  # --check-only writes nothing, the backup directory included
+            return
         with open(self.meta / "timeline.jsonl", "a") as f:
-            f.write(json.dumps({"t": stamp, "target": self.target, "event": text}) + "\n")
+            f.write(json.dumps(entry) + "\n")
 
     def timeline(self) -> list[dict[str, str]]:
-        """The timeline so far, over every run."""
+        """The timeline so far, over every run (and this check-only run's events after them)."""
         path = self.meta / "timeline.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        kept = path.read_text().splitlines() if path.exists() else []
+        return [json.loads(line) for line in kept if line.strip()] + list(self._events)
 
     def stopped(self) -> list[dict[str, Any]]:
         """Every process a run stopped, as recorded before it was signalled."""
@@ -418,5 +425,6 @@ class Decommission(Procedure):
                 progress=self.progress,
                 progress_interval=2.0,
                 part_size=self.part_size,
+                read_only=self.check_only,
             )
         return self._in_place_uploads[url]

@@ -97,6 +97,7 @@ class Backup:
         stall_timeout: float = 60.0,
         op_timeout: float = 300.0,
         writers: int = 4,
+        read_only: bool = False,
     ) -> None:
         self.conn = conn
         self.writers = max(1, writers)
@@ -107,7 +108,8 @@ class Backup:
         self.progress = progress
         self.progress_interval = progress_interval
         self.stall_timeout = stall_timeout
-        self.meta.mkdir(parents=True, exist_ok=True)
+        if not read_only:  # --check-only: the backup directory is read, never made
+            self.meta.mkdir(parents=True, exist_ok=True)
         self.state = StateFile(self.meta, "state")
         self.writer = LocalWriter(self.dest, self.meta, self.state, self._placed)
         # called with (file, state record) for each file or link verified into place: the S3
