@@ -120,6 +120,10 @@ class Decommission(Procedure):
         self.record_state = record  # evidence.state
         self.record_measure = measure  # evidence.measure
         self.outcomes: dict[str, str] = {}  # step name -> outcome, for the verdict
+        self.refused: list[str] = []
+        self._stake: tuple[Any, ...] | None = (
+            None  # owner records to write once step 1 passed  # what step 1 found the run cannot do: nothing is changed then
+        )
         self._events: list[dict[str, str]] = []  # the timeline of a --check-only run, kept in memory
         self.inventory: dict[str, Any] = {}
         self._listing: Listing | None = None
@@ -142,7 +146,6 @@ class Decommission(Procedure):
                 progress=self.progress,
                 progress_interval=2.0,
                 stall_timeout=self.stall_timeout,
-                read_only=self.check_only,
             )
         return self._backup
 
@@ -158,7 +161,6 @@ class Decommission(Procedure):
                 progress=self.progress,
                 progress_interval=2.0,
                 part_size=self.part_size,
-                read_only=self.check_only,
             )
         return self._s3
 
@@ -174,8 +176,10 @@ class Decommission(Procedure):
         """Append one line to the persistent timeline (UTC); under --check-only, to this run's only."""
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         entry = {"t": stamp, "target": self.target, "event": text}
-        if self.check_only:
-            self._events.append(entry)  # --check-only writes nothing, the backup directory included
+        if self.check_only or self._stake is not None:
+            # --check-only writes nothing, the backup directory included; nor does a run whose
+            # step 1 has not passed its preflight yet (`stake` writes these lines then)
+            self._events.append(entry)
             return
         with open(self.meta / "timeline.jsonl", "a") as f:
             f.write(json.dumps(entry) + "\n")
@@ -255,13 +259,27 @@ class Decommission(Procedure):
             )
         if self.check_only:
             return
-        if theirs is None:
+        self._stake = (me, local if theirs is None else None, client, s3_key)
+
+    def stake(self) -> None:
+        """Write the owner records `claim` found missing: once step 1's preflight passed, not before.
+
+        A run refused before any change leaves no trace at its destinations, an owner record included.
+        """
+        if self._stake is None:
+            return
+        me, local, client, s3_key = self._stake
+        self._stake = None
+        if local is not None:
             local.parent.mkdir(parents=True, exist_ok=True)
             tmp = local.with_name(f".{OWNER_NAME}.tmp")
             tmp.write_text(json.dumps(me, indent=1) + "\n")
             os.replace(tmp, local)
         if client is not None and s3_key is not None and self.s3 is not None:
             client.put_object(Bucket=self.s3.bucket, Key=s3_key, Body=json.dumps(me, indent=1).encode())
+        held, self._events = self._events, []
+        with open(self.meta / "timeline.jsonl", "a") as f:
+            f.writelines(json.dumps(entry) + "\n" for entry in held)
 
     # ---------------------------------------------------------------- 1 inventory
 
@@ -425,6 +443,5 @@ class Decommission(Procedure):
                 progress=self.progress,
                 progress_interval=2.0,
                 part_size=self.part_size,
-                read_only=self.check_only,
             )
         return self._in_place_uploads[url]

@@ -59,6 +59,7 @@ def verdict(
     open_uploads: Sequence[str] = (),
     in_place_missing: Sequence[tuple[str, str]] = (),
     s3_unreadable: Sequence[str] = (),
+    refused: Sequence[str] = (),
 ) -> list[str]:
     """Return why the node is not safe to terminate; an empty list is the only "safe".
 
@@ -70,7 +71,7 @@ def verdict(
     the verdict could not read (`s3_unreadable`: one line each, "--backup-to URL: why") proves
     nothing of what is there.
     """
-    problems: list[str] = []
+    problems: list[str] = [f"refused before any change: {md(p)}" for p in refused]
     for step in STEPS:
         outcome = outcomes.get(step)
         if step == "data in s3" and outcome == "skipped":
@@ -255,8 +256,8 @@ def notes_after_failure(run: Decommission, problems: Sequence[str]) -> str | Non
     what the node was, what ran, what is in the backup and what is not verified, as far as the
     run got. Never under --check-only. Return a problem line when it could not be written.
     """
-    if run.check_only or run.outcomes.get("notes saved") in ("passed", "fixed"):
-        return None
+    if run.check_only or run.refused or run.outcomes.get("notes saved") in ("passed", "fixed"):
+        return None  # a run refused before any change writes nothing at its destinations
     try:
         body = notes_body(run, problems)
         if not notes_current(run, body):
@@ -293,6 +294,7 @@ def step_safe_to_terminate(run: Decommission) -> Step:
             open_uploads=open_uploads,
             in_place_missing=[(p.file.display, p.how) for p in run.in_place_outstanding()],
             s3_unreadable=s3_unreadable,
+            refused=run.refused,
         )
         if problems:
             run._listing = listing  # what the local backup is to hold, as step 4 sets it

@@ -118,7 +118,6 @@ class S3Upload:
         progress: Callable[[Progress], None] | None = None,
         progress_interval: float = 1.0,
         part_size: int | None = None,
-        read_only: bool = False,
     ) -> None:
         self.dest = Path(dest)
         self.part_size = part_size or PART_SIZE
@@ -130,9 +129,7 @@ class S3Upload:
         self.workers = workers
         self.progress = progress
         self.progress_interval = progress_interval
-        meta = self.dest / _META
-        if not read_only:  # --check-only: the backup directory is read, never made
-            meta.mkdir(parents=True, exist_ok=True)
+        meta = self.dest / _META  # made by the state's first record (StateFile), never here
         # one state per destination: the same directory may go to two buckets
         tag = hashlib.sha256(f"{self.client.meta.endpoint_url}|{location.url}".encode()).hexdigest()[:12]
         self.state = StateFile(meta, f"s3-{tag}")
