@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.redact import redact
+from pytest_gpuhost.report import answer
 from pytest_gpuhost.report.diff import render_diff, state_diff
 from pytest_gpuhost.report.outputs import configure_outputs
 from pytest_gpuhost.run.evidence import connections
 from pytest_gpuhost.run.record import FIXED, WOULD_FIX, check_name, phase_result, record_key
+from pytest_gpuhost.run.targets_stash import targets_key
 
 __all__ = [
     "HtmlCustomisation",
@@ -168,7 +170,11 @@ def connection_line(c: dict[str, Any]) -> str:
     client = str(c.get("version") or c.get("client") or "?")
     mode = f", {c['mode']}" if c.get("mode") else ""
     via = f" ({c['via']})" if c.get("via") else ""
-    return html.escape(f"{c.get('target', '')} ({c.get('to', 'host')}): {client}{mode}{via}")
+    node = [f"{k} {c[k]}" for k in ("python", "kernel") if c.get(k)]
+    if c.get("version"):
+        node.append(f"agent {c['version']}")
+    there = f"; on the node: {', '.join(node)}" if node else ""
+    return html.escape(redact(f"{c.get('target', '')} ({c.get('to', 'host')}): {client}{mode}{via}{there}"))
 
 
 def render_evidence(when: str, ev: dict[str, Any], remediations: list[dict[str, Any]] | None = None) -> str:
@@ -273,6 +279,15 @@ def _what_changed(report: pytest.TestReport) -> str:
     return '<div class="gh-changed">' + "<br>".join(html.escape(redact(line)) for line in lines) + "</div>"
 
 
+def _suite_of(config: Any) -> str:
+    """The suite a run runs ("p2p", "decommission", "health"), from its arguments; else "run"."""
+    for arg in getattr(config.invocation_params, "args", ()):
+        name = str(arg).split("::", 1)[0].rstrip("/").rsplit("/", 1)[-1].rsplit(".", 1)[-1]
+        if name in ("p2p", "decommission", "health", "accept"):
+            return name
+    return "run"
+
+
 class HtmlCustomisation:
     """pytest-html hooks: Outcome and Target columns, the targets x checks matrix, the CSS.
 
@@ -280,13 +295,19 @@ class HtmlCustomisation:
     fleet summary's.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, config: pytest.Config | None = None) -> None:
         self.report_data: Any = None
+        self.config = config
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_html_report_title(self, report: Any) -> None:
         self.report_data = report  # pytest-html's ReportData: its outcome labels are relabelled below
-        report.title = f"gpuhost: {Path(report.title).stem}"
+        # the suite and the node, not the run's file name: "gpuhost decommission: b200-node07"
+        # (asked at the session's start: the targets are known, their answers not yet)
+        names = [str(t.name) for t in self.config.stash.get(targets_key, [])] if self.config else []
+        report.title = (
+            answer.title(_suite_of(self.config), names) if names else f"gpuhost: {Path(report.title).stem}"
+        )
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_html_results_table_header(self, cells: list[str]) -> None:
@@ -311,7 +332,12 @@ class HtmlCustomisation:
     def pytest_html_results_summary(
         self, prefix: list[str], summary: list[str], postfix: list[str], session: Any
     ) -> None:
-        prefix.append(f"<style>{OUTCOME_CSS}</style>")
+        prefix.append(f"<style>{OUTCOME_CSS}{answer.ANSWER_CSS}</style>")
+        run_record = session.config.stash.get(record_key, None)
+        if run_record is not None:
+            found = answer.answers(run_record)
+            if found:  # the answer first: a reviewer decides from the banner, the rows are the evidence
+                prefix.append(answer.banner_html(found))
         conns = connections()
         if conns:  # how every target was reached: the SSH client and its version, agent or fallback
             prefix.append(

@@ -10,19 +10,23 @@ from pytest_gpuhost.exec.s3io import s3_problem
 from pytest_gpuhost.modules.backup.local import Listing
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.redact import printable, redact
+from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
-from .node import Decommission
+from .node import Decommission, mb
 
 __all__ = [
     "STEPS",
+    "VERDICT",
+    "answer_line",
     "cell",
     "in_place_notes",
     "md",
     "notes_after_failure",
     "notes_body",
     "notes_current",
+    "put_verdict",
     "step_notes_saved",
     "step_safe_to_terminate",
     "verdict",
@@ -205,6 +209,40 @@ def in_place_notes(run: Decommission) -> list[str]:
     return out
 
 
+#: How NOTES.md's verdict line starts: step 7 writes it under the title, step 6 compares without it.
+VERDICT = "**Verdict:"
+
+
+def answer_line(run: Decommission, full: Listing, problems: Sequence[str]) -> str:
+    """The verdict in words: "SAFE TO TERMINATE: 2,010 files, 145.7 MB verified in DIR; ..." or "NOT SAFE: ..."."""
+    if problems:
+        return f"NOT SAFE: {len(problems)} problem{'s' if len(problems) != 1 else ''}"
+    size = sum(f.size for f in full.files)
+    parts = [f"{len(full.files):,} files, {mb(size)} verified in {md(run.dest)}"]
+    if run.s3 is not None and run.s3_cats():
+        parts.append(f"categories {md(', '.join(run.s3_cats()))} also in {md(run.s3.url)}")
+    r = run._in_place
+    if r is not None and r.proved:
+        urls = sorted({p.url.rsplit("/", 1)[0] for p in r.proofs if p.ok})
+        where = md(urls[0]) if len(urls) == 1 else f"{len(urls)} S3 locations"
+        parts.append(f"{len(r.proved):,} objects proved in place in {where}")
+    return "SAFE TO TERMINATE: " + "; ".join(parts)
+
+
+def put_verdict(run: Decommission, headline: str) -> None:
+    """Open NOTES.md with the verdict: its line goes under the title, replacing an older one."""
+    path = run.dest / "NOTES.md"
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text(errors="replace").split("\n") if not line.startswith(VERDICT)]
+    while len(lines) > 2 and lines[1] == "" and lines[2] == "":
+        del lines[1]
+    lines[1:1] = ["", f"{VERDICT} {md(headline)}**"]
+    tmp = path.with_name(".NOTES.md.tmp")
+    tmp.write_text("\n".join(lines))
+    os.replace(tmp, path)
+
+
 def step_notes_saved(run: Decommission) -> Step:
     """Step 6: NOTES.md says what the node was, what ran, what was kept and where."""
     path = run.dest / "NOTES.md"
@@ -236,6 +274,9 @@ def notes_current(run: Decommission, body: str) -> bool:
     """Whether NOTES.md holds `body` already (its timeline aside)."""
     path = run.dest / "NOTES.md"
     current = path.read_text(errors="replace") if path.exists() else ""
+    lines = current.split("\n")
+    if len(lines) > 2 and lines[2].startswith(VERDICT):  # the verdict step's line, not the notes
+        current = "\n".join(lines[:1] + lines[3:])
     return current.split("\n## Timeline\n", 1)[0] == body.rstrip("\n") + "\n" or current.startswith(body)
 
 
@@ -301,11 +342,15 @@ def step_safe_to_terminate(run: Decommission) -> Step:
             failed = notes_after_failure(run, problems)
             problems += [failed] if failed else []
         state = {"problems": problems, "files": len(full.files), "in_place": run.in_place_summary()}
+        headline = answer_line(run, full, problems)
+        evidence.current().answer(run.target, not problems, headline, problems)
         if problems:
             head = "\n  ".join(problems[:30])
             more = f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else ""
             return Check(False, f"NOT safe to terminate: {len(problems)} problems:\n  {head}{more}", state)
         run.event("safe to terminate")
+        if not run.check_only:
+            put_verdict(run, headline)
         return Check(True, f"safe to terminate: {len(full.files)} files verified in every destination", state)
 
     def fix(actions: list[Action], before: Check) -> None:
