@@ -142,7 +142,7 @@ def title(kind: str, names: Sequence[str]) -> str:
     if not names:
         return f"gpuhost: {kind}"
     who = names[0] if len(names) == 1 else f"{len(names)} nodes"
-    return redact(f"gpuhost {kind}: {who}")
+    return _clean(f"gpuhost {kind}: {who}")
 
 
 def terminal_summary(terminalreporter: Any) -> None:

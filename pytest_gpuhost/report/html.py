@@ -170,9 +170,9 @@ def connection_line(c: dict[str, Any]) -> str:
     client = str(c.get("version") or c.get("client") or "?")
     mode = f", {c['mode']}" if c.get("mode") else ""
     via = f" ({c['via']})" if c.get("via") else ""
-    node = [f"{k} {c[k]}" for k in ("python", "kernel") if c.get(k)]
-    if c.get("version"):
-        node.append(f"agent {c['version']}")
+    node = [f"{k} {c['node_' + k]}" for k in ("python", "kernel") if c.get("node_" + k)]
+    if c.get("node_version"):
+        node.append(f"agent {c['node_version']}")
     there = f"; on the node: {', '.join(node)}" if node else ""
     return html.escape(redact(f"{c.get('target', '')} ({c.get('to', 'host')}): {client}{mode}{via}{there}"))
 

@@ -183,7 +183,7 @@ def describe_connection(name: str, which: str, conn: Any, spec: Any) -> dict[str
         "via": str(getattr(launcher, "description", "") or ""),
         # the node's side, for the report's environment: its Python, kernel and our agent's version
         **{
-            k: str(v)
+            f"node_{k}": str(v)
             for k, v in (getattr(conn, "hello", None) or {}).items()
             if k in ("python", "kernel", "version") and v
         },
