@@ -310,3 +310,31 @@ def test_the_answer_opens_the_rendered_report_and_a_screenshot_is_kept(report: P
     assert page.index('id="gpuhost-answer"') < page.index('id="gpuhost-matrix"')
     assert "<title>gpuhost run: local</title>" in page or "gpuhost run: local" in page
     assert pic.returncode == 0 and shot.stat().st_size > 10_000, pic.stderr[-2000:]
+
+
+PROCEDURE = """
+import pytest
+from pytest_gpuhost.run.remediation import Check
+
+pytestmark = pytest.mark.gpuhost_procedure
+
+def test_first(target, remediate):
+    remediate(name="first", check=lambda: Check(False, "the first step found the host broken"))
+
+def test_second(target, remediate):
+    remediate(name="second", check=lambda: Check(True, "fine"))
+"""
+
+
+def test_a_skipped_step_says_why_in_a_sentence(tmp_path: Path) -> None:
+    """No raw (path, line, reason) tuple and no plugin path in a skipped row: a sentence."""
+    (tmp_path / "test_proc.py").write_text(PROCEDURE)
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--host=local://", "--report-name=proc",
+            "test_proc.py"]  # fmt: skip
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    data = _report_data(tmp_path / "reports" / "proc.html")
+    second = next(e for n, es in data["tests"].items() if "test_second" in n for e in es)
+    log = html.unescape("".join(second["log"]))
+    assert "Not run: the step before it, first, failed" in log, log
+    assert "site-packages" not in log and "remediation.py" not in log and "('" not in log, log

@@ -329,6 +329,30 @@ class HtmlCustomisation:
         cells.insert(3, f'<td class="col-gpuhostTarget">{html.escape(redact(target))}</td>')
 
     @pytest.hookimpl(optionalhook=True)
+    def pytest_html_results_table_html(self, report: pytest.TestReport, data: list[str]) -> None:
+        """Say why a step was skipped in a sentence, not as pytest's (path, line, reason) tuple.
+
+        The tuple names a file of the plugin (under site-packages when installed) and a line in
+        it, which tell a reviewer nothing; the reason does.
+        """
+        if not (report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3):
+            return
+        reason = " ".join(str(report.longrepr[2]).removeprefix("Skipped: ").split())
+        if reason.startswith("blocked: step ") and reason.endswith(" failed"):
+            step = reason.removeprefix("blocked: step ").removesuffix(" failed")
+            step = step.split("[", 1)[0].removeprefix("test_").replace("_", " ")  # the step's own name
+            sentence = (
+                f"Not run: the step before it, {step}, failed, and a procedure stops at its first failure."
+            )
+        else:
+            sentence = f"Not applicable here: {reason}."
+        text = f'<div class="gh-skip">{html.escape(redact(sentence))}</div>'
+        if data and report.longreprtext:
+            data[0] = text  # pytest-html's first entry is the report's long text: the tuple
+        else:
+            data.insert(0, text)
+
+    @pytest.hookimpl(optionalhook=True)
     def pytest_html_results_summary(
         self, prefix: list[str], summary: list[str], postfix: list[str], session: Any
     ) -> None:
