@@ -32,8 +32,10 @@ SHOWN = 10
 ANSWER_CSS = """
 .gh-answer{font-family:sans-serif;border-radius:6px;padding:10px 14px;margin:8px 0;color:#fff}
 .gh-answer-ok{background:#2e7d32}.gh-answer-bad{background:#c62828}
-.gh-answer h2{margin:0;font-size:20px}.gh-answer ul{margin:6px 0 0 18px;padding:0}
-.gh-answer li{margin:2px 0}.gh-fleet-line{font:bold 18px sans-serif;margin:8px 0}
+.gh-answer h2{margin:0;font-size:20px;color:#fff}.gh-answer ul{margin:6px 0 0 18px;padding:0}
+.gh-answer li{margin:2px 0}
+.gh-answer-table{border-collapse:collapse;margin-top:6px;background:#fff;color:#222}
+.gh-answer-table td,.gh-answer-table th{border:1px solid #ccc;padding:2px 8px;text-align:left}.gh-fleet-line{font:bold 18px sans-serif;margin:8px 0}
 """
 
 
@@ -132,6 +134,15 @@ def banner_html(found: Sequence[Mapping[str, Any]]) -> str:
             if len(details) > SHOWN:
                 out.append(f"<li>... and {len(details) - SHOWN} more: see the rows below</li>")
             out.append("</ul>")
+        table = list(a.get("table") or [])
+        if len(table) > 1:
+            head, *rows = table
+            out.append('<table class="gh-answer-table"><tr>')
+            out += [f"<th>{html.escape(redact(str(c)))}</th>" for c in head]
+            out.append("</tr>")
+            for row in rows:
+                out.append("<tr>" + "".join(f"<td>{html.escape(redact(str(c)))}</td>" for c in row) + "</tr>")
+            out.append("</table>")
         out.append("</div>")
     out.append("</div>")
     return "".join(out)

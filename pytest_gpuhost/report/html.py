@@ -288,6 +288,35 @@ def _suite_of(config: Any) -> str:
     return "run"
 
 
+def _changed_html(run_record: Any) -> str:
+    """What the run changed (each fix, before -> after) and what it measured before and after.
+
+    Shown under the answer, before the rows: the P2P heatmaps of every target side by side, on one
+    scale, and one line per fix; the rows below keep the full evidence.
+    """
+    fixes: list[str] = []
+    matrices: list[dict[str, Any]] = []
+    for t in run_record.decided():
+        for rem in t.remediations:
+            if rem.get("outcome") == FIXED:
+                before = (rem.get("before") or {}).get("summary", "")
+                after = (rem.get("after") or {}).get("summary", "")
+                fixes.append(f"{t.target}: {rem.get('name')}: {before} \u2192 {after}")
+        for phase in ("setup", "call", "teardown"):
+            matrices += (t.evidence.get(phase) or {}).get("matrices") or []
+    out = ['<div id="gpuhost-changed">']
+    if fixes:
+        out.append("<h3>What this run changed</h3><ul>")
+        out += [f"<li>{html.escape(redact(line))}</li>" for line in fixes[:100]]
+        if len(fixes) > 100:
+            out.append(f"<li>... and {len(fixes) - 100} more: see the rows below</li>")
+        out.append("</ul>")
+    if matrices:
+        out.append(f'<h3>Measured</h3><div class="gh-ev">{_heatmaps(matrices[:32])}</div>')
+    out.append("</div>")
+    return "".join(out) if len(out) > 2 else ""
+
+
 class HtmlCustomisation:
     """pytest-html hooks: Outcome and Target columns, the targets x checks matrix, the CSS.
 
@@ -308,6 +337,32 @@ class HtmlCustomisation:
         report.title = (
             answer.title(_suite_of(self.config), names) if names else f"gpuhost: {Path(report.title).stem}"
         )
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Put the nodes in the report's environment box: their Python, kernel and the agent's version.
+
+        pytest-html shows pytest-metadata's dict, read by reference when the page is written: the
+        controller's Python and platform are renamed to say whose they are, and each node's own
+        facts (from its agent's hello) join them.
+        """
+        try:
+            from pytest_metadata.plugin import metadata_key
+        except ImportError:  # pytest-html without pytest-metadata: no environment box to fill
+            return
+        meta = session.config.stash.get(metadata_key, None)
+        if not isinstance(meta, dict):
+            return
+        for key in ("Python", "Platform"):
+            if key in meta:
+                meta[f"Controller {key.lower()}"] = meta.pop(key)
+        for c in connections():
+            facts = [f"{k} {c['node_' + k]}" for k in ("python", "kernel") if c.get("node_" + k)]
+            if c.get("node_version"):
+                facts.append(f"agent {c['node_version']}")
+            if facts:
+                where = "" if c.get("to", "host") == "host" else f" ({c.get('to')})"
+                meta[redact(f"Node {c.get('target', '')}{where}")] = redact(", ".join(facts))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_html_results_table_header(self, cells: list[str]) -> None:
@@ -362,6 +417,7 @@ class HtmlCustomisation:
             found = answer.answers(run_record)
             if found:  # the answer first: a reviewer decides from the banner, the rows are the evidence
                 prefix.append(answer.banner_html(found))
+                prefix.append(_changed_html(run_record))
         conns = connections()
         if conns:  # how every target was reached: the SSH client and its version, agent or fallback
             prefix.append(

@@ -163,11 +163,19 @@ class Evidence:
                 return
         self.actions.append(data)
 
-    def answer(self, target: str, ok: bool, headline: str, details: Sequence[str] = ()) -> None:
+    def answer(
+        self,
+        target: str,
+        ok: bool,
+        headline: str,
+        details: Sequence[str] = (),
+        table: Sequence[Sequence[Any]] = (),
+    ) -> None:
         """Record the answer the operator came for, for one target: "SAFE TO TERMINATE: ...".
 
         `headline` is one line that starts with the verdict in capitals; `details` are the
-        problems or figures behind it, one line each. The terminal's last lines, the report's
+        problems or figures behind it, one line each; `table` (a header row, then rows) is shown
+        under the banner (a decommission's categories). The terminal's last lines, the report's
         banner and the JSON file say it first (report/answer.py).
         """
         self.answers.append(
@@ -176,6 +184,7 @@ class Evidence:
                 "ok": bool(ok),
                 "headline": redact(" ".join(str(headline).split())),
                 "details": [redact(" ".join(str(d).split())) for d in details][:50],
+                "table": [[redact(str(c)) for c in row] for row in table][:201],
             }
         )
 

@@ -20,6 +20,8 @@ __all__ = [
     "STEPS",
     "VERDICT",
     "answer_line",
+    "category_table",
+    "grouped",
     "cell",
     "in_place_notes",
     "md",
@@ -213,8 +215,30 @@ def in_place_notes(run: Decommission) -> list[str]:
 VERDICT = "**Verdict:"
 
 
+def grouped(problems: Sequence[str]) -> list[str]:
+    """The verdict's problems for a person: each step's line, then each kind counted with an example.
+
+    A node not yet emptied has a line per running process and per file; thousands of them say
+    less than "21 still running (e.g. PID 75 ...)".
+    """
+    steps = [p for p in problems if p.startswith(("step ", "refused "))]
+    kinds: dict[str, list[str]] = {}
+    for p in problems:
+        if p in steps:
+            continue
+        kind, _, rest = p.partition(": ")
+        kinds.setdefault(kind, []).append(rest)
+    out = list(steps)
+    for kind, items in kinds.items():
+        out.append(f"{kind}: {items[0]}" if len(items) == 1 else f"{len(items):,} {kind}, e.g. {items[0]}")
+    return out
+
+
 def answer_line(run: Decommission, full: Listing, problems: Sequence[str]) -> str:
     """The verdict in words: "SAFE TO TERMINATE: 2,010 files, 145.7 MB verified in DIR; ..." or "NOT SAFE: ..."."""
+    if problems and run.check_only:
+        would = [s for s in STEPS if run.outcomes.get(s) == "would fix"]
+        return f"NOT SAFE YET (check-only): {len(would)} steps would run: {', '.join(would)}"
     if problems:
         return f"NOT SAFE: {len(problems)} problem{'s' if len(problems) != 1 else ''}"
     size = sum(f.size for f in full.files)
@@ -227,6 +251,20 @@ def answer_line(run: Decommission, full: Listing, problems: Sequence[str]) -> st
         where = md(urls[0]) if len(urls) == 1 else f"{len(urls)} S3 locations"
         parts.append(f"{len(r.proved):,} objects proved in place in {where}")
     return "SAFE TO TERMINATE: " + "; ".join(parts)
+
+
+def category_table(run: Decommission, full: Listing) -> list[list[str]]:
+    """The decommission's categories for the report's banner: files, bytes, where they went."""
+    totals = full.totals()
+    rows = [["category", "files", "bytes", "where"]]
+    for cat in run.manifest.categories:
+        t = totals.get(cat.name, {"files": 0, "bytes": 0})
+        where = [str(run.dest / cat.name)]
+        if cat.s3 and run.s3 is not None:
+            where.append(f"{run.s3.url}/{cat.name}")
+        where += [f"{root} in place in {url}" for root, url in cat.in_s3]
+        rows.append([md(cat.name), f"{t['files']:,}", mb(int(t["bytes"])), md(", ".join(where))])
+    return rows
 
 
 def put_verdict(run: Decommission, headline: str) -> None:
@@ -343,7 +381,9 @@ def step_safe_to_terminate(run: Decommission) -> Step:
             problems += [failed] if failed else []
         state = {"problems": problems, "files": len(full.files), "in_place": run.in_place_summary()}
         headline = answer_line(run, full, problems)
-        evidence.current().answer(run.target, not problems, headline, problems)
+        evidence.current().answer(
+            run.target, not problems, headline, grouped(problems), category_table(run, full)
+        )
         if problems:
             head = "\n  ".join(problems[:30])
             more = f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else ""
