@@ -49,12 +49,12 @@ class HostHealth:
         self.check_only = check_only
         self.thresholds = hm.Thresholds.from_vars(target.vars)
         self.params = hm.probe_params(self.thresholds)
-        if check_only:
-            # --check-only writes nothing on the node: its state is kept on the controller
-            kept = controller_state.load(self.name)
-            if kept is not None:
-                self.params["state"] = kept
-                self.params["state_from"] = str(controller_state.path_for(self.name))
+        # What the last --check-only run remembered, kept on the controller (it writes nothing on
+        # the node): sent with every run, the node's probe takes the newer of it and its own file.
+        kept = controller_state.load(self.name)
+        if kept is not None:
+            self.params["state"] = kept
+            self.params["state_from"] = str(controller_state.path_for(self.name))
         self.facts: dict[str, Any] | None = None
         self.error: GpuhostError | None = None
         self.verdicts: dict[str, hm.Verdict] = {}
@@ -136,10 +136,11 @@ class HostHealth:
 
         def commit() -> None:
             try:
-                if self.check_only:
-                    controller_state.save(self.name, dict(state, committed=time.time()))
+                stamped = dict(state, committed=time.time())
+                if self.check_only:  # writes nothing on the node: the controller keeps it
+                    controller_state.save(self.name, stamped)
                 else:
-                    conn.call("health_commit", state=state, state_path=state_path, timeout=10)
+                    conn.call("health_commit", state=stamped, state_path=state_path, timeout=10)
                 self.committed = True
             except (GpuhostError, OSError) as exc:
                 self.commit_error = f"{type(exc).__name__}: {exc}"

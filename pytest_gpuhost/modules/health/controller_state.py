@@ -6,9 +6,9 @@ A run that may change the node keeps them there (`health_commit`, under the agen
 directory). A `--check-only` run writes nothing on any node, so it keeps them here, one JSON
 file per target under `$GPUHOST_CONTROLLER_STATE_DIR`, else `$XDG_STATE_HOME/gpuhost`, else
 `~/.local/state/gpuhost` (the XDG base directory specification's place for state), and sends the
-file's contents with its next request. Before a check-only run has kept anything, the node's own
-state is read (reading writes nothing), so a nightly check-only sweep goes on from where the
-last fixing run left off.
+file's contents with every later request, check-only or not. The node's probe takes the newer
+(by the controller's `committed` stamp, which both copies carry) of what was sent and of its own
+state file, so check-only and fixing runs in any order each go on from the run before.
 """
 
 from __future__ import annotations
