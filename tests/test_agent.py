@@ -470,7 +470,9 @@ def test_fallback_without_python(tmp_path):
         assert isinstance(nope, OSError) and nope.errno == 2
         assert c.write_file(str(tmp_path / "w"), "v\n", timeout=5).ok
         assert (tmp_path / "w").read_text() == "v\n"
-        with pytest.raises(AgentError, match="needs python3"):
+        with pytest.raises(AgentError, match="needs the agent; local: no usable Python: python3 absent"):
+            c.facts("kernel")
+        with pytest.raises(AgentError, match="needs the agent, which local cannot run .*said once above"):
             c.facts("kernel")
     finally:
         c.close()

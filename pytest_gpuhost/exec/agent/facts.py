@@ -6,6 +6,7 @@ Target side: stdlib only, Python 3.6 syntax (see the package docstring).
 import os
 import platform
 import socket
+import sys
 
 from pytest_gpuhost.exec.agent.files import read_text, state_path
 from pytest_gpuhost.exec.agent.registry import AGENT_VERSION, FACTS, OPS, dispatch, fact, one_line, op
@@ -35,6 +36,7 @@ def op_hello(params):
     return {
         "pid": os.getpid(),
         "python": platform.python_version(),
+        "executable": sys.executable,
         "uid": os.getuid(),
         "hostname": socket.gethostname(),
         "kernel": platform.release(),

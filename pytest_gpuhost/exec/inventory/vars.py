@@ -173,7 +173,8 @@ def _url(name: str, hv: dict[str, Any], where: str) -> tuple[str, dict[str, str]
     python = hv.get("ansible_python_interpreter")
     if python is not None:
         py = _text(python, "ansible_python_interpreter", where)
-        query["python"] = "python3" if py.startswith("auto") else py
+        if not py.startswith("auto"):  # Ansible's auto*: discovery, which the agent's start does
+            query["python"] = py
     if scheme == "local":
         return "local://", query
     address = _text(_last(hv, "ansible_host", "ansible_ssh_host") or name, "ansible_host", where)
