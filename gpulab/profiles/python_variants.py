@@ -1,0 +1,38 @@
+"""Lab machines whose Python is not the lab machine's: `health-ok` with another `node_python`.
+
+The node Pythons an operator meets (gpulab/host/pythons.py builds each from real interpreters):
+CPython 3.6 (the agent's floor), Debian's python3-minimal (no json), Python 2.7 installed as
+``python3``, RHEL 8's ``/usr/libexec/platform-python`` alone, and no Python at all. The SGLang
+service runs under its own interpreter (``pythons.LAB_PYTHON``, as a server runs from its
+virtualenv), so it serves whatever the node's ``python3`` is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from gpulab.host.pythons import LAB_PYTHON, SHAPES
+from gpulab.profiles.load import PROFILE_DIR, load_profile
+from gpulab.profiles.types import Profile
+
+__all__ = ["node_python_profile"]
+
+BASE = "health-ok"
+
+
+def node_python_profile(shape: str, **overrides: Any) -> Profile:
+    """`health-ok` whose node Python is `shape` (one of gpulab.host.pythons.SHAPES)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown node Python {shape!r}: one of {', '.join(SHAPES)}")
+    data = yaml.safe_load((PROFILE_DIR / f"{BASE}.yaml").read_text())
+    services = []
+    for svc in data["services"]:
+        svc = dict(svc)
+        if shape != "system" and svc.get("kind") == "sglang" and svc["argv"][0] == "python3":
+            svc["argv"] = [f"/{LAB_PYTHON}", *svc["argv"][1:]]
+        services.append(svc)
+    changes: dict[str, Any] = {"name": f"python-{shape}", "node_python": shape, "services": services}
+    changes.update(overrides)
+    return load_profile(BASE, changes)
