@@ -143,7 +143,7 @@ def test_failures_on_a_reachable_target_are_not_unreachable(tmp_path):
     assert not isinstance(closed.value, Unreachable)
     _tools(tmp_path / "bin", "sh", "cat", "timeout")
     with open_connection(parse_host_url(f"local://?path={tmp_path / 'bin'}")) as fb:
-        with pytest.raises(AgentError, match="needs the agent; local: no usable Python") as info:
+        with pytest.raises(AgentError, match="needs the agent; no usable Python") as info:
             fb.facts("kernel")
         assert not isinstance(info.value, Unreachable)
 

@@ -163,7 +163,7 @@ class FallbackConnection(Connection):
         The reason (what Python the node has, what the agent needs) is one line said once per
         connection, so a run whose every check needs the agent does not print it once per check.
         """
-        why = self.no_python or f"{self.name}: no usable Python"
+        why = self.no_python.removeprefix(f"{self.name}: ") or "no usable Python"
         if self._said_why:
             return f"needs the agent, which {self.name} cannot run (no usable Python: said once above)"
         self._said_why = True

@@ -168,7 +168,8 @@ def connection_line(c: dict[str, Any]) -> str:
     client = str(c.get("version") or c.get("client") or "?")
     mode = f", {c['mode']}" if c.get("mode") else ""
     via = f" ({c['via']})" if c.get("via") else ""
-    return html.escape(f"{c.get('target', '')} ({c.get('to', 'host')}): {client}{mode}{via}")
+    python = f"; {c['python']}" if c.get("python") else ""  # the agent's interpreter, or why none
+    return html.escape(f"{c.get('target', '')} ({c.get('to', 'host')}): {client}{mode}{via}{python}")
 
 
 def render_evidence(when: str, ev: dict[str, Any], remediations: list[dict[str, Any]] | None = None) -> str:

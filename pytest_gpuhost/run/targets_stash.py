@@ -170,7 +170,8 @@ def client_version(client: str) -> str:
 
 
 def describe_connection(name: str, which: str, conn: Any, spec: Any) -> dict[str, Any]:
-    """Say how a target was reached, for the run's evidence: client, its version, agent or fallback."""
+    """Say how a target was reached, for the run's evidence: client, its version, agent or fallback,
+    and the node's Python (or why the agent could not start)."""
     launcher = getattr(conn, "launcher", None)
     client = str(getattr(launcher, "client", "") or "")
     container = getattr(spec, "container", None) if which == "container" else None
@@ -181,7 +182,16 @@ def describe_connection(name: str, which: str, conn: Any, spec: Any) -> dict[str
         "version": client_version(client),
         "mode": str(getattr(conn, "mode", "") or ""),
         "via": str(getattr(launcher, "description", "") or ""),
+        # the interpreter the agent runs on, or (fallback) the one line saying why there is none
+        "python": _python_of(conn),
     }
+
+
+def _python_of(conn: Any) -> str:
+    hello = getattr(conn, "hello", None) or {}
+    if hello.get("executable"):
+        return f"{hello['executable']} (Python {hello.get('python', '?')})"
+    return str(getattr(conn, "no_python", "") or "")
 
 
 def get_pool(config: pytest.Config) -> TargetPool:

@@ -1,0 +1,133 @@
+"""The node's Python over SSH, in lab hosts built from real interpreters (gpulab/host/pythons.py).
+
+Each shape answered as an operator needs it: CPython 3.6 (the agent's floor) and RHEL 8's
+platform-python run the agent, and the health suite passes on the 3.6 node; Python 2.7 as
+`python3`, Debian's python3-minimal (no json) and no Python at all give the channel-per-command
+fallback and one line naming what was found and what the agent needs, which the run's evidence
+keeps with the connection's mode. The service's health probe runs under the interpreter the
+agent found, or curl where there is none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpulab.host import pythons as labpy
+from gpulab.profiles.python_variants import node_python_profile
+from pytest_gpuhost.errors import AgentError
+from pytest_gpuhost.exec.agent import agent_needs
+from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url
+from pytest_gpuhost.modules.service import check_health
+
+REPO = Path(__file__).resolve().parents[1]
+NEEDS = f"the agent needs Python >= 3.6 with {', '.join(agent_needs())}"
+#: shape -> (mode, the interpreter the agent runs on | the one line after "NAME: ")
+EXPECT = {
+    "cpython-3.6": ("agent", "/usr/local/bin/python3"),
+    "platform-python": ("agent", "/usr/libexec/platform-python"),
+    "python2": (
+        "fallback",
+        "no usable Python: python3 (/usr/local/bin/python3) is Python 2.7.18 (needs 3.6+), "
+        f"/usr/libexec/platform-python absent, no python3.6 to python3.14; {NEEDS}",
+    ),
+    "minimal": (
+        "fallback",
+        "no usable Python: python3 (/usr/local/bin/python3) is Python 3.11.2 without json, "
+        "python3.11 (/usr/local/bin/python3.11) is Python 3.11.2 without json, "
+        f"/usr/libexec/platform-python absent, no python3.6 to python3.14; {NEEDS}",
+    ),
+    "none": (
+        "fallback",
+        f"no usable Python: python3 absent, /usr/libexec/platform-python absent, no python3.6 to python3.14; {NEEDS}",
+    ),
+}
+
+
+def boot(lab: Any, shape: str) -> Any:
+    why = labpy.missing(shape)
+    if why:
+        pytest.skip(why)
+    return lab.host(
+        node_python_profile(shape),
+        name=f"py{shape.replace('.', '').replace('-', '')[:8]}{os.getpid() % 10000}",
+    )
+
+
+def conn_to(h: Any) -> Any:
+    opts = TargetOptions(identity="/run/gpulab/id_ed25519", known_hosts=str(h.known_hosts))
+    return open_connection(parse_host_url(f"ssh://root@{h.address}", name=h.name), opts)
+
+
+@pytest.mark.parametrize("shape", list(EXPECT))
+def test_each_node_python_is_answered(lab: Any, shape: str) -> None:
+    h = boot(lab, shape)
+    mode, want = EXPECT[shape]
+    conn = conn_to(h)
+    try:
+        assert conn.mode == mode
+        if mode == "agent":
+            assert conn.python == want and conn.hello["python"] == "3.6.15", conn.hello
+            assert conn.no_python == "" and conn.hello["unavailable"] == {}
+            assert conn.round_trips == 1
+        else:
+            assert conn.no_python == f"{h.name}: {want}"
+            assert conn.python == ""
+            assert conn.run(["uname", "-n"]).ok  # the fallback still runs commands
+            with pytest.raises(AgentError) as info:
+                conn.facts("kernel")
+            assert str(info.value) == f"facts on {h.name}: needs the agent; {want}"
+        # the inference service's health, probed from the node with what the node has
+        seen: list[str] = []
+        conn.on_command.append(lambda _t, r: seen.append(r.command))
+        healthy, answer, _ = check_health(conn, "http://127.0.0.1:30000/health", bound=30)
+        assert healthy and answer == "200"
+        first = seen[0].split()[0]
+        assert first == (want if mode == "agent" else "curl"), seen
+    finally:
+        conn.close()
+
+
+def _health_run(h: Any, tmp: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    known = tmp / "known_hosts"
+    known.write_text(Path(h.known_hosts).read_text())
+    argv = [
+        sys.executable, "-m", "pytest", "suites/health", "-p", "no:cacheprovider", f"--host=ssh://root@{h.address}",
+        "--ssh-identity=/run/gpulab/id_ed25519", f"--known-hosts={known}", "--connect-timeout=5",
+        f"--report-dir={tmp}", "--report-name=py", "--check-only", "-o", "addopts=",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
+    return proc, json.loads((tmp / "py.json").read_text())
+
+
+def test_the_health_suite_runs_on_python_36(lab: Any, tmp_path: Path) -> None:
+    """The floor: every check of suites/health judged by an agent on a real CPython 3.6.15."""
+    h = boot(lab, "cpython-3.6")
+    proc, doc = _health_run(h, tmp_path)
+    (conn,) = doc["session"]["connections"]
+    assert conn["mode"] == "agent" and conn["python"] == "/usr/local/bin/python3 (Python 3.6.15)", conn
+    outcomes = {t["nodeid"].split("::")[-1]: t["outcome"] for t in doc["tests"]}
+    assert outcomes and all(o in ("passed", "skipped") for o in outcomes.values()), (
+        outcomes,
+        proc.stdout[-3000:],
+    )
+
+
+def test_a_node_without_python_is_one_line_in_the_evidence(lab: Any, tmp_path: Path) -> None:
+    h = boot(lab, "none")
+    proc, doc = _health_run(h, tmp_path)
+    (conn,) = doc["session"]["connections"]
+    assert conn["mode"] == "fallback" and conn["python"] == f"{h.address}: {EXPECT['none'][1]}", conn
+    assert "Traceback" not in proc.stdout and "During handling" not in proc.stdout
+    # what the operator reads: the line, whole, once per host (then once in the fleet summary);
+    # the host's other checks refer to it
+    assert proc.stdout.count(EXPECT["none"][1]) == 2, proc.stdout
+    assert proc.stdout.count(f"{h.address}: facts not read (AgentError, said at its first check)") >= 26
+    page = (tmp_path / "py.html").read_text()
+    assert "no usable Python: python3 absent" in page
