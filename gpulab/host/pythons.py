@@ -31,10 +31,10 @@ from pathlib import Path
 
 from gpulab.errors import LabError
 from gpulab.host.layer import HOST_TOOL_PATHS, TOOL_PATHS
+from gpulab.profiles.python_variants import LAB_PYTHON, SHAPES
 
 __all__ = ["HIDES", "LAB_PYTHON", "PYENV", "SHAPES", "install_node_python", "minimal_stdlib", "missing"]
 
-SHAPES = ("system", "cpython-3.6", "minimal", "python2", "platform-python", "none")
 #: Shapes that remove the system's python3 and python3.11.
 HIDES = ("python2", "platform-python", "none")
 #: Real CPython builds on this machine (pyenv, in the machine's image); a shape that needs one
@@ -46,7 +46,6 @@ INTERPRETERS = {
     "python2": PYENV / "2.7.18/bin/python2.7",
 }
 SYSTEM_PYTHON = Path("/usr/bin/python3.11")
-LAB_PYTHON = "usr/local/lib/gpulab/python3"  # relative to the host's root
 MINIMAL_HOME = "usr/local/lib/gpulab-python-minimal"  # the minimal layout: bin/python3.11, lib/python3.11
 MINIMAL_PACKAGE = "libpython3.11-minimal"
 STDLIB = "/usr/lib/python3.11/"

@@ -3,7 +3,7 @@
 The node Pythons an operator meets (gpulab/host/pythons.py builds each from real interpreters):
 CPython 3.6 (the agent's floor), Debian's python3-minimal (no json), Python 2.7 installed as
 ``python3``, RHEL 8's ``/usr/libexec/platform-python`` alone, and no Python at all. The SGLang
-service runs under its own interpreter (``pythons.LAB_PYTHON``, as a server runs from its
+service runs under its own interpreter (``LAB_PYTHON``, as a server runs from its
 virtualenv), so it serves whatever the node's ``python3`` is.
 """
 
@@ -13,11 +13,16 @@ from typing import Any
 
 import yaml
 
-from gpulab.host.pythons import LAB_PYTHON, SHAPES
 from gpulab.profiles.load import PROFILE_DIR, load_profile
 from gpulab.profiles.types import Profile
 
-__all__ = ["node_python_profile"]
+__all__ = ["LAB_PYTHON", "SHAPES", "node_python_profile"]
+
+#: The values of `node_python` (schema.yaml), built by gpulab/host/pythons.py.
+SHAPES = ("system", "cpython-3.6", "minimal", "python2", "platform-python", "none")
+#: Where the lab's own tools find their interpreter in a host whose node Python is not the
+#: system's (relative to the host's root): a path no node has.
+LAB_PYTHON = "usr/local/lib/gpulab/python3"
 
 BASE = "health-ok"
 
