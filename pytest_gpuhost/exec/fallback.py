@@ -1,4 +1,4 @@
-"""The connection for targets without Python: one channel per command, POSIX tools for file ops.
+"""The connection for targets without a usable Python: one channel per command, POSIX tools for file ops.
 
 Each command runs on a channel of its own under `timeout -s KILL N` (the whole process group is
 killed on the target), bounded here too, N + 5 s.  Files are read with `cat` and written with
