@@ -8,6 +8,7 @@ tests/test_node_python_lab.py.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -45,6 +46,19 @@ def tools(d: Path, *names: str, **links: Path) -> Path:
     return d
 
 
+def running_pythons() -> set[str]:
+    """The interpreters of this machine's running Pythons, as /proc/PID/exe names them."""
+    out = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            continue
+        if os.path.basename(exe).startswith("python"):
+            out.add(exe)
+    return out
+
+
 def start(path: Path, python: str | None = None) -> subprocess.CompletedProcess[bytes]:
     """Start the agent as a target would, answer one hello, and return what it printed."""
     return subprocess.run(
@@ -62,11 +76,12 @@ def start(path: Path, python: str | None = None) -> subprocess.CompletedProcess[
 def test_candidates_are_python3_then_platform_python_then_versioned_newest_first() -> None:
     assert pythons.CANDIDATES[:2] == ("python3", "/usr/libexec/platform-python")
     versioned = pythons.CANDIDATES[2:]
+    versioned = versioned[:-1]  # RUNNING is last
     assert versioned[-1] == "python3.6" and versioned == tuple(
         sorted(versioned, key=lambda n: -int(n.split(".")[1]))
     )
     assert pythons.candidates("/opt/venv/bin/python") == ("/opt/venv/bin/python",)
-    assert pythons.candidates("") == pythons.CANDIDATES
+    assert pythons.candidates("") == pythons.CANDIDATES and pythons.CANDIDATES[-1] == pythons.RUNNING
 
 
 def test_the_needed_modules_are_the_cores_imports() -> None:
@@ -86,9 +101,14 @@ def test_the_one_line_names_what_was_found_and_what_is_needed() -> None:
     assert line == (
         "node07: no usable Python: python3 (/usr/bin/python3) is Python 2.7.18 (needs 3.6+), "
         "python3.11 (/usr/bin/python3.11) is Python 3.11.2 without json, "
-        "/usr/libexec/platform-python absent, no python3.6 to python3.14; "
+        "/usr/libexec/platform-python absent, no python3.6 to python3.14, no Python running; "
         f"the agent needs Python >= 3.6 with {', '.join(agent_needs())}"
     )
+    running = err + "@running-found\t/opt/conda/bin/python3.11\tis Python 3.11.9 without zlib\n"
+    running = running.replace("@running-found", "/opt/conda/bin/python3.11")
+    line = pythons.no_python_line("node07", running, None) or ""
+    assert "the running /opt/conda/bin/python3.11 is Python 3.11.9 without zlib" in line
+    assert "no Python running" not in line
     assert "\n" not in line
     assert pythons.no_python_line("node07", "sh: 1: exec: python3: Permission denied\n", None) is None
     hostile = f"{pythons.NO_PYTHON_MARK}\npython3\t/tmp/\x1b[31mevil\tis Python 2.7.18 (needs 3.6+)\n"
@@ -134,7 +154,8 @@ def test_python2_alone_is_one_line_and_the_fallback(tmp_path: Path) -> None:
         assert conn.mode == "fallback"
         assert conn.no_python.startswith(
             f"node07: no usable Python: python3 ({path}/python3) is Python 2.7.18 (needs 3.6+), "
-            "/usr/libexec/platform-python absent, no python3.6 to python3.14; the agent needs Python >= 3.6 with "
+            "/usr/libexec/platform-python absent, no python3.6 to python3.14, no Python running; "
+            "the agent needs Python >= 3.6 with "
         )
         assert conn.run(["cat", "/proc/version"]).ok  # commands and reads still work
         with pytest.raises(AgentError) as first:
@@ -212,6 +233,23 @@ def test_the_agent_serves_on_python_36(tmp_path: Path) -> None:
                 assert kind not in err, (name, err)
     finally:
         conn.close()
+
+
+def test_the_running_pythons_are_the_last_candidates(tmp_path: Path) -> None:
+    """No Python on PATH, but a server runs under its own (a conda or virtualenv interpreter)."""
+    need(PY36)
+    server = subprocess.Popen([str(PY36), "-S", "-c", "import time; time.sleep(60)"])
+    try:
+        path = tools(tmp_path / "bin", "sh", "ls", "sed", "sort")
+        r = start(path)
+        assert r.returncode == 0, r.stderr
+        hello = json.loads(r.stdout.splitlines()[0])["result"]
+        # one of the Pythons running here (this pytest's own, the server above, ...): none on PATH
+        assert hello["executable"] in running_pythons() and not hello["executable"].startswith(str(path))
+        assert str(PY36.resolve()) in running_pythons()
+    finally:
+        server.kill()
+        server.wait()
 
 
 # ------------------------------------------------------------ Debian's python3-minimal

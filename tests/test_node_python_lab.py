@@ -1,10 +1,11 @@
 """The node's Python over SSH, in lab hosts built from real interpreters (gpulab/host/pythons.py).
 
 Each shape answered as an operator needs it: CPython 3.6 (the agent's floor) and RHEL 8's
-platform-python run the agent, and the health suite passes on the 3.6 node; Python 2.7 as
-`python3`, Debian's python3-minimal (no json) and no Python at all give the channel-per-command
-fallback and one line naming what was found and what the agent needs, which the run's evidence
-keeps with the connection's mode. The service's health probe runs under the interpreter the
+platform-python run the agent, and the health suite passes on the 3.6 node; a node whose only
+good Python is the inference server's own runs the agent on that one; Python 2.7 as `python3`,
+Debian's python3-minimal (no json) and no Python at all give the channel-per-command fallback
+and one line naming what was found and what the agent needs, which the run's evidence keeps
+with the connection's mode. The service's health probe runs under the interpreter the
 agent found, or curl where there is none.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from gpulab.host import pythons as labpy
-from gpulab.profiles.python_variants import node_python_profile
+from gpulab.profiles.python_variants import LAB_PYTHON, node_python_profile
 from pytest_gpuhost.errors import AgentError
 from pytest_gpuhost.exec.agent import agent_needs
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url
@@ -28,36 +29,39 @@ from pytest_gpuhost.modules.service import check_health
 
 REPO = Path(__file__).resolve().parents[1]
 NEEDS = f"the agent needs Python >= 3.6 with {', '.join(agent_needs())}"
-#: shape -> (mode, the interpreter the agent runs on | the one line after "NAME: ")
+#: (shape, its services run) -> (mode, the interpreter the agent runs on | the line after "NAME: ").
+#: Without services no Python runs on the node; with them, the SGLang server's own interpreter
+#: (LAB_PYTHON, as a virtualenv's) is the agent's last candidate.
 EXPECT = {
-    "cpython-3.6": ("agent", "/usr/local/bin/python3"),
-    "platform-python": ("agent", "/usr/libexec/platform-python"),
-    "python2": (
+    ("cpython-3.6", True): ("agent", "/usr/local/bin/python3"),
+    ("platform-python", True): ("agent", "/usr/libexec/platform-python"),
+    ("python2", True): ("agent", f"/{LAB_PYTHON}"),
+    ("python2", False): (
         "fallback",
         "no usable Python: python3 (/usr/local/bin/python3) is Python 2.7.18 (needs 3.6+), "
-        f"/usr/libexec/platform-python absent, no python3.6 to python3.14; {NEEDS}",
+        f"/usr/libexec/platform-python absent, no python3.6 to python3.14, no Python running; {NEEDS}",
     ),
-    "minimal": (
+    ("minimal", False): (
         "fallback",
         "no usable Python: python3 (/usr/local/bin/python3) is Python 3.11.2 without json, "
         "python3.11 (/usr/local/bin/python3.11) is Python 3.11.2 without json, "
-        f"/usr/libexec/platform-python absent, no python3.6 to python3.14; {NEEDS}",
+        f"/usr/libexec/platform-python absent, no python3.6 to python3.14, no Python running; {NEEDS}",
     ),
-    "none": (
+    ("none", False): (
         "fallback",
-        f"no usable Python: python3 absent, /usr/libexec/platform-python absent, no python3.6 to python3.14; {NEEDS}",
+        "no usable Python: python3 absent, /usr/libexec/platform-python absent, no python3.6 to python3.14, "
+        f"no Python running; {NEEDS}",
     ),
 }
+NONE = EXPECT[("none", False)][1]
 
 
-def boot(lab: Any, shape: str) -> Any:
+def boot(lab: Any, shape: str, services: bool = True) -> Any:
     why = labpy.missing(shape)
     if why:
         pytest.skip(why)
-    return lab.host(
-        node_python_profile(shape),
-        name=f"py{shape.replace('.', '').replace('-', '')[:8]}{os.getpid() % 10000}",
-    )
+    short = shape.replace(".", "").replace("-", "")[:8] + ("" if services else "i")
+    return lab.host(node_python_profile(shape, services=services), name=f"py{short}{os.getpid() % 10000}")
 
 
 def conn_to(h: Any) -> Any:
@@ -65,15 +69,18 @@ def conn_to(h: Any) -> Any:
     return open_connection(parse_host_url(f"ssh://root@{h.address}", name=h.name), opts)
 
 
-@pytest.mark.parametrize("shape", list(EXPECT))
-def test_each_node_python_is_answered(lab: Any, shape: str) -> None:
-    h = boot(lab, shape)
-    mode, want = EXPECT[shape]
+@pytest.mark.parametrize(
+    ("shape", "services"), list(EXPECT), ids=[f"{s}-{'served' if v else 'idle'}" for s, v in EXPECT]
+)
+def test_each_node_python_is_answered(lab: Any, shape: str, services: bool) -> None:
+    h = boot(lab, shape, services)
+    mode, want = EXPECT[(shape, services)]
     conn = conn_to(h)
     try:
         assert conn.mode == mode
         if mode == "agent":
-            assert conn.python == want and conn.hello["python"] == "3.6.15", conn.hello
+            assert conn.python == want, conn.hello
+            assert conn.hello["python"] == ("3.11.2" if want == f"/{LAB_PYTHON}" else "3.6.15"), conn.hello
             assert conn.no_python == "" and conn.hello["unavailable"] == {}
             assert conn.round_trips == 1
         else:
@@ -83,6 +90,8 @@ def test_each_node_python_is_answered(lab: Any, shape: str) -> None:
             with pytest.raises(AgentError) as info:
                 conn.facts("kernel")
             assert str(info.value) == f"facts on {h.name}: needs the agent; {want}"
+        if not services:
+            return
         # the inference service's health, probed from the node with what the node has
         seen: list[str] = []
         conn.on_command.append(lambda _t, r: seen.append(r.command))
@@ -120,14 +129,14 @@ def test_the_health_suite_runs_on_python_36(lab: Any, tmp_path: Path) -> None:
 
 
 def test_a_node_without_python_is_one_line_in_the_evidence(lab: Any, tmp_path: Path) -> None:
-    h = boot(lab, "none")
+    h = boot(lab, "none", services=False)
     proc, doc = _health_run(h, tmp_path)
     (conn,) = doc["session"]["connections"]
-    assert conn["mode"] == "fallback" and conn["python"] == f"{h.address}: {EXPECT['none'][1]}", conn
+    assert conn["mode"] == "fallback" and conn["python"] == f"{h.address}: {NONE}", conn
     assert "Traceback" not in proc.stdout and "During handling" not in proc.stdout
     # what the operator reads: the line, whole, once per host (then once in the fleet summary);
     # the host's other checks refer to it
-    assert proc.stdout.count(EXPECT["none"][1]) == 2, proc.stdout
+    assert proc.stdout.count(NONE) == 2, proc.stdout
     assert proc.stdout.count(f"{h.address}: facts not read (AgentError, said at its first check)") >= 26
     page = (tmp_path / "py.html").read_text()
     assert "no usable Python: python3 absent" in page

@@ -3,7 +3,8 @@
 The agent needs CPython 3.6 or newer with the standard-library modules its core imports
 (`pytest_gpuhost.exec.agent.agent_needs`). Nodes differ: RHEL 8 has no `python3` on PATH but
 `/usr/libexec/platform-python`; Debian's `python3-minimal` has no `json`; an old image may have
-Python 2.7 installed as `python3`. So the agent is not started as `python3 ...` but through a POSIX
+Python 2.7 installed as `python3`; a rented container's Python may live only in the inference
+server's conda or virtualenv, off a login's PATH. So the agent is not started as `python3 ...` but through a POSIX
 `sh` script (`PROBE_SH`) given the candidates in order (`candidates`): it `exec`s the first one
 that exists, with `PRELUDE` ahead of the bootstrap. The prelude (valid Python 2 and 3, so even a
 2.7 can run it) checks the version and imports the modules before the bootstrap reads a byte of
@@ -27,6 +28,7 @@ __all__ = [
     "NO_PYTHON_MARK",
     "PRELUDE",
     "PROBE_SH",
+    "RUNNING",
     "candidates",
     "needs_text",
     "no_python_line",
@@ -38,23 +40,33 @@ MIN_PYTHON = (3, 6)
 #: Where a node's Python may be, in the order tried: what PATH calls `python3`; RHEL 8's
 #: platform-python (python3 is an optional module there, platform-python always installed:
 #: docs/FACTS.md); then versioned names, newest first (a python3.x without the python3 link).
+#: Last, the interpreters of the Pythons running on the node (RUNNING): an inference server's
+#: own, from its virtualenv or conda, which a login's PATH does not reach.
 CANDIDATES = (
     "python3",
     "/usr/libexec/platform-python",
     *(f"python3.{minor}" for minor in range(14, MIN_PYTHON[1] - 1, -1)),
+    "@running",
 )
+#: The candidate that stands for the running Pythons: sh replaces it, once, with the distinct
+#: `/proc/PID/exe` targets named python, python3, python3.X (a deleted binary is left out).
+RUNNING = "@running"
 
 #: The first line sh writes on stderr when no candidate was usable; the notes follow.
 NO_PYTHON_MARK = "gpuhost: no usable python"
 
 # POSIX sh, run as `sh -c PROBE_SH gpuhost-agent PROBE_SH BOOT NOTES CANDIDATE...`.  A candidate
 # with a slash must be an executable file; a bare name is looked up on PATH by `command -v`
-# (a builtin: no process per candidate).  `for p do shift` walks the candidates while "$@"
-# holds the ones after `p`, handed on so the prelude can come back here with them.
+# (a builtin: no process per candidate).  The loop takes candidates off "$@", which then holds
+# the ones after `p`, handed on so the prelude can come back here with them.  RUNNING costs a
+# pipeline, and only where every candidate before it failed; `set -f`: a path is not a glob.
 PROBE_SH = (
     "s=$1 b=$2 n=$3; shift 3\n"
-    "for p do\n"
-    " shift\n"
+    "while [ $# -gt 0 ]; do\n"
+    " p=$1; shift\n"
+    f' if [ "$p" = {RUNNING} ]; then r=$(ls -l /proc/[0-9]*/exe 2>/dev/null |'
+    " sed -n 's|^.* -> \\(/[^ ]*/python[0-9.]*\\)$|\\1|p' | sort -u)\n"
+    '  set -f; set -- $r "$@"; set +f; continue; fi\n'
     ' case $p in */*) [ -f "$p" ] && [ -x "$p" ];; *) command -v "$p" >/dev/null 2>&1;; esac &&'
     ' exec "$p" ' + " ".join(PYTHON_FLAGS) + ' -c "$b" "$s" "$b" "$n" "$p" "$@"\n'
     "done\n"
@@ -139,12 +151,16 @@ def no_python_line(name: str, stderr: str, python: str | None) -> str | None:
     notes = _found(stderr)
     if notes is None:
         return None
+    tried = candidates(python)
     seen = {cand for cand, _path, _why in notes}
     parts = []
     for cand, path, why in notes:
         shown = printable(cand) if path in (cand, "") else f"{printable(cand)} ({printable(path)})"
+        if cand not in tried:
+            shown = f"the running {shown}"
         parts.append(f"{shown} {printable(why)}")
-    absent = [c for c in candidates(python) if c not in seen]
+    running = any(cand not in tried for cand in seen)
+    absent = [c for c in tried if c not in seen and c != RUNNING]
     versioned = [c for c in absent if c.startswith("python3.")]
     others = [c for c in absent if c not in versioned]
     parts += [f"{printable(c)} absent" for c in others]
@@ -152,4 +168,6 @@ def no_python_line(name: str, stderr: str, python: str | None) -> str | None:
         parts.append(f"no {versioned[-1]} to {versioned[0]}")
     else:
         parts += [f"{c} absent" for c in versioned]
+    if RUNNING in tried and not running:
+        parts.append("no Python running")
     return f"{printable(name)}: no usable Python: {', '.join(parts)}; the agent needs {needs_text()}"
