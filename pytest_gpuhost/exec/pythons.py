@@ -5,7 +5,8 @@ The agent needs CPython 3.6 or newer with the standard-library modules its core 
 `/usr/libexec/platform-python`; Debian's `python3-minimal` has no `json`; an old image may have
 Python 2.7 installed as `python3`; a rented container's Python may live only in the inference
 server's conda or virtualenv, off a login's PATH. So the agent is not started as `python3 ...` but through a POSIX
-`sh` script (`PROBE_SH`) given the candidates in order (`candidates`): it `exec`s the first one
+`sh` script (`PROBE_SH`) given the candidates in order (`candidates`; last, the interpreters of
+the Pythons running on the node, `RUNNING`): it `exec`s the first one
 that exists, with `PRELUDE` ahead of the bootstrap. The prelude (valid Python 2 and 3, so even a
 2.7 can run it) checks the version and imports the modules before the bootstrap reads a byte of
 stdin; when they are not there it `exec`s the same sh script again with the remaining candidates
