@@ -381,8 +381,10 @@ def health(target: Any, request: pytest.FixtureRequest) -> HostHealth:
         # code's frames each time costs more than the connect timeout itself.  The whole line
         # is said at the host's first check; the others refer to it.
         if hh.error_said:
+            where = str(getattr(target.spec, "hostname", "") or "")
+            source = f" from {where}" if where and where != target.name else ""
             pytest.fail(
-                f"{target.name}: facts not read ({type(failed).__name__}, said at its first check)",
+                f"{target.name}: facts not read{source} ({type(failed).__name__}, said at its first check)",
                 pytrace=False,
             )
         hh.error_said = True
