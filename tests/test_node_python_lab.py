@@ -140,3 +140,44 @@ def test_a_node_without_python_is_one_line_in_the_evidence(lab: Any, tmp_path: P
     assert proc.stdout.count(f"{h.address}: facts not read (AgentError, said at its first check)") >= 26
     page = (tmp_path / "py.html").read_text()
     assert "no usable Python: python3 absent" in page
+
+
+def test_a_decommission_runs_on_python_36(lab: Any, s3_endpoint: Any, tmp_path: Path) -> None:
+    """The floor under the destructive suite: processes, the backup walk and the bulk sender on 3.6.
+
+    The b200-nvl8 node whose `python3` is a real CPython 3.6.15 (its SGLang servers run under
+    their own interpreter): every server stopped, every byte in scope copied and in S3.
+    """
+    from tests.test_decommission_lab import (
+        check_local,
+        check_s3,
+        node_hashes,
+        processes,
+        run_suite,
+        suite_argv,
+    )
+
+    why = labpy.missing("cpython-3.6")
+    if why:
+        pytest.skip(why)
+    h = lab.host(
+        node_python_profile("cpython-3.6", base="b200-nvl8"),
+        name=f"pyb200{os.getpid() % 10000}",
+        data_scale="small",
+    )
+    assert h.ssh(["python3", "-V"]).stdout.strip() == "Python 3.6.15"
+    bucket = s3_endpoint.make_bucket("py36")
+    dest = tmp_path / "backup"
+    reports = tmp_path / "reports"
+    env = {**os.environ, **s3_endpoint.env}
+    rc, out, counts = run_suite(suite_argv(h, dest, bucket, "b200", s3_endpoint.url, reports), env)
+    assert rc == 0 and counts.get("failed", 0) == 0, out
+    assert not any("sglang.launch_server" in p for p in processes(h) if "tail -f" not in p), processes(h)
+    hashes = node_hashes(h)
+    check_local(dest, hashes, complete=True)
+    check_s3(s3_endpoint.client(), bucket, "b200", dest, hashes)
+    doc = next(
+        json.loads(p.read_text()) for p in sorted(reports.glob("*.json")) if "connections" in p.read_text()
+    )
+    (conn,) = doc["session"]["connections"]
+    assert conn["mode"] == "agent" and conn["python"] == "/usr/local/bin/python3 (Python 3.6.15)", conn

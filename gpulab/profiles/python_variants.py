@@ -27,22 +27,22 @@ LAB_PYTHON = "usr/local/lib/gpulab/python3"
 BASE = "health-ok"
 
 
-def node_python_profile(shape: str, *, services: bool = True, **overrides: Any) -> Profile:
-    """`health-ok` whose node Python is `shape` (one of SHAPES).
+def node_python_profile(shape: str, *, services: bool = True, base: str = BASE, **overrides: Any) -> Profile:
+    """`health-ok` (or the profile `base`) whose node Python is `shape` (one of SHAPES).
 
     ``services=False``: no SGLang and no nvidia-persistenced, so no Python runs on the node (the
     agent's last candidates are the interpreters of running Pythons: exec/pythons.py).
     """
     if shape not in SHAPES:
         raise ValueError(f"unknown node Python {shape!r}: one of {', '.join(SHAPES)}")
-    data = yaml.safe_load((PROFILE_DIR / f"{BASE}.yaml").read_text())
+    data = yaml.safe_load((PROFILE_DIR / f"{base}.yaml").read_text())
     kept = []
     for svc in data["services"] if services else []:
         svc = dict(svc)
         if shape != "system" and svc.get("kind") == "sglang" and svc["argv"][0] == "python3":
             svc["argv"] = [f"/{LAB_PYTHON}", *svc["argv"][1:]]
         kept.append(svc)
-    name = f"python-{shape}" + ("" if services else "-idle")
+    name = f"{base}-python-{shape}" + ("" if services else "-idle")
     changes: dict[str, Any] = {"name": name, "node_python": shape, "services": kept}
     changes.update(overrides)
-    return load_profile(BASE, changes)
+    return load_profile(base, changes)
