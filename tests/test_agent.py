@@ -653,7 +653,7 @@ def test_state_dir_comes_from_the_agents_environment(tmp_path, monkeypatch) -> N
 
 
 # ----------------------------------------------------------------------
-# How the agent is started: `python3 -S -u -c BOOTSTRAP` (no site initialisation, unbuffered).
+# How the agent is started: `sh -c PROBE_SH` execs the node's Python as `-S -u -c PRELUDE+BOOTSTRAP`
 
 
 def test_agent_runs_without_site_initialisation() -> None:
