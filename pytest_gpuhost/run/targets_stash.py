@@ -171,7 +171,7 @@ def client_version(client: str) -> str:
 
 def describe_connection(name: str, which: str, conn: Any, spec: Any) -> dict[str, Any]:
     """Say how a target was reached, for the run's evidence: client, its version, agent or fallback,
-    and the node's Python (or why the agent could not start)."""
+    and the node's side (its Python and where, or why the agent could not start)."""
     launcher = getattr(conn, "launcher", None)
     client = str(getattr(launcher, "client", "") or "")
     container = getattr(spec, "container", None) if which == "container" else None
@@ -182,16 +182,15 @@ def describe_connection(name: str, which: str, conn: Any, spec: Any) -> dict[str
         "version": client_version(client),
         "mode": str(getattr(conn, "mode", "") or ""),
         "via": str(getattr(launcher, "description", "") or ""),
-        # the interpreter the agent runs on, or (fallback) the one line saying why there is none
-        "python": _python_of(conn),
+        # the node's side, for the report's environment: its Python, kernel and our agent's version
+        **{
+            f"node_{k}": str(v)
+            for k, v in (getattr(conn, "hello", None) or {}).items()
+            if k in ("python", "executable", "kernel", "version") and v
+        },
+        # a fallback connection: the one line saying why the agent could not start
+        **({"no_python": str(conn.no_python)} if getattr(conn, "no_python", "") else {}),
     }
-
-
-def _python_of(conn: Any) -> str:
-    hello = getattr(conn, "hello", None) or {}
-    if hello.get("executable"):
-        return f"{hello['executable']} (Python {hello.get('python', '?')})"
-    return str(getattr(conn, "no_python", "") or "")
 
 
 def get_pool(config: pytest.Config) -> TargetPool:
