@@ -14,7 +14,15 @@ from pathlib import Path
 from gpulab import nvml
 from gpulab.profiles.types import Profile, Service
 
-__all__ = ["HOST_PY_SITE", "TOOL_PATHS", "install_tools", "populate_files", "service_env", "write_procfiles"]
+__all__ = [
+    "HOST_PY_SITE",
+    "HOST_TOOL_PATHS",
+    "TOOL_PATHS",
+    "install_tools",
+    "populate_files",
+    "service_env",
+    "write_procfiles",
+]
 
 PKG = Path(__file__).resolve().parents[1]  # gpulab/
 
@@ -48,6 +56,10 @@ TOOL_PATHS = {
     "sglang-standin": "usr/local/bin/sglang-standin",
     "gpulab_tools/all_reduce_perf": "usr/bin/all_reduce_perf",  # nccl-tests' collective (a module with a main)
 }
+
+
+#: Proxmox's tools in a lab host that is not a container (gpulab/hosttools).
+HOST_TOOL_PATHS = ("usr/sbin/pct", "usr/bin/lxc-attach")
 
 
 def install_tools(root: Path, container: bool) -> None:
@@ -84,8 +96,9 @@ def install_tools(root: Path, container: bool) -> None:
     shutil.copyfile(PKG / "hosttools" / "uname", root / "usr/bin/uname")
     (root / "usr/bin/uname").chmod(0o755)
     if not container:
-        for name, rel in (("pct", "usr/sbin/pct"), ("lxc-attach", "usr/bin/lxc-attach")):
+        for rel in HOST_TOOL_PATHS:
             dst = root / rel
+            name = Path(rel).name
             shutil.copyfile(PKG / "hosttools" / name, dst)
             dst.chmod(0o755)
 

@@ -171,8 +171,12 @@ def connection_line(c: dict[str, Any]) -> str:
     mode = f", {c['mode']}" if c.get("mode") else ""
     via = f" ({c['via']})" if c.get("via") else ""
     node = [f"{k} {c['node_' + k]}" for k in ("python", "kernel") if c.get("node_" + k)]
+    if node and c.get("node_executable"):
+        node[0] += f" ({c['node_executable']})"
     if c.get("node_version"):
         node.append(f"agent {c['node_version']}")
+    if c.get("no_python"):
+        node.append(str(c["no_python"]))  # the fallback's reason, one line
     there = f"; on the node: {', '.join(node)}" if node else ""
     return html.escape(redact(f"{c.get('target', '')} ({c.get('to', 'host')}): {client}{mode}{via}{there}"))
 

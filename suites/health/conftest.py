@@ -57,6 +57,7 @@ class HostHealth:
             self.params["state_from"] = str(controller_state.path_for(self.name))
         self.facts: dict[str, Any] | None = None
         self.error: GpuhostError | None = None
+        self.error_said = False  # the error's whole line went to one check; the rest refer to it
         self.verdicts: dict[str, hm.Verdict] = {}
         self.samples: dict[str, list[dict[str, Any]]] = {}
         self.round_trips = 0
@@ -387,13 +388,25 @@ def health(target: Any, request: pytest.FixtureRequest) -> HostHealth:
         except hm.ThresholdError as exc:
             pytest.fail(f"{target.name}: {exc}", pytrace=False)
         hosts[target.name] = hh
+    failed: GpuhostError | None = None
     try:
         hh.gather()
     except GpuhostError as exc:
-        # One line, and no traceback to render: for an unreachable host this runs once per
-        # check, and formatting the connection code's frames each time costs more than the
-        # connect timeout itself.
-        pytest.fail(f"{target.name}: {type(exc).__name__}: {exc}", pytrace=False)
+        failed = exc
+    if failed is not None:
+        # One line, no traceback and no chained exception (raised outside the `except`): for a
+        # host that cannot be read this runs once per check, and formatting the connection
+        # code's frames each time costs more than the connect timeout itself.  The whole line
+        # is said at the host's first check; the others refer to it.
+        if hh.error_said:
+            where = str(getattr(target.spec, "hostname", "") or "")
+            source = f" from {where}" if where and where != target.name else ""
+            pytest.fail(
+                f"{target.name}: facts not read{source} ({type(failed).__name__}, said at its first check)",
+                pytrace=False,
+            )
+        hh.error_said = True
+        pytest.fail(f"{target.name}: {type(failed).__name__}: {failed}", pytrace=False)
     return hh
 
 
