@@ -314,6 +314,10 @@ class SysfsTree:
             if lk is None:
                 return None
             attr = _LINK_ATTRS[name]
+            if attr == "speed" and lk.idle_speed:
+                # an idle GPU's link runs at its idle speed, a held one's at full (LAB-SOURCES.md)
+                idle = lk.idle_speed
+                return _ro(lambda: f"{lk.speed if m.holders(bdf) else idle}\n")
             return _ro(lambda: f"{getattr(lk, attr)}\n")
         if name in AER_FILES:  # AER counters (gpulab/kernel/aer.py)
             return _aer_node(m, bdf, name) if self._has_aer(bdf) else None

@@ -264,6 +264,7 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
                     lk["width"],
                     lk.get("max_speed", lk["speed"]),
                     lk.get("max_width", lk["width"]),
+                    lk.get("idle_speed"),
                 )
                 if lk
                 else None,

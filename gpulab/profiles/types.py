@@ -37,6 +37,10 @@ class LinkState:
     width: int
     max_speed: str
     max_width: int
+    #: where the GPU's link trains down to while it idles (no process holds it: P8), as real GPUs'
+    #: links do (nvidia-smi --help-query-gpu: "may be reduced when the GPU is not in use");
+    #: None: the link keeps `speed` whatever the GPU does
+    idle_speed: str | None = None
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,11 @@ class GpuView:
 
     @property
     def link(self) -> dict[str, Any]:
-        lk: dict[str, Any] = self.func.get("link") or {}
+        """The PCIe link as sysfs shows it now: an idle GPU's at its `idle_speed` (LAB-SOURCES.md)."""
+        lk: dict[str, Any] = dict(self.func.get("link") or {})
+        if lk.get("idle_speed") and not self.holders:
+            lk["max_speed"] = lk.get("max_speed", lk.get("speed"))
+            lk["speed"] = lk["idle_speed"]
         return lk
 
 

@@ -68,7 +68,7 @@ from pytest_gpuhost.modules.health.thresholds import (
     Thresholds,
     probe_params,
 )
-from pytest_gpuhost.modules.health.verdict import Facts, Verdict
+from pytest_gpuhost.modules.health.verdict import NO_DRIVER, Facts, Verdict, failed, no_driver, skipped
 
 __all__ = [
     "CHECKS",
@@ -401,6 +401,14 @@ def declared(check: str) -> HealthCheck:
 def evaluate(check: str, facts: Facts, t: Thresholds, samples: Sequence[Facts] | None = None) -> Verdict:
     """Judge one check from a host's facts; pass `samples` after a `reread` was asked for."""
     c = declared(check)
+    nd = no_driver(facts)
+    if nd and {"gpus", "smi", "pci"} & set(c.reads):
+        # One line for the host, not one failure per check: gpu_count says it, the rest stand aside.
+        if check != "gpu_count":
+            return skipped(check, NO_DRIVER)
+        if t["gpu_count"] == 0:
+            return Verdict("gpu_count", True, f"{nd}; the inventory expects no GPU", state={"count": 0})
+        return failed("gpu_count", nd, [nd], state={"count": 0, "driver": None})
     if c.sampled:
         return c.judge(facts, t, samples)
     return c.judge(facts, t)
