@@ -57,7 +57,7 @@ def test_a_denied_kernel_log_cannot_see_and_says_what_would_let_it() -> None:
     for check in ("xid", "sxid"):
         v = judge(check, facts)
         assert v.cannot_see and v.ok and not v.skip, (check, v)
-        assert "cannot read the kernel log: denied (EPERM)" in v.cannot_see
+        assert "cannot read the kernel log: denied (EPERM, this node lacks CAP_SYSLOG)" in v.cannot_see
         assert "CAP_SYSLOG" in v.cannot_see and "run the check on the host" in v.cannot_see
     # a kernel log that fails for another reason is still the node's problem
     facts["kernel_log"] = {"ok": False, "error": "dmesg timed out"}

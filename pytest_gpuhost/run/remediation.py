@@ -474,7 +474,8 @@ def terminal_summary(terminalreporter: Any) -> None:
     def line(text: str) -> None:
         terminalreporter.write_line(printable(redact(text)))
 
-    blind = terminalreporter.stats.get(CANNOT_SEE, [])
+    # a run against targets says these in its fleet summary, once per reason and its hosts
+    blind = [r for r in terminalreporter.stats.get(CANNOT_SEE, []) if not getattr(r, "gpuhost_target", "")]
     if blind:
         terminalreporter.write_sep("=", "cannot see (neither passed nor failed)", yellow=True)
         shown = cannot_see_lines(blind)

@@ -223,14 +223,28 @@ def gather(params, parts):
 
 
 _CONTAINER_FILES = (("/.dockerenv", "docker"), ("/run/.containerenv", "podman"))
+# The `container=` values of systemd's Container Interface (systemd.io/CONTAINER_INTERFACE, the
+# list systemd-detect-virt knows); any other value is not taken as a container manager's word.
+_CONTAINER_MANAGERS = (
+    "lxc",
+    "lxc-libvirt",
+    "systemd-nspawn",
+    "docker",
+    "podman",
+    "rkt",
+    "wsl",
+    "proot",
+    "pouch",
+    "oci",
+)
 
 
 def node_shape():
     """Say what kind of node this is: a container (and which), its PID 1, systemd, its GPU devices.
 
     Read from files, never from a tool: `/.dockerenv` (Docker), `/run/.containerenv` (Podman),
-    `/run/systemd/container` and PID 1's `container=` (the Container Interface systemd and LXC
-    follow); `/dev/nvidiaN` are the GPUs the container runtime gave the node (the NVIDIA
+    `/run/systemd/container` and PID 1's `container=` where it names a container manager (the
+    Container Interface systemd and LXC follow); `/dev/nvidiaN` are the GPUs the container runtime gave the node (the NVIDIA
     container toolkit creates only those), `NVIDIA_VISIBLE_DEVICES` what it was asked for.
     """
     kind = None
@@ -248,7 +262,8 @@ def node_shape():
     except OSError:
         pass
     if kind is None:
-        kind = read_str("/run/systemd/container", None, 256) or env.get("container") or None
+        said = read_str("/run/systemd/container", None, 256) or env.get("container")
+        kind = said if said in _CONTAINER_MANAGERS else None
     try:
         devs = sorted(int(n[6:]) for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit())
     except OSError:

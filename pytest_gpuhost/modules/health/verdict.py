@@ -91,7 +91,8 @@ def blind_reason(part: Mapping[str, Any] | None) -> str | None:
     if not isinstance(part, Mapping) or part.get("ok") is not False:
         return None
     if part.get("denied") in _DENIED:
-        return f"denied ({part['denied']}): {part.get('error')}"
+        needs = f", this node lacks {part['needs']}" if part.get("needs") else ""
+        return f"denied ({part['denied']}{needs})"
     if part.get("missing"):
         return f"{part['missing']}: not on this node"
     return None
