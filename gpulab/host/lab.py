@@ -626,7 +626,7 @@ class LabHost:
         if svc.gpus:
             env["GPULAB_GPUS"] = ",".join(svc.gpus)
         argv = units.service_argv(svc)
-        if not self.profile.node.systemd:
+        if not self.profile.node.systemd and svc.kind != "decoy":
             argv = ["nohup", *argv]  # how a server is left running on a node without an init system
         if svc.kind == "decoy":
             env["GPULAB_ARGV"] = json.dumps(argv)
