@@ -193,7 +193,8 @@ DECLARED: tuple[HealthCheck, ...] = (
         check_xid,
         "No Xid error in the kernel log since the last run (first run: since boot).",
         "an Xid not in the ignore list appeared since the last successful run; an Xid that owes a "
-        "GPU reset or a reboot fails every night until that GPU was reset or the host rebooted",
+        "GPU reset or a reboot fails every night until that GPU was reset or the host rebooted "
+        "(kernel log denied, as in a container: cannot see)",
         reads=("kernel_log",),
         thresholds=("xid_ignore",),
         lab=_LAB_GPUS + "test_xid_79_fails_night_after_night_until_the_host_reboots",
@@ -209,8 +210,10 @@ DECLARED: tuple[HealthCheck, ...] = (
     HealthCheck(
         "pcie_link",
         check_pcie_link,
-        "Every GPU's PCIe link runs at its maximum generation and width.",
-        "a GPU's link generation or width is below its maximum (or the inventory's minimum)",
+        "Every GPU's PCIe link runs at its maximum width, and at its maximum generation while at work.",
+        "a GPU's link width is below its maximum (or the inventory's minimum), or its generation "
+        "is while the GPU is at work (P0..P2); an idle GPU's generation is not judged (it trains "
+        "down to save power), its maximum is held against `pcie_gen_min`",
         reads=("gpus", "pci"),
         thresholds=("pcie_gen_min", "pcie_width_min"),
         lab=_LAB_FLEET,
@@ -248,7 +251,7 @@ DECLARED: tuple[HealthCheck, ...] = (
         check_fabric,
         "On NVSwitch GPU models: the fabric is trained on every GPU and Fabric Manager runs.",
         "on NVSwitch models: a GPU's fabric not trained, or Fabric Manager not running (other "
-        "models: skipped)",
+        "models: skipped; no systemctl on the node: cannot see)",
         lab=_LAB_GPUS + "test_b200_fabric_in_progress_or_fabric_manager_down_fails",
     ),
     HealthCheck(
