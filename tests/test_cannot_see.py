@@ -109,3 +109,22 @@ def test_host_status_counts_cannot_see_only_when_asked() -> None:
     cells = {"xid": {"outcome": "cannot see"}, "disk": {"outcome": "passed"}}
     assert host_status(cells) == "ok"
     assert host_status(cells, cannot_see_fails=True) == "failed"
+
+
+def test_an_error_shared_by_a_hosts_checks_is_said_once() -> None:
+    """An unreachable host fails every check with the same line: the summary says it once."""
+    down = {"outcome": "error", "summary": "ConnectError: ssh: connect to host 10.0.0.9 port 22: timed out"}
+    fleet = {
+        "checks": ["gpu_count", "xid", "pcie_link", "ecc"],
+        "hosts": {
+            "gpu-09": {
+                "status": "error",
+                "checks": {c: down for c in ("gpu_count", "xid", "pcie_link", "ecc")},
+            }
+        },
+    }
+    lines = [line for line in summary_lines(fleet) if "gpu-09" in line]
+    assert lines == [
+        "  gpu-09 gpu_count, xid, pcie_link and 1 more (4 checks): error: "
+        "ConnectError: ssh: connect to host 10.0.0.9 port 22: timed out"
+    ]

@@ -153,9 +153,21 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     lines.append(count_line(summary))
     bad_hosts = by_status.get("failed", []) + by_status.get("error", [])
     for host in bad_hosts[:HOSTS_LISTED]:
-        bad = [(c, cell) for c, cell in hosts[host]["checks"].items() if cell.get("outcome") in BAD]
-        for check, cell in bad[:LINES_PER_HOST]:
-            lines.append(f"  {host} {check}: {cell.get('outcome')}: {cell.get('summary', '')}")
+        # one line per distinct error: an unreachable host fails every check with the same words
+        said: dict[tuple[str, str], list[str]] = {}
+        for c, cell in hosts[host]["checks"].items():
+            if cell.get("outcome") in BAD:
+                said.setdefault((str(cell.get("outcome")), str(cell.get("summary", ""))), []).append(c)
+        bad = list(said.items())
+        for (outcome, text), checks in bad[:LINES_PER_HOST]:
+            named = (
+                checks[0]
+                if len(checks) == 1
+                else f"{', '.join(checks[:3])}"
+                + (f" and {len(checks) - 3} more" if len(checks) > 3 else "")
+                + f" ({len(checks)} checks)"
+            )
+            lines.append(f"  {host} {named}: {outcome}: {text}")
         if len(bad) > LINES_PER_HOST:
             lines.append(f"  {host}: {len(bad) - LINES_PER_HOST} more")
     if len(bad_hosts) > HOSTS_LISTED:
