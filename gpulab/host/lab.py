@@ -52,7 +52,7 @@ from typing import Any
 from gpulab.errors import LabError
 from gpulab.host import boot, cgroups, layer, netns, procs, units
 from gpulab.profiles.load import ProfileError, load_profile
-from gpulab.profiles.types import Profile, Service
+from gpulab.profiles.types import NodeShape, Profile, Service
 
 __all__ = ["CLIENT_KEY", "RUN", "Lab", "LabError", "LabHost"]
 
@@ -951,8 +951,8 @@ class Lab:
                 tmp.rmdir()
         shutil.rmtree(mfs / "work0", ignore_errors=True)
         boot.mask_dirs(mfs / "base")
-        if m.cid is None:
-            layer.shape_node(mfs / "base", prof.node)  # whiteouts go in the layer itself, not through it
+        # whiteouts go in the layer itself, not through it; a lab container is a plain machine
+        layer.shape_node(mfs / "base", prof.node if m.cid is None else NodeShape())
 
     def down(self, name: str) -> None:
         """Tear down host ``name`` (also one whose up failed half-way)."""

@@ -73,13 +73,27 @@ def _whiteout(p: Path) -> None:
     os.mknod(p, stat.S_IFCHR | 0o000, os.makedev(0, 0))
 
 
+#: Files by which a container runtime marks its containers: the machine that runs the lab may be
+#: a container itself, and a lab host sees its `/` through the overlay.
+CONTAINER_MARKERS = (".dockerenv", "run/.containerenv")
+
+
 def shape_node(root: Path, shape: NodeShape) -> None:
-    """Make the layer the node shape says: no systemd tools, /.dockerenv (NodeShape)."""
+    """Make the layer the node shape says: no systemd tools, /.dockerenv (NodeShape).
+
+    A host that is not a container gets none of the container markers of the machine running
+    the lab (whiteouts over them where that machine has them).
+    """
     if not shape.systemd:
         for rel in SYSTEMD_TOOLS:
             _whiteout(root / rel)
+    for rel in CONTAINER_MARKERS:
+        if Path("/", rel).exists():
+            _whiteout(root / rel)
     if shape.container == "docker":
-        (root / ".dockerenv").write_text("")  # Docker creates it, empty, in every container
+        dockerenv = root / ".dockerenv"
+        dockerenv.unlink(missing_ok=True)  # the whiteout, where there is one
+        dockerenv.write_text("")  # Docker creates it, empty, in every container
 
 
 def install_tools(root: Path, container: bool, driver: bool = True) -> None:
