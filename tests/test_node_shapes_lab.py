@@ -15,7 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpulab.profiles import shape_variants
+from tests.helpers.snapshot import diff, host_snapshot, settled_snapshot
 from tests.test_decommission_lab import check_local, check_s3, node_hashes, processes, run_suite, suite_argv
 from tests.test_health_lab_gpus import run_suite as run_health_suite
 
@@ -148,3 +151,42 @@ def test_a_host_without_the_driver_is_one_line_and_p2p_refuses_at_its_plan(lab: 
     assert "sglang-qwen" not in r.stdout
     assert processes(h) == before or set(processes(h)) - set(before) <= {"ps -eo args="}
     assert _state_dir(h) == state  # no lock, no journal
+
+
+@pytest.mark.parametrize(
+    ("shape", "suites"),
+    [
+        ("rented_container", ("health", "p2p", "decommission")),
+        ("idle_gpus", ("health", "p2p")),
+        ("no_driver", ("health", "p2p")),
+    ],
+)
+def test_check_only_writes_nothing_on_any_shape(
+    lab: Any, s3_endpoint: Any, tmp_path: Path, shape: str, suites: tuple[str, ...]
+) -> None:
+    """Every suite's --check-only leaves each shape's node as it was (tests/helpers/snapshot.py)."""
+    h = lab.host(
+        getattr(shape_variants, shape)(), name=_name("co" + shape.replace("_", "")[:5]), data_scale="small"
+    )
+    env = {**os.environ, **s3_endpoint.env, "GPUHOST_CONTROLLER_STATE_DIR": str(tmp_path / "state")}
+    bucket = s3_endpoint.make_bucket("coshape")
+    extra = {
+        "health": [],
+        "p2p": ["--stop-timeout=3"],
+        "decommission": [
+            f"--manifest={REPO / 'fixtures' / 'manifests' / 'b200-node-backup.yaml'}",
+            f"--backup-dir={tmp_path / 'backup'}",
+            f"--backup-to=s3://{bucket}/node",
+            f"--s3-endpoint={s3_endpoint.url}",
+        ],
+    }
+    before = settled_snapshot(h)
+    for suite in suites:
+        argv = [
+            sys.executable, "-m", "pytest", str(REPO / "suites" / suite), *h.pytest_args(), "--check-only",
+            f"--report-dir={tmp_path / suite}", "-p", "no:cacheprovider", "-q", *extra[suite],
+        ]  # fmt: skip
+        r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert "Traceback" not in r.stdout + r.stderr, (suite, (r.stdout + r.stderr)[-3000:])
+        assert diff(before, host_snapshot(h)) == [], (suite, r.stdout[-3000:])
+    assert not (tmp_path / "backup").exists() or not any((tmp_path / "backup").rglob("*.jsonl"))
