@@ -94,7 +94,7 @@ def test_fleet_verdicts_across_two_runs(fleet: dict[str, Any]) -> None:
     assert pc["outcome"] == "failed"
     assert pc["reasons"] == [
         "GPU 2 (0000:23:00.0): PCIe x8, below x16 (max x16)",
-        "GPU 3 (0000:24:00.0): PCIe Gen4, below Gen5 (max Gen5)",
+        "GPU 3 (0000:24:00.0): PCIe Gen4, below Gen5 (max Gen5) at work (P0)",
     ]
     # ACS redirect on two bridges: the acs check names them, and P2P across them is gone.
     acs = cells(night1, h["acs"])

@@ -369,11 +369,12 @@ def test_degraded_pcie_link() -> None:
     facts = healthy()
     facts["gpus"]["gpus"][1]["pcie.link.width.current"] = 8
     facts["gpus"]["gpus"][2]["pcie.link.gen.current"] = 4
+    facts["gpus"]["gpus"][2]["pstate"] = "P0"  # at work: the generation counts
     v = judge("pcie_link", facts)
     assert not v.ok
     assert v.reasons == [
         "GPU 1 (0000:18:00.0): PCIe x8, below x16 (max x16)",
-        "GPU 2 (0000:3a:00.0): PCIe Gen4, below Gen5 (max Gen5)",
+        "GPU 2 (0000:3a:00.0): PCIe Gen4, below Gen5 (max Gen5) at work (P0)",
     ]
     assert judge("pcie_link", facts, pcie_gen_min=4, pcie_width_min=8).ok
     # nvidia-smi without the link fields: sysfs decides
@@ -386,6 +387,7 @@ def test_degraded_pcie_link() -> None:
             "pcie.link.width.max",
         ):
             g[k] = None
+    facts["gpus"]["gpus"][0]["pstate"] = "P2"
     facts["gpus"]["gpus"][0]["sysfs_link"] = {
         "speed": "16.0 GT/s PCIe",
         "max_speed": "32.0 GT/s PCIe",

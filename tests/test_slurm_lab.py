@@ -130,7 +130,7 @@ def test_health_per_node_through_slurm_merged_from_s3(cluster: Any, s3: Any, tmp
     assert pcie["outcome"] == "failed", pcie
     assert pcie["reasons"] == [
         "GPU 2 (0000:23:00.0): PCIe x8, below x16 (max x16)",
-        "GPU 3 (0000:24:00.0): PCIe Gen4, below Gen5 (max Gen5)",
+        "GPU 3 (0000:24:00.0): PCIe Gen4, below Gen5 (max Gen5) at work (P0)",
     ]
     for name in cluster.node_names():
         if name not in failed:

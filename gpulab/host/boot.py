@@ -5,7 +5,10 @@ overlay (writes there land in the overlay's upper dir, so this machine's own fil
 changed). ``main`` runs as PID 1 of fresh PID, mount, UTS and IPC namespaces already joined to the
 machine's netns (``python -m gpulab.host.boot --root R ...``): it mounts /proc, a read-only /sys with the
 FUSE subtrees bound over /sys/bus/pci, /sys/kernel/iommu_groups and /sys/module (and /proc/modules),
-the machine's /dev, the state dir at /var/lib/gpulab, pivots into R and execs systemd.
+the machine's /dev, the state dir at /var/lib/gpulab, pivots into R and execs systemd; a node
+shaped as a rented container (``--init sleep``) gets a read-only /sys throughout (FUSE subtrees
+too), starts sshd itself and execs ``sleep infinity`` as its PID 1, as `docker run IMAGE sleep
+infinity` with an sshd started in the image's entry point does.
 """
 
 from __future__ import annotations
@@ -228,8 +231,11 @@ def prepare_root(
     (root / "etc/gpulab").mkdir(parents=True, exist_ok=True)
 
 
-def make_dev(dev: Path, nvidia_minors: Iterable[int]) -> None:
-    """Mount a tmpfs at ``dev`` with the usual nodes and the GPU nodes (character devices)."""
+def make_dev(dev: Path, nvidia_minors: Iterable[int], driver: bool = True) -> None:
+    """Mount a tmpfs at ``dev`` with the usual nodes and the GPU nodes (character devices).
+
+    ``driver=False``: no NVIDIA node at all (a host without the driver has no /dev/nvidia*).
+    """
     dev.mkdir(parents=True, exist_ok=True)
     if not os.path.ismount(dev):
         subprocess.run(
@@ -257,7 +263,8 @@ def make_dev(dev: Path, nvidia_minors: Iterable[int]) -> None:
     # Character devices, as on a real host, but of /dev/null's major:minor (1:3): no nvidia driver is
     # registered here, so NVIDIA's numbers (195:N) would open with ENXIO. Each node is its own inode,
     # so the /proc/*/fd scans still tell them apart; opens and closes go through chrdev_open().
-    for name in [f"nvidia{m}" for m in nvidia_minors] + ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]:
+    names = [f"nvidia{m}" for m in nvidia_minors] + ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]
+    for name in names if driver else []:
         p = dev / name
         if not p.exists():
             os.mknod(p, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
@@ -308,6 +315,10 @@ def _inner(ns: argparse.Namespace) -> None:
     if ns.sysfs:
         _mount("--bind", os.path.join(ns.sysfs, "pci"), str(r / "sys/bus/pci"))
         _mount("--bind", os.path.join(ns.sysfs, "iommu_groups"), str(r / "sys/kernel/iommu_groups"))
+        if ns.init != "systemd":
+            # A container's /sys is read-only, FUSE subtrees included: a write fails with EROFS
+            for sub in ("sys/bus/pci", "sys/kernel/iommu_groups"):
+                _mount("-o", "remount,bind,ro", str(r / sub))
         # The NVIDIA modules' use counts and parameters (and kvm_amd's sev_snp) as the profile's
         # kernel shows them: /sys/module/M/{refcnt,holders,parameters} and /proc/modules
         # (kernel/module/sysfs.c, kernel/module/procfs.c m_show(); gpulab/kernel/acs.py). The lab
@@ -318,6 +329,9 @@ def _inner(ns: argparse.Namespace) -> None:
     _mount("--rbind", ns.dev, str(r / "dev"))
     _mount("-t", "devpts", "-o", "newinstance,ptmxmode=0666,mode=620,gid=5", "devpts", str(r / "dev/pts"))
     _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev,size=256m", "shm", str(r / "dev/shm"))
+    if ns.init != "systemd":
+        # systemd mounts its own /run; a container's /run starts empty (no /run/systemd/system)
+        _mount("-t", "tmpfs", "-o", "mode=755,nosuid,nodev,size=64m", "run", str(r / "run"))
     # A fresh /tmp per boot (as with tmp.mount); this machine's own /tmp is not the host's business.
     _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev,size=512m", "tmpfs", str(r / "tmp"))
     # The checkout under test is the lab's stand-in for software installed on the host: lab hosts
@@ -346,7 +360,14 @@ def _inner(ns: argparse.Namespace) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     for cap in DROPPED_CAPS.values():
         libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
-    env = {"container": "gpulab", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    if ns.init != "systemd":
+        # A rented container: the image's entry point starts sshd, then PID 1 is `sleep infinity`.
+        env = {"PATH": path, "HOME": "/root", "LANG": "C.UTF-8", **dict(kv.split("=", 1) for kv in ns.env)}
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        subprocess.run(["/usr/sbin/sshd", "-f", "/etc/ssh/sshd_config"], check=True, timeout=10, env=env)
+        os.execve("/usr/bin/sleep", ["sleep", "infinity"], env)
+    env = {"container": "gpulab", "PATH": path}
     os.execve("/lib/systemd/systemd", ["/lib/systemd/systemd", "--system"], env)
 
 
@@ -359,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--state", default="")
     ap.add_argument("--cgroupns", action="store_true", help="the launcher unshared the cgroup namespace")
     ap.add_argument("--procfiles", default="", help="dir with cmdline, version, sys_kernel_osrelease")
+    ap.add_argument("--init", default="systemd", choices=("systemd", "sleep"), help="PID 1 (NodeShape.init)")
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for PID 1 without systemd")
     ns = ap.parse_args(argv)
     if os.getpid() != 1:
         raise SystemExit("gpulab.host.boot: must run as PID 1 of a new PID namespace")

@@ -52,7 +52,7 @@ from typing import Any
 from gpulab.errors import LabError
 from gpulab.host import boot, cgroups, layer, netns, procs, pythons, units
 from gpulab.profiles.load import ProfileError, load_profile
-from gpulab.profiles.types import Profile, Service
+from gpulab.profiles.types import NodeShape, Profile, Service
 
 __all__ = ["CLIENT_KEY", "RUN", "Lab", "LabError", "LabHost"]
 
@@ -506,6 +506,17 @@ class LabHost:
             "private",
         ]
         boot_argv.append("--cgroupns")
+        shape = self.profile.node
+        if shape.init != "systemd":
+            boot_argv += ["--init", shape.init]
+            if shape.visible_gpus is not None:
+                # what the NVIDIA container toolkit was asked for (by index, as `docker run --gpus`)
+                given = [
+                    str(i)
+                    for i, g in enumerate(sorted(x.bdf for x in self.profile.gpus))
+                    if g in shape.visible_gpus
+                ]
+                boot_argv += ["--env", "NVIDIA_VISIBLE_DEVICES=" + ",".join(given)]
         if m.cid is None:
             argv = ["nsenter", f"--net=/run/netns/{self.netns}", *unshare, *boot_argv]
             argv = [sys.executable, "-m", "gpulab.host.supervise", self.name, "--", *argv]
@@ -534,6 +545,14 @@ class LabHost:
     def _wait_booted(self, m: _Machine, deadline: float) -> str:
         """Wait until systemd says running/degraded and sshd sends its banner."""
         state = "starting"
+        if not self.profile.node.systemd:
+            state = "running"  # no systemd to ask: its PID 1 is up (find_init), sshd says the rest
+            deadline_ssh = deadline
+            while time.monotonic() < deadline_ssh:
+                if _ssh_banner(m.address):
+                    return state
+                time.sleep(0.05)
+            raise LabError(f"{m.name}: sshd on {m.address}:22 did not answer; see {m.dir / 'boot.log'}")
         while time.monotonic() < deadline:
             state = self.system_state(m.cid)
             if state in ("running", "degraded"):
@@ -607,6 +626,8 @@ class LabHost:
         if svc.gpus:
             env["GPULAB_GPUS"] = ",".join(svc.gpus)
         argv = units.service_argv(svc)
+        if not self.profile.node.systemd and svc.kind != "decoy":
+            argv = ["nohup", *argv]  # how a server is left running on a node without an init system
         if svc.kind == "decoy":
             env["GPULAB_ARGV"] = json.dumps(argv)
             argv = ["/usr/bin/python3", "/usr/local/lib/gpulab/ptyhold.py"]
@@ -843,7 +864,13 @@ class Lab:
         )
         host._write_state()
         layer.write_procfiles(d / "proc", prof)
-        nvidia_minors = [g.minor for g in prof.gpus if prof.function(g.bdf).driver == "nvidia"]
+        shape = prof.node
+        nvidia_minors = [
+            g.minor
+            for g in prof.gpus
+            if prof.function(g.bdf).driver == "nvidia"
+            and (shape.visible_gpus is None or g.bdf in shape.visible_gpus)
+        ]
         known = []
         for k, m in enumerate(host.machines()):
             mfs = host._fs(m)
@@ -858,7 +885,7 @@ class Lab:
             self._build_layer(host, m, key, mfs)
             host._mount_root(m)
             if m.cid is None:
-                boot.make_dev(m.dir / "dev", nvidia_minors)
+                boot.make_dev(m.dir / "dev", nvidia_minors, driver=shape.nvidia_driver)
             else:
                 boot.make_dev(m.dir / "dev", [])
                 for f in sorted((d / "dev").iterdir()):
@@ -912,7 +939,7 @@ class Lab:
             (tmp / "etc/gpulab/machine").write_text(
                 json.dumps({"host": host.name, "container": m.cid}) + "\n"
             )
-            layer.install_tools(tmp, container=m.cid is not None)
+            layer.install_tools(tmp, container=m.cid is not None, driver=prof.node.nvidia_driver)
             if m.cid is None:
                 pythons.install_node_python(tmp, prof.node_python)
             if m.cid is None:
@@ -926,6 +953,8 @@ class Lab:
                 tmp.rmdir()
         shutil.rmtree(mfs / "work0", ignore_errors=True)
         boot.mask_dirs(mfs / "base")
+        # whiteouts go in the layer itself, not through it; a lab container is a plain machine
+        layer.shape_node(mfs / "base", prof.node if m.cid is None else NodeShape())
 
     def down(self, name: str) -> None:
         """Tear down host ``name`` (also one whose up failed half-way)."""

@@ -8,11 +8,13 @@ profile's data trees. ``LabHost`` mounts the layer under the host's overlay (gpu
 from __future__ import annotations
 
 import compileall
+import os
 import shutil
+import stat
 from pathlib import Path
 
 from gpulab import nvml
-from gpulab.profiles.types import Profile, Service
+from gpulab.profiles.types import NodeShape, Profile, Service
 
 __all__ = [
     "HOST_PY_SITE",
@@ -21,6 +23,7 @@ __all__ = [
     "install_tools",
     "populate_files",
     "service_env",
+    "shape_node",
     "write_procfiles",
 ]
 
@@ -61,11 +64,53 @@ TOOL_PATHS = {
 #: Proxmox's tools in a lab host that is not a container (gpulab/hosttools).
 HOST_TOOL_PATHS = ("usr/sbin/pct", "usr/bin/lxc-attach")
 
+#: The tools that come with the NVIDIA driver: a host without the driver has none of them.
+DRIVER_TOOLS = ("nvidia-smi", "nvbandwidth", "nvidia-persistenced")
+#: What a container image without systemd lacks (Docker images install no init system).
+SYSTEMD_TOOLS = ("usr/bin/systemctl", "usr/bin/journalctl")
 
-def install_tools(root: Path, container: bool) -> None:
-    """Copy the in-host tools, the sglang package and pct/lxc-attach into a machine's lab layer."""
+
+def _whiteout(p: Path) -> None:
+    """Hide ``p`` of the lower layer (overlayfs: a character device 0:0 in an upper layer)."""
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.exists() or p.is_symlink():
+        p.unlink()
+    os.mknod(p, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+
+
+#: Files by which a container runtime marks its containers: the machine that runs the lab may be
+#: a container itself, and a lab host sees its `/` through the overlay.
+CONTAINER_MARKERS = (".dockerenv", "run/.containerenv")
+
+
+def shape_node(root: Path, shape: NodeShape) -> None:
+    """Make the layer the node shape says: no systemd tools, /.dockerenv (NodeShape).
+
+    A host that is not a container gets none of the container markers of the machine running
+    the lab (whiteouts over them where that machine has them).
+    """
+    if not shape.systemd:
+        for rel in SYSTEMD_TOOLS:
+            _whiteout(root / rel)
+    for rel in CONTAINER_MARKERS:
+        if Path("/", rel).exists():
+            _whiteout(root / rel)
+    if shape.container == "docker":
+        dockerenv = root / ".dockerenv"
+        dockerenv.unlink(missing_ok=True)  # the whiteout, where there is one
+        dockerenv.write_text("")  # Docker creates it, empty, in every container
+
+
+def install_tools(root: Path, container: bool, driver: bool = True) -> None:
+    """Copy the in-host tools, the sglang package and pct/lxc-attach into a machine's lab layer.
+
+    ``driver=False``: a host without the NVIDIA driver, so no nvidia-smi, nvbandwidth,
+    nvidia-persistenced nor libnvidia-ml.so.1.
+    """
     tools = PKG / "tools"
     for name, rel in TOOL_PATHS.items():
+        if not driver and name in DRIVER_TOOLS:
+            continue
         for cand in (tools / name, tools / f"{name}.py"):
             if cand.is_file():
                 dst = root / rel
@@ -88,8 +133,9 @@ def install_tools(root: Path, container: bool) -> None:
             compileall.compile_dir(site / pkg, quiet=1)
     lib = root / "usr/local/lib/gpulab"
     lib.mkdir(parents=True, exist_ok=True)
-    (root / nvml.LIB_PATH).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(nvml.build(), root / nvml.LIB_PATH)
+    if driver:
+        (root / nvml.LIB_PATH).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(nvml.build(), root / nvml.LIB_PATH)
     shutil.copyfile(PKG / "hosttools" / "ptyhold.py", lib / "ptyhold.py")
     real_uname = shutil.which("uname") or "/usr/bin/uname"
     shutil.copy2(real_uname, lib / "uname.real")

@@ -117,6 +117,22 @@ _LINK_ATTRS = {
 }
 
 
+def _at_work(m: HostModel, bdf: str) -> bool:
+    """Say whether a compute context holds the GPU: a holder other than nvidia-persistenced.
+
+    The persistence daemon keeps a GPU initialised and idle (P8); the lab's nvidia-smi says the
+    same (gpulab_tools.GpuView.at_work).
+    """
+    for pid in m.holders(bdf):
+        try:
+            with open(f"{m.proc}/{pid}/cmdline", "rb") as f:
+                if b"nvidia-persistenced" not in f.read(4096):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def _noop(_v: str) -> None:
     return None
 
@@ -163,7 +179,8 @@ class SysfsTree:
         return None
 
     def _module_names(self) -> list[str]:
-        return sorted({*NVIDIA_MODULES, *self.model.profile.module_params})
+        loaded = NVIDIA_MODULES if self.model.profile.node.nvidia_driver else ()
+        return sorted({*loaded, *self.model.profile.module_params})
 
     def _modules(self, p: list[str]) -> Node | None:
         m = self.model
@@ -314,6 +331,10 @@ class SysfsTree:
             if lk is None:
                 return None
             attr = _LINK_ATTRS[name]
+            if attr == "speed" and lk.idle_speed:
+                # an idle GPU's link runs at its idle speed, a held one's at full (LAB-SOURCES.md)
+                idle = lk.idle_speed
+                return _ro(lambda: f"{lk.speed if _at_work(m, bdf) else idle}\n")
             return _ro(lambda: f"{getattr(lk, attr)}\n")
         if name in AER_FILES:  # AER counters (gpulab/kernel/aer.py)
             return _aer_node(m, bdf, name) if self._has_aer(bdf) else None

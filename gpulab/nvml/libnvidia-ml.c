@@ -359,6 +359,9 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
         return get_uint(device, key, out);                                    \
     }
 
+/* nvml.h nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t device, nvmlPstates_t *pState);
+   nvmlPstates_t: NVML_PSTATE_0 (maximum) .. NVML_PSTATE_15 (minimum), 32 unknown */
+UINT_CALL(nvmlDeviceGetPerformanceState, "pstate")
 /* nvml.h:5433 nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnableState_t *mode); */
 UINT_CALL(nvmlDeviceGetPersistenceMode, "persistence")
 /* nvml.h:5549 nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *currLinkGen); */

@@ -30,6 +30,7 @@ from gpulab.profiles.types import (
     KernelHolder,
     KernelLogLine,
     LinkState,
+    NodeShape,
     PciFunction,
     Profile,
     Service,
@@ -264,6 +265,7 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
                     lk["width"],
                     lk.get("max_speed", lk["speed"]),
                     lk.get("max_width", lk["width"]),
+                    lk.get("idle_speed"),
                 )
                 if lk
                 else None,
@@ -351,6 +353,19 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
             )
         )
     files = [FileTree(t["root"], t["generator"]) for t in d["files"]]
+    nd = d.get("node") or {}
+    visible = nd.get("visible_gpus")
+    node = NodeShape(
+        init=str(nd.get("init", "systemd")),
+        container=nd.get("container"),
+        kernel_log=str(nd.get("kernel_log", "readable")),
+        visible_gpus=None
+        if visible is None
+        else tuple(gpu_ref(f"node.visible_gpus[{i}]", b) for i, b in enumerate(visible)),
+        nvidia_driver=bool(nd.get("nvidia_driver", True)),
+    )
+    if not node.systemd and any(s.manager == "systemd" for s in services):
+        raise _fail(source, "node.init", "a node without systemd runs its services by hand (manager: none)")
     holders = [
         KernelHolder(gpu_ref(f"kernel_holders[{i}].bdf", kh["bdf"]), kh["module"])
         for i, kh in enumerate(d["kernel_holders"])
@@ -368,6 +383,7 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
         module_params=params,
         gsp_boot_s=float(d["gsp_boot_s"]),
         node_python=str(d["node_python"]),
+        node=node,
         name=d["name"],
         hostname=d["hostname"],
         kernel=kernel,

@@ -21,6 +21,7 @@ __all__ = [
     "KernelHolder",
     "KernelLogLine",
     "LinkState",
+    "NodeShape",
     "PciFunction",
     "Profile",
     "Service",
@@ -37,6 +38,10 @@ class LinkState:
     width: int
     max_speed: str
     max_width: int
+    #: where the GPU's link trains down to while it idles (no process holds it: P8), as real GPUs'
+    #: links do (nvidia-smi --help-query-gpu: "may be reduced when the GPU is not in use");
+    #: None: the link keeps `speed` whatever the GPU does
+    idle_speed: str | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,30 @@ class FileTree:
 
 
 @dataclass(frozen=True)
+class NodeShape:
+    """What kind of machine the host is, beyond its hardware (docs/LAB-SOURCES.md, "Node shapes").
+
+    The default is the lab's usual host: systemd as PID 1, a readable kernel log, every GPU the
+    bus has, the NVIDIA driver loaded. A rented GPU container is `init: sleep` (PID 1 is `sleep
+    infinity`, sshd started before it), `container: docker` (`/.dockerenv`), no systemctl or
+    journalctl, `kernel_log: denied` (dmesg fails with EPERM), a read-only /sys and the GPUs in
+    `visible_gpus` only (their /dev/nvidiaN; sysfs still shows every function). `nvidia_driver:
+    false` is a host without the driver: no nvidia-smi, no /dev/nvidia*, no nvidia module.
+    """
+
+    init: str = "systemd"
+    container: str | None = None
+    kernel_log: str = "readable"
+    visible_gpus: tuple[str, ...] | None = None
+    nvidia_driver: bool = True
+
+    @property
+    def systemd(self) -> bool:
+        """Say whether systemd is PID 1 (and systemctl/journalctl are installed)."""
+        return self.init == "systemd"
+
+
+@dataclass(frozen=True)
 class Profile:
     """A validated lab host profile; ``raw`` is the plain dict (what ``profile.json`` holds)."""
 
@@ -205,6 +234,7 @@ class Profile:
     gsp_boot_s: float = 0.0
     #: what the node's python3 is (gpulab/host/pythons.py SHAPES): system, cpython-3.6, minimal, ...
     node_python: str = "system"
+    node: NodeShape = field(default_factory=NodeShape)
 
     @property
     def kernel_version(self) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _pytest.junitxml import xml_key  # where junitxml keeps its LogXML; no public accessor
 
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.redact import printable, redact, redact_argv, redact_obj
@@ -69,6 +70,22 @@ def _opt(config: pytest.Config, dest: str) -> tuple[str | None, str]:
     return (str(value), str(s.sources[key])) if value else (None, "")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Give the JUnit XML the count of checks that cannot see (before junitxml writes it).
+
+    JUnit has no outcome between passed and failed: those tests are `<skipped>` (or failures
+    with `--cannot-see=fail`), each with the property `gpuhost_outcome="cannot see"`, and the
+    suite's property `gpuhost_cannot_see` counts them.
+    """
+    report = session.config.stash.get(_REPORT, None)
+    xml = session.config.stash.get(xml_key, None)
+    if report is None or xml is None:
+        return
+    n = sum(1 for t in report.record.decided() if t.result == record.CANNOT_SEE)
+    xml.add_global_property("gpuhost_cannot_see", str(n))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     run_record = record.install(config)
     if run_record is not None:
@@ -91,7 +108,7 @@ class FleetReport:
         if self.summary is not None:
             return self.summary
         # Redacted once here: the JSON, Prometheus, HTML Fleet section and terminal all read it.
-        summary = build_summary(self.record)
+        summary = build_summary(self.record, cannot_see=settings.read(self.config).cannot_see)
         summary["run"]["argv"] = redact_argv(summary["run"]["argv"])  # `--password VALUE` is two items
         summary = redact_obj(summary)
         if not summary["hosts"]:

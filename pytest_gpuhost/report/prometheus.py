@@ -9,7 +9,7 @@ from typing import Any
 from pytest_gpuhost.modules.health.xid import ACTIONS
 from pytest_gpuhost.redact import redact
 from pytest_gpuhost.report.files import atomic_write
-from pytest_gpuhost.run.record import BAD, GOOD
+from pytest_gpuhost.run.record import BAD, CANNOT_SEE, GOOD
 
 __all__ = ["prometheus_text", "write_prometheus"]
 
@@ -23,7 +23,9 @@ def prometheus_text(summary: Mapping[str, Any]) -> str:
     """Render a fleet summary in the Prometheus text exposition format.
 
     `gpuhost_check_ok{host,check}` is 1 when the check held (or was fixed) and 0 when it failed,
-    would be fixed, or could not run; skipped checks have no sample. Plus a per-host gauge, the
+    would be fixed, or could not run; skipped checks have no sample, nor have checks that cannot
+    see their input on the node: those are `gpuhost_check_cannot_see{host,check}` (1), and
+    `gpuhost_host_cannot_see{host}` counts them per host (0 when none). Plus a per-host gauge, the
     Xid actions (`_xid_actions`), and the run's timestamp and duration, so an alert can also
     catch a run that stopped happening.
     """
@@ -44,6 +46,22 @@ def prometheus_text(summary: Mapping[str, Any]) -> str:
     ]
     for host, h in sorted(hosts.items()):
         out.append(f'gpuhost_host_ok{{host="{_label(host)}"}} {1 if h.get("status") == "ok" else 0}')
+    out += [
+        "# HELP gpuhost_check_cannot_see 1 if the check could not read its input on the node "
+        "(kernel log denied, no systemd, a tool missing): neither held nor failed.",
+        "# TYPE gpuhost_check_cannot_see gauge",
+    ]
+    for host, h in sorted(hosts.items()):
+        for check, cell in (h.get("checks") or {}).items():
+            if cell.get("outcome") == CANNOT_SEE:
+                out.append(f'gpuhost_check_cannot_see{{host="{_label(host)}",check="{_label(check)}"}} 1')
+    out += [
+        "# HELP gpuhost_host_cannot_see Checks that could not see their input on the host at the last run.",
+        "# TYPE gpuhost_host_cannot_see gauge",
+    ]
+    for host, h in sorted(hosts.items()):
+        n = sum(1 for cell in (h.get("checks") or {}).values() if cell.get("outcome") == CANNOT_SEE)
+        out.append(f'gpuhost_host_cannot_see{{host="{_label(host)}"}} {n}')
     out += _xid_actions(hosts)
     run = summary.get("run") or {}
     out += [

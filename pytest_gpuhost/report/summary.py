@@ -2,8 +2,10 @@
 
 Format `pytest-gpuhost/fleet-summary/1` (docs/fleet.md): `run` (when, where, argv), `checks`
 (names in order, from `record.check_name`), `hosts -> {status, checks -> {outcome, summary,
-reasons, state, nodeid, duration}, round_trips, conn_round_trips}`, `fleet` (judgements no single
-host can make) and, with a previous summary, `comparison`. Pure functions of dicts, so the merge
+reasons, state, nodeid, duration}, cannot_see, round_trips, conn_round_trips}`, `fleet` (judgements
+no single host can make) and, with a previous summary, `comparison`. A cell `cannot see` (a check
+whose input the node does not give) is neither healthy nor not: counted apart, per host in
+`cannot_see`, and a host's status only with `run.cannot_see: fail` (`--cannot-see=fail`). Pure functions of dicts, so the merge
 command reads and writes the same thing the controller does.
 """
 
@@ -15,13 +17,14 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pytest_gpuhost.run.record import BAD, GOOD, RunRecord, TestRecord
+from pytest_gpuhost.run.record import BAD, CANNOT_SEE, GOOD, RunRecord, TestRecord
 
 __all__ = [
     "BAD",
     "FORMAT",
     "GOOD",
     "build_summary",
+    "cannot_see_summary",
     "compare",
     "count_line",
     "fleet_judgements",
@@ -40,8 +43,13 @@ NAMES_SHOWN = 8
 HOSTS_LISTED = 50
 
 
-def build_summary(record: RunRecord, finished: float | None = None) -> dict[str, Any]:
-    """Return the fleet summary of the tests that ran against a target."""
+def build_summary(
+    record: RunRecord, finished: float | None = None, cannot_see: str = "report"
+) -> dict[str, Any]:
+    """Return the fleet summary of the tests that ran against a target.
+
+    `cannot_see`: "fail" where `--cannot-see=fail` makes a blind check fail its host.
+    """
     finished = time.time() if finished is None else finished
     by_target: dict[str, list[TestRecord]] = {}
     for t in record.decided():
@@ -52,7 +60,11 @@ def build_summary(record: RunRecord, finished: float | None = None) -> dict[str,
     hosts: dict[str, Any] = {}
     for target, tests in by_target.items():
         row = {c: cells[(target, c)].as_cell() for c in checks if (target, c) in cells}
-        hosts[target] = {"status": host_status(row), "checks": row}
+        hosts[target] = {
+            "status": host_status(row, cannot_see_fails=cannot_see == "fail"),
+            "checks": row,
+            "cannot_see": sum(1 for cell in row.values() if cell.get("outcome") == CANNOT_SEE),
+        }
         trips: dict[str, int] = {}
         for t in tests:
             for key, n in t.round_trips.items():
@@ -66,6 +78,7 @@ def build_summary(record: RunRecord, finished: float | None = None) -> dict[str,
             "duration": round(finished - record.started, 3),
             "node": socket.gethostname(),
             "argv": list(sys.argv[1:]),
+            "cannot_see": cannot_see,
         },
         "checks": checks,
         "hosts": hosts,
@@ -73,12 +86,15 @@ def build_summary(record: RunRecord, finished: float | None = None) -> dict[str,
     }
 
 
-def host_status(cells: Mapping[str, Mapping[str, Any]]) -> str:
-    """Return a host's status: error (unreachable or broken run), failed, or ok."""
+def host_status(cells: Mapping[str, Mapping[str, Any]], cannot_see_fails: bool = False) -> str:
+    """Return a host's status: error (unreachable or broken run), failed, or ok.
+
+    A check that cannot see leaves the host ok (it is counted apart), unless `cannot_see_fails`.
+    """
     outcomes = [c.get("outcome") for c in cells.values()]
     if "error" in outcomes:
         return "error"
-    if any(o in ("failed", "would fix") for o in outcomes):
+    if any(o in ("failed", "would fix") or (cannot_see_fails and o == CANNOT_SEE) for o in outcomes):
         return "failed"
     return "ok"
 
@@ -137,15 +153,28 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     lines.append(count_line(summary))
     bad_hosts = by_status.get("failed", []) + by_status.get("error", [])
     for host in bad_hosts[:HOSTS_LISTED]:
-        bad = [(c, cell) for c, cell in hosts[host]["checks"].items() if cell.get("outcome") in BAD]
-        for check, cell in bad[:LINES_PER_HOST]:
-            lines.append(f"  {host} {check}: {cell.get('outcome')}: {cell.get('summary', '')}")
+        # one line per distinct error: an unreachable host fails every check with the same words
+        said: dict[tuple[str, str], list[str]] = {}
+        for c, cell in hosts[host]["checks"].items():
+            if cell.get("outcome") in BAD:
+                said.setdefault((str(cell.get("outcome")), str(cell.get("summary", ""))), []).append(c)
+        bad = list(said.items())
+        for (outcome, text), checks in bad[:LINES_PER_HOST]:
+            named = (
+                checks[0]
+                if len(checks) == 1
+                else f"{', '.join(checks[:3])}"
+                + (f" and {len(checks) - 3} more" if len(checks) > 3 else "")
+                + f" ({len(checks)} checks)"
+            )
+            lines.append(f"  {host} {named}: {outcome}: {text}")
         if len(bad) > LINES_PER_HOST:
             lines.append(f"  {host}: {len(bad) - LINES_PER_HOST} more")
     if len(bad_hosts) > HOSTS_LISTED:
         lines.append(
             f"  ... and {len(bad_hosts) - HOSTS_LISTED} more hosts not ok (every one is in the report)"
         )
+    lines += cannot_see_summary(summary)
     lines += _uniformity_lines(summary.get("fleet") or {})
     lines += _comparison_lines(summary.get("comparison"))
     return lines
@@ -165,7 +194,7 @@ def count_line(summary: Mapping[str, Any]) -> str:
     for _, _, cell in iter_cells(summary):
         outcome = str(cell.get("outcome"))
         results[outcome] = results.get(outcome, 0) + 1
-    order = [*GOOD, *BAD, "skipped"]
+    order = [*GOOD, *BAD, CANNOT_SEE, "skipped"]
     shown = [f"{results[o]} {o}" for o in order if results.get(o)]
     shown += [f"{n} {o}" for o, n in results.items() if o not in order]
     statuses: dict[str, int] = {}
@@ -177,6 +206,27 @@ def count_line(summary: Mapping[str, Any]) -> str:
     n_checks = len(summary.get("checks") or [])
     head = f"{_n(len(hosts), 'host')} x {_n(n_checks, 'check')} = {_n(sum(results.values()), 'result')}"
     return f"{head}: {', '.join(shown) or 'none'}; hosts: {', '.join(host_parts)}"
+
+
+def cannot_see_summary(summary: Mapping[str, Any]) -> list[str]:
+    """Return one line per reason a check could not see, with its checks and hosts, said once.
+
+    `xid, sxid cannot see on 12 hosts: kernel log denied ...`: a fleet of rented containers
+    gives one line, not one per host and check.
+    """
+    by_reason: dict[str, tuple[list[str], list[str]]] = {}
+    for host, check, cell in iter_cells(summary):
+        if cell.get("outcome") != CANNOT_SEE:
+            continue
+        checks, hosts = by_reason.setdefault(str(cell.get("summary", "")), ([], []))
+        if check not in checks:
+            checks.append(check)
+        if host not in hosts:
+            hosts.append(host)
+    return [
+        f"{', '.join(checks)} cannot see on {name_list(sorted(hosts))}: {why}"
+        for why, (checks, hosts) in by_reason.items()
+    ]
 
 
 def _uniformity_lines(judgements: Mapping[str, Any]) -> list[str]:

@@ -73,7 +73,8 @@ def remediate(request: pytest.FixtureRequest, check_only: bool) -> remediation.R
     target = None
     if remediation.TARGET_PARAM in request.fixturenames:
         target = request.getfixturevalue("target")
-    return remediation.Remediator(request.node, target, check_only)
+    fails = settings.read(request.config).cannot_see == "fail"
+    return remediation.Remediator(request.node, target, check_only, cannot_see_fails=fails)
 
 
 @pytest.fixture

@@ -8,7 +8,9 @@ test into one `TestRecord`. Every output reads that record: the HTML matrix, the
 file, the fleet summary (and so the Prometheus textfile and the merge).
 
 One vocabulary for results: the remediation outcomes (`passed`, `fixed`, `would fix`, `failed`,
-`skipped`) plus `error` for a test whose setup or teardown failed. One function names a check:
+`skipped`, `cannot see`) plus `error` for a test whose setup or teardown failed. `cannot see` is
+a check whose input the node does not give (the kernel log denied, no systemd, a tool missing):
+neither healthy nor not, counted apart everywhere. One function names a check:
 `check_name`, the same in every output.
 """
 
@@ -25,6 +27,7 @@ from pytest_gpuhost.redact import redact, redact_obj
 
 __all__ = [
     "BAD",
+    "CANNOT_SEE",
     "GOOD",
     "OUTCOMES",
     "RESULTS",
@@ -40,21 +43,22 @@ __all__ = [
     "target_name",
 ]
 
-PASSED, FIXED, FAILED, WOULD_FIX, SKIPPED, ERROR = (
+PASSED, FIXED, FAILED, WOULD_FIX, SKIPPED, ERROR, CANNOT_SEE = (
     "passed",
     "fixed",
     "failed",
     "would fix",
     "skipped",
     "error",
+    "cannot see",
 )
 #: What a remediation (and so a test's call) can end as.
-OUTCOMES = (PASSED, FIXED, FAILED, WOULD_FIX, SKIPPED)
+OUTCOMES = (PASSED, FIXED, FAILED, WOULD_FIX, SKIPPED, CANNOT_SEE)
 #: What a test ends as in the outputs: an outcome, or `error` when setup or teardown failed.
 RESULTS = (*OUTCOMES, ERROR)
 #: Results that count as "not healthy" in comparisons and gauges.
 BAD = (FAILED, WOULD_FIX, ERROR)
-#: Results that count as healthy; `skipped` is neither.
+#: Results that count as healthy; `skipped` and `cannot see` are neither.
 GOOD = (PASSED, FIXED)
 
 #: The indirect parameter that carries a test's target name.

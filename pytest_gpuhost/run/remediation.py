@@ -11,6 +11,12 @@ the fix. The outcome of a remediation becomes the test's outcome:
 | would fix | failed         | "would fix"              |
 | failed    | failed         | "failed"                 |
 | skipped   | skipped        | "skipped"                |
+| cannot see| skipped (failed with `--cannot-see=fail`) | "cannot see" |
+
+`cannot see` is a check whose input the node does not give (the kernel log denied, no systemd,
+a tool missing): it neither passes nor fails the node, says what it could not read and what
+would let it, and is counted apart in every output. `--cannot-see=fail` (ini
+`gpuhost_cannot_see`) makes CI treat it as a failure; docs/fleet.md says why the default does not.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.redact import printable, redact, redact_obj
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.record import (
+    CANNOT_SEE,
     FAILED,
     FIXED,
     OUTCOMES,
@@ -37,9 +44,11 @@ from pytest_gpuhost.run.record import (
 )
 
 __all__ = [
+    "CANNOT_SEE",
     "OUTCOMES",
     "TARGET_PARAM",
     "Action",
+    "CannotSee",
     "Check",
     "NoFixKnown",
     "Outcome",
@@ -52,7 +61,7 @@ __all__ = [
 ]
 
 # When one test runs several remediations, the test shows the worst of them.
-_RANK = {PASSED: 0, SKIPPED: 0, FIXED: 1, WOULD_FIX: 2, FAILED: 3}
+_RANK = {PASSED: 0, SKIPPED: 0, CANNOT_SEE: 0, FIXED: 1, WOULD_FIX: 2, FAILED: 3}
 
 PROCEDURE_MARK = "gpuhost_procedure"
 FINAL_MARK = "gpuhost_final"  # a procedure's verdict step: runs even after a failed step
@@ -67,6 +76,8 @@ class Check:
     summary: str
     state: Any = None
     skip: str | None = None
+    #: what the check could not read on this node and what would let it: neither pass nor fail
+    cannot_see: str | None = None
 
 
 @dataclass
@@ -221,6 +232,12 @@ class WouldFix(pytest.fail.Exception):  # type: ignore[name-defined,misc]
     __module__ = "builtins"
 
 
+class CannotSee(pytest.fail.Exception):  # type: ignore[name-defined,misc]
+    """Raised by `remediate` for a check that cannot see its input, under `--cannot-see=fail`."""
+
+    __module__ = "builtins"
+
+
 class RemediationFailed(pytest.fail.Exception):  # type: ignore[name-defined,misc]
     """Raised by `remediate` when a fix was vetoed, raised, or did not verify."""
 
@@ -234,10 +251,13 @@ _blocked_key = pytest.StashKey[dict[tuple[str, str], str]]()
 class Remediator:
     """The `remediate` fixture: run one remediation for the current test and target."""
 
-    def __init__(self, item: pytest.Item, target: Any, check_only: bool) -> None:
+    def __init__(
+        self, item: pytest.Item, target: Any, check_only: bool, cannot_see_fails: bool = False
+    ) -> None:
         self.item = item
         self.target = target
         self.check_only = check_only
+        self.cannot_see_fails = cannot_see_fails
         self.target_name = target_name(item) or str(getattr(target, "name", "") or "")
 
     def __call__(
@@ -263,6 +283,12 @@ class Remediator:
         if before.skip:
             return self._finish(
                 Outcome(remediation.name, SKIPPED, before, reason=before.skip, target=self.target_name)
+            )
+        if before.cannot_see:
+            return self._finish(
+                Outcome(
+                    remediation.name, CANNOT_SEE, before, reason=before.cannot_see, target=self.target_name
+                )
             )
         if before.ok:
             return self._finish(Outcome(remediation.name, PASSED, before, target=self.target_name))
@@ -344,6 +370,11 @@ class Remediator:
         self.item.config.hook.pytest_gpuhost_outcome(item=self.item, outcome=outcome)
         if outcome.outcome == SKIPPED:
             pytest.skip(f"{outcome.name}: {outcome.reason}")
+        if outcome.outcome == CANNOT_SEE:
+            text = printable(redact(f"cannot see: {outcome.name}: {outcome.reason}"))
+            if self.cannot_see_fails:
+                raise CannotSee(text, pytrace=False)
+            pytest.skip(text)
         if outcome.outcome == WOULD_FIX:
             raise WouldFix(outcome.describe(), pytrace=False)
         if outcome.outcome == FAILED:
@@ -370,14 +401,18 @@ def annotate_report(item: pytest.Item, call: pytest.CallInfo[None], report: pyte
     if report.failed:
         excinfo = call.excinfo
         would_fix = report.when == "call" and excinfo is not None and isinstance(excinfo.value, WouldFix)
-        report.gpuhost_outcome = WOULD_FIX if would_fix else FAILED  # type: ignore[attr-defined]
-        if not would_fix and item.get_closest_marker(PROCEDURE_MARK) is not None:
+        blind = report.when == "call" and excinfo is not None and isinstance(excinfo.value, CannotSee)
+        report.gpuhost_outcome = (  # type: ignore[attr-defined]
+            WOULD_FIX if would_fix else CANNOT_SEE if blind else FAILED
+        )
+        if not (would_fix or blind) and item.get_closest_marker(PROCEDURE_MARK) is not None:
             blocked = item.config.stash.setdefault(_blocked_key, {})
             blocked.setdefault(
                 _procedure_key(item), item.originalname if isinstance(item, pytest.Function) else item.name
             )
     elif report.skipped:
-        report.gpuhost_outcome = SKIPPED  # type: ignore[attr-defined]
+        blind = report.when == "call" and any(o.outcome == CANNOT_SEE for o in outcomes)
+        report.gpuhost_outcome = CANNOT_SEE if blind else SKIPPED  # type: ignore[attr-defined]
     elif report.when == "call":
         worst = max((o.outcome for o in outcomes), key=lambda o: _RANK[o], default=PASSED)
         report.gpuhost_outcome = worst if worst in (PASSED, FIXED) else PASSED  # type: ignore[attr-defined]
@@ -407,7 +442,31 @@ def report_teststatus(report: pytest.TestReport) -> tuple[str, str, tuple[str, d
         return FIXED, "+", ("FIXED", {"green": True, "bold": True})
     if outcome == WOULD_FIX and report.failed:
         return WOULD_FIX, "W", ("WOULD FIX", {"yellow": True, "bold": True})
+    if outcome == CANNOT_SEE:
+        return CANNOT_SEE, "?", ("CANNOT SEE", {"yellow": True})
     return None
+
+
+def cannot_see_lines(reports: list[Any]) -> list[str]:
+    """Return one line per target and what its checks could not see (the same reason said once).
+
+    A node that denies the kernel log makes two checks blind for one reason; a fleet of such
+    nodes says it once per host, never once per test.
+    """
+    by_target: dict[str, dict[str, list[str]]] = {}
+    for rep in reports:
+        target = str(getattr(rep, "gpuhost_target", "") or "")
+        for rem in getattr(rep, "gpuhost_remediations", []):
+            if rem.get("outcome") == CANNOT_SEE:
+                by_target.setdefault(target, {}).setdefault(str(rem.get("reason", "")), []).append(
+                    str(rem.get("name"))
+                )
+    lines = []
+    for target, reasons in by_target.items():
+        for reason, names in reasons.items():
+            where = f"{target}: " if target else ""
+            lines.append(f"{where}{', '.join(names)}: {reason}")
+    return lines
 
 
 def terminal_summary(terminalreporter: Any) -> None:
@@ -416,6 +475,15 @@ def terminal_summary(terminalreporter: Any) -> None:
     def line(text: str) -> None:
         terminalreporter.write_line(printable(redact(text)))
 
+    # a run against targets says these in its fleet summary, once per reason and its hosts
+    blind = [r for r in terminalreporter.stats.get(CANNOT_SEE, []) if not getattr(r, "gpuhost_target", "")]
+    if blind:
+        terminalreporter.write_sep("=", "cannot see (neither passed nor failed)", yellow=True)
+        shown = cannot_see_lines(blind)
+        for text in shown[:SUMMARY_LIMIT]:
+            line(text)
+        if len(shown) > SUMMARY_LIMIT:
+            line(f"... and {len(shown) - SUMMARY_LIMIT} more: see the HTML and JSON reports")
     for category, title in ((WOULD_FIX, "would fix (check-only)"), (FIXED, "fixed")):
         reports = terminalreporter.stats.get(category, [])
         if not reports:

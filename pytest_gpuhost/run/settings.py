@@ -41,6 +41,7 @@ from pytest_gpuhost.run.options import (
 from pytest_gpuhost.run.options import read as read_option
 
 __all__ = [
+    "CANNOT_SEE_CHOICES",
     "GROUP",
     "OPTIONS",
     "SCHEDULING_CHOICES",
@@ -56,6 +57,7 @@ __all__ = [
 ]
 
 SCHEDULING_CHOICES = ("host", "xdist")
+CANNOT_SEE_CHOICES = ("report", "fail")
 
 
 def _report_dir(raw: Any) -> str | None:
@@ -246,6 +248,16 @@ OPTIONS: tuple[Option, ...] = (
         "write gpuhost_check_ok gauges for node_exporter's textfile collector",
         parse=_prometheus_textfile,
         metavar="PATH.prom",
+    ),  # The default is for nightly fleets (docs/fleet.md, "Checks that cannot see"): a check that
+    # can never see on a node shape must not fail that node every night.
+    _opt(
+        "cannot_see",
+        "--cannot-see",
+        "a check whose input the node does not give (kernel log denied, no systemd, a tool missing): "
+        "'report' counts it apart and leaves the exit status alone, 'fail' fails the test (default {default})",
+        parse=choice(*CANNOT_SEE_CHOICES),
+        default=CANNOT_SEE_CHOICES[0],
+        metavar="report|fail",
     ),
 )
 
@@ -278,6 +290,7 @@ class Settings:
     fleet_json: str | None
     previous: str | None
     prometheus_textfile: str | None
+    cannot_see: str
     sources: dict[str, Source] = field(default_factory=dict, repr=False)
 
 

@@ -192,7 +192,7 @@ class HostHealth:
         fix_name = v.fix if v.fix in self.fixes else None
 
         def first_check() -> Check:
-            return Check(ok=v.ok, summary=v.summary, state=v.state, skip=v.skip)
+            return Check(ok=v.ok, summary=v.summary, state=v.state, skip=v.skip, cannot_see=v.cannot_see)
 
         def plan(before: Check) -> list[Action]:
             if fix_name is None:

@@ -116,6 +116,11 @@ def step_service_stopped(run: P2PProcedure) -> Step:
     def check() -> Check:
         assert run.plan is not None
         if not run.plan.needs_repair:
+            seen = run.service_state
+            if seen is not None and not seen.exists:  # say only what was seen: no unit, nothing left running
+                return Check(
+                    True, "not needed: no repair", skip=f"no unit {run.service.unit} on {run.service.where}"
+                )
             return Check(True, f"not needed: no repair, {run.service.unit} left running")
         state = run.service.state()
         if not state.exists:

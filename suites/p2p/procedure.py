@@ -183,6 +183,13 @@ class P2PProcedure(Procedure):
             paths=acs.parse_paths(self.facts.get("pci_paths")),
         )
         self.plan.errors.extend(self.kernel_refusals(self.plan))
+        info = self.facts.get("host_info") or {}
+        if not self.plan.gpus and isinstance(info, dict) and info.get("nvidia_driver") == []:
+            # nothing to restore, and nothing to stop for it: refused here, before any step acts
+            self.plan.errors.append(
+                "no NVIDIA driver on this host (no nvidia module, no /proc/driver/nvidia, "
+                "no /dev/nvidiactl): nothing to restore"
+            )
         smi = self.facts.get("nvidia_smi_gpus") or {}
         names = [str((smi.get(b) or {}).get("name") or "") for b in self.plan.gpus]
         self.plan.model = names[0] if names else ""

@@ -221,8 +221,17 @@ class GpuView:
         return h
 
     @property
+    def at_work(self) -> bool:
+        """Say whether a compute context holds the GPU (P0); the persistence daemon alone does not."""
+        return any(h.kind for h in self.holders)
+
+    @property
     def link(self) -> dict[str, Any]:
-        lk: dict[str, Any] = self.func.get("link") or {}
+        """The PCIe link as sysfs shows it now: an idle GPU's at its `idle_speed` (LAB-SOURCES.md)."""
+        lk: dict[str, Any] = dict(self.func.get("link") or {})
+        if lk.get("idle_speed") and not self.at_work:
+            lk["max_speed"] = lk.get("max_speed", lk.get("speed"))
+            lk["speed"] = lk["idle_speed"]
         return lk
 
 

@@ -161,7 +161,7 @@ def _gpu_fields(host: Host, g: GpuView) -> dict[str, tuple[str, str]]:
     h = g.health
     ecc = str(_fault(host, g, "ecc_mode") or "Enabled")
     lk = g.link
-    pstate = "P0" if g.holders else "P8"
+    pstate = "P0" if g.at_work else "P8"
     mig, mig_pending = mig_modes(host, g)
     fields: dict[str, tuple[str, str]] = {
         "timestamp": (__import__("time").strftime("%Y/%m/%d %H:%M:%S.000"), ""),
@@ -426,7 +426,7 @@ def table(host: Host, ids: str | None) -> None:
         ecc = str(h.get("ecc_uncorrected", 0))
         o.append(f"|{g.index:>4}  {short_name(g.name):<31}{pm:<3} |{g.bus_id:>19} {'Off':>3} |{ecc:>21} |")
         pw, _ = gpu_field(host, g, "power.draw") or ("0", "")
-        perf = "P0" if g.holders else "P8"
+        perf = "P0" if g.at_work else "P8"
         cap = int(float(g.spec.get("power_limit", 600.0)))
         # a value NVML could not read ([GPU requires reset], ...) shows as ERR! in nvidia-smi's
         # summary table; the lab's table used to end in a ValueError there instead

@@ -60,6 +60,8 @@ FIELDS = (
     ("pcie_gen_max", "pcie.link.gen.max"),
     ("pcie_width", "pcie.link.width.current"),
     ("pcie_width_max", "pcie.link.width.max"),
+    # nvmlDeviceGetPerformanceState: the number of nvidia-smi's "P0".."P15"
+    ("pstate", "pstate"),
     # nvmlDeviceGetFieldValues ids (nvml.h): NVML_FI_DEV_MEMORY_TEMP 82, NVML_FI_DEV_RESET_STATUS
     # 226, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230
     ("fi_82", "temperature.memory"),
@@ -130,6 +132,8 @@ def value(cell: str | None) -> str:
         return "!3"
     if c in RECOVERY:
         return str(RECOVERY[c])
+    if len(c) > 1 and c[0] == "P" and c[1:].isdigit():  # a performance state: nvmlPstates_t's number
+        return c[1:]
     return WORDS.get(c, c)
 
 

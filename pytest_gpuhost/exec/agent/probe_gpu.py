@@ -233,4 +233,8 @@ def host_info_fact(params):
         "boot_id": read_str("/proc/sys/kernel/random/boot_id"),
         "cmdline": read_str("/proc/cmdline"),
         "time": time.time(),
+        # what a loaded NVIDIA driver leaves (none of them: no driver on this host)
+        "nvidia_driver": [
+            p for p in ("/sys/module/nvidia", "/proc/driver/nvidia", "/dev/nvidiactl") if os.path.exists(p)
+        ],
     }

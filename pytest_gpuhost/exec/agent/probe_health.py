@@ -15,7 +15,8 @@ import socket
 import threading
 import time
 
-from pytest_gpuhost.exec.agent.core import fact, run_recorded
+from pytest_gpuhost.exec.agent.core import fact, read_str, run_recorded
+from pytest_gpuhost.exec.agent.probe_health_services import systemd_missing
 from pytest_gpuhost.exec.agent.probe_health_smi import (
     cmd_error,
     part_p2p,
@@ -131,6 +132,9 @@ def part_fabric(params, record):
     unit = dict(ln.partition("=")[::2] for ln in show.get("stdout", "").splitlines() if "=" in ln)
     if show["rc"] != 0 and not unit:
         unit = {"error": cmd_error(show, "systemctl show " + FABRIC_UNIT)}
+        missing = None if show["timed_out"] else systemd_missing(show)
+        if missing:
+            unit["missing"] = missing
     out.update(unit=FABRIC_UNIT, service=unit)
     return out
 
@@ -218,6 +222,61 @@ def gather(params, parts):
     return results
 
 
+_CONTAINER_FILES = (("/.dockerenv", "docker"), ("/run/.containerenv", "podman"))
+# The `container=` values of systemd's Container Interface (systemd.io/CONTAINER_INTERFACE, the
+# list systemd-detect-virt knows); any other value is not taken as a container manager's word.
+_CONTAINER_MANAGERS = (
+    "lxc",
+    "lxc-libvirt",
+    "systemd-nspawn",
+    "docker",
+    "podman",
+    "rkt",
+    "wsl",
+    "proot",
+    "pouch",
+    "oci",
+)
+
+
+def node_shape():
+    """Say what kind of node this is: a container (and which), its PID 1, systemd, its GPU devices.
+
+    Read from files, never from a tool: `/.dockerenv` (Docker), `/run/.containerenv` (Podman),
+    `/run/systemd/container` and PID 1's `container=` where it names a container manager (the
+    Container Interface systemd and LXC follow); `/dev/nvidiaN` are the GPUs the container runtime gave the node (the NVIDIA
+    container toolkit creates only those), `NVIDIA_VISIBLE_DEVICES` what it was asked for.
+    """
+    kind = None
+    for path, name in _CONTAINER_FILES:
+        if os.path.exists(path):
+            kind = name
+            break
+    env = {}
+    try:
+        with open("/proc/1/environ", "rb") as f:
+            for item in f.read(1 << 16).split(b"\0"):
+                k, _, v = item.decode("utf-8", "replace").partition("=")
+                if k in ("container", "NVIDIA_VISIBLE_DEVICES"):
+                    env[k] = v
+    except OSError:
+        pass
+    if kind is None:
+        said = read_str("/run/systemd/container", None, 256) or env.get("container")
+        kind = said if said in _CONTAINER_MANAGERS else None
+    try:
+        devs = sorted(int(n[6:]) for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit())
+    except OSError:
+        devs = []
+    return {
+        "container": kind,
+        "pid1": read_str("/proc/1/comm", None, 256),
+        "systemd": os.path.isdir("/run/systemd/system"),
+        "gpu_devices": devs,
+        "visible_devices": env.get("NVIDIA_VISIBLE_DEVICES"),
+    }
+
+
 @fact("health")
 def fact_health(params):
     """Gather the health parts of this host; `parts` limits, `samples` re-reads.
@@ -244,4 +303,5 @@ def fact_health(params):
     result["time"] = started
     result["duration"] = round(time.time() - started, 4)
     result["hostname"] = socket.gethostname()
+    result["node"] = node_shape()
     return result

@@ -20,6 +20,12 @@ without an Xid 79 next to them (fixtures/outputs/kernlog-fallen-off-bus-*.txt):
 
 Each is reported as an Xid 79 on that GPU (`record: "fallen_off_bus"`), once per GPU and run
 whether or not the driver also logged the Xid 79 line.
+
+A node that does not let the agent read the kernel log (a rented container: syslog(2) needs
+CAP_SYSLOG, which container runtimes drop, and Docker's seccomp profile refuses it without;
+dmesg then prints "read kernel buffer failed: Operation not permitted") is not a node with a
+broken log: the part says `denied: "EPERM"` (decided from the capability set, not dmesg's
+words), `missing: "dmesg"` where there is no dmesg, and still carries the state of earlier runs.
 """
 
 import calendar
@@ -120,6 +126,20 @@ def _dmesg_lines(timeout, record):
     return lines, mode, None
 
 
+CAP_SYSLOG = 34  # include/uapi/linux/capability.h
+
+
+def _has_cap(bit):
+    """Say whether this process has capability `bit` in its effective set (/proc/self/status CapEff)."""
+    for line in (read_str("/proc/self/status", "", 1 << 16) or "").splitlines():
+        if line.startswith("CapEff:"):
+            try:
+                return bool(int(line.split()[1], 16) >> bit & 1)
+            except (IndexError, ValueError):
+                return True
+    return True
+
+
 def _events(new):
     """Return (Xid events, SXid events) of (epoch, message) lines; see the module docstring."""
     xid, sxid, fallen = [], [], []
@@ -178,7 +198,16 @@ def fact_health_kernel_log(params):
         else:
             err = (failed.get("stderr") or failed.get("stdout") or "").strip().splitlines()
             why = "dmesg exited %d%s" % (failed["rc"], (": " + err[-1]) if err else "")  # noqa: UP031
-        return {"ok": False, "error": why, "state_path": path, "commands": record}
+        out = {"ok": False, "error": why, "state_path": path, "commands": record}
+        if failed["rc"] == 127:
+            out["missing"] = "dmesg"
+        elif not failed["timed_out"] and not _has_cap(CAP_SYSLOG):
+            out["denied"] = "EPERM"
+            out["needs"] = "CAP_SYSLOG"
+        if state is not None:  # what earlier runs recorded still counts (the other checks read it)
+            out["pending"] = list(state.get("pending") or [])
+            out["previous_counters"] = state.get("counters")
+        return out
     boot_id = read_str("/proc/sys/kernel/random/boot_id", None, 256)
     since = state.get("last_ts") if state is not None else None
     seen = set(state.get("seen_at_last") or []) if state is not None else set()

@@ -165,6 +165,11 @@ def read_gpu(nv, index, driver):
     row.uint("pcie.link.gen.max", "nvmlDeviceGetMaxPcieLinkGeneration", h)
     row.uint("pcie.link.width.current", "nvmlDeviceGetCurrPcieLinkWidth", h)
     row.uint("pcie.link.width.max", "nvmlDeviceGetMaxPcieLinkWidth", h)
+    ps = ctypes.c_uint()
+    rc = nv.call("nvmlDeviceGetPerformanceState", h, ctypes.byref(ps))
+    if rc == NVML_SUCCESS and ps.value > 15:  # NVML_PSTATE_UNKNOWN (32)
+        rc = NVML_ERROR_NOT_SUPPORTED
+    row.put("pstate", rc, "P%d" % ps.value)  # noqa: UP031 - as nvidia-smi prints it
     if not all(isinstance(row.out.get(k), int) for k in LINK_FIELDS):
         # as probe_health.part_gpus: where the driver does not report the PCIe link, sysfs does
         base = "/sys/bus/pci/devices/" + row.out["bdf"]

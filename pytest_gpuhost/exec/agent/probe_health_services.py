@@ -2,8 +2,14 @@
 
 Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).  Read-only:
 `systemctl show` per unit, and one GET of the first unit's loopback health URL.
+
+On a node without systemd (a container whose PID 1 is `sleep infinity`, tini or supervisord)
+systemctl is missing or answers "System has not been booted with systemd as init system": the
+entry says `missing` (`systemctl`, or `systemd` where /run/systemd/system is absent, the test
+sd_booted(3) makes), so the verdict can say it cannot see rather than fail the node.
 """
 
+import os
 import re
 import socket
 import time
@@ -61,6 +67,18 @@ def http_get(url, timeout):
     return out
 
 
+def systemd_missing(res):
+    """Return what a failed systemctl run lacked ("systemctl", "systemd"), or None.
+
+    sd_booted(3): a system booted with systemd has the directory /run/systemd/system.
+    """
+    if res["rc"] == 127:
+        return "systemctl"
+    if res["rc"] != 0 and not os.path.isdir("/run/systemd/system"):
+        return "systemd"
+    return None
+
+
 def _show(unit, timeout, record):
     argv = ["systemctl", "show", "-p", SHOW, "--", unit]
     res = run_recorded(argv, timeout, record)
@@ -84,6 +102,10 @@ def fact_health_services(params):
         elif res["rc"] != 0:
             err = (res.get("stderr") or res.get("stdout") or "").strip().splitlines()
             entry["error"] = f"systemctl show exited {res['rc']}" + (": " + err[-1] if err else "")
+        if not res["timed_out"]:
+            missing = systemd_missing(res)
+            if missing:
+                entry["missing"] = missing
         for line in res["stdout"].splitlines():
             k, sep, v = line.partition("=")
             if sep:

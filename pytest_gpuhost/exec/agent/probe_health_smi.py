@@ -8,6 +8,7 @@ returns a part in the shape the verdicts (modules/health/) judge. Read-only.
 """
 
 import json
+import os
 import re
 
 from pytest_gpuhost.exec.agent.core import read_str, read_text, run_recorded, state_path
@@ -59,10 +60,15 @@ QUERY_FIELDS = (
     # nvidia-smi --help-query-gpu): health.gpu.check_mig_mode judges them against `mig_mode`
     "mig.mode.current",
     "mig.mode.pending",
+    # The performance state (P0 maximum .. P12 minimum) and the busy share of the last sample
+    # period: the PCIe link's current generation "may be reduced when the GPU is not in use"
+    # (nvidia-smi --help-query-gpu), so pcie_link judges it only where the GPU is at work
+    "pstate",
+    "utilization.gpu",
 )
 # Fields a driver has all or none of: one unknown drops its family in one retry, not one each.
 FIELD_FAMILIES = ("clocks_event_reasons_counters.",)
-TEXT_FIELDS = ("pci.bus_id", "name", "uuid", "driver_version")
+TEXT_FIELDS = ("pci.bus_id", "name", "uuid", "driver_version", "pstate")
 LINK_FIELDS = ("pcie.link.gen.current", "pcie.link.gen.max", "pcie.link.width.current", "pcie.link.width.max")
 SYSFS_LINK = (
     ("speed", "current_link_speed"),
@@ -144,6 +150,15 @@ def short_bdf(bus):
     return f"{int(m.group(1), 16) & 0xFFFF:04x}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
 
 
+#: What a loaded NVIDIA driver leaves on a host (the module, its procfs directory, its control device).
+DRIVER_SIGNS = ("/sys/module/nvidia", "/proc/driver/nvidia", "/dev/nvidiactl")
+
+
+def driver_signs():
+    """Return the signs of a loaded NVIDIA driver this node shows (none: no driver here)."""
+    return [p for p in DRIVER_SIGNS if os.path.exists(p)]
+
+
 def smi_gpus(params, record):
     """Query every GPU's fields; a field this driver does not know is dropped, in this request."""
     timeout = float(params.get("timeout", 20))
@@ -177,13 +192,17 @@ def smi_gpus(params, record):
             continue
         break
     if res["rc"] != 0:
-        return {
+        out = {
             "ok": False,
             "error": cmd_error(res, "nvidia-smi --query-gpu"),
             "gpus": [],
             "dropped": dropped,
             "renamed": renamed,
         }
+        if res["rc"] == 127:
+            out["missing"] = "nvidia-smi"
+            out["driver_signs"] = driver_signs()
+        return out
     back = {new: old for old, new in renamed.items() if FIELD_RENAMED.get(old) == new}
     gpus = []
     for line in res["stdout"].splitlines():
@@ -199,7 +218,7 @@ def smi_gpus(params, record):
                 errors[key] = cell[1:-1]  # an NVML error for this GPU: the checks judge it
         if errors:
             row["cell_errors"] = errors
-        for key in ("name", "uuid", "driver_version"):
+        for key in ("name", "uuid", "driver_version", "pstate"):
             row[key] = raw.get(key)
         if not all(isinstance(row.get(f), int) for f in LINK_FIELDS):
             # This driver does not report the PCIe link: sysfs does (speeds in GT/s, widths).

@@ -110,6 +110,8 @@ SIGNATURES = {
     "nvmlDeviceGetRemappedRows": [Handle] + [_P(ctypes.c_uint)] * 4,  # 8434
     "nvmlDeviceGetCurrentClocksEventReasons": [Handle, _P(ctypes.c_ulonglong)],  # 6121
     "nvmlDeviceGetCurrPcieLinkGeneration": [Handle, _P(ctypes.c_uint)],  # 5549
+    # nvmlPstates_t is an enum: an int-sized value (0..15, 32 unknown)
+    "nvmlDeviceGetPerformanceState": [Handle, _P(ctypes.c_uint)],
     "nvmlDeviceGetMaxPcieLinkGeneration": [Handle, _P(ctypes.c_uint)],  # 5492
     "nvmlDeviceGetCurrPcieLinkWidth": [Handle, _P(ctypes.c_uint)],  # 5567
     "nvmlDeviceGetMaxPcieLinkWidth": [Handle, _P(ctypes.c_uint)],  # 5531

@@ -68,7 +68,7 @@ from pytest_gpuhost.modules.health.thresholds import (
     Thresholds,
     probe_params,
 )
-from pytest_gpuhost.modules.health.verdict import Facts, Verdict
+from pytest_gpuhost.modules.health.verdict import NO_DRIVER, Facts, Verdict, failed, no_driver, skipped
 
 __all__ = [
     "CHECKS",
@@ -193,7 +193,8 @@ DECLARED: tuple[HealthCheck, ...] = (
         check_xid,
         "No Xid error in the kernel log since the last run (first run: since boot).",
         "an Xid not in the ignore list appeared since the last successful run; an Xid that owes a "
-        "GPU reset or a reboot fails every night until that GPU was reset or the host rebooted",
+        "GPU reset or a reboot fails every night until that GPU was reset or the host rebooted "
+        "(kernel log denied, as in a container: cannot see)",
         reads=("kernel_log",),
         thresholds=("xid_ignore",),
         lab=_LAB_GPUS + "test_xid_79_fails_night_after_night_until_the_host_reboots",
@@ -209,8 +210,10 @@ DECLARED: tuple[HealthCheck, ...] = (
     HealthCheck(
         "pcie_link",
         check_pcie_link,
-        "Every GPU's PCIe link runs at its maximum generation and width.",
-        "a GPU's link generation or width is below its maximum (or the inventory's minimum)",
+        "Every GPU's PCIe link runs at its maximum width, and at its maximum generation while at work.",
+        "a GPU's link width is below its maximum (or the inventory's minimum), or its generation "
+        "is while the GPU is at work (P0..P2); an idle GPU's generation is not judged (it trains "
+        "down to save power), its maximum is held against `pcie_gen_min`",
         reads=("gpus", "pci"),
         thresholds=("pcie_gen_min", "pcie_width_min"),
         lab=_LAB_FLEET,
@@ -248,7 +251,7 @@ DECLARED: tuple[HealthCheck, ...] = (
         check_fabric,
         "On NVSwitch GPU models: the fabric is trained on every GPU and Fabric Manager runs.",
         "on NVSwitch models: a GPU's fabric not trained, or Fabric Manager not running (other "
-        "models: skipped)",
+        "models: skipped; no systemctl on the node: cannot see)",
         lab=_LAB_GPUS + "test_b200_fabric_in_progress_or_fabric_manager_down_fails",
     ),
     HealthCheck(
@@ -401,6 +404,14 @@ def declared(check: str) -> HealthCheck:
 def evaluate(check: str, facts: Facts, t: Thresholds, samples: Sequence[Facts] | None = None) -> Verdict:
     """Judge one check from a host's facts; pass `samples` after a `reread` was asked for."""
     c = declared(check)
+    nd = no_driver(facts)
+    if nd and {"gpus", "smi", "pci"} & set(c.reads):
+        # One line for the host, not one failure per check: gpu_count says it, the rest stand aside.
+        if check != "gpu_count":
+            return skipped(check, NO_DRIVER)
+        if t["gpu_count"] == 0:
+            return Verdict("gpu_count", True, f"{nd}; the inventory expects no GPU", state={"count": 0})
+        return failed("gpu_count", nd, [nd], state={"count": 0, "driver": None})
     if c.sampled:
         return c.judge(facts, t, samples)
     return c.judge(facts, t)

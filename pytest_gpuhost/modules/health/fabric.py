@@ -19,6 +19,7 @@ from pytest_gpuhost.modules.health.thresholds import unknown_models as unknown_m
 from pytest_gpuhost.modules.health.verdict import (
     Facts,
     Verdict,
+    cannot_see,
     facts_gpus,
     facts_part,
     failed,
@@ -49,7 +50,39 @@ def _sysfs_gen(speed: Any) -> int | None:
     return _GEN_BY_SPEED.get(speed.split(" ")[0])
 
 
+#: Performance states in which a GPU is at work: its link runs at the generation it trained to.
+#: P0 is the maximum performance state, P12 the minimum (nvidia-smi --help-query-gpu, "pstate").
+LOADED_PSTATES = ("P0", "P1", "P2")
+
+
+def gpu_at_work(g: Mapping[str, Any]) -> bool | None:
+    """Say whether a GPU is at work now (P0..P2, or busy), False when idle, None when unknown.
+
+    Only at work does the current PCIe generation say what the link can do: nvidia-smi
+    --help-query-gpu says of pcie.link.gen.current "may be reduced when the GPU is not in use",
+    and an idle GPU (P8) trains its link down (Gen1 of Gen4/Gen5) with its width untouched
+    (docs/FACTS.md, "PCIe link of an idle GPU").
+    """
+    util = g.get("utilization.gpu")
+    if isinstance(util, (int, float)) and util > 0:
+        return True
+    pstate = g.get("pstate")
+    if not isinstance(pstate, str) or not pstate.startswith("P"):
+        return None
+    return pstate in LOADED_PSTATES
+
+
 def check_pcie_link(facts: Facts, t: Thresholds) -> Verdict:
+    """Judge each GPU's link as the hardware means it: width always, generation only at work.
+
+    A lower width is a fault whatever the GPU does. The current generation is judged only where
+    the GPU is at work (P0..P2 or busy): an idle GPU's link runs at a lower generation by design
+    (power management), so it passes, and says it was not judged. The maximum generation
+    (`pcie.link.gen.max`: what this GPU and slot can train to) does not move with the power
+    state: the inventory's `pcie_gen_min` is held against it on idle GPUs too. DCGM's PCIe test
+    (`dcgmi diag -r pcie`) measures the link under its own load: the `diag` check runs it when
+    the inventory asks (docs/FACTS.md).
+    """
     gpus, err = facts_gpus(facts)
     if err:
         return failed("pcie_link", f"nvidia-smi failed: {err}", [err])
@@ -57,6 +90,8 @@ def check_pcie_link(facts: Facts, t: Thresholds) -> Verdict:
     devices = (pci or {}).get("devices") or {}
     reasons = []
     below: list[str] = []
+    idle: list[str] = []
+    unknown_state: list[str] = []
     links: dict[str, dict[str, Any]] = {}
     for g in gpus:
         gen, gen_max = g.get("pcie.link.gen.current"), g.get("pcie.link.gen.max")
@@ -67,7 +102,15 @@ def check_pcie_link(facts: Facts, t: Thresholds) -> Verdict:
             gen, gen_max = _sysfs_gen(sys_link.get("speed")), _sysfs_gen(sys_link.get("max_speed"))
         if not isinstance(width, int):
             width, width_max = int_or_none(sys_link.get("width")), int_or_none(sys_link.get("max_width"))
-        links[str(g.get("bdf"))] = {"gen": gen, "gen_max": gen_max, "width": width, "width_max": width_max}
+        at_work = gpu_at_work(g)
+        links[str(g.get("bdf"))] = {
+            "gen": gen,
+            "gen_max": gen_max,
+            "width": width,
+            "width_max": width_max,
+            "pstate": g.get("pstate"),
+            "gen_judged": bool(at_work),
+        }
         # the model's own link (MODELS): reported beside the GPU's maximum, never failing it
         model = model_name(str(g.get("name") or ""))
         spec = model_spec(str(g.get("name") or "")) or {}
@@ -80,8 +123,17 @@ def check_pcie_link(facts: Facts, t: Thresholds) -> Verdict:
             )
         want_gen = t["pcie_gen_min"] if t["pcie_gen_min"] is not None else gen_max
         want_width = t["pcie_width_min"] if t["pcie_width_min"] is not None else width_max
-        if isinstance(gen, int) and isinstance(want_gen, int) and gen < want_gen:
-            reasons.append(f"{gpu_label(g)}: PCIe Gen{gen}, below Gen{want_gen} (max Gen{gen_max})")
+        if at_work:
+            if isinstance(gen, int) and isinstance(want_gen, int) and gen < want_gen:
+                reasons.append(
+                    f"{gpu_label(g)}: PCIe Gen{gen}, below Gen{want_gen} (max Gen{gen_max}) "
+                    f"at work ({g.get('pstate') or 'busy'})"
+                )
+        else:
+            (idle if at_work is False else unknown_state).append(gpu_label(g))
+            floor = t["pcie_gen_min"]
+            if isinstance(gen_max, int) and isinstance(floor, int) and gen_max < floor:
+                reasons.append(f"{gpu_label(g)}: PCIe max Gen{gen_max}, below Gen{floor} (this GPU and slot)")
         if isinstance(width, int) and isinstance(want_width, int) and width < want_width:
             reasons.append(f"{gpu_label(g)}: PCIe x{width}, below x{want_width} (max x{width_max})")
     state = {"links": links}
@@ -89,11 +141,30 @@ def check_pcie_link(facts: Facts, t: Thresholds) -> Verdict:
         return skipped("pcie_link", "no GPU on nvidia to check")
     if reasons:
         return failed("pcie_link", f"degraded PCIe link: {reasons[0]}", reasons, state=state)
-    shapes = sorted({f"Gen{v['gen']} x{v['width']}" for v in links.values()})
-    note = f"; {below[0]}" + (f" (and {len(below) - 1} more)" if len(below) > 1 else "") if below else ""
-    return Verdict(
-        "pcie_link", True, f"all {len(links)} links at their maximum ({', '.join(shapes)}){note}", state=state
+    notes = []
+    if idle:
+        notes.append(
+            f"generation not judged on {len(idle)} idle GPU(s) (their links train down to save power; "
+            "width checked)"
+        )
+    if unknown_state:
+        notes.append(
+            f"generation not judged on {len(unknown_state)} GPU(s) whose performance state is unknown"
+        )
+    if below:
+        notes.append(below[0] + (f" (and {len(below) - 1} more)" if len(below) > 1 else ""))
+    note = "".join(f"; {n}" for n in notes)
+    judged = [v for v in links.values() if v["gen_judged"]]
+    shapes = sorted(
+        {f"Gen{v['gen']} x{v['width']}" for v in judged}
+        | {f"x{v['width']}" for v in links.values() if not v["gen_judged"]}
     )
+    head = (
+        f"all {len(links)} links at their maximum ({', '.join(shapes)})"
+        if len(judged) == len(links)
+        else f"all {len(links)} links at full width ({', '.join(shapes)})"
+    )
+    return Verdict("pcie_link", True, head + note, state=state)
 
 
 def _expected_links(facts: Facts, t: Thresholds) -> dict[str, tuple[int, str]]:
@@ -246,7 +317,10 @@ def check_fabric(facts: Facts, t: Thresholds) -> Verdict:
     unit = str(got.get("unit") or "nvidia-fabricmanager.service")
     svc = got.get("service") or {}
     active = svc.get("ActiveState")
-    if active != "active":
+    blind = svc.get("missing")
+    if blind:
+        pass  # the daemon runs on the host: a container cannot ask systemd about it (below)
+    elif active != "active":
         what = (
             "not installed"
             if svc.get("LoadState") == "not-found"
@@ -257,6 +331,14 @@ def check_fabric(facts: Facts, t: Thresholds) -> Verdict:
     state = {"gpus": trained, "service": svc, "source": got.get("source")}
     if reasons:
         return failed("fabric", reasons[0], reasons, state=state)
+    if blind:
+        what = "no systemctl on this node" if blind == "systemctl" else "PID 1 is not systemd on this node"
+        return cannot_see(
+            "fabric",
+            f"fabric trained on {len(trained)} GPUs, but {unit}'s state cannot be read: {what}",
+            "Fabric Manager runs on the host: run the check there",
+            **state,
+        )
     return Verdict("fabric", True, f"fabric trained on {len(trained)} GPUs; {unit} active", state=state)
 
 

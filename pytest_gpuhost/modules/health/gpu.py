@@ -8,7 +8,7 @@ within `temperature_noise` of the limit asks for re-reads (`Verdict.reread`), an
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pytest_gpuhost.modules.health.memory import ecc_off
@@ -17,6 +17,7 @@ from pytest_gpuhost.modules.health.verdict import (
     Facts,
     Verdict,
     cell_error,
+    container_of,
     facts_gpus,
     facts_part,
     failed,
@@ -41,6 +42,23 @@ _THROTTLE_BITS = (
     (0x80, "hw_power_brake_slowdown"),
     (0x100, "display_clock_setting"),
 )
+
+
+def _given_gpus(facts: Facts, gpus: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Return the GPUs a container node was given, None on a host (or where it cannot be told).
+
+    The NVIDIA container toolkit creates in the container only the `/dev/nvidiaN` of the GPUs it
+    was given (NVIDIA_VISIBLE_DEVICES): their count is the node's. A GPU given and then lost
+    keeps its device file, so nvidia-smi listing fewer is still a GPU gone.
+    """
+    kind = container_of(facts)
+    node = facts.get("node")
+    if not kind or not isinstance(node, Mapping):
+        return None
+    devices = node.get("gpu_devices")
+    if not isinstance(devices, list) or not devices:
+        return None
+    return {"container": kind, "devices": len(devices), "visible_devices": node.get("visible_devices")}
 
 
 def check_gpu_count(facts: Facts, t: Thresholds) -> Verdict:
@@ -69,17 +87,32 @@ def check_gpu_count(facts: Facts, t: Thresholds) -> Verdict:
                 reasons.append(f"{gpu_label(g)} is {n!r}, expected {model!r}")
     pci, _ = facts_part(facts, "pci")
     source = "inventory" if want is not None else None
+    given = _given_gpus(facts, gpus)
     if pci is not None:
         seen = {g.get("bdf") for g in gpus}
         bound = sorted(b for b, d in (pci.get("devices") or {}).items() if d.get("driver") == "nvidia")
         state["nvidia_bound"] = len(bound)
+        if given is not None:
+            # A container given some of the host's GPUs sees all of them in sysfs, and only its
+            # own in nvidia-smi (the NVIDIA container toolkit): the others are not this node's.
+            others = sorted(b for b in bound if b not in seen)
+            state["not_this_nodes"] = others
+            state["given"] = given
+            bound = [b for b in bound if b in seen]
+            if want is None:
+                want, source = given["devices"], "the GPU devices this container was given"
+                if len(gpus) != want:
+                    reasons.insert(
+                        0,
+                        f"nvidia-smi sees {len(gpus)} GPUs, this container was given {want} (/dev/nvidiaN)",
+                    )
         for b in bound:
             if b not in seen:
                 reasons.append(
                     f"{b} is bound to nvidia but nvidia-smi does not list it (fallen off the bus?)"
                 )
         on_bus = pci.get("on_bus")
-        if isinstance(on_bus, dict):
+        if isinstance(on_bus, dict) and given is None:
             # A GPU on vfio-pci is handed to a VM: the host's nvidia-smi never lists it.
             ours = {b: d.get("driver") for b, d in on_bus.items() if d.get("driver") != "vfio-pci"}
             state["on_bus"] = len(ours)
@@ -115,8 +148,12 @@ def check_gpu_count(facts: Facts, t: Thresholds) -> Verdict:
         return failed("gpu_count", f"{desc}: {reasons[0]}", reasons, state=state)
     if source == "inventory":
         desc += f", as expected ({want})"
+    elif given is not None:
+        desc += f", as many as this container was given ({want})"
     elif source:
         desc += f", as many as the PCI bus has ({want})"
+    if state.get("not_this_nodes"):
+        desc += f"; {len(state['not_this_nodes'])} more on the host's bus: not this node's"
     if unknown:
         desc += f"; {unknown}"
     return Verdict("gpu_count", True, desc, state=state)
@@ -181,12 +218,17 @@ def check_persistence_mode(facts: Facts, t: Thresholds) -> Verdict:
         reasons = [
             f"{gpu_label(g)}: persistence mode {g.get('raw', {}).get('persistence_mode', '?')}" for g in off
         ]
+        inside = container_of(facts)
+        if inside:
+            # Persistence mode is the host driver's: a container can neither start
+            # nvidia-persistenced for it nor run `nvidia-smi -pm 1` (root of the host only).
+            reasons.append(f"this node is a {inside} container: set persistence mode on its host")
         return failed(
             "persistence_mode",
             f"persistence mode off on {len(off)} of {len(gpus)} GPUs",
             reasons,
             state=state,
-            fix="persistence",
+            fix=None if inside else "persistence",
         )
     return Verdict("persistence_mode", True, f"persistence mode on for all {len(gpus)} GPUs", state=state)
 

@@ -13,6 +13,8 @@ from pytest_gpuhost.modules.health.thresholds import Thresholds, mount_specs
 from pytest_gpuhost.modules.health.verdict import (
     Facts,
     Verdict,
+    blind_reason,
+    cannot_see,
     facts_part,
     failed,
     median,
@@ -28,8 +30,25 @@ from pytest_gpuhost.modules.health.xid import (
     worst,
 )
 
+#: What lets a check read the kernel log where this node denies it.
+KERNEL_LOG_WOULD_LET = (
+    "run the check on the host, give the container CAP_SYSLOG, or read the host's journal "
+    "(journalctl -k --directory PATH) where it is mounted"
+)
+
+
+def kernel_log_blind(check: str, facts: Facts) -> Verdict | None:
+    """Return the `cannot see` verdict of a check whose kernel log this node denies or lacks, else None."""
+    why = blind_reason(facts.get("kernel_log"))
+    if why is None:
+        return None
+    return cannot_see(check, f"cannot read the kernel log: {why}", KERNEL_LOG_WOULD_LET)
+
 
 def _kernel_errors(check: str, facts: Facts, key: str, ignore: Sequence[int], label: str) -> Verdict:
+    blind = kernel_log_blind(check, facts)
+    if blind is not None:
+        return blind
     part, err = facts_part(facts, "kernel_log")
     if part is None:
         return failed(check, f"kernel log unreadable: {err}", [str(err)])
@@ -64,6 +83,9 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
     host shows the action happened (health_xid.settle: a new boot id, or for a reset the GPU's
     reset signals cleared); one that asks only to restart the application passes, reported.
     """
+    blind = kernel_log_blind("xid", facts)
+    if blind is not None:
+        return blind
     part, err = facts_part(facts, "kernel_log")
     if part is None:
         return failed("xid", f"kernel log unreadable: {err}", [str(err)])
@@ -209,12 +231,30 @@ def _service_entries(facts: Facts, t: Thresholds) -> tuple[list[Mapping[str, Any
     return [found.get(u) or {"unit": u, "error": "not gathered", "show": {}} for u in t.services], None
 
 
+def _no_systemd(check: str, entries: list[Mapping[str, Any]]) -> Verdict | None:
+    """Return `cannot see` where the node has no systemd to ask about the unit (a container)."""
+    missing = sorted({str(e["missing"]) for e in entries if e.get("missing")})
+    if not missing:
+        return None
+    what = "no systemctl on this node" if "systemctl" in missing else "PID 1 is not systemd on this node"
+    units = ", ".join(str(e.get("unit")) for e in entries if e.get("missing"))
+    return cannot_see(
+        check,
+        f"cannot read the state of {units}: {what}",
+        "run the check where systemd manages the service, or name no `service` for this host "
+        "(a process started by hand has no unit)",
+    )
+
+
 def check_service(facts: Facts, t: Thresholds) -> Verdict:
     if not t.services:
         return skipped("service", "no inference service configured (inventory variable `service`)")
     entries, err = _service_entries(facts, t)
     if err:
         return failed("service", f"service state unavailable: {err}", [str(err)])
+    blind = _no_systemd("service", entries)
+    if blind is not None:
+        return blind
     reasons = []
     state = {}
     for e in entries:
