@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pytest_gpuhost.redact import printable, redact
-from pytest_gpuhost.run.record import BAD, FIXED, PASSED, SKIPPED, RunRecord
+from pytest_gpuhost.run.record import BAD, CANNOT_SEE, FIXED, PASSED, SKIPPED, RunRecord
 
 __all__ = [
     "ANSWER_CSS",
@@ -55,12 +55,16 @@ def _generic(target: str, records: list[Any]) -> dict[str, Any]:
     fixed = sum(1 for t in records if t.result == FIXED)
     passed = sum(1 for t in records if t.result == PASSED)
     skipped = sum(1 for t in records if t.result == SKIPPED)
+    blind = [t for t in records if t.result == CANNOT_SEE]
     parts = [f"{passed + fixed} checks passed"]
     if fixed:
         parts.append(f"{fixed} of them fixed by this run")
+    if blind:
+        parts.append(f"{len(blind)} could not see")
     if skipped:
         parts.append(f"{skipped} not applicable")
-    return {"target": target, "ok": True, "headline": "OK: " + ", ".join(parts), "details": []}
+    details = [f"{t.check}: cannot see: {t.summary}" for t in blind]
+    return {"target": target, "ok": True, "headline": "OK: " + ", ".join(parts), "details": details}
 
 
 def answers(run_record: RunRecord) -> list[dict[str, Any]]:
