@@ -606,6 +606,7 @@ class LabHost:
         }  # fmt: skip
         if svc.gpus:
             env["GPULAB_GPUS"] = ",".join(svc.gpus)
+        env.update(svc.env)  # what the operator exported before starting it (HF_TOKEN=...)
         argv = units.service_argv(svc)
         if svc.kind == "decoy":
             env["GPULAB_ARGV"] = json.dumps(argv)
@@ -924,6 +925,7 @@ class Lab:
                 tmp.rmdir()
         shutil.rmtree(mfs / "work0", ignore_errors=True)
         boot.mask_dirs(mfs / "base")
+        boot.own_dirs(mfs / "base")
 
     def down(self, name: str) -> None:
         """Tear down host ``name`` (also one whose up failed half-way)."""

@@ -119,7 +119,7 @@ def s3_problems(dests: list[tuple[str, str]], endpoint: str | None) -> list[str]
 
 @pytest.fixture(scope="module")
 def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterator[Decommission]:
-    """The Decommission of the current target (module scope: shared by the seven steps)."""
+    """The Decommission of the current target (module scope: shared by the eight steps)."""
     manifest_path, _ = options.get(pytestconfig, "manifest")
     if not manifest_path:
         pytest.fail("no manifest: pass --manifest=PATH (see fixtures/manifests/README.md)", pytrace=False)
@@ -144,6 +144,8 @@ def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterato
         stall_timeout=options.tuning(pytestconfig, "decommission_stall_timeout"),
         part_size=int(options.tuning(pytestconfig, "decommission_s3_part_mib") * 1024 * 1024),
         in_s3_send_to=options.get(pytestconfig, "in_s3_send_to")[0] or "location",
+        fixes=options.fixes(pytestconfig),
+        credentials_left=options.get(pytestconfig, "credentials_left")[0] or "report",
     )
     refused = None
     try:

@@ -15,6 +15,7 @@ link, whose loss makes the later steps fail at once, and the verdict naming it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpuhost.exec.s3io import make_client
+from pytest_gpuhost.modules import credentials
 from pytest_gpuhost.modules.backup.destination import (
     OWNER_NAME,
     DestinationError,
@@ -41,6 +43,7 @@ from pytest_gpuhost.modules.backup.local import (
 )
 from pytest_gpuhost.modules.backup.s3 import S3Item, S3Location, S3Upload, items_from_backup, parse_s3_url
 from pytest_gpuhost.modules.process import ProcessTable
+from pytest_gpuhost.redact import redact
 from pytest_gpuhost.run.procedure import Procedure
 
 from . import in_s3
@@ -99,6 +102,8 @@ class Decommission(Procedure):
         stall_timeout: float = 60.0,
         part_size: int | None = None,
         in_s3_send_to: str = "location",
+        fixes: tuple[str, ...] = (),
+        credentials_left: str = "report",
         progress: Callable[[Progress], None] | None = None,
         record: Callable[[str, Any], None] | None = None,
         measure: Callable[..., None] | None = None,
@@ -116,6 +121,11 @@ class Decommission(Procedure):
         self.stall_timeout = stall_timeout
         self.part_size = part_size
         self.in_s3_send_to = in_s3_send_to  # "location" or "backup-to" (--in-s3-send-to)
+        self.fixes = tuple(fixes)  # --fix=scrub
+        self.credentials_left = credentials_left  # report or unsafe (--credentials-left)
+        self.credentials: credentials.Scan | None = None  # the credentials step's latest look
+        self.environ_findings: list[credentials.Finding] = []  # stopped processes' environments
+        self.environ_error: str | None = None
         self.progress = progress
         self.record_state = record  # evidence.state
         self.record_measure = measure  # evidence.measure
@@ -272,14 +282,17 @@ class Decommission(Procedure):
                 "argv": ["df", "-P", "-k", *sorted({r for c in self.manifest.categories for r in c.roots})],
                 "timeout": 30,
             },
+            # the environments of the processes the run may stop, read before any is stopped
+            credentials.environ_request(),
         ]
         before = getattr(self.conn, "round_trips", 0)
-        hello, procs, walk, gpus, apps, df = self.conn.batch(reqs)
+        hello, procs, walk, gpus, apps, df, env = self.conn.batch(reqs)
         for res in (hello, procs, walk):
             if isinstance(res, Exception):
                 raise res
         table = ProcessTable.from_result(procs)
         selected = table.select(self.manifest.stop)
+        self.note_environ(env, {p.pid: (p.starttime, redact(p.cmdline)[:80]) for p, _ in selected})
         listing = self.backup.listing_from(walk)
         gpu_rows = csv_rows(gpus["stdout"]) if isinstance(gpus, dict) and gpus.get("rc") == 0 else []
         app_rows = csv_rows(apps["stdout"]) if isinstance(apps, dict) and apps.get("rc") == 0 else []
@@ -315,6 +328,27 @@ class Decommission(Procedure):
         self.inventory = inv
         self._listing = listing
         return inv
+
+    def note_environ(self, reply: Any, processes: dict[int, tuple[int, str]]) -> None:
+        """Keep the credentials in the environments of the processes to stop (and those of earlier runs).
+
+        Read in the inventory's round trip, before any process is stopped; kept in the backup
+        directory's `.gpuhost/credentials-environ.jsonl` (kinds, places, fingerprints: no value) so
+        that a rerun, after the processes are gone, still names them. Nothing is written under
+        --check-only.
+        """
+        found, self.environ_error = credentials.environ_findings(reply, processes)
+        path = self.dest / META / "credentials-environ.jsonl"
+        known: list[credentials.Finding] = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    known.append(credentials.Finding.from_record(json.loads(line)))
+        new = [f for f in found if f not in known]
+        if new and not self.check_only:
+            with open(self.meta / "credentials-environ.jsonl", "a") as f:
+                f.writelines(json.dumps(n.record()) + "\n" for n in new)
+        self.environ_findings = known + new
 
     def s3_cats(self) -> list[str]:
         """The manifest's categories marked s3."""

@@ -7,17 +7,20 @@ import os
 from collections.abc import Mapping, Sequence
 
 from pytest_gpuhost.exec.s3io import s3_problem
+from pytest_gpuhost.modules import credentials
 from pytest_gpuhost.modules.backup.local import Listing
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
+from .credentials import scrubbed
 from .node import Decommission
 
 __all__ = [
     "STEPS",
     "cell",
+    "credentials_notes",
     "in_place_notes",
     "md",
     "notes_after_failure",
@@ -29,7 +32,15 @@ __all__ = [
     "write_notes",
 ]
 
-STEPS = ("inventory", "servers stopped", "gpus idle", "artifacts backed up", "data in s3", "notes saved")
+STEPS = (
+    "inventory",
+    "servers stopped",
+    "gpus idle",
+    "artifacts backed up",
+    "data in s3",
+    "credentials",
+    "notes saved",
+)
 
 
 def md(text: object) -> str:
@@ -59,6 +70,8 @@ def verdict(
     open_uploads: Sequence[str] = (),
     in_place_missing: Sequence[tuple[str, str]] = (),
     s3_unreadable: Sequence[str] = (),
+    credentials_left: int = 0,
+    credentials_block: bool = False,
 ) -> list[str]:
     """Return why the node is not safe to terminate; an empty list is the only "safe".
 
@@ -68,7 +81,8 @@ def verdict(
     `Backup.verify` and the S3 verify return them) is verified in every destination; a file
     under an in_s3 root counts only once proved against its object there. An S3 destination
     the verdict could not read (`s3_unreadable`: one line each, "--backup-to URL: why") proves
-    nothing of what is there.
+    nothing of what is there. Credentials left on the node (`credentials_left`, a count) make
+    it not safe only when `credentials_block` (`--credentials-left=unsafe`).
     """
     problems: list[str] = []
     for step in STEPS:
@@ -85,6 +99,11 @@ def verdict(
     problems += [f"not in S3: {md(p)} ({md(why)})" for p, why in s3_missing]
     problems += [f"open multipart upload: {md(k)}" for k in open_uploads]
     problems += [f"not proved where it already is in S3: {md(p)} ({md(why)})" for p, why in in_place_missing]
+    if credentials_left and credentials_block:
+        problems.append(
+            f"{credentials_left} credentials remain on the node (--credentials-left=unsafe): rotate them; "
+            "--fix=scrub removes them"
+        )
     return problems
 
 
@@ -158,6 +177,7 @@ def notes_body(run: Decommission, problems: Sequence[str] = ()) -> str:
         if len(missing) > 200:
             lines.append(f"- ... and {len(missing) - 200} more (see the safe-to-terminate step)")
     lines += in_place_notes(run)
+    lines += credentials_notes(run)
     sums = run.dest / "SHA256SUMS"
     digest = hashlib.sha256(sums.read_bytes()).hexdigest() if sums.exists() else "(not written)"
     lines += [
@@ -175,6 +195,46 @@ def notes_body(run: Decommission, problems: Sequence[str] = ()) -> str:
             f"{md(', '.join(run.s3_cats()) or 'none')}"
         )
     return "\n".join(lines) + "\n"
+
+
+def credentials_notes(run: Decommission) -> list[str]:
+    """NOTES.md lines on the credentials: those left on the node, removed, and in stopped processes.
+
+    Each is its kind, place and fingerprint, never its value (suites/decommission/credentials.py).
+    """
+    scan = run.credentials
+    out: list[str] = []
+    if scan is not None:
+        left = scan.remaining
+        out += ["", f"## Credentials left on the node ({len(left)})", ""]
+        out += [f"- {md(f.describe())}" for f in left[:200]] or ["- none found"]
+        if len(left) > 200:
+            out.append(f"- ... and {len(left) - 200} more (see the credentials step)")
+        if scan.login:
+            out.append(
+                f"- never touched: {md(', '.join(scan.login))} (the run logs in with one of them; the provider's "
+                "wipe removes them)"
+            )
+    removed = scrubbed(run)
+    if removed:
+        out += ["", f"## Credentials removed from the node ({len(removed)} files)", ""]
+        for r in removed[:200]:
+            kinds = ", ".join(
+                sorted({f"{f.get('kind')} (sha256 {f.get('fingerprint')}...)" for f in r.get("found", [])})
+            )
+            out.append(f"- {md(r.get('action'))} {md(r.get('path'))}: {md(kinds)}; rotate them")
+        out.append(
+            "- a deleted file's blocks are not erased (an SSD remaps them, an overlay keeps the lower "
+            "layer): rotation is the protection"
+        )
+    if run.environ_findings:
+        out += [
+            "",
+            f"## Credentials in the environments of the processes stopped ({len(run.environ_findings)})",
+            "",
+        ]
+        out += [f"- {md(f.describe())}" for f in run.environ_findings[:200]]
+    return out
 
 
 def in_place_notes(run: Decommission) -> list[str]:
@@ -272,6 +332,11 @@ def step_safe_to_terminate(run: Decommission) -> Step:
     def check() -> Check:
         table = ProcessTable.read(run.conn, gpu_holders=run.manifest.stop.gpu_holders)
         running = [f"PID {p.pid} {p.cmdline}" for p, _ in table.select(run.manifest.stop)]
+        if run.credentials is None:  # the credentials step did not run: look now (read only)
+            run.credentials = credentials.read(
+                run.conn, sorted({r for c in run.manifest.categories for r in c.roots})
+            )
+        creds = run.credentials.remaining
         full, listing = run.walk_local()
         s3_missing: list[tuple[str, str]] = []
         open_uploads: list[str] = []
@@ -293,18 +358,34 @@ def step_safe_to_terminate(run: Decommission) -> Step:
             open_uploads=open_uploads,
             in_place_missing=[(p.file.display, p.how) for p in run.in_place_outstanding()],
             s3_unreadable=s3_unreadable,
+            credentials_left=len(creds),
+            credentials_block=run.credentials_left == "unsafe",
         )
         if problems:
             run._listing = listing  # what the local backup is to hold, as step 4 sets it
             failed = notes_after_failure(run, problems)
             problems += [failed] if failed else []
-        state = {"problems": problems, "files": len(full.files), "in_place": run.in_place_summary()}
+        state = {
+            "problems": problems,
+            "files": len(full.files),
+            "in_place": run.in_place_summary(),
+            "credentials_left": len(creds),
+        }
+        left = (
+            f"; {len(creds)} credentials remain on the node (rotate them; --fix=scrub removes them)"
+            if creds
+            else "; no credential left on the node"
+        )
         if problems:
             head = "\n  ".join(problems[:30])
             more = f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else ""
-            return Check(False, f"NOT safe to terminate: {len(problems)} problems:\n  {head}{more}", state)
+            return Check(
+                False, f"NOT safe to terminate: {len(problems)} problems{left}:\n  {head}{more}", state
+            )
         run.event("safe to terminate")
-        return Check(True, f"safe to terminate: {len(full.files)} files verified in every destination", state)
+        return Check(
+            True, f"safe to terminate: {len(full.files)} files verified in every destination{left}", state
+        )
 
     def fix(actions: list[Action], before: Check) -> None:
         raise ProcedureError("nothing here can make the node safe; fix the steps above and run again")
