@@ -54,6 +54,7 @@ __all__ = [
     "scan_reply",
     "scrub",
     "scrub_items",
+    "under",
 ]
 
 #: Credential stores under a home, by the tool that writes them: removed whole.
@@ -199,7 +200,8 @@ def environ_request() -> dict[str, Any]:
     return {"op": "cred_environ", "max_file_bytes": 64 * 1024, "max_bytes": 4 * 1024 * 1024, "timeout": 10.0}
 
 
-def _under(path: str, roots: Iterable[str]) -> bool:
+def under(path: str, roots: Iterable[str]) -> bool:
+    """Whether `path` is one of `roots` or below one."""
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
@@ -265,7 +267,7 @@ def scan_reply(reply: Mapping[str, Any], roots: Iterable[str], seconds: float = 
             continue
         for f in found:
             remember(f.value)
-        store = _under(path, roots) or (
+        store = under(path, roots) or (
             rel is not None and (rel in STORES or in_ssh or rel.startswith(".aws/"))
         )
         action, why = ("remove" if store else "drop_lines"), ""

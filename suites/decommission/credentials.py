@@ -29,7 +29,7 @@ from pytest_gpuhost.run.remediation import Action, Check
 
 from .node import Decommission
 
-__all__ = ["BEFORE", "scrub_refusal", "step_credentials"]
+__all__ = ["BEFORE", "scrub_refusal", "scrubbed", "step_credentials_left"]
 
 #: The steps that must have passed (or been fixed) before anything is scrubbed.
 BEFORE = ("inventory", "servers stopped", "gpus idle", "artifacts backed up", "data in s3")
@@ -60,7 +60,7 @@ def _headline(scan: credentials.Scan) -> str:
     return f"{len(left)} credentials left on the node in {places} places ({rotate} to rotate)"
 
 
-def step_credentials(run: Decommission) -> Step:
+def step_credentials_left(run: Decommission) -> Step:
     """Step 6: no credential is left on the node (or they are listed, and removed with --fix=scrub)."""
     scrub = "scrub" in run.fixes
 
@@ -82,8 +82,24 @@ def step_credentials(run: Decommission) -> Step:
             "(gone with them; rotate them)"
         )
 
+    def tell(scan: credentials.Scan) -> None:
+        """List the findings on the terminal: kind, place, fingerprint, never a value."""
+        if run.say is None:
+            return
+        found = [*scan.remaining, *run.environ_findings]
+        if not found:
+            return
+        run.say(
+            f"credentials: {_headline(scan)}; {len(run.environ_findings)} in stopped processes' environments"
+        )
+        for f in found[:50]:
+            run.say(f"  - {f.describe()}")
+        if len(found) > 50:
+            run.say(f"  ... and {len(found) - 50} more (NOTES.md lists them all)")
+
     def check() -> Check:
         scan, state = look()
+        tell(scan)
         left = scan.remaining
         if not left:
             return Check(
@@ -141,6 +157,13 @@ def step_credentials(run: Decommission) -> Step:
         done = [r for r in results if r.get("status") in ("removed", "rewritten", "gone")]
         run._state("scrub", results)
         run.event(f"scrubbed: {len(done)} of {len(items)} files")
+        roots = _roots(run)
+        if any(
+            r.get("status") == "removed" and credentials.under(str(r.get("path")), roots) for r in results
+        ):
+            # files under the manifest's roots are gone from the node (their copies stay in the
+            # backup): NOTES.md and the verdict count what the node holds now
+            _, run._listing = run.walk_local()
         bad = [r for r in results if r not in done]
         if bad:
             raise ProcedureError(
@@ -163,7 +186,7 @@ def step_credentials(run: Decommission) -> Step:
             True, f"credentials removed from the node (rotate them all the same){tail}{env_line()}", state
         )
 
-    return run.step("credentials", check, plan, fix, verify)
+    return run.step("credentials left", check, plan, fix, verify)
 
 
 def scrubbed(run: Decommission) -> list[dict[str, Any]]:

@@ -105,6 +105,7 @@ class Decommission(Procedure):
         fixes: tuple[str, ...] = (),
         credentials_left: str = "report",
         progress: Callable[[Progress], None] | None = None,
+        say: Callable[[str], None] | None = None,
         record: Callable[[str, Any], None] | None = None,
         measure: Callable[..., None] | None = None,
     ) -> None:
@@ -127,6 +128,7 @@ class Decommission(Procedure):
         self.environ_findings: list[credentials.Finding] = []  # stopped processes' environments
         self.environ_error: str | None = None
         self.progress = progress
+        self.say = say  # one line on the operator's terminal
         self.record_state = record  # evidence.state
         self.record_measure = measure  # evidence.measure
         self.outcomes: dict[str, str] = {}  # step name -> outcome, for the verdict

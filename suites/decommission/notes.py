@@ -38,7 +38,7 @@ STEPS = (
     "gpus idle",
     "artifacts backed up",
     "data in s3",
-    "credentials",
+    "credentials left",
     "notes saved",
 )
 
@@ -376,6 +376,8 @@ def step_safe_to_terminate(run: Decommission) -> Step:
             if creds
             else "; no credential left on the node"
         )
+        if run.say is not None:
+            run.say(f"verdict: {len(creds)} credentials remain on the node" if creds else left[2:])
         if problems:
             head = "\n  ".join(problems[:30])
             more = f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else ""
