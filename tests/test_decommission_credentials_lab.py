@@ -152,9 +152,12 @@ def test_every_credential_found_none_shown_scrub_removes(b200, s3_endpoint, tmp_
     journal = (dest / ".gpuhost" / "scrubbed.jsonl").read_text()
     assert "/root/.aws/credentials" in journal and "authorized_keys" not in journal
     assert leaked(artefacts(dest, tmp_path / "reports2", out)) == []
+    notes_scrubbed = (dest / "NOTES.md").read_text().split("\n## Timeline\n")[0]
 
     rc, out, counts = run_suite(argv(h, dest, tmp_path / "reports3", s3=s3), env)
-    assert rc == 0 and counts.get("passed") == 8, out
+    notes_now = (dest / "NOTES.md").read_text().split("\n## Timeline\n")[0]
+    changed = set(notes_now.splitlines()) ^ set(notes_scrubbed.splitlines())
+    assert rc == 0 and counts.get("passed") == 8, (out, changed)
     files, _ = found_in(tmp_path / "reports3")
     assert files == set(), files
     assert "no credential left on the node" in out, out

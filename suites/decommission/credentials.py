@@ -164,6 +164,7 @@ def step_credentials_left(run: Decommission) -> Step:
             # files under the manifest's roots are gone from the node (their copies stay in the
             # backup): NOTES.md and the verdict count what the node holds now
             _, run._listing = run.walk_local()
+            run.backup.write_checksums(run._listing)  # as a rerun's step 4 would write it
         bad = [r for r in results if r not in done]
         if bad:
             raise ProcedureError(
