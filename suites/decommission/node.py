@@ -1,9 +1,9 @@
-"""The decommission procedure for one node: the state its seven steps share.
+"""The decommission procedure for one node: the state its eight steps share.
 
 The steps are tests in test_decommission.py, in order. Each builds its `Remediation` from the
 node's one `Decommission`: steps 1-3 (inventory, servers stopped, GPUs idle) are the functions of
-stop.py, 4-5 (artifacts backed up, data in S3) of transfer.py, 6-7 (notes saved, safe to
-terminate) of notes.py. Step names follow the convention of every suite: the test is
+stop.py, 4-5 (artifacts backed up, data in S3) of transfer.py, 6 (credentials left) of
+credentials.py, 7-8 (notes saved, safe to terminate) of notes.py. Step names follow the convention of every suite: the test is
 `test_<name>`, its remediation `<name>` with spaces ("gpus idle"), its builder
 `step_<name>(run)`.
 

@@ -1,4 +1,4 @@
-"""Steps 6-7 of suites/decommission: notes saved, and the verdict (safe to terminate)."""
+"""Steps 7-8 of suites/decommission: notes saved, and the verdict (safe to terminate)."""
 
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ def in_place_notes(run: Decommission) -> list[str]:
 
 
 def step_notes_saved(run: Decommission) -> Step:
-    """Step 6: NOTES.md says what the node was, what ran, what was kept and where."""
+    """Step 7: NOTES.md says what the node was, what ran, what was kept and where."""
     path = run.dest / "NOTES.md"
     box: dict[str, str] = {}
 
@@ -327,7 +327,7 @@ def notes_after_failure(run: Decommission, problems: Sequence[str]) -> str | Non
 
 
 def step_safe_to_terminate(run: Decommission) -> Step:
-    """Step 7, the verdict: every step passed or was fixed and every byte is verified at its destination."""
+    """Step 8, the verdict: every step passed or was fixed and every byte is verified at its destination."""
 
     def check() -> Check:
         table = ProcessTable.read(run.conn, gpu_holders=run.manifest.stop.gpu_holders)
