@@ -332,11 +332,15 @@ def step_safe_to_terminate(run: Decommission) -> Step:
     def check() -> Check:
         table = ProcessTable.read(run.conn, gpu_holders=run.manifest.stop.gpu_holders)
         running = [f"PID {p.pid} {p.cmdline}" for p, _ in table.select(run.manifest.stop)]
+        unread = ""
         if run.credentials is None:  # the credentials step did not run: look now (read only)
-            run.credentials = credentials.read(
-                run.conn, sorted({r for c in run.manifest.categories for r in c.roots})
-            )
-        creds = run.credentials.remaining
+            try:
+                run.credentials = credentials.read(
+                    run.conn, sorted({r for c in run.manifest.categories for r in c.roots})
+                )
+            except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
+                unread = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        creds = run.credentials.remaining if run.credentials is not None else []
         full, listing = run.walk_local()
         s3_missing: list[tuple[str, str]] = []
         open_uploads: list[str] = []
@@ -361,6 +365,8 @@ def step_safe_to_terminate(run: Decommission) -> Step:
             credentials_left=len(creds),
             credentials_block=run.credentials_left == "unsafe",
         )
+        if unread and run.credentials_left == "unsafe":
+            problems.append(f"credentials on the node could not be read: {md(unread)}")
         if problems:
             run._listing = listing  # what the local backup is to hold, as step 4 sets it
             failed = notes_after_failure(run, problems)
