@@ -19,6 +19,7 @@ from pytest_gpuhost.run.options import BadValue, Option, lines, number, read, re
 __all__ = [
     "CREDENTIALS_LEFT",
     "FIXES",
+    "INI_ONLY",
     "OPTIONS",
     "SEND_TO",
     "TUNING",
@@ -178,15 +179,17 @@ S3_PART_MIB = _opt(
     default=32.0,
 )
 
-#: Ini-only values: the tuning, and the ini twin of `--fix` (whose flag suites/health declares).
-TUNING: tuple[Option, ...] = (STALL_TIMEOUT, S3_PART_MIB, FIX)
+#: Ini-only tuning values.
+TUNING: tuple[Option, ...] = (STALL_TIMEOUT, S3_PART_MIB)
+#: Ini-only: the twin of `--fix` (whose flag is declared with suites/health's fixes).
+INI_ONLY: tuple[Option, ...] = (FIX,)
 
-_BY_NAME = {opt.name: opt for opt in OPTIONS + TUNING}
+_BY_NAME = {opt.name: opt for opt in OPTIONS + TUNING + INI_ONLY}
 
 
 def addoption(parser: pytest.Parser) -> None:
     """Register this suite's options in the gpuhost group."""
-    register(parser, OPTIONS + TUNING)
+    register(parser, OPTIONS + TUNING + INI_ONLY)
 
 
 def tuning(config: pytest.Config, name: str) -> float:
@@ -213,7 +216,7 @@ def get(config: pytest.Config, name: str) -> tuple[str | None, str]:
 
 def validate(config: pytest.Config) -> None:
     """Check this suite's option values; raise pytest.UsageError naming the bad value."""
-    for opt in OPTIONS + TUNING:
+    for opt in OPTIONS + TUNING + INI_ONLY:
         read(config, opt)
     endpoint, source = read(config, S3_ENDPOINT)
     if endpoint and not read(config, BACKUP_TO)[0]:

@@ -53,7 +53,8 @@ def _fixes(raw: Any) -> list[str]:
         if name not in CHOICES:
             hint = "; reboot only beside reset, as its fallback: --fix=reset,reboot" if name == REBOOT else ""
             raise BadValue(
-                f"unknown fix; choose from {', '.join(CHOICES)} (e.g. --fix=persistence --fix=service){hint}",
+                f"unknown fix; choose from {', '.join(CHOICES)} (e.g. --fix=persistence --fix=service), "
+                f"or {', '.join(DECOMMISSION_FIXES)} for suites/decommission{hint}",
                 name,
             )
     return names
