@@ -17,6 +17,12 @@ findings for a line rather than rewriting text, and its keyword and high-entropy
 what our evidence is full of (sha256 digests, GPU UUIDs, serials) -- a masked digest would make
 a backup manifest unreadable.
 
+Each kind of secret is defined once, as a `Detector` in `DETECTORS` (its pattern, and which part
+of a match is the secret, decided by the name's words and the value's shape where needed). The
+same definitions serve `redact`, which hides what they find, and `detect`, which reports it
+(kind, span, value) for suites/decommission's look at a node's files
+(pytest_gpuhost/modules/credentials.py): a format is never written twice.
+
 `printable` is the other half of what reaches a terminal: control characters shown, not obeyed.
 """
 
