@@ -69,8 +69,10 @@ def test_reads_are_bounded_per_file_and_in_all(tmp_path):
 
 
 def test_walk_finds_env_files_and_launch_scripts_without_entering_links(tmp_path):
+    real = tmp_path / "nvme" / "data"
+    (real / "scripts").mkdir(parents=True)
     root = tmp_path / "data"
-    (root / "scripts").mkdir(parents=True)
+    root.symlink_to(real)  # the root the operator named is a link (/data -> /mnt/nvme/data): followed
     (root / ".env").write_text("X=1\n")
     (root / "scripts" / "serve.sh").write_text("#!/bin/sh\n")
     (root / "scripts" / "eval.py").write_text("print(1)\n")
@@ -79,8 +81,12 @@ def test_walk_finds_env_files_and_launch_scripts_without_entering_links(tmp_path
     (outside / "leak.sh").write_text("#!/bin/sh\n")
     (root / "link").symlink_to(outside)
     found: list[str] = []
-    probe._walk(str(root), list(credentials.ROOT_NAMES), budget(), 8, found)
-    assert sorted(found) == [str(root / ".env"), str(root / "scripts" / "serve.sh")]
+    errors: list[dict] = []
+    probe._walk(str(root), list(credentials.ROOT_NAMES), budget(), 8, found, errors)
+    assert sorted(found) == [str(root / ".env"), str(root / "scripts" / "serve.sh")] and errors == []
+    rec = probe._read(str(root / ".env"), budget(), [str(root)])  # read below the root, as walked
+    assert base64.b64decode(rec["data"]) == b"X=1\n"
+    assert "not followed" in probe._read(str(root / ".env"), budget())["error"]  # from / it is a link
 
 
 # ---------------------------------------------------------------- the probe: scrubs

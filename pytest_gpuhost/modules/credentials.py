@@ -364,9 +364,14 @@ def environ(conn: Any, processes: Mapping[int, tuple[int, str]]) -> tuple[list[F
     return environ_findings(reply, processes)
 
 
-def scrub(conn: Any, items: list[dict[str, Any]], timeout: float = 30.0) -> list[dict[str, Any]]:
-    """Remove what `items` name on the node (one round trip); return each one's result."""
+def scrub(
+    conn: Any, items: list[dict[str, Any]], roots: Iterable[str] = (), timeout: float = 30.0
+) -> list[dict[str, Any]]:
+    """Remove what `items` name on the node (one round trip); return each one's result.
+
+    `roots` are the manifest's roots, whose own ancestors are followed as the read followed them.
+    """
     if not items:
         return []
-    reply = conn.call("cred_scrub", items=items, timeout=timeout)
+    reply = conn.call("cred_scrub", items=items, roots=sorted(set(roots)), timeout=timeout)
     return list(reply.get("results", []))

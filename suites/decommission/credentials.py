@@ -153,7 +153,7 @@ def step_credentials_left(run: Decommission) -> Step:
                     + "\n"
                 )
         run.event(f"scrubbing {len(items)} files of credentials")
-        results = credentials.scrub(run.conn, items)
+        results = credentials.scrub(run.conn, items, _roots(run))
         done = [r for r in results if r.get("status") in ("removed", "rewritten", "gone")]
         run._state("scrub", results)
         run.event(f"scrubbed: {len(done)} of {len(items)} files")

@@ -7,8 +7,9 @@ probe only reads and, when asked, removes.
 - `cred_read`: the given files under every home (root's, each /etc/passwd user's with a home, each
   directory in /home), the files of the given home directories (`~/.ssh`, the AWS SSO cache), and
   the `.env` files and launch scripts under the given roots.  Every path is opened fd-relative
-  from `/`, each directory with O_NOFOLLOW|O_DIRECTORY and the file with O_NOFOLLOW: a symbolic
-  link anywhere on the way is reported, never followed.  Only regular files are read; each is cut
+  from `/` (below a root: from the root, whose own ancestors the operator named), each directory
+  with O_NOFOLLOW|O_DIRECTORY and the file with O_NOFOLLOW: a symbolic link on the way is
+  reported, never followed.  Only regular files are read; each is cut
   at `max_file_bytes`, all together at `max_bytes`, and the whole read stops at `deadline`.
 - `cred_environ`: the environment of every process but this agent's own tree, bounded likewise.
 - `cred_scrub`: remove a file, or drop the lines whose SHA-256 is given, only when the file's
@@ -44,11 +45,21 @@ class _Budget:
         return self.out_of_time
 
 
-def _open_dir(path):
-    """Open directory `path` from `/` one component at a time, never through a link; return its fd."""
-    fd = os.open("/", _DIR)
+def _open_dir(path, anchors=()):
+    """Open directory `path` one component at a time, never through a link; return its fd.
+
+    From `/`, or from the longest of `anchors` (the manifest's roots) that holds `path`: a root's
+    own ancestors are the operator's, named by them, and followed, as the backup's walk does.
+    """
+    start, rest = "/", path
+    for a in sorted(anchors, key=len, reverse=True):
+        a = a.rstrip("/") or "/"
+        if path == a or path.startswith(a + "/"):
+            start, rest = a, path[len(a) :]
+            break
+    fd = os.open(start, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:
-        for part in [p for p in path.split("/") if p]:
+        for part in [p for p in rest.split("/") if p]:
             nfd = os.open(part, _DIR, dir_fd=fd)
             os.close(fd)
             fd = nfd
@@ -64,11 +75,11 @@ def _why(exc):
     return exc.strerror or str(exc)
 
 
-def _read(path, budget):
+def _read(path, budget, anchors=()):
     """Read one regular file (fd-relative, no link followed); return its record, or None when absent."""
     head, name = os.path.split(path)
     try:
-        dfd = _open_dir(head)
+        dfd = _open_dir(head, anchors)
     except OSError as exc:
         if exc.errno == errno.ENOENT:
             return None
@@ -109,11 +120,16 @@ def _read(path, budget):
         os.close(dfd)
 
 
-def _list(path):
-    """Names of the regular entries and of the directories in directory `path` (no link followed)."""
+def _list(path, anchors=(), errors=None):
+    """Names of the regular entries and of the directories in directory `path` (no link followed).
+
+    A directory that cannot be opened lists nothing; with `errors`, it is appended there.
+    """
     try:
-        fd = _open_dir(path)
-    except OSError:
+        fd = _open_dir(path, anchors)
+    except OSError as exc:
+        if errors is not None and exc.errno != errno.ENOENT:
+            errors.append({"path": path, "error": _why(exc)})
         return [], []
     try:
         files, dirs = [], []
@@ -162,12 +178,12 @@ def _wanted(name, patterns):
     return False
 
 
-def _walk(root, patterns, budget, max_depth, found):
-    """Append to `found` the files under `root` whose name matches, depth-first, no link entered."""
+def _walk(root, patterns, budget, max_depth, found, errors=None):
+    """Append to `found` the files under `root` whose name matches, depth-first, no link entered below it."""
     stack = [(root.rstrip("/") or "/", 0)]
     while stack and not budget.expired() and len(found) < 10000:
         path, depth = stack.pop()
-        files, dirs = _list(path)
+        files, dirs = _list(path, [root], errors)
         found += [path + "/" + n for n in files if _wanted(n, patterns)]
         if depth < max_depth:
             stack += [(path + "/" + d, depth + 1) for d in reversed(dirs)]
@@ -185,10 +201,12 @@ def cred_read(params):
             files = _list(h + "/" + rel)[0]
             paths += [h + "/" + rel + "/" + n for n in files]
     under = []  # type: list
-    for root in params.get("roots", []):
-        _walk(root, params.get("root_names", []), budget, int(params.get("max_depth", 8)), under)
+    errors = []  # type: list
+    roots = params.get("roots", [])
+    for root in roots:
+        _walk(root, params.get("root_names", []), budget, int(params.get("max_depth", 8)), under, errors)
     paths += under
-    files, errors, seen = [], [], set()
+    files, seen = [], set()
     for p in paths:
         if p in seen:
             continue
@@ -196,7 +214,7 @@ def cred_read(params):
         if budget.expired():
             errors.append({"path": p, "error": "not read: the scan's time bound ran out"})
             continue
-        rec = _read(p, budget)
+        rec = _read(p, budget, roots)
         if rec is None:
             continue
         (errors if "error" in rec else files).append(rec)
@@ -271,7 +289,7 @@ def _rewrite(dfd, name, st, data, drop):
     os.fsync(dfd)
 
 
-def _scrub_one(item, deadline):
+def _scrub_one(item, deadline, anchors=()):
     path = item["path"]
     head, name = os.path.split(path)
     if name in PROTECTED:
@@ -279,7 +297,7 @@ def _scrub_one(item, deadline):
     if time.time() >= deadline:
         return {"path": path, "status": "error", "why": "not done: the scrub's time bound ran out"}
     try:
-        dfd = _open_dir(head)
+        dfd = _open_dir(head, anchors)
     except OSError as exc:
         return {"path": path, "status": "gone" if exc.errno == errno.ENOENT else "error", "why": _why(exc)}
     try:
@@ -325,4 +343,5 @@ def cred_scrub(params):
     items = params.get("items", [])
     if any(i.get("action") not in ("remove", "drop_lines") for i in items):
         raise OpError("cred_scrub: each item's action is remove or drop_lines")
-    return {"results": [_scrub_one(i, deadline) for i in items]}
+    roots = params.get("roots", [])
+    return {"results": [_scrub_one(i, deadline, roots) for i in items]}
