@@ -7,6 +7,7 @@ profile's data trees. ``LabHost`` mounts the layer under the host's overlay (gpu
 
 from __future__ import annotations
 
+import compileall
 import shutil
 from pathlib import Path
 
@@ -68,6 +69,11 @@ def install_tools(root: Path, container: bool) -> None:
         src = tools / pkg
         if src.is_dir():
             shutil.copytree(src, site / pkg, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+            # Compiled into the layer, as a distribution's package ships its .pyc: otherwise the
+            # first nvidia-smi of a run writes its cache into the host's own files, and a run that
+            # must write nothing (--check-only, tests/test_check_only_writes_nothing_lab.py) would
+            # be blamed for the lab's own write.
+            compileall.compile_dir(site / pkg, quiet=1)
     lib = root / "usr/local/lib/gpulab"
     lib.mkdir(parents=True, exist_ok=True)
     (root / nvml.LIB_PATH).parent.mkdir(parents=True, exist_ok=True)

@@ -181,6 +181,12 @@ def describe_connection(name: str, which: str, conn: Any, spec: Any) -> dict[str
         "version": client_version(client),
         "mode": str(getattr(conn, "mode", "") or ""),
         "via": str(getattr(launcher, "description", "") or ""),
+        # the node's side, for the report's environment: its Python, kernel and our agent's version
+        **{
+            f"node_{k}": str(v)
+            for k, v in (getattr(conn, "hello", None) or {}).items()
+            if k in ("python", "kernel", "version") and v
+        },
     }
 
 

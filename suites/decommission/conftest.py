@@ -18,7 +18,7 @@ from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Remediation, WouldFix
 from pytest_gpuhost.run.targets_stash import targets_key
 
-from . import options
+from . import options, preflight
 from .node import Decommission
 
 
@@ -69,14 +69,19 @@ def destinations(config: pytest.Config, target_name: str) -> tuple[str, str | No
 
 @pytest.hookimpl(trylast=True)  # after the plugin's configure has loaded the run's targets
 def pytest_configure(config: pytest.Config) -> None:
-    """Refuse, as a usage error before any test runs, destinations that several targets would share."""
+    """Refuse, as one usage error before any test runs, everything the run would need and lacks.
+
+    Every problem is one line, and all of them are listed at once (suites/decommission/preflight.py):
+    destinations that several targets would share, the options the manifest implies, backup
+    directories this user cannot make, S3 locations that do not answer. No node is reached.
+    """
     names = [str(t.name) for t in config.stash.get(targets_key, [])]
     if not names:
         return
     backup_dir, _ = options.get(config, "backup_dir")
     backup_to, _ = options.get(config, "backup_to")
     try:
-        per_target(backup_dir or "backups/{host}", names, option="--backup-dir")
+        dirs = per_target(backup_dir or "backups/{host}", names, option="--backup-dir")
         urls = per_target(backup_to, names, option="--backup-to") if backup_to else {}
     except DestinationError as exc:
         raise pytest.UsageError(f"gpuhost: {exc}") from None
@@ -85,10 +90,15 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # no manifest: the steps say so; --co touches nothing; xdist: the controller checked
     endpoint, _ = options.get(config, "s3_endpoint")
     send_to, _ = options.get(config, "in_s3_send_to")
-    dests = s3_destinations(
-        load_manifest(manifest_path), list(urls.values()), in_s3_to_backup_to=send_to == "backup-to"
-    )
-    problems = s3_problems(dests, endpoint)
+    manifest = load_manifest(manifest_path)
+    problems = preflight.options_problems(manifest, backup_to=backup_to, send_to=send_to)
+    here = Path(config.invocation_params.dir)
+    for d in dict.fromkeys(dirs.values()):
+        why = preflight.backup_dir_problem(here / d)
+        if why:
+            problems.append(why)
+    dests = s3_destinations(manifest, list(urls.values()), in_s3_to_backup_to=send_to == "backup-to")
+    problems = [printable(redact(p)).replace("\n", "\\n") for p in problems] + s3_problems(dests, endpoint)
     if problems:
         raise pytest.UsageError("\n".join(f"gpuhost: {p}" for p in problems))
 

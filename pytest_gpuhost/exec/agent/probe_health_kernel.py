@@ -154,7 +154,12 @@ def fact_health_kernel_log(params):
     """Return the Xid and SXid lines logged since the committed cursor, and the new cursor."""
     timeout = float(params.get("timeout", 20))
     path = params.get("state_path") or state_path(STATE_FILE)
-    state, state_error = read_state(path)
+    if isinstance(params.get("state"), dict):
+        # a --check-only run keeps its state on the controller, which sends it: nothing is read
+        # from, or later written to, this node's state directory
+        state, state_error, path = params["state"], None, params.get("state_from") or "controller"
+    else:
+        state, state_error = read_state(path)
     record = []  # type: list
     lines, mode, failed = _dmesg_lines(timeout, record)
     if failed is not None:

@@ -129,8 +129,7 @@ class S3Upload:
         self.workers = workers
         self.progress = progress
         self.progress_interval = progress_interval
-        meta = self.dest / _META
-        meta.mkdir(parents=True, exist_ok=True)
+        meta = self.dest / _META  # made by the state's first record (StateFile), never here
         # one state per destination: the same directory may go to two buckets
         tag = hashlib.sha256(f"{self.client.meta.endpoint_url}|{location.url}".encode()).hexdigest()[:12]
         self.state = StateFile(meta, f"s3-{tag}")
