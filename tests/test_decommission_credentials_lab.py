@@ -101,14 +101,24 @@ def login_state(h: Any) -> str:
     return r.stdout.split()[0]
 
 
-def test_scrub_waits_for_a_safe_node(b200, tmp_path):
+def test_scrub_waits_for_a_safe_node(b200, s3_endpoint, tmp_path):
     """--fix=scrub with the data steps not run removes nothing; --credentials-left=unsafe fails the node."""
     h = b200
     h.reset()
     dest, reports = tmp_path / "backup", tmp_path / "reports"
+    s3 = (s3_endpoint.make_bucket("wait"), s3_endpoint.url)
     rc, out, counts = run_suite(
-        argv(h, dest, reports, "--fix=scrub", "--credentials-left=unsafe", "-k", "credentials_left or safe"),
-        dict(os.environ),
+        argv(
+            h,
+            dest,
+            reports,
+            "--fix=scrub",
+            "--credentials-left=unsafe",
+            "-k",
+            "credentials_left or safe",
+            s3=s3,
+        ),
+        {**os.environ, **s3_endpoint.env},
     )
     assert rc != 0 and counts.get("failed", 0) >= 2, out
     assert "not otherwise safe to terminate" in out, out

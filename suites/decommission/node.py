@@ -127,6 +127,7 @@ class Decommission(Procedure):
         self.credentials: credentials.Scan | None = None  # the credentials step's latest look
         self.environ_findings: list[credentials.Finding] = []  # stopped processes' environments
         self.environ_error: str | None = None
+        self._environ_pending: list[credentials.Finding] = []
         self.progress = progress
         self.say = say  # one line on the operator's terminal
         self.record_state = record  # evidence.state
@@ -292,6 +293,7 @@ class Decommission(Procedure):
         held, self._events = self._events, []
         with open(self.meta / "timeline.jsonl", "a") as f:
             f.writelines(json.dumps(entry) + "\n" for entry in held)
+        self._write_environ()
 
     # ---------------------------------------------------------------- 1 inventory
 
@@ -372,10 +374,18 @@ class Decommission(Procedure):
                 with contextlib.suppress(ValueError):
                     known.append(credentials.Finding.from_record(json.loads(line)))
         new = [f for f in found if f not in known]
-        if new and not self.check_only:
-            with open(self.meta / "credentials-environ.jsonl", "a") as f:
-                f.writelines(json.dumps(n.record()) + "\n" for n in new)
         self.environ_findings = known + new
+        if self.check_only:
+            return
+        self._environ_pending += new
+        if self._stake is None:  # a run whose step 1 has not passed its preflight writes nothing yet
+            self._write_environ()
+
+    def _write_environ(self) -> None:
+        pending, self._environ_pending = self._environ_pending, []
+        if pending:
+            with open(self.meta / "credentials-environ.jsonl", "a") as f:
+                f.writelines(json.dumps(n.record()) + "\n" for n in pending)
 
     def s3_cats(self) -> list[str]:
         """The manifest's categories marked s3."""
