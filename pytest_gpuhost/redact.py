@@ -17,6 +17,12 @@ findings for a line rather than rewriting text, and its keyword and high-entropy
 what our evidence is full of (sha256 digests, GPU UUIDs, serials) -- a masked digest would make
 a backup manifest unreadable.
 
+Each kind of secret is defined once, as a `Detector` in `DETECTORS` (its pattern, and which part
+of a match is the secret, decided by the name's words and the value's shape where needed). The
+same definitions serve `redact`, which hides what they find, and `detect`, which reports it
+(kind, span, value) for suites/decommission's look at a node's files
+(pytest_gpuhost/modules/credentials.py): a format is never written twice.
+
 `printable` is the other half of what reaches a terminal: control characters shown, not obeyed.
 """
 
@@ -26,10 +32,15 @@ import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "DETECTORS",
     "MASK",
+    "Detector",
+    "Found",
+    "detect",
     "printable",
     "redact",
     "redact_argv",
@@ -142,39 +153,6 @@ def remember_env(env: Mapping[str, str]) -> None:
             remember(value)
 
 
-def _keep_and_mask(match: re.Match[str]) -> str:
-    remember(match.group(2))
-    return match.group(1) + MASK
-
-
-def _mask_whole(match: re.Match[str]) -> str:
-    remember(match.group(0))
-    return MASK
-
-
-def _name_value(match: re.Match[str]) -> str:
-    """Mask a `name: value` whose name is a secret's, unless it is prose (`passwd: password updated`)."""
-    value, rest = match.group(3), match.string[match.end() :]
-    hide = _hide(match.group(2), value)
-    if not hide:  # the value may hold a pair of its own: `Environment=HF_TOKEN=hf_...`
-        return match.group(1) + _NAME_VALUE.sub(_name_value, value) if "=" in value else match.group(0)
-    if "=" not in match.group(1) and value.isalpha() and re.match(r" +[A-Za-z]", rest):
-        return match.group(0)
-    if hide == "remember":
-        remember(value)
-    return match.group(1) + MASK
-
-
-def _flag_value(match: re.Match[str]) -> str:
-    """Mask `--name VALUE` whose name is a secret's (`--api-key X`, `--token X`, `--key X`)."""
-    hide = _hide(match.group(2), match.group(3))
-    if not hide:
-        return match.group(0)
-    if hide == "remember":
-        remember(match.group(3))
-    return match.group(1) + MASK
-
-
 def _secret_shaped(value: str) -> bool:
     """Tell whether a value looks like a key or token by itself: long, one token, mixed, high entropy.
 
@@ -214,14 +192,55 @@ def _hide(name: str, value: str) -> str:
     return "remember" if _secret_shaped(v) else ""
 
 
-def _user_password(match: re.Match[str]) -> str:
+# A detector's verdict on one match: the spans of the secrets in it, each (start, end, remember).
+# An empty list is an honest match (`--max-total-tokens 65536`, a digest under `cache_key`).
+Span = tuple[int, int, bool]
+
+
+def _group(n: int) -> Callable[[re.Match[str]], list[Span]]:
+    """The secret is group `n` of the match, always (and is hidden wherever it appears later)."""
+
+    def spans(match: re.Match[str]) -> list[Span]:
+        return [(match.start(n), match.end(n), True)]
+
+    return spans
+
+
+def _hide_span(match: re.Match[str], name: str, group: int) -> list[Span]:
+    hide = _hide(name, match.group(group))
+    if not hide:
+        return []
+    return [(match.start(group), match.end(group), hide == "remember")]
+
+
+def _name_value(match: re.Match[str]) -> list[Span]:
+    """A `name: value` whose name is a secret's, unless it is prose (`passwd: password updated`)."""
+    value, rest = match.group(3), match.string[match.end() :]
+    if not _hide(
+        match.group(2), value
+    ):  # the value may hold a pair of its own: `Environment=HF_TOKEN=hf_...`
+        if "=" not in value:
+            return []
+        inner = _NAME_VALUE.finditer(match.string, match.start(3), match.end(3))
+        return [s for m in inner for s in _name_value(m)]
+    if "=" not in match.group(1) and value.isalpha() and re.match(r" +[A-Za-z]", rest):
+        return []
+    return _hide_span(match, match.group(2), 3)
+
+
+def _flag_value(match: re.Match[str]) -> list[Span]:
+    """`--name VALUE` whose name is a secret's (`--api-key X`, `--token X`, `--key X`)."""
+    return _hide_span(match, match.group(2), 3)
+
+
+def _user_password(match: re.Match[str]) -> list[Span]:
     if match.group(2).isdigit():  # `docker run -u 1000:1000` is a uid:gid, not user:password
-        return match.group(0)
-    return _keep_and_mask(match)
+        return []
+    return [(match.start(2), match.end(2), True)]
 
 
-def _key_body_line(match: re.Match[str]) -> str:
-    """Mask a run of base64 key material (40 characters or more) found without its BEGIN/END lines."""
+def _key_body_line(match: re.Match[str]) -> list[Span]:
+    """A run of base64 key material (40 characters or more) found without its BEGIN/END lines."""
     body = match.group(1)
     mixed = (
         any(c.isupper() for c in body) and any(c.islower() for c in body) and any(c.isdigit() for c in body)
@@ -229,81 +248,191 @@ def _key_body_line(match: re.Match[str]) -> str:
     # Hex digests and GPU UUIDs lack a class; a path has a `/` every few characters where
     # base64 has one in 64 on average.
     if not mixed or body.startswith("/") or body.count("/") * 12 > len(body):
-        return match.group(0)
-    return match.group(0).replace(body, MASK)
+        return []
+    return [(match.start(1), match.end(1), False)]
 
 
-_Repl = str | Callable[[re.Match[str]], str]
+@dataclass(frozen=True)
+class Detector:
+    """One kind of secret: how it is found in text, and which part of a match is the secret.
+
+    The same definition serves `redact` (each span becomes `***`) and `detect` (each span is a
+    finding: suites/decommission's look at a node). `kind` names it for an operator; `outlives`
+    says whether the credential stays valid after the node is gone (a cloud key, a token:
+    rotate it), which deleting a file cannot undo.
+    """
+
+    kind: str
+    pattern: re.Pattern[str]
+    spans: Callable[[re.Match[str]], list[Span]]
+    outlives: bool = True
+    replace: str | None = None  # the whole match becomes this (a private key block)
+    named: bool = False  # the secret is the value of the name in group 2
+
+
+def _prefixed(kind: str, regex: str) -> Detector:
+    return Detector(kind, re.compile(r"\b(?:" + regex + r")"), _group(0))
+
+
 _VALUE = r"(\"[^\"\n]*\"|'[^'\n]*'|[^\s\"']+)"
 _NAME_VALUE = re.compile(r"((?<![\w-])(?:--?)?(" + _NAME + r")[\"']?[ \t]*[:=](?!=)[ \t]*)" + _VALUE)
 
-_PATTERNS: list[tuple[re.Pattern[str], _Repl]] = [
+#: Every detector, in the order `redact` applies them (a later one sees the earlier ones' `***`).
+DETECTORS: tuple[Detector, ...] = (
     # Private key blocks (PEM, OpenSSH, PGP); a block cut before its END line: its base64 lines.
-    (
+    Detector(
+        "private key",
         re.compile(
             r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----"
             r"(?:.*?-----END [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----|(?:[ \t]*\r?\n[ \t]*[A-Za-z0-9+/=]*)*)",
             re.DOTALL,
         ),
-        "-----PRIVATE KEY " + MASK + "-----",
+        _group(0),
+        replace="-----PRIVATE KEY " + MASK + "-----",
     ),
     # Key material on its own (its BEGIN/END lines were another string, or another record).
-    (re.compile(r"(?<![A-Za-z0-9+/=._-])([A-Za-z0-9+/]{40,}={0,2})(?![A-Za-z0-9+/=._-])"), _key_body_line),
-    # Tokens recognisable by their prefix: AWS key ids, GitHub, GitLab, Hugging Face, Slack,
-    # OpenAI/Anthropic-style sk-, Stripe, Google API keys, npm; and JWTs.
-    (
-        re.compile(
-            r"\b(?:(?:AKIA|ASIA|AIDA|AROA|AGPA)[A-Z0-9]{16}\b"
-            r"|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_-]{20,}"
-            r"|hf_[A-Za-z0-9]{20,}"
-            r"|x(?:ox[abposr]|app)-[A-Za-z0-9-]{10,}"
-            r"|sk-(?:proj-|ant-|live-|svcacct-)?[A-Za-z0-9_-]{20,}|[sr]k_(?:live|test)_[A-Za-z0-9]{16,}"
-            r"|AIza[0-9A-Za-z_-]{35}|npm_[A-Za-z0-9]{36}"
-            r"|eyJ[A-Za-z0-9_-]{4,}\.eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*)"
-        ),
-        _mask_whole,
+    Detector(
+        "key material",
+        re.compile(r"(?<![A-Za-z0-9+/=._-])([A-Za-z0-9+/]{40,}={0,2})(?![A-Za-z0-9+/=._-])"),
+        _key_body_line,
     ),
+    # Tokens recognisable by their prefix, and JWTs.
+    _prefixed("AWS access key id", r"(?:AKIA|ASIA|AIDA|AROA|AGPA)[A-Z0-9]{16}\b"),
+    _prefixed("GitHub token", r"gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"),
+    _prefixed("GitLab token", r"glpat-[A-Za-z0-9_-]{20,}"),
+    _prefixed("Hugging Face token", r"hf_[A-Za-z0-9]{20,}"),
+    _prefixed("Slack token", r"x(?:ox[abposr]|app)-[A-Za-z0-9-]{10,}"),
+    _prefixed("API key (sk-)", r"sk-(?:proj-|ant-|live-|svcacct-)?[A-Za-z0-9_-]{20,}"),
+    _prefixed("Stripe key", r"[sr]k_(?:live|test)_[A-Za-z0-9]{16,}"),
+    _prefixed("Google API key", r"AIza[0-9A-Za-z_-]{35}"),
+    _prefixed("npm token", r"npm_[A-Za-z0-9]{36}"),
+    _prefixed("JWT", r"eyJ[A-Za-z0-9_-]{4,}\.eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*"),
     # URLs with user:password@.
-    (re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)([^@\s/]+)(?=@)"), _keep_and_mask),
+    Detector(
+        "password in a URL",
+        re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)([^@\s/]+)(?=@)"),
+        _group(2),
+    ),
     # Signed URLs and connection strings: SAS sig=, X-Amz-/X-Goog-Signature, Azure AccountKey=.
-    (
+    Detector(
+        "signature or token in a URL",
         re.compile(
             r"(?i)((?<![\w-])(?:sig|signature|x-amz-signature|x-amz-security-token|x-goog-signature"
             r"|x-goog-credential|accountkey|sharedaccesskey|sharedaccesssignature|access_token"
             r"|refresh_token|client_secret)=)([^&;\s\"'#]+)"
         ),
-        _keep_and_mask,
+        _group(2),
     ),
     # Authorization headers and bearer tokens.
-    (
+    Detector(
+        "authorization header",
         re.compile(
-            r"(?i)(\b(?:proxy-)?authorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:bearer|basic|token|digest)?[ \t]*)([^\s\"',;]+)"
+            r"(?i)(\b(?:proxy-)?authorization[\"']?[ \t]*[:=][ \t]*[\"']?(?:bearer|basic|token|digest)?[ \t]*)"
+            r"([^\s\"',;]+)"
         ),
-        _keep_and_mask,
+        _group(2),
     ),
-    (re.compile(r"(?i)(\bbearer[ \t]+)([A-Za-z0-9._~+/=-]+)"), _keep_and_mask),
+    Detector("bearer token", re.compile(r"(?i)(\bbearer[ \t]+)([A-Za-z0-9._~+/=-]+)"), _group(2)),
+    # ~/.netrc (W&B keeps its API key there): `machine H login U password P`, on one line or several.
+    Detector(
+        "netrc password",
+        re.compile(r"(?<![\w-])(login[ \t\r\n]+\S+[ \t\r\n]+password[ \t\r\n]+)(\S+)"),
+        _group(2),
+    ),
     # Passwords given to programs: curl -u user:pass, mysql -pX, sshpass -p X,
     # aws configure set aws_secret_access_key V.
-    (
+    Detector(
+        "password on a command line",
         re.compile(r"((?<![\w-])(?:-u[ \t]*|--(?:proxy-)?user[= \t][ \t]*)['\"]?[^\s:'\"]+:)([^\s'\"]+)"),
         _user_password,
     ),
-    (re.compile(r"(\bmysql\w*\b[^\n|;&]*?[ \t]-p)([^\s'\"]+)"), _keep_and_mask),
-    (re.compile(r"(\bsshpass\b[^\n|;&]*?[ \t]-p[ \t]*)([^\s'\"]+)"), _keep_and_mask),
-    (
+    Detector(
+        "password on a command line", re.compile(r"(\bmysql\w*\b[^\n|;&]*?[ \t]-p)([^\s'\"]+)"), _group(2)
+    ),
+    Detector(
+        "password on a command line",
+        re.compile(r"(\bsshpass\b[^\n|;&]*?[ \t]-p[ \t]*)([^\s'\"]+)"),
+        _group(2),
+    ),
+    Detector(
+        "secret on a command line",
         re.compile(
             r"(?i)(\bconfigure[ \t]+set[ \t]+[\w.-]*(?:secret|token|password|key)[\w.-]*[ \t]+)" + _VALUE
         ),
-        _keep_and_mask,
+        _group(2),
     ),
     # name=value, name: value, "name": "value", and `--name VALUE`, when the name is a secret's
     # (`_name_value` decides by the name's words and the value's shape).
-    (_NAME_VALUE, _name_value),
-    (
+    Detector("secret by its name", _NAME_VALUE, _name_value, named=True),
+    Detector(
+        "secret by its name",
         re.compile(r"((?<![\w-])--?(" + _NAME + r")[ \t]+)(?!-)" + _VALUE),
         _flag_value,
+        named=True,
     ),
-]
+)
+
+
+def _masked(det: Detector) -> Callable[[re.Match[str]], str]:
+    """The `re.sub` replacement of one detector: each secret span becomes `***` (and is remembered)."""
+
+    def repl(match: re.Match[str]) -> str:
+        spans = det.spans(match)
+        if not spans:
+            return match.group(0)
+        if det.replace is not None:
+            return det.replace
+        text, out, at = match.string, [], match.start()
+        for start, end, keep in sorted(spans):
+            if keep:
+                remember(text[start:end])
+            out += [text[at:start], MASK]
+            at = end
+        out.append(text[at : match.end()])
+        return "".join(out)
+
+    return repl
+
+
+_PATTERNS = [(det.pattern, _masked(det)) for det in DETECTORS]
+# `detect` tries the detectors that name what they find before bare key material.
+_BY_SPECIFICITY = sorted(DETECTORS, key=lambda d: d.kind == "key material")
+
+
+@dataclass(frozen=True)
+class Found:
+    """One secret `detect` found: its kind, where it is in the text, and the value itself.
+
+    The value is there for the caller to fingerprint or to remove, never to show or to store.
+    """
+
+    kind: str
+    start: int
+    end: int
+    value: str
+    outlives: bool
+    name: str = ""  # the variable, flag or field it was found under, when a name decided
+
+
+def detect(text: str) -> list[Found]:
+    """Return the secrets in `text` that `redact` would hide, found by the same detectors, in order.
+
+    Overlapping finds are one secret, named by the most specific detector (a GitHub token that is
+    a URL's password is a GitHub token; base64 under `"auth":` is a secret by its name before it
+    is key material); a value already masked (`***`) is none.
+    """
+    found: list[Found] = []
+    taken: list[tuple[int, int]] = []
+    for det in _BY_SPECIFICITY:
+        for match in det.pattern.finditer(text):
+            for start, end, _ in det.spans(match):
+                value = text[start:end].strip("\"'")
+                if not value or MASK in value or any(s < end and start < e for s, e in taken):
+                    continue
+                taken.append((start, end))
+                name = match.group(2) if det.named else ""
+                found.append(Found(det.kind, start, end, value, det.outlives, name))
+    return sorted(found, key=lambda f: f.start)
 
 
 @functools.lru_cache(maxsize=4096)

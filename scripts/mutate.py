@@ -400,6 +400,30 @@ MUTATIONS = (
         'return ""',
         ("tests/test_redact.py",),
     ),
+    Mutation(
+        "scrub-authorized-keys-agent",
+        "the agent's scrub never removes or rewrites an authorized_keys (the run logs in with it)",
+        "pytest_gpuhost/exec/agent/probe_credentials.py",
+        "    if name in PROTECTED:",
+        "    if False:",
+        ("tests/test_credentials.py::test_scrub_never_touches_authorized_keys",),
+    ),
+    Mutation(
+        "scrub-authorized-keys-plan",
+        "the scrub's plan never names an authorized_keys, whatever the scan's items hold",
+        "pytest_gpuhost/modules/credentials.py",
+        '        if i["path"].rsplit("/", 1)[-1] not in _LOGIN',
+        "        if True",
+        ("tests/test_credentials.py::test_scrub_items_never_name_authorized_keys",),
+    ),
+    Mutation(
+        "scrub-only-after-safe",
+        "--fix=scrub removes nothing until every step before it passed or was fixed",
+        "suites/decommission/credentials.py",
+        "        if refusal is not None:",
+        "        if False:",
+        ("tests/test_decommission_credentials_lab.py::test_scrub_waits_for_a_safe_node",),
+    ),
 )
 
 

@@ -94,7 +94,7 @@ def test_data_already_in_s3_is_proved_there_not_copied(b200, s3_endpoint, tmp_pa
     assert client.list_objects_v2(Bucket=bucket, Prefix="node/data/").get("KeyCount", 0) == 0
 
     rc, out, counts = _run(argv, env)
-    assert rc == 0 and counts.get("passed") == 7, out
+    assert rc == 0 and counts.get("passed") == 8, out
 
     # an object that nothing can prove: same bytes, but SSE-KMS (ETag not an MD5) and no checksum
     kms = str(files[3].relative_to(pipeline))
@@ -128,7 +128,7 @@ def test_data_already_in_s3_is_proved_there_not_copied(b200, s3_endpoint, tmp_pa
     assert f"sent under --backup-to s3://{bucket}/node" in notes and "aws:kms" in notes, notes
     # the same run once more sends nothing: everything is proved, in place or under --backup-to
     rc, out, counts = _run([*argv, "--in-s3-send-to=backup-to"], env)
-    assert rc == 0 and counts.get("passed") == 7, out
+    assert rc == 0 and counts.get("passed") == 8, out
     # and without the flag the node is not safe again: the bucket still lacks the file
     rc, out, counts = _run(argv, env)
     assert rc != 0 and kms in out, out

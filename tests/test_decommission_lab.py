@@ -198,7 +198,7 @@ def test_decommission_b200(b200, s3_endpoint, tmp_path):
 
     # a rerun changes nothing and passes everywhere
     rc, out, counts = run_suite(argv, env)
-    assert rc == 0 and counts.get("passed") == 7, out
+    assert rc == 0 and counts.get("passed") == 8, out
 
     # a file changed on the node is copied again (and uploaded: data is an S3 category)
     h.ssh("echo 'one more line' >> /data/data/completions/part-000/completions_00001.jsonl")
@@ -268,4 +268,4 @@ def test_decommission_survives_five_cuts(b200, s3_endpoint, tmp_path):
     check_s3(s3_endpoint.client(), bucket, "b200", dest, hashes)
     assert list((dest / ".gpuhost" / "tmp").iterdir()) == []
     rc, out, counts = run_suite(argv, env)
-    assert rc == 0 and counts.get("passed") == 7, out
+    assert rc == 0 and counts.get("passed") == 8, out

@@ -320,7 +320,7 @@ def test_a_destination_of_another_node_is_refused_before_anything_stops(s3_endpo
     client = s3_endpoint.client()
     assert json.loads(client.get_object(Bucket=bucket, Key="node/.gpuhost/node.json")["Body"].read()) == mine
     r = _suite(tmp_path, env, *args)  # the same node again: its own places
-    assert r.returncode == 0 and "7 passed" in r.stdout, r.stdout[-3000:]
+    assert r.returncode == 0 and "8 passed" in r.stdout, r.stdout[-3000:]
 
     # the backup directory now holds another node's backup (its run wrote this record)
     other = dict(mine, target="gpu-a", hostname="gpu-a", machine_id="0123456789abcdef0123456789abcdef")
@@ -328,7 +328,7 @@ def test_a_destination_of_another_node_is_refused_before_anything_stops(s3_endpo
     before = sorted(p.name for p in (tmp_path / "backup").rglob("*"))
     r = _suite(tmp_path, env, *args)
     out = r.stdout + r.stderr
-    assert r.returncode == 1 and "5 skipped, 2 errors" in r.stdout, out[-3000:]
+    assert r.returncode == 1 and "6 skipped, 2 errors" in r.stdout, out[-3000:]
     assert "During handling" not in out
     assert (
         f"--backup-dir {tmp_path / 'backup'} holds the backup of gpu-a (hostname gpu-a, machine-id 0123456789ab"

@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TABLES = {
     "plugin": settings.OPTIONS,
     "p2p": p2p_options.OPTIONS,
-    "decommission": decommission_options.OPTIONS + decommission_options.TUNING,
+    "decommission": decommission_options.OPTIONS
+    + decommission_options.TUNING
+    + decommission_options.INI_ONLY,
     "health": health_options.OPTIONS,
 }
 ALL = [opt for table in TABLES.values() for opt in table]

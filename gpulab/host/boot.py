@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["MASKED_UNITS", "main", "make_dev", "prepare_root"]
+__all__ = ["MASKED_UNITS", "main", "make_dev", "own_dirs", "prepare_root"]
 
 # Units that cannot work, or must not run, in a lab machine: udev would act on this machine's real
 # devices, sysctl/timesyncd/binfmt would change this machine's kernel, the rest mount or probe
@@ -96,6 +96,22 @@ def mask_dirs(base: Path, dirs: Iterable[str] = MASKED_DIRS) -> None:
         elif p.is_dir():
             shutil.rmtree(p)
         p.mkdir(parents=True)
+        os.setxattr(p, "trusted.overlay.opaque", b"y")
+
+
+# Home directories of this machine that a lab host must not see either (a credential of the
+# machine that runs the tests would be one the node "left"): opaque, but what the lab layer put
+# there (root's .ssh, .bashrc, a profile's planted files) stays.
+OWN_DIRS = ("root", "home")
+
+
+def own_dirs(base: Path, dirs: Iterable[str] = OWN_DIRS) -> None:
+    """Make each of ``dirs`` opaque in the lab layer ``base``, keeping what the layer holds in it."""
+    for rel in dirs:
+        p = base / rel
+        if p.is_symlink() or (p.exists() and not p.is_dir()):
+            p.unlink()
+        p.mkdir(parents=True, exist_ok=True)
         os.setxattr(p, "trusted.overlay.opaque", b"y")
 
 

@@ -183,6 +183,10 @@ def populate(root: str | os.PathLike[str], spec: Any = None, scale: str = "small
     overwritten; nothing else under ``root`` is touched.
     """
     gen = getattr(spec, "generator", "b200-data") if spec is not None else "b200-data"
+    if gen == "credentials":
+        from gpulab.host.credentials import plant
+
+        return plant(root)
     if gen != "b200-data":
         raise ValueError(f"unknown file generator {gen!r}")
     if scale not in SCALES:

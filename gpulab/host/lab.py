@@ -625,6 +625,7 @@ class LabHost:
         }  # fmt: skip
         if svc.gpus:
             env["GPULAB_GPUS"] = ",".join(svc.gpus)
+        env.update(svc.env)  # what the operator exported before starting it (HF_TOKEN=...)
         argv = units.service_argv(svc)
         if not self.profile.node.systemd and svc.kind != "decoy":
             argv = ["nohup", *argv]  # how a server is left running on a node without an init system
@@ -955,6 +956,7 @@ class Lab:
         boot.mask_dirs(mfs / "base")
         # whiteouts go in the layer itself, not through it; a lab container is a plain machine
         layer.shape_node(mfs / "base", prof.node if m.cid is None else NodeShape())
+        boot.own_dirs(mfs / "base")
 
     def down(self, name: str) -> None:
         """Tear down host ``name`` (also one whose up failed half-way)."""

@@ -350,6 +350,7 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
                 unit=dict(s["unit"]),
                 enabled=s.get("enabled", s["manager"] == "systemd"),
                 log_file=s["log_file"],
+                env={str(k): str(v) for k, v in s["env"].items()},
             )
         )
     files = [FileTree(t["root"], t["generator"]) for t in d["files"]]

@@ -160,6 +160,7 @@ class Service:
     unit: Mapping[str, Any]
     enabled: bool
     log_file: str | None
+    env: Mapping[str, str] = field(default_factory=dict)  # extra environment when started by hand
 
     @property
     def container_id(self) -> int | None:

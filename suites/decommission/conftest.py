@@ -24,12 +24,22 @@ from .node import Decommission
 
 def _progress_sink(config: pytest.Config) -> Any:
     """Print progress lines on the terminal (capture suspended), or on stderr under xdist."""
+    say = _line_sink(config)
+
+    def sink(p: Progress) -> None:
+        say(p.line())
+
+    return sink
+
+
+def _line_sink(config: pytest.Config) -> Any:
+    """Print one line, "decommission TEXT" (redacted, control characters shown), as progress lines are."""
     tr = config.pluginmanager.get_plugin("terminalreporter")
     capman = config.pluginmanager.get_plugin("capturemanager")
     worker = hasattr(config, "workerinput")
 
-    def sink(p: Progress) -> None:
-        line = "decommission " + p.line()
+    def sink(text: str) -> None:
+        line = "decommission " + printable(redact(text))
         evidence.current().note(line)
         if tr is not None and capman is not None and not worker:
             with capman.global_and_fixture_disabled():
@@ -129,7 +139,7 @@ def s3_problems(dests: list[tuple[str, str]], endpoint: str | None) -> list[str]
 
 @pytest.fixture(scope="module")
 def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterator[Decommission]:
-    """The Decommission of the current target (module scope: shared by the seven steps)."""
+    """The Decommission of the current target (module scope: shared by the eight steps)."""
     manifest_path, _ = options.get(pytestconfig, "manifest")
     if not manifest_path:
         pytest.fail("no manifest: pass --manifest=PATH (see fixtures/manifests/README.md)", pytrace=False)
@@ -147,6 +157,7 @@ def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterato
         s3=parse_s3_url(backup_to) if backup_to else None,
         endpoint=endpoint,
         progress=_progress_sink(pytestconfig),
+        say=_line_sink(pytestconfig),
         record=lambda label, value: evidence.current().state(label, value, target=target.name),
         measure=lambda n, v, unit=None: evidence.current().measure(n, v, unit, target=target.name),
         gpu_idle_mib=int(manifest.options.get("gpu_idle_mib", 256)),
@@ -154,6 +165,8 @@ def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterato
         stall_timeout=options.tuning(pytestconfig, "decommission_stall_timeout"),
         part_size=int(options.tuning(pytestconfig, "decommission_s3_part_mib") * 1024 * 1024),
         in_s3_send_to=options.get(pytestconfig, "in_s3_send_to")[0] or "location",
+        fixes=options.fixes(pytestconfig),
+        credentials_left=options.get(pytestconfig, "credentials_left")[0] or "report",
     )
     refused = None
     try:

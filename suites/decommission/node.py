@@ -1,9 +1,9 @@
-"""The decommission procedure for one node: the state its seven steps share.
+"""The decommission procedure for one node: the state its eight steps share.
 
 The steps are tests in test_decommission.py, in order. Each builds its `Remediation` from the
 node's one `Decommission`: steps 1-3 (inventory, servers stopped, GPUs idle) are the functions of
-stop.py, 4-5 (artifacts backed up, data in S3) of transfer.py, 6-7 (notes saved, safe to
-terminate) of notes.py. Step names follow the convention of every suite: the test is
+stop.py, 4-5 (artifacts backed up, data in S3) of transfer.py, 6 (credentials left) of
+credentials.py, 7-8 (notes saved, safe to terminate) of notes.py. Step names follow the convention of every suite: the test is
 `test_<name>`, its remediation `<name>` with spaces ("gpus idle"), its builder
 `step_<name>(run)`.
 
@@ -15,6 +15,7 @@ link, whose loss makes the later steps fail at once, and the verdict naming it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpuhost.exec.s3io import make_client
+from pytest_gpuhost.modules import credentials
 from pytest_gpuhost.modules.backup.destination import (
     OWNER_NAME,
     DestinationError,
@@ -41,6 +43,7 @@ from pytest_gpuhost.modules.backup.local import (
 )
 from pytest_gpuhost.modules.backup.s3 import S3Item, S3Location, S3Upload, items_from_backup, parse_s3_url
 from pytest_gpuhost.modules.process import ProcessTable
+from pytest_gpuhost.redact import redact
 from pytest_gpuhost.run.procedure import Procedure
 
 from . import in_s3
@@ -99,7 +102,10 @@ class Decommission(Procedure):
         stall_timeout: float = 60.0,
         part_size: int | None = None,
         in_s3_send_to: str = "location",
+        fixes: tuple[str, ...] = (),
+        credentials_left: str = "report",
         progress: Callable[[Progress], None] | None = None,
+        say: Callable[[str], None] | None = None,
         record: Callable[[str, Any], None] | None = None,
         measure: Callable[..., None] | None = None,
     ) -> None:
@@ -116,7 +122,14 @@ class Decommission(Procedure):
         self.stall_timeout = stall_timeout
         self.part_size = part_size
         self.in_s3_send_to = in_s3_send_to  # "location" or "backup-to" (--in-s3-send-to)
+        self.fixes = tuple(fixes)  # --fix=scrub
+        self.credentials_left = credentials_left  # report or unsafe (--credentials-left)
+        self.credentials: credentials.Scan | None = None  # the credentials step's latest look
+        self.environ_findings: list[credentials.Finding] = []  # stopped processes' environments
+        self.environ_error: str | None = None
+        self._environ_pending: list[credentials.Finding] = []
         self.progress = progress
+        self.say = say  # one line on the operator's terminal
         self.record_state = record  # evidence.state
         self.record_measure = measure  # evidence.measure
         self.outcomes: dict[str, str] = {}  # step name -> outcome, for the verdict
@@ -280,6 +293,7 @@ class Decommission(Procedure):
         held, self._events = self._events, []
         with open(self.meta / "timeline.jsonl", "a") as f:
             f.writelines(json.dumps(entry) + "\n" for entry in held)
+        self._write_environ()
 
     # ---------------------------------------------------------------- 1 inventory
 
@@ -297,14 +311,17 @@ class Decommission(Procedure):
                 "argv": ["df", "-P", "-k", *sorted({r for c in self.manifest.categories for r in c.roots})],
                 "timeout": 30,
             },
+            # the environments of the processes the run may stop, read before any is stopped
+            credentials.environ_request(),
         ]
         before = getattr(self.conn, "round_trips", 0)
-        hello, procs, walk, gpus, apps, df = self.conn.batch(reqs)
+        hello, procs, walk, gpus, apps, df, env = self.conn.batch(reqs)
         for res in (hello, procs, walk):
             if isinstance(res, Exception):
                 raise res
         table = ProcessTable.from_result(procs)
         selected = table.select(self.manifest.stop)
+        self.note_environ(env, {p.pid: (p.starttime, redact(p.cmdline)[:80]) for p, _ in selected})
         listing = self.backup.listing_from(walk)
         gpu_rows = csv_rows(gpus["stdout"]) if isinstance(gpus, dict) and gpus.get("rc") == 0 else []
         app_rows = csv_rows(apps["stdout"]) if isinstance(apps, dict) and apps.get("rc") == 0 else []
@@ -340,6 +357,35 @@ class Decommission(Procedure):
         self.inventory = inv
         self._listing = listing
         return inv
+
+    def note_environ(self, reply: Any, processes: dict[int, tuple[int, str]]) -> None:
+        """Keep the credentials in the environments of the processes to stop (and those of earlier runs).
+
+        Read in the inventory's round trip, before any process is stopped; kept in the backup
+        directory's `.gpuhost/credentials-environ.jsonl` (kinds, places, fingerprints: no value) so
+        that a rerun, after the processes are gone, still names them. Nothing is written under
+        --check-only.
+        """
+        found, self.environ_error = credentials.environ_findings(reply, processes)
+        path = self.dest / META / "credentials-environ.jsonl"
+        known: list[credentials.Finding] = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    known.append(credentials.Finding.from_record(json.loads(line)))
+        new = [f for f in found if f not in known]
+        self.environ_findings = known + new
+        if self.check_only:
+            return
+        self._environ_pending += new
+        if self._stake is None:  # a run whose step 1 has not passed its preflight writes nothing yet
+            self._write_environ()
+
+    def _write_environ(self) -> None:
+        pending, self._environ_pending = self._environ_pending, []
+        if pending:
+            with open(self.meta / "credentials-environ.jsonl", "a") as f:
+                f.writelines(json.dumps(n.record()) + "\n" for n in pending)
 
     def s3_cats(self) -> list[str]:
         """The manifest's categories marked s3."""

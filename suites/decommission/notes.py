@@ -1,4 +1,4 @@
-"""Steps 6-7 of suites/decommission: notes saved, and the verdict (safe to terminate)."""
+"""Steps 7-8 of suites/decommission: notes saved, and the verdict (safe to terminate)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from pytest_gpuhost.exec.s3io import s3_problem
+from pytest_gpuhost.modules import credentials
 from pytest_gpuhost.modules.backup.local import Listing
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.redact import printable, redact
@@ -14,6 +15,7 @@ from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
+from .credentials import scrubbed
 from .node import Decommission, mb
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "category_table",
     "grouped",
     "cell",
+    "credentials_notes",
     "in_place_notes",
     "md",
     "notes_after_failure",
@@ -35,7 +38,15 @@ __all__ = [
     "write_notes",
 ]
 
-STEPS = ("inventory", "servers stopped", "gpus idle", "artifacts backed up", "data in s3", "notes saved")
+STEPS = (
+    "inventory",
+    "servers stopped",
+    "gpus idle",
+    "artifacts backed up",
+    "data in s3",
+    "credentials left",
+    "notes saved",
+)
 
 
 def md(text: object) -> str:
@@ -66,6 +77,8 @@ def verdict(
     in_place_missing: Sequence[tuple[str, str]] = (),
     s3_unreadable: Sequence[str] = (),
     refused: Sequence[str] = (),
+    credentials_left: int = 0,
+    credentials_block: bool = False,
 ) -> list[str]:
     """Return why the node is not safe to terminate; an empty list is the only "safe".
 
@@ -75,7 +88,8 @@ def verdict(
     `Backup.verify` and the S3 verify return them) is verified in every destination; a file
     under an in_s3 root counts only once proved against its object there. An S3 destination
     the verdict could not read (`s3_unreadable`: one line each, "--backup-to URL: why") proves
-    nothing of what is there.
+    nothing of what is there. Credentials left on the node (`credentials_left`, a count) make
+    it not safe only when `credentials_block` (`--credentials-left=unsafe`).
     """
     problems: list[str] = [f"refused before any change: {md(p)}" for p in refused]
     for step in STEPS:
@@ -92,6 +106,11 @@ def verdict(
     problems += [f"not in S3: {md(p)} ({md(why)})" for p, why in s3_missing]
     problems += [f"open multipart upload: {md(k)}" for k in open_uploads]
     problems += [f"not proved where it already is in S3: {md(p)} ({md(why)})" for p, why in in_place_missing]
+    if credentials_left and credentials_block:
+        problems.append(
+            f"{credentials_left} credentials remain on the node (--credentials-left=unsafe): rotate them; "
+            "--fix=scrub removes them"
+        )
     return problems
 
 
@@ -165,6 +184,7 @@ def notes_body(run: Decommission, problems: Sequence[str] = ()) -> str:
         if len(missing) > 200:
             lines.append(f"- ... and {len(missing) - 200} more (see the safe-to-terminate step)")
     lines += in_place_notes(run)
+    lines += credentials_notes(run)
     sums = run.dest / "SHA256SUMS"
     digest = hashlib.sha256(sums.read_bytes()).hexdigest() if sums.exists() else "(not written)"
     lines += [
@@ -182,6 +202,46 @@ def notes_body(run: Decommission, problems: Sequence[str] = ()) -> str:
             f"{md(', '.join(run.s3_cats()) or 'none')}"
         )
     return "\n".join(lines) + "\n"
+
+
+def credentials_notes(run: Decommission) -> list[str]:
+    """NOTES.md lines on the credentials: those left on the node, removed, and in stopped processes.
+
+    Each is its kind, place and fingerprint, never its value (suites/decommission/credentials.py).
+    """
+    scan = run.credentials
+    out: list[str] = []
+    if scan is not None:
+        left = scan.remaining
+        out += ["", f"## Credentials left on the node ({len(left)})", ""]
+        out += [f"- {md(f.describe())}" for f in left[:200]] or ["- none found"]
+        if len(left) > 200:
+            out.append(f"- ... and {len(left) - 200} more (see the credentials step)")
+        if scan.login:
+            out.append(
+                f"- never touched: {md(', '.join(scan.login))} (the run logs in with one of them; the provider's "
+                "wipe removes them)"
+            )
+    removed = scrubbed(run)
+    if removed:
+        out += ["", f"## Credentials removed from the node ({len(removed)} files)", ""]
+        for r in removed[:200]:
+            kinds = ", ".join(
+                sorted({f"{f.get('kind')} (sha256 {f.get('fingerprint')}...)" for f in r.get("found", [])})
+            )
+            out.append(f"- {md(r.get('action'))} {md(r.get('path'))}: {md(kinds)}; rotate them")
+        out.append(
+            "- a deleted file's blocks are not erased (an SSD remaps them, an overlay keeps the lower "
+            "layer): rotation is the protection"
+        )
+    if run.environ_findings:
+        out += [
+            "",
+            f"## Credentials in the environments of the processes stopped ({len(run.environ_findings)})",
+            "",
+        ]
+        out += [f"- {md(f.describe())}" for f in run.environ_findings[:200]]
+    return out
 
 
 def in_place_notes(run: Decommission) -> list[str]:
@@ -211,7 +271,7 @@ def in_place_notes(run: Decommission) -> list[str]:
     return out
 
 
-#: How NOTES.md's verdict line starts: step 7 writes it under the title, step 6 compares without it.
+#: How NOTES.md's verdict line starts: step 8 writes it under the title, step 7 compares without it.
 VERDICT = "**Verdict:"
 
 
@@ -282,7 +342,7 @@ def put_verdict(run: Decommission, headline: str) -> None:
 
 
 def step_notes_saved(run: Decommission) -> Step:
-    """Step 6: NOTES.md says what the node was, what ran, what was kept and where."""
+    """Step 7: NOTES.md says what the node was, what ran, what was kept and where."""
     path = run.dest / "NOTES.md"
     box: dict[str, str] = {}
 
@@ -329,7 +389,7 @@ def write_notes(run: Decommission, body: str, event: str) -> None:
 
 
 def notes_after_failure(run: Decommission, problems: Sequence[str]) -> str | None:
-    """Write NOTES.md from the verdict when step 6 did not (a failed step blocked it).
+    """Write NOTES.md from the verdict when step 7 did not (a failed step blocked it).
 
     A node that is not safe gets its NOTES.md all the same: the verdict's problems first, and
     what the node was, what ran, what is in the backup and what is not verified, as far as the
@@ -347,11 +407,20 @@ def notes_after_failure(run: Decommission, problems: Sequence[str]) -> str | Non
 
 
 def step_safe_to_terminate(run: Decommission) -> Step:
-    """Step 7, the verdict: every step passed or was fixed and every byte is verified at its destination."""
+    """Step 8, the verdict: every step passed or was fixed and every byte is verified at its destination."""
 
     def check() -> Check:
         table = ProcessTable.read(run.conn, gpu_holders=run.manifest.stop.gpu_holders)
         running = [f"PID {p.pid} {p.cmdline}" for p, _ in table.select(run.manifest.stop)]
+        unread = ""
+        if run.credentials is None:  # the credentials step did not run: look now (read only)
+            try:
+                run.credentials = credentials.read(
+                    run.conn, sorted({r for c in run.manifest.categories for r in c.roots})
+                )
+            except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
+                unread = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        creds = run.credentials.remaining if run.credentials is not None else []
         full, listing = run.walk_local()
         s3_missing: list[tuple[str, str]] = []
         open_uploads: list[str] = []
@@ -374,24 +443,44 @@ def step_safe_to_terminate(run: Decommission) -> Step:
             in_place_missing=[(p.file.display, p.how) for p in run.in_place_outstanding()],
             s3_unreadable=s3_unreadable,
             refused=run.refused,
+            credentials_left=len(creds),
+            credentials_block=run.credentials_left == "unsafe",
         )
+        if unread and run.credentials_left == "unsafe":
+            problems.append(f"credentials on the node could not be read: {md(unread)}")
         if problems:
             run._listing = listing  # what the local backup is to hold, as step 4 sets it
             failed = notes_after_failure(run, problems)
             problems += [failed] if failed else []
-        state = {"problems": problems, "files": len(full.files), "in_place": run.in_place_summary()}
-        headline = answer_line(run, full, problems)
+        state = {
+            "problems": problems,
+            "files": len(full.files),
+            "in_place": run.in_place_summary(),
+            "credentials_left": len(creds),
+        }
+        left = (
+            f"; {len(creds)} credentials remain on the node (rotate them; --fix=scrub removes them)"
+            if creds
+            else "; no credential left on the node"
+        )
+        if run.say is not None:
+            run.say(f"verdict: {len(creds)} credentials remain on the node" if creds else left[2:])
+        headline = answer_line(run, full, problems) + left
         evidence.current().answer(
             run.target, not problems, headline, grouped(problems), category_table(run, full)
         )
         if problems:
             head = "\n  ".join(problems[:30])
             more = f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else ""
-            return Check(False, f"NOT safe to terminate: {len(problems)} problems:\n  {head}{more}", state)
+            return Check(
+                False, f"NOT safe to terminate: {len(problems)} problems{left}:\n  {head}{more}", state
+            )
         run.event("safe to terminate")
         if not run.check_only:
             put_verdict(run, headline)
-        return Check(True, f"safe to terminate: {len(full.files)} files verified in every destination", state)
+        return Check(
+            True, f"safe to terminate: {len(full.files)} files verified in every destination{left}", state
+        )
 
     def fix(actions: list[Action], before: Check) -> None:
         raise ProcedureError("nothing here can make the node safe; fix the steps above and run again")

@@ -1,6 +1,9 @@
 """Command-line options and ini values of suites/decommission (registered by suites/conftest.py).
 
 Each flag has an ini twin named `decommission_<name>`; the two tuning values are ini-only.
+`--fix` is one flag for every suite (declared with suites/health's fixes): its decommission fix is
+`scrub` (remove the credentials found, suites/decommission/credentials.py), and its ini twin
+here is `decommission_fix`.
 """
 
 from __future__ import annotations
@@ -11,9 +14,21 @@ from urllib.parse import urlparse
 
 import pytest
 
-from pytest_gpuhost.run.options import BadValue, Option, number, read, register, seconds
+from pytest_gpuhost.run.options import BadValue, Option, lines, number, read, register, seconds
 
-__all__ = ["OPTIONS", "SEND_TO", "TUNING", "addoption", "get", "tuning", "validate"]
+__all__ = [
+    "CREDENTIALS_LEFT",
+    "FIXES",
+    "INI_ONLY",
+    "OPTIONS",
+    "SEND_TO",
+    "TUNING",
+    "addoption",
+    "fixes",
+    "get",
+    "tuning",
+    "validate",
+]
 
 
 def _manifest(raw: Any) -> str:
@@ -68,6 +83,25 @@ def _send_to(raw: Any) -> str:
 
 #: Where a file under an in_s3 root goes when it is not proved there (`--in-s3-send-to`).
 SEND_TO = ("location", "backup-to")
+#: The fixes `--fix` takes for this suite (off by default).
+FIXES = ("scrub",)
+#: What credentials left on the node mean for the verdict (`--credentials-left`).
+CREDENTIALS_LEFT = ("report", "unsafe")
+
+
+def _fixes(raw: Any) -> list[str]:
+    names = lines(raw)
+    for name in names:
+        if name not in FIXES:
+            raise BadValue(f"unknown decommission fix; choose from {', '.join(FIXES)}", name)
+    return names
+
+
+def _credentials_left(raw: Any) -> str:
+    value = str(raw).strip()
+    if value not in CREDENTIALS_LEFT:
+        raise BadValue(f"expected one of {', '.join(CREDENTIALS_LEFT)}")
+    return value
 
 
 def _opt(name: str, flag: str | None, help: str, **kw: Any) -> Option:
@@ -109,8 +143,26 @@ IN_S3_SEND_TO = _opt(
     default="location",
 )
 
+CREDENTIALS = _opt(
+    "credentials_left",
+    "--credentials-left",
+    "what credentials left on the node mean for the verdict: report (listed, with rotate this; "
+    "the node can still be safe) or unsafe (the node is NOT safe while one remains) (default {default})",
+    parse=_credentials_left,
+    default="report",
+)
+FIX = _opt(
+    "fix",
+    None,
+    "decommission fixes, off by default (the ini twin of --fix=scrub): scrub removes the credentials "
+    "found, once the node is otherwise safe to terminate, never authorized_keys",
+    parse=_fixes,
+    default=(),
+    kind="list",
+)
+
 #: Every option with a flag (and its ini twin).
-OPTIONS: tuple[Option, ...] = (MANIFEST, BACKUP_DIR, BACKUP_TO, S3_ENDPOINT, IN_S3_SEND_TO)
+OPTIONS: tuple[Option, ...] = (MANIFEST, BACKUP_DIR, BACKUP_TO, S3_ENDPOINT, IN_S3_SEND_TO, CREDENTIALS)
 
 STALL_TIMEOUT = _opt(
     "stall_timeout",
@@ -129,18 +181,28 @@ S3_PART_MIB = _opt(
 
 #: Ini-only tuning values.
 TUNING: tuple[Option, ...] = (STALL_TIMEOUT, S3_PART_MIB)
+#: Ini-only: the twin of `--fix` (whose flag is declared with suites/health's fixes).
+INI_ONLY: tuple[Option, ...] = (FIX,)
 
-_BY_NAME = {opt.name: opt for opt in OPTIONS + TUNING}
+_BY_NAME = {opt.name: opt for opt in OPTIONS + TUNING + INI_ONLY}
 
 
 def addoption(parser: pytest.Parser) -> None:
     """Register this suite's options in the gpuhost group."""
-    register(parser, OPTIONS + TUNING)
+    register(parser, OPTIONS + TUNING + INI_ONLY)
 
 
 def tuning(config: pytest.Config, name: str) -> float:
     """Return an ini-only tuning value (`decommission_stall_timeout`, `decommission_s3_part_mib`)."""
     return float(read(config, _BY_NAME[name])[0])
+
+
+def fixes(config: pytest.Config) -> tuple[str, ...]:
+    """The decommission fixes allowed: those of `--fix` on the command line, else ini `decommission_fix`."""
+    cli = config.getoption("health_fix", default=None)
+    if cli:
+        return tuple(n for n in lines(cli) if n in FIXES)
+    return tuple(read(config, FIX)[0])
 
 
 def get(config: pytest.Config, name: str) -> tuple[str | None, str]:
@@ -154,7 +216,7 @@ def get(config: pytest.Config, name: str) -> tuple[str | None, str]:
 
 def validate(config: pytest.Config) -> None:
     """Check this suite's option values; raise pytest.UsageError naming the bad value."""
-    for opt in OPTIONS + TUNING:
+    for opt in OPTIONS + TUNING + INI_ONLY:
         read(config, opt)
     endpoint, source = read(config, S3_ENDPOINT)
     if endpoint and not read(config, BACKUP_TO)[0]:

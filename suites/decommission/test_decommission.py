@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from .credentials import step_credentials_left
 from .notes import step_notes_saved, step_safe_to_terminate
 from .stop import step_gpus_idle, step_inventory, step_servers_stopped
 from .transfer import step_artifacts_backed_up, step_data_in_s3
@@ -41,6 +42,11 @@ def test_artifacts_backed_up(decom, step):
 def test_data_in_s3(decom, step):
     """The categories marked s3 are in the bucket with the same SHA-256; no upload left open."""
     step(step_data_in_s3(decom))
+
+
+def test_credentials_left(decom, step):
+    """No credential left on the node: each listed by kind, place and fingerprint; --fix=scrub removes them."""
+    step(step_credentials_left(decom))
 
 
 def test_notes_saved(decom, step):

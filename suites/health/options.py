@@ -22,6 +22,7 @@ from pytest_gpuhost.modules.health.checks import FIXES
 from pytest_gpuhost.modules.health.facts import gpu_source
 from pytest_gpuhost.run.options import BadValue, Option, lines, read, register, seconds
 
+from ..decommission.options import FIXES as DECOMMISSION_FIXES
 from . import reboot, reset
 
 __all__ = [
@@ -47,12 +48,13 @@ REBOOT = "reboot"
 def _fixes(raw: Any) -> list[str]:
     names = lines(raw)
     for name in names:
-        if name == REBOOT and "reset" in names:
-            continue
+        if (name == REBOOT and "reset" in names) or name in DECOMMISSION_FIXES:
+            continue  # `--fix` is one flag for every suite: suites/decommission reads its own
         if name not in CHOICES:
             hint = "; reboot only beside reset, as its fallback: --fix=reset,reboot" if name == REBOOT else ""
             raise BadValue(
-                f"unknown fix; choose from {', '.join(CHOICES)} (e.g. --fix=persistence --fix=service){hint}",
+                f"unknown fix; choose from {', '.join(CHOICES)} (e.g. --fix=persistence --fix=service), "
+                f"or {', '.join(DECOMMISSION_FIXES)} for suites/decommission{hint}",
                 name,
             )
     return names
@@ -62,7 +64,8 @@ FIX = Option(
     "health_fix",
     "--fix",
     f"health: allow a safe fix ({', '.join(CHOICES)}; reset,reboot: reboot when a reset does not "
-    "clear the GPU); repeat for several. Off by default",
+    f"clear the GPU); decommission: {', '.join(DECOMMISSION_FIXES)} (remove the credentials found); "
+    "repeat for several. Off by default",
     parse=_fixes,
     default=(),
     kind="list",
@@ -119,8 +122,8 @@ def addoption(parser: pytest.Parser) -> None:
 
 
 def fixes(config: pytest.Config) -> list[str]:
-    """Return the fixes allowed for this run (command line, else the ini value)."""
-    return list(read(config, FIX)[0])
+    """Return the health fixes allowed for this run (command line, else the ini value)."""
+    return [n for n in read(config, FIX)[0] if n not in DECOMMISSION_FIXES]
 
 
 def nccl(config: pytest.Config) -> bool:
