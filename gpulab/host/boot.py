@@ -100,19 +100,38 @@ def mask_dirs(base: Path, dirs: Iterable[str] = MASKED_DIRS) -> None:
 
 
 # Home directories of this machine that a lab host must not see either (a credential of the
-# machine that runs the tests would be one the node "left"): opaque, but what the lab layer put
+# machine that runs the tests would be one the node "left"): hidden, but what the lab layer put
 # there (root's .ssh, .bashrc, a profile's planted files) stays.
 OWN_DIRS = ("root", "home")
+#: Entries of this machine's home directories a lab host may still see: the pyenv builds of old
+#: CPythons that the node-Python shapes run (gpulab/host/pythons.py; their prefix is compiled in).
+SHOWN = {"root": (".pyenv",)}
 
 
 def own_dirs(base: Path, dirs: Iterable[str] = OWN_DIRS) -> None:
-    """Make each of ``dirs`` opaque in the lab layer ``base``, keeping what the layer holds in it."""
+    """Hide this machine's own entries of each of ``dirs`` in the lab layer ``base``.
+
+    A directory with nothing to keep is made opaque; one with entries to keep (SHOWN) gets a
+    whiteout (overlayfs: a character device 0:0) over each other entry of this machine's, so
+    the kept ones show through. What the layer holds itself stays either way.
+    """
     for rel in dirs:
         p = base / rel
         if p.is_symlink() or (p.exists() and not p.is_dir()):
             p.unlink()
         p.mkdir(parents=True, exist_ok=True)
-        os.setxattr(p, "trusted.overlay.opaque", b"y")
+        keep = SHOWN.get(rel, ())
+        if not keep:
+            os.setxattr(p, "trusted.overlay.opaque", b"y")
+            continue
+        try:
+            mine = os.listdir(Path("/") / rel)
+        except OSError:
+            mine = []
+        for name in mine:
+            if name in keep or os.path.lexists(p / name):
+                continue  # shown through, or the layer's own
+            os.mknod(p / name, stat.S_IFCHR | 0o000, os.makedev(0, 0))
 
 
 SSHD_CONFIG = """\
