@@ -12,6 +12,7 @@ import pytest
 from pytest_gpuhost.exec.s3io import location_problem
 from pytest_gpuhost.modules.backup.destination import DestinationError, per_target
 from pytest_gpuhost.modules.backup.local import Manifest, Progress, load_manifest
+from pytest_gpuhost.modules.backup.ownership import run_overlaps
 from pytest_gpuhost.modules.backup.s3 import parse_s3_url
 from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run import evidence
@@ -66,7 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
     backup_dir, _ = options.get(config, "backup_dir")
     backup_to, _ = options.get(config, "backup_to")
     try:
-        per_target(backup_dir or "backups/{host}", names, option="--backup-dir")
+        dirs = per_target(backup_dir or "backups/{host}", names, option="--backup-dir")
         urls = per_target(backup_to, names, option="--backup-to") if backup_to else {}
     except DestinationError as exc:
         raise pytest.UsageError(f"gpuhost: {exc}") from None
@@ -75,6 +76,16 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # no manifest: the steps say so; --co touches nothing; xdist: the controller checked
     endpoint, _ = options.get(config, "s3_endpoint")
     send_to, _ = options.get(config, "in_s3_send_to")
+    overlaps = run_overlaps(
+        load_manifest(manifest_path),
+        names,
+        dirs,
+        urls,
+        send_to or "location",
+        str(config.invocation_params.dir),
+    )
+    if overlaps:
+        raise pytest.UsageError("\n".join(f"gpuhost: {p}" for p in overlaps))
     dests = s3_destinations(
         load_manifest(manifest_path), list(urls.values()), in_s3_to_backup_to=send_to == "backup-to"
     )

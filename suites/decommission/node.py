@@ -24,13 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpuhost.exec.s3io import make_client
-from pytest_gpuhost.modules.backup.destination import (
-    OWNER_NAME,
-    DestinationError,
-    describe_owner,
-    owner_record,
-    same_owner,
-)
+from pytest_gpuhost.modules.backup.destination import OWNER_NAME, DestinationError
 from pytest_gpuhost.modules.backup.inplace import InPlace, InPlaceResult, Proof
 from pytest_gpuhost.modules.backup.local import (
     META,
@@ -39,7 +33,26 @@ from pytest_gpuhost.modules.backup.local import (
     Manifest,
     Progress,
 )
-from pytest_gpuhost.modules.backup.s3 import S3Item, S3Location, S3Upload, items_from_backup, parse_s3_url
+from pytest_gpuhost.modules.backup.ownership import (
+    FREE,
+    MINE,
+    Place,
+    describe,
+    judge,
+    local_ownership,
+    node_identity,
+    overlap_problems,
+    run_places,
+)
+from pytest_gpuhost.modules.backup.s3 import (
+    S3Item,
+    S3Location,
+    S3Upload,
+    items_from_backup,
+    parse_s3_url,
+    state_tag,
+)
+from pytest_gpuhost.modules.backup.state import StateFile
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.run.procedure import Procedure
 
@@ -69,19 +82,6 @@ def mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def _read_owner(path: Path) -> dict[str, Any] | None:
-    """The owner record at path, or None when there is none (an unreadable one is not ours)."""
-    try:
-        rec = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        return {"target": f"unknown (owner record unreadable: {exc})", "hostname": "?"}
-    return (
-        rec if isinstance(rec, dict) else {"target": "unknown (owner record not an object)", "hostname": "?"}
-    )
-
-
 class Decommission(Procedure):
     """One node being emptied: its link, manifest, destinations and what happened so far."""
 
@@ -99,6 +99,7 @@ class Decommission(Procedure):
         stall_timeout: float = 60.0,
         part_size: int | None = None,
         in_s3_send_to: str = "location",
+        node_name: str = "",
         progress: Callable[[Progress], None] | None = None,
         record: Callable[[str, Any], None] | None = None,
         measure: Callable[..., None] | None = None,
@@ -116,6 +117,7 @@ class Decommission(Procedure):
         self.stall_timeout = stall_timeout
         self.part_size = part_size
         self.in_s3_send_to = in_s3_send_to  # "location" or "backup-to" (--in-s3-send-to)
+        self.node_name = node_name  # the operator's name of the node, part of its identity
         self.progress = progress
         self.record_state = record  # evidence.state
         self.record_measure = measure  # evidence.measure
@@ -196,65 +198,120 @@ class Decommission(Procedure):
 
     # ---------------------------------------------------------------- whose destinations
 
-    def claim(self) -> None:
-        """Refuse destinations that hold another node's backup; mark new ones as this node's.
-
-        Runs before the first step. The node is named by its machine-id (the agent's hello), the
-        destinations' owner records are read (the backup directory's `.gpuhost/node.json`, the
-        `--backup-to` prefix's `.gpuhost/node.json`). Raises DestinationError, one line for all,
-        naming the node that owns each refused destination. Under --check-only nothing is written.
-        """
+    def identity(self) -> dict[str, str]:
+        """This node's owner record: machine-id, target name, host keys (the agent's hello)."""
         hello = dict(getattr(self.conn.connection(), "hello", None) or {})  # read at connect
-        if "machine_id" not in hello:
+        if "machine_id" not in hello or "host_key" not in hello:
             hello = self.conn.batch([{"op": "hello"}])[0]
             if isinstance(hello, Exception):
                 raise hello
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        me = owner_record(
-            self.target, str(hello.get("hostname") or ""), str(hello.get("machine_id") or ""), stamp
+        return node_identity(
+            self.target,
+            str(hello.get("hostname") or ""),
+            str(hello.get("machine_id") or ""),
+            stamp,
+            host_key=str(hello.get("host_key") or ""),
+            node_name=self.node_name,
         )
-        problems: list[str] = []
+
+    def places(self) -> list[Place]:
+        """Every place this node's run reads or writes (see ownership.run_places)."""
+        in_s3_urls = [
+            (u, c.name) for c in self.manifest.categories for u in dict.fromkeys(u for _, u in c.in_s3)
+        ]
+        backup_to = {self.target: self.s3.url} if self.s3 is not None and self.writes_backup_to() else {}
+        return run_places(
+            [self.target],
+            {self.target: str(self.dest)},
+            backup_to,
+            in_s3_urls,
+            in_s3_writes=bool(in_s3_urls) and self.in_s3_send_to == "location",
+        )
+
+    def writes_backup_to(self) -> bool:
+        """Whether the run writes under --backup-to (a category marked s3, or in_s3 misses there)."""
+        return bool(self.s3_cats() or self.in_s3_to_backup_to())
+
+    def claim(self) -> None:
+        """Prove every destination is this node's, or refuse; mark new ones as this node's.
+
+        Runs before the first step. The places the run reads and writes must not overlap
+        (ownership.overlap_problems). The backup directory is judged by its owner record, and
+        where that is lost, by its own state and timeline (ownership.local_ownership); the
+        `--backup-to` prefix by its owner object, and where there is none, by whether this
+        backup directory's own journal of that destination says it wrote the objects there.
+        Raises DestinationError, one line for all, naming whose each refused destination is.
+        Under --check-only nothing is written.
+        """
+        me = self.identity()
+        problems = overlap_problems(self.places())
         local = self.dest / META / OWNER_NAME
-        theirs = _read_owner(local)
-        if theirs is not None and not same_owner(theirs, me):
-            problems.append(f"--backup-dir {self.dest} holds the backup of {describe_owner(theirs)}")
+        mine_local = local_ownership(self.dest, me, META)
+        if not mine_local.usable:
+            problems.append(f"--backup-dir {self.dest} {mine_local.why}")
         s3_key = None
         client = None
-        if self.s3 is not None and (self.s3_cats() or self.in_s3_to_backup_to()):
+        if self.s3 is not None and self.writes_backup_to():
             client = make_client(self.endpoint)
             s3_key = self.s3.key(f"{META}/{OWNER_NAME}")
+            theirs_s3: Any = None
             try:
                 body = client.get_object(Bucket=self.s3.bucket, Key=s3_key)["Body"].read()
-                loaded = json.loads(body)
-                theirs_s3: dict[str, Any] | None = (
-                    loaded if isinstance(loaded, dict) else {"target": "unknown (owner record not an object)"}
-                )
             except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
                 code = getattr(exc, "response", {}).get("Error", {}).get("Code")
                 if code not in ("NoSuchKey", "404"):
                     raise DestinationError(
                         f"--backup-to {self.s3.url}: owner record not readable: {code or exc}"
                     ) from None
-                theirs_s3 = None
-            if theirs_s3 is not None and not same_owner(theirs_s3, me):
-                problems.append(f"--backup-to {self.s3.url} holds the backup of {describe_owner(theirs_s3)}")
-            elif theirs_s3 is not None:
+            else:
+                try:
+                    theirs_s3 = json.loads(body)
+                except ValueError:
+                    theirs_s3 = "corrupt"
+            verdict = judge(theirs_s3, me) if theirs_s3 != "corrupt" else None
+            if verdict is None:
+                problems.append(
+                    f"--backup-to {self.s3.url}: owner record {s3_key} is not JSON (corrupt): whose "
+                    "backup this is cannot be told"
+                )
+            elif verdict.status == FREE and self._s3_holds_foreign(client):
+                problems.append(
+                    f"--backup-to {self.s3.url} holds objects but no owner record, and this backup "
+                    "directory never wrote there: whose they are cannot be told"
+                )
+            elif not verdict.usable:
+                problems.append(f"--backup-to {self.s3.url} {verdict.why}")
+            elif verdict.status == MINE:
                 s3_key = None  # already ours
         if problems:
             raise DestinationError(
                 "; ".join(problems)
-                + f"; this node is {describe_owner(dict(me, claimed=''))}: give it a place of its own "
+                + f"; this node is {describe(dict(me, claimed=''))}: give it a place of its own "
                 "(a template with {host}, or a new --backup-dir/--backup-to)"
             )
         if self.check_only:
             return
-        if theirs is None:
+        if not local.exists():
             local.parent.mkdir(parents=True, exist_ok=True)
             tmp = local.with_name(f".{OWNER_NAME}.tmp")
             tmp.write_text(json.dumps(me, indent=1) + "\n")
             os.replace(tmp, local)
         if client is not None and s3_key is not None and self.s3 is not None:
             client.put_object(Bucket=self.s3.bucket, Key=s3_key, Body=json.dumps(me, indent=1).encode())
+
+    def _s3_holds_foreign(self, client: Any) -> bool:
+        """Whether --backup-to holds an object this backup directory's journal does not name."""
+        assert self.s3 is not None
+        prefix = self.s3.prefix + "/" if self.s3.prefix else ""
+        res = client.list_objects_v2(Bucket=self.s3.bucket, Prefix=prefix, MaxKeys=1000)
+        keys = [o["Key"] for o in res.get("Contents", []) or []]
+        if not keys:
+            return False
+        tag = state_tag(str(client.meta.endpoint_url), self.s3.url)
+        journal = self.dest / META / f"s3-{tag}.json"
+        mine = StateFile.peek(journal.parent, journal.stem)
+        return any(k not in mine for k in keys)
 
     # ---------------------------------------------------------------- 1 inventory
 

@@ -40,6 +40,7 @@ def wire_name(raw: bytes) -> dict[str, str]:
 _REASONS = {
     wire.NOT_REGULAR: "changed type since the listing: no longer a regular file",
     wire.CHANGED: "changed while it was read (size, mtime or ctime moved)",
+    wire.BAD_META: "left out: its size, mtime or mode cannot be carried (outside every wire format)",
     errno.ELOOP: "changed type since the listing: now a symlink",
     errno.ENOTDIR: "changed type since the listing: a directory on its path is not one now",
     errno.ENOENT: "vanished since the listing",

@@ -48,11 +48,17 @@ __all__ = [
     "items_from_backup",
     "key_for",
     "parse_s3_url",
+    "state_tag",
 ]
 
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 PART_SIZE = 32 * 1024 * 1024
 _META = ".gpuhost"
+
+
+def state_tag(endpoint_url: str, url: str) -> str:
+    """The name part of a backup directory's journal of one S3 destination (endpoint and URL)."""
+    return hashlib.sha256(f"{endpoint_url}|{url}".encode()).hexdigest()[:12]
 
 
 def key_for(rel: str) -> str:
@@ -132,8 +138,7 @@ class S3Upload:
         meta = self.dest / _META
         meta.mkdir(parents=True, exist_ok=True)
         # one state per destination: the same directory may go to two buckets
-        tag = hashlib.sha256(f"{self.client.meta.endpoint_url}|{location.url}".encode()).hexdigest()[:12]
-        self.state = StateFile(meta, f"s3-{tag}")
+        self.state = StateFile(meta, f"s3-{state_tag(str(self.client.meta.endpoint_url), location.url)}")
         self._lock = threading.Lock()
         self._fast: SignedPut | None = None  # single-request uploads without botocore's pipeline
 

@@ -40,6 +40,13 @@ class StateFile:
                 else:
                     self.items[rec["k"]] = rec["v"]
 
+    @staticmethod
+    def peek(directory: Path, name: str) -> dict[str, dict[str, Any]]:
+        """The items of a state without opening it for writing ({} when there is none)."""
+        if not (directory / f"{name}.json").exists() and not (directory / f"{name}.journal.jsonl").exists():
+            return {}
+        return StateFile(directory, name).items
+
     def record(self, key: str, value: dict[str, Any]) -> None:
         self.items[key] = value
         self._append({"k": key, "v": value})
