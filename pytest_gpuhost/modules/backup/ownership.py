@@ -290,8 +290,9 @@ def overlap_problems(places: Iterable[Place]) -> list[str]:
             if key in seen:
                 continue
             seen.add(key)
-            who_a = f" (target {a.target})" if a.target else ""
-            who_b = f" (target {b.target})" if b.target else ""
+            named = a.target != b.target  # the targets are told only when they are two
+            who_a = f" (target {a.target})" if a.target and named else ""
+            who_b = f" (target {b.target})" if b.target and named else ""
             rel = (
                 "is" if a.parts == b.parts else ("contains" if len(a.parts) < len(b.parts) else "lies inside")
             )

@@ -54,6 +54,7 @@ __all__ = [
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 PART_SIZE = 32 * 1024 * 1024
 _META = ".gpuhost"
+_MPU = "\x00mpu\x00"  # state key of a multipart upload this backup started (no object key has NUL)
 
 
 def state_tag(endpoint_url: str, url: str) -> str:
@@ -185,10 +186,12 @@ class S3Upload:
 
     # -- multipart hygiene
 
-    def open_uploads(self) -> list[tuple[str, str]]:
-        """List (key, upload id) of multipart uploads open under the prefix."""
+    def all_open_uploads(self) -> list[tuple[str, str]]:
+        """List (key, upload id) of every multipart upload open under the prefix (a folder: the
+        prefix `p` lists `p/...`, never `px/...`), whoever started it."""
         out = []
-        kwargs: dict[str, Any] = {"Bucket": self.loc.bucket, "Prefix": self.loc.prefix}
+        prefix = self.loc.prefix + "/" if self.loc.prefix else ""
+        kwargs: dict[str, Any] = {"Bucket": self.loc.bucket, "Prefix": prefix}
         while True:
             res = self.client.list_multipart_uploads(**kwargs)
             out += [(u["Key"], u["UploadId"]) for u in res.get("Uploads", []) or []]
@@ -196,13 +199,39 @@ class S3Upload:
                 return out
             kwargs.update(KeyMarker=res["NextKeyMarker"], UploadIdMarker=res["NextUploadIdMarker"])
 
+    def open_uploads(self) -> list[tuple[str, str]]:
+        """List (key, upload id) of the multipart uploads open under the prefix that THIS backup
+        started (its journal records each upload id before the first part): only those are its
+        own to abort. Another tool's upload in progress (the pipeline's, at an in_s3 location)
+        or another node's is never touched."""
+        mine = {
+            str(v.get("upload_id")): str(v.get("key"))
+            for k, v in self.state.items.items()
+            if k.startswith(_MPU) and isinstance(v, dict)
+        }
+        return [(key, uid) for key, uid in self.all_open_uploads() if mine.get(uid) == key]
+
     def abort_open_uploads(self) -> list[str]:
-        """Abort every multipart upload left open under the prefix by an interrupted run."""
+        """Abort the multipart uploads this backup left open (an interrupted run of its own)."""
         aborted = []
         for key, upload_id in self.open_uploads():
             self.client.abort_multipart_upload(Bucket=self.loc.bucket, Key=key, UploadId=upload_id)
+            self._forget_upload(upload_id)
             aborted.append(key)
+        # an upload of ours that is no longer open (completed or aborted meanwhile) is forgotten
+        still = {uid for _, uid in self.all_open_uploads()}
+        for k in [k for k in self.state.items if k.startswith(_MPU) and k[len(_MPU) :] not in still]:
+            self.state.forget(k)
         return aborted
+
+    def _record_upload(self, key: str, upload_id: str) -> None:
+        with self._lock:
+            self.state.record(_MPU + upload_id, {"key": key, "upload_id": upload_id})
+            self.state.flush()  # before the first part: a cut run's next run must know it is ours
+
+    def _forget_upload(self, upload_id: str) -> None:
+        with self._lock:
+            self.state.forget(_MPU + upload_id)
 
     # -- upload
 
@@ -286,6 +315,7 @@ class S3Upload:
             Bucket=self.loc.bucket, Key=key, Metadata=meta, ChecksumAlgorithm="SHA256"
         )
         upload_id = mpu["UploadId"]
+        self._record_upload(key, upload_id)
         whole = hashlib.sha256()
         part_md5s = []
         parts = []
@@ -322,9 +352,11 @@ class S3Upload:
         except BaseException:
             try:
                 self.client.abort_multipart_upload(Bucket=self.loc.bucket, Key=key, UploadId=upload_id)
+                self._forget_upload(upload_id)
             except Exception:  # noqa: BLE001 - the next run aborts what is left open
                 pass
             raise
+        self._forget_upload(upload_id)
         etag = str(res["ETag"]).strip('"')
         expect = hashlib.md5(b"".join(part_md5s)).hexdigest() + f"-{len(parts)}"  # noqa: S324
         if etag != expect:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ class StateFile:
         self.items: dict[str, dict[str, Any]] = {}
         self._fh: IO[str] | None = None
         self._last_flush = 0.0
+        self._append_lock = threading.Lock()  # records come from several upload threads
         self._load()
 
     def _load(self) -> None:
@@ -56,17 +58,20 @@ class StateFile:
             self._append({"k": key, "del": True})
 
     def _append(self, rec: dict[str, Any]) -> None:
-        if self._fh is None:
-            self._fh = open(self.journal, "a")  # noqa: SIM115 - closed in compact()
-        self._fh.write(json.dumps(rec) + "\n")
-        now = time.monotonic()
-        if now - self._last_flush > 0.2:
-            self._fh.flush()
-            self._last_flush = now
+        line = json.dumps(rec) + "\n"
+        with self._append_lock:
+            if self._fh is None:
+                self._fh = open(self.journal, "a")  # noqa: SIM115 - closed in compact()
+            self._fh.write(line)
+            now = time.monotonic()
+            if now - self._last_flush > 0.2:
+                self._fh.flush()
+                self._last_flush = now
 
     def flush(self) -> None:
-        if self._fh is not None:
-            self._fh.flush()
+        with self._append_lock:
+            if self._fh is not None:
+                self._fh.flush()
 
     def compact(self) -> None:
         """Fold the journal into the map file (atomically) and start a new journal."""
