@@ -251,7 +251,10 @@ def test_backup_to_inside_an_in_s3_location_is_refused_before_anything(s3_endpoi
         f"--s3-endpoint={s3_endpoint.url}",
     )  # fmt: skip
     err = r.stderr
-    assert r.returncode == 4 and f"--backup-to s3://{bucket}/pipeline/backup lies inside in_s3 s3://{bucket}/pipeline of" in err, r.stdout[-2000:] + err
+    assert (
+        r.returncode == 4
+        and f"--backup-to s3://{bucket}/pipeline/backup lies inside in_s3 s3://{bucket}/pipeline of" in err
+    ), r.stdout[-2000:] + err
     assert not (tmp_path / "backup").exists()
     r = _suite(
         tmp_path, env, f"--manifest={manifest}", f"--backup-to=s3://{bucket}/pipelinex",

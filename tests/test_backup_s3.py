@@ -67,7 +67,9 @@ def test_upload_verify_rerun_and_multipart_hygiene(aws_env, backed_up):
     res = up.run(up.plan(items))
     assert res.ok, res.failed
     assert res.uploaded == 43 and res.aborted_uploads == ["node-a/data/stale"]
-    left = {(u["Key"], u["UploadId"]) for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+    left = {
+        (u["Key"], u["UploadId"]) for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    }
     assert left == {("node-a/data/theirs", theirs["UploadId"]), ("node-ab/data/x", sibling["UploadId"])}
     for key, uid in left:
         client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=uid)

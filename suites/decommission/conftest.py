@@ -155,6 +155,7 @@ def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterato
         stall_timeout=options.tuning(pytestconfig, "decommission_stall_timeout"),
         part_size=int(options.tuning(pytestconfig, "decommission_s3_part_mib") * 1024 * 1024),
         in_s3_send_to=options.get(pytestconfig, "in_s3_send_to")[0] or "location",
+        in_s3_min_proof=options.get(pytestconfig, "in_s3_min_proof")[0] or "crc64",
     )
     refused = None
     try:

@@ -100,6 +100,7 @@ class Decommission(Procedure):
         part_size: int | None = None,
         in_s3_send_to: str = "location",
         node_name: str = "",
+        in_s3_min_proof: str = "crc64",
         progress: Callable[[Progress], None] | None = None,
         record: Callable[[str, Any], None] | None = None,
         measure: Callable[..., None] | None = None,
@@ -118,6 +119,7 @@ class Decommission(Procedure):
         self.part_size = part_size
         self.in_s3_send_to = in_s3_send_to  # "location" or "backup-to" (--in-s3-send-to)
         self.node_name = node_name  # the operator's name of the node, part of its identity
+        self.in_s3_min_proof = in_s3_min_proof  # the weakest proof in place that counts (--in-s3-min-proof)
         self.progress = progress
         self.record_state = record  # evidence.state
         self.record_measure = measure  # evidence.measure
@@ -390,7 +392,9 @@ class Decommission(Procedure):
         file under it is an item with the one-line reason, and goes to the local backup.
         """
         client = make_client(self.endpoint)
-        checker = InPlace(self.conn.connection(), self.manifest, lambda loc: client)
+        checker = InPlace(
+            self.conn.connection(), self.manifest, lambda loc: client, min_proof=self.in_s3_min_proof
+        )
         try:
             res = checker.check(listing, self._in_place)
         except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from pytest_gpuhost.exec.s3io import s3_problem
+from pytest_gpuhost.modules.backup.inplace import STRENGTH
 from pytest_gpuhost.modules.backup.local import Listing
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.redact import printable, redact
@@ -183,12 +184,17 @@ def in_place_notes(run: Decommission) -> list[str]:
     if r is None or not r.proofs:
         return []
     out = ["", f"## Verified where it already was in S3 ({len(r.proved)} of {len(r.proofs)})", ""]
-    by_how: dict[str, int] = {}
+    by_how: dict[tuple[int, str, str], int] = {}
     for p in r.proofs:
         if p.ok:
             how = p.how.removesuffix(" matches the node's file")
-            by_how[how] = by_how.get(how, 0) + 1
-    out += [f"- {n} files by {md(how)}" for how, n in sorted(by_how.items())]
+            k = (-STRENGTH.get(p.strength, 0), p.strength or "?", how)
+            by_how[k] = by_how.get(k, 0) + 1
+    out.append(
+        f"- proofs by strength (sha256 > sha1 > md5 > crc64 > crc32); the least this run accepts: "
+        f"{md(run.in_s3_min_proof)} (--in-s3-min-proof)"
+    )
+    out += [f"- {n} files by {md(how)} (strength {md(st)})" for (_, st, how), n in sorted(by_how.items())]
     proved_bytes = sum(p.file.size for p in r.proofs if p.ok)
     out.append(f"- {proved_bytes} bytes proved from the node's own reads of them, none copied off the node")
     bad = [p for p in r.proofs if not p.ok]
@@ -198,7 +204,7 @@ def in_place_notes(run: Decommission) -> list[str]:
         out += [f"- `{md(p.file.display)}` ({md(p.url)}): {md(p.how)}{md(elsewhere)}" for p in bad[:200]]
     shown = [p for p in r.proofs if p.ok][:200]
     out += ["", "### How each file was proved", ""]
-    out += [f"- `{md(p.file.display)}`: {md(p.how)}" for p in shown]
+    out += [f"- `{md(p.file.display)}`: {md(p.strength or '?')}: {md(p.how)}" for p in shown]
     if len(r.proved) > len(shown):
         out.append(f"- ... and {len(r.proved) - len(shown)} more (see the evidence of step 5)")
     return out

@@ -68,6 +68,15 @@ def _send_to(raw: Any) -> str:
 
 #: Where a file under an in_s3 root goes when it is not proved there (`--in-s3-send-to`).
 SEND_TO = ("location", "backup-to")
+#: The proofs in place, strongest first (`--in-s3-min-proof`; modules/backup/inplace.py STRENGTH).
+MIN_PROOFS = ("sha256", "sha1", "md5", "crc64", "crc32")
+
+
+def _min_proof(raw: Any) -> str:
+    value = str(raw).strip().lower()
+    if value not in MIN_PROOFS:
+        raise BadValue(f"expected one of {', '.join(MIN_PROOFS)}")
+    return value
 
 
 def _opt(name: str, flag: str | None, help: str, **kw: Any) -> Option:
@@ -108,9 +117,23 @@ IN_S3_SEND_TO = _opt(
     parse=_send_to,
     default="location",
 )
-
+IN_S3_MIN_PROOF = _opt(
+    "in_s3_min_proof",
+    "--in-s3-min-proof",
+    "the weakest proof that counts for a file already in S3: sha256, sha1, md5 (an ETag), crc64 or "
+    "crc32; a weaker one is 'cannot be verified' (default {default}: a 32-bit CRC alone is not enough)",
+    parse=_min_proof,
+    default="crc64",
+)
 #: Every option with a flag (and its ini twin).
-OPTIONS: tuple[Option, ...] = (MANIFEST, BACKUP_DIR, BACKUP_TO, S3_ENDPOINT, IN_S3_SEND_TO)
+OPTIONS: tuple[Option, ...] = (
+    MANIFEST,
+    BACKUP_DIR,
+    BACKUP_TO,
+    S3_ENDPOINT,
+    IN_S3_SEND_TO,
+    IN_S3_MIN_PROOF,
+)
 
 STALL_TIMEOUT = _opt(
     "stall_timeout",
