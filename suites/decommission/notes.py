@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pytest_gpuhost.exec.s3io import s3_problem
 from pytest_gpuhost.modules.backup.inplace import STRENGTH
 from pytest_gpuhost.modules.backup.local import Listing
+from pytest_gpuhost.modules.backup.roots import root_problems, root_rows
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run.procedure import ProcedureError, Step
@@ -158,6 +159,7 @@ def notes_body(run: Decommission, problems: Sequence[str] = ()) -> str:
         lines += [f"- `{md(p)}`: {md(why)}" for p, why in missing[:200]]
         if len(missing) > 200:
             lines.append(f"- ... and {len(missing) - 200} more (see the safe-to-terminate step)")
+    lines += root_notes(run, run._node_listing or listing, missing)
     lines += in_place_notes(run)
     sums = run.dest / "SHA256SUMS"
     digest = hashlib.sha256(sums.read_bytes()).hexdigest() if sums.exists() else "(not written)"
@@ -176,6 +178,35 @@ def notes_body(run: Decommission, problems: Sequence[str] = ()) -> str:
             f"{md(', '.join(run.s3_cats()) or 'none')}"
         )
     return "\n".join(lines) + "\n"
+
+
+def root_notes(run: Decommission, listing: Listing, missing: Sequence[tuple[str, str]]) -> list[str]:
+    """NOTES.md's table of every root: what it is, files found, verified where, left out by what."""
+    if not listing.roots:
+        return []
+    bad = {p for p, _ in missing}
+    items = run.backup.state.items
+    local_ok = [f.key for f in listing.files if f.key in items and f.display not in bad]
+    verified: dict[str, list[str]] = {"local backup": local_ok}
+    if run._in_place is not None and run._in_place.proofs:
+        verified["in place in S3"] = list(run._in_place.proved)
+    rows = root_rows(run.manifest, listing, verified, listing.skipped)
+    out = ["", "## Every root", "", "| category | root | what it is | files found | verified | left out |"]
+    out.append("|---|---|---|---|---|---|")
+    for r in rows:
+        where = ", ".join(f"{n} in {md(k)}" for k, n in r["verified"].items() if n) or "none"
+        left = ", ".join(f"{n} by {md(why)}" for why, n in sorted(r["left_out"].items()))
+        if r["not_listed"]:
+            left = (left + ", " if left else "") + f"{r['not_listed']} not listed (see below)"
+        out.append(
+            f"| {cell(r['category'])} | {cell(r['root'])} | {cell(r['kind'])} | {r['found']} | {cell(where)} "
+            f"| {cell(left or 'none')} |"
+        )
+    problems = root_problems(run.manifest, listing)
+    if problems:
+        out += ["", f"### Roots to answer ({len(problems)})", ""]
+        out += [f"- {md(p)}" for p in problems]
+    return out
 
 
 def in_place_notes(run: Decommission) -> list[str]:
@@ -300,6 +331,7 @@ def step_safe_to_terminate(run: Decommission) -> Step:
             in_place_missing=[(p.file.display, p.how) for p in run.in_place_outstanding()],
             s3_unreadable=s3_unreadable,
         )
+        problems += root_problems(run.manifest, full)
         if problems:
             run._listing = listing  # what the local backup is to hold, as step 4 sets it
             failed = notes_after_failure(run, problems)

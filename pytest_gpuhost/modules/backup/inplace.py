@@ -256,12 +256,15 @@ class InPlace:
     def files(self, listing: Listing) -> list[tuple[RemoteFile, S3Location]]:
         """Return each regular file under an in_s3 root, with the location of its root."""
         cats = {c.name: c for c in self.manifest.categories if c.in_s3}
+        # a root followed where its link points (follow_root_links) is named by the operator's path
+        named = {(r["category"], r["real"]): r["root"] for r in listing.roots if "real" in r}
         out = []
         for f in listing.files:
             cat = cats.get(f.category)
             if cat is None or f.kind != "f":
                 continue
             root = f.path[: f.anchor_len].decode("utf-8", "surrogateescape")
+            root = named.get((f.category, root), root)
             url = cat.in_s3_url(root) or cat.in_s3_url(f.path.decode("utf-8", "surrogateescape"))
             if url is not None:
                 out.append((f, parse_s3_url(url)))
