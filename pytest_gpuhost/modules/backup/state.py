@@ -32,7 +32,15 @@ class StateFile:
         if self.path.exists():
             self.items = json.loads(self.path.read_text()).get("items", {})
         if self.journal.exists():
-            for line in self.journal.read_text().splitlines():
+            text = self.journal.read_text()
+            if text and not text.endswith("\n"):
+                # a run cut mid-line: drop the torn tail, or the next record appended would be
+                # glued onto it and lost on replay (a delete among them: a forgotten item back)
+                keep = text.rfind("\n") + 1
+                with open(self.journal, "r+") as f:
+                    f.truncate(len(text[:keep].encode()))
+                text = text[:keep]
+            for line in text.splitlines():
                 try:
                     rec = json.loads(line)
                 except ValueError:
