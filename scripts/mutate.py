@@ -223,9 +223,9 @@ MUTATIONS = (
     Mutation(
         "owner-s3-foreign-objects",
         "a --backup-to prefix with objects but no owner record, that this backup never wrote, is refused",
-        "suites/decommission/node.py",
-        "            elif verdict.status == FREE and self._s3_holds_foreign(client):",
-        "            elif False:",
+        "pytest_gpuhost/modules/backup/ownership.py",
+        "            if verdict.status == FREE and s3_foreign:",
+        "            if False:",
         ("tests/test_backup_ownership.py::test_objects_without_an_owner_record_are_not_claimed",),
     ),
     Mutation(

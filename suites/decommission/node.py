@@ -34,14 +34,12 @@ from pytest_gpuhost.modules.backup.local import (
     Progress,
 )
 from pytest_gpuhost.modules.backup.ownership import (
-    FREE,
+    CORRUPT,
     MINE,
     Place,
+    claim_problems,
     describe,
-    judge,
-    local_ownership,
     node_identity,
-    overlap_problems,
     run_places,
 )
 from pytest_gpuhost.modules.backup.s3 import (
@@ -247,17 +245,14 @@ class Decommission(Procedure):
         Under --check-only nothing is written.
         """
         me = self.identity()
-        problems = overlap_problems(self.places())
         local = self.dest / META / OWNER_NAME
-        mine_local = local_ownership(self.dest, me, META)
-        if not mine_local.usable:
-            problems.append(f"--backup-dir {self.dest} {mine_local.why}")
         s3_key = None
         client = None
+        theirs_s3: Any = None
+        foreign = False
         if self.s3 is not None and self.writes_backup_to():
             client = make_client(self.endpoint)
             s3_key = self.s3.key(f"{META}/{OWNER_NAME}")
-            theirs_s3: Any = None
             try:
                 body = client.get_object(Bucket=self.s3.bucket, Key=s3_key)["Body"].read()
             except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
@@ -266,26 +261,28 @@ class Decommission(Procedure):
                     raise DestinationError(
                         f"--backup-to {self.s3.url}: owner record not readable: {code or exc}"
                     ) from None
+                foreign = self._s3_holds_foreign(client)
             else:
                 try:
                     theirs_s3 = json.loads(body)
                 except ValueError:
-                    theirs_s3 = "corrupt"
-            verdict = judge(theirs_s3, me) if theirs_s3 != "corrupt" else None
-            if verdict is None:
-                problems.append(
-                    f"--backup-to {self.s3.url}: owner record {s3_key} is not JSON (corrupt): whose "
-                    "backup this is cannot be told"
-                )
-            elif verdict.status == FREE and self._s3_holds_foreign(client):
-                problems.append(
-                    f"--backup-to {self.s3.url} holds objects but no owner record, and this backup "
-                    "directory never wrote there: whose they are cannot be told"
-                )
-            elif not verdict.usable:
-                problems.append(f"--backup-to {self.s3.url} {verdict.why}")
-            elif verdict.status == MINE:
-                s3_key = None  # already ours
+                    theirs_s3 = CORRUPT
+        above: list[tuple[str, Any]] = []
+        if client is not None and self.s3 is not None:
+            above = self._s3_owners_above(client)
+        problems, verdict = claim_problems(
+            me,
+            self.places(),
+            self.dest,
+            s3_url=self.s3.url if client is not None and self.s3 is not None else None,
+            s3_record=theirs_s3,
+            s3_key=s3_key or "",
+            s3_foreign=foreign,
+            s3_above=above,
+            meta=META,
+        )
+        if verdict is not None and verdict.status == MINE:
+            s3_key = None  # already ours
         if problems:
             raise DestinationError(
                 "; ".join(problems)
@@ -301,6 +298,30 @@ class Decommission(Procedure):
             os.replace(tmp, local)
         if client is not None and s3_key is not None and self.s3 is not None:
             client.put_object(Bucket=self.s3.bucket, Key=s3_key, Body=json.dumps(me, indent=1).encode())
+
+    def _s3_owners_above(self, client: Any) -> list[tuple[str, Any]]:
+        """(URL, owner record) of each prefix above --backup-to's that has one (a HEAD-sized GET each)."""
+        assert self.s3 is not None
+        parts = [p for p in self.s3.prefix.split("/") if p]
+        out: list[tuple[str, Any]] = []
+        for n in range(len(parts)):
+            prefix = "/".join(parts[:n])
+            key = (prefix + "/" if prefix else "") + f"{META}/{OWNER_NAME}"
+            try:
+                body = client.get_object(Bucket=self.s3.bucket, Key=key)["Body"].read()
+            except Exception as exc:  # noqa: BLE001 - absent is the usual answer
+                code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+                if code in ("NoSuchKey", "404"):
+                    continue
+                raise DestinationError(
+                    f"--backup-to {self.s3.url}: owner record {key} not readable: {code or exc}"
+                ) from None
+            try:
+                rec: Any = json.loads(body)
+            except ValueError:
+                rec = CORRUPT
+            out.append((f"s3://{self.s3.bucket}/{prefix}", rec))
+        return out
 
     def _s3_holds_foreign(self, client: Any) -> bool:
         """Whether --backup-to holds an object this backup directory's journal does not name."""

@@ -12,8 +12,9 @@ anchor (the root the operator named, or the parent of a root that is a file), "l
 target.  The reading side (probe_backup.py) opens each file below its anchor the same way.
 
 Each category also reports its roots ("roots": one record per root named): what the root is
-("dir", "file", "link" with "to" its target, "missing", "error"), "n" the entries it gave and
-"k" those the rules left out, so that a root that is a link, is gone or yields nothing is never
+("dir", "file", "link" with "to" its target, "missing", "error"), "n" the entries it gave, "k"
+those max_size or their type left out (listed), "x" the files and "xd" the directories the
+include/exclude globs left out (counted), so that a root that is a link, is gone or yields nothing is never
 a silent pass.  A root that is a symbolic link is listed as the link itself unless the category
 says `follow_root_links`: then it is resolved once (os.path.realpath) and its target is walked
 as the root ("real" the resolved path); below the root nothing is followed either way.
@@ -166,11 +167,13 @@ class _Walk:
         self.skipped = []
         self.errors = []
         self.roots = []
+        self.excluded = 0  # files and links the include/exclude globs left out (counted, not listed)
+        self.pruned = 0  # directories an exclude glob left out whole (not entered)
 
     def root(self, root):
         rootb = os.fsencode(os.path.normpath(root))
         info = _name(rootb)
-        counts = (len(self.entries), len(self.skipped), len(self.errors))
+        counts = (len(self.entries), len(self.skipped), len(self.errors), self.excluded, self.pruned)
         self.roots.append(info)
         try:
             info["kind"] = self._root(rootb, info)
@@ -178,6 +181,8 @@ class _Walk:
             info["n"] = len(self.entries) - counts[0]
             info["k"] = len(self.skipped) - counts[1]
             info["e"] = len(self.errors) - counts[2]
+            info["x"] = self.excluded - counts[3]
+            info["xd"] = self.pruned - counts[4]
 
     def _root(self, rootb, info):
         try:
@@ -274,6 +279,7 @@ class _Walk:
             if stat.S_ISDIR(st.st_mode):
                 # prune an excluded directory ("cache" or "cache/**"): it is never entered
                 if glob_accepts(self.exc, s_exc) or glob_accepts(self.exc, glob_step(self.exc, s_exc, "")):
+                    self.pruned += 1
                     continue
                 subdirs.append((name, st, s_inc, s_exc))
             else:
@@ -282,6 +288,7 @@ class _Walk:
 
     def item(self, path, anchor, st, dfd, name, states):
         if glob_accepts(self.exc, states[1]) or not glob_accepts(self.inc, states[0]):
+            self.excluded += 1
             return
         if stat.S_ISLNK(st.st_mode):
             entry = _entry(path, st, "l", anchor)

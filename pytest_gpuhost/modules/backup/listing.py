@@ -168,6 +168,8 @@ def listing_from(manifest: Manifest, res: dict[str, Any]) -> Listing:
                     "n": int(r.get("n", 0)),
                     "k": int(r.get("k", 0)),
                     "e": int(r.get("e", 0)),
+                    "x": int(r.get("x", 0)),
+                    "xd": int(r.get("xd", 0)),
                     **{k: str(r[k]) for k in ("to", "real") if k in r},
                 }
             )

@@ -38,7 +38,9 @@ __all__ = [
     "MINE",
     "OTHER",
     "UNKNOWN",
+    "CORRUPT",
     "Ownership",
+    "claim_problems",
     "Place",
     "judge",
     "local_ownership",
@@ -50,6 +52,7 @@ __all__ = [
 ]
 
 FREE, MINE, OTHER, CLASH, UNKNOWN = "free", "mine", "other", "clash", "unknown"
+CORRUPT = object()  # an owner record that exists but is not JSON
 #: Fields that name a node, in the order they are compared and shown.
 IDENTITY = ("machine_id", "target", "node_name", "host_key")
 OWNER_NAME = "node.json"
@@ -190,6 +193,16 @@ def local_ownership(dest: Path, me: Mapping[str, str], meta: str = ".gpuhost") -
     timeline naming only this target is this node's backup (MINE); naming another target,
     that node's (OTHER); state without a readable timeline is UNKNOWN.
     """
+    for up in list(Path(os.path.abspath(dest)).parents):
+        # a place inside another node's backup directory is that node's (and its writes would
+        # land among that backup's files); a record of this node above is its own tree
+        rec, why = read_record(up / meta / OWNER_NAME)
+        if why:
+            return Ownership(UNKNOWN, f"lies inside {up}, whose {why}")
+        if rec is not None:
+            above = judge(rec, me)
+            if not above.usable:
+                return Ownership(above.status, f"lies inside {up}, which {above.why}", above.record)
     try:
         entries = [e.name for e in os.scandir(dest)]
     except FileNotFoundError:
@@ -359,3 +372,52 @@ def run_overlaps(
             "no run writes there"
         )
     return problems
+
+
+def claim_problems(
+    me: Mapping[str, str],
+    places: Iterable[Place],
+    dest: Path,
+    *,
+    s3_url: str | None = None,
+    s3_record: Any = None,
+    s3_key: str = "",
+    s3_foreign: bool = False,
+    s3_above: Sequence[tuple[str, Any]] = (),
+    meta: str = ".gpuhost",
+) -> tuple[list[str], Ownership | None]:
+    """Every reason a run may not write its destinations, and the judgement on --backup-to.
+
+    The one decision of a run's claim (suites/decommission/node.py reads the S3 side and calls
+    this): the places must not overlap; the backup directory must be FREE or MINE; the
+    --backup-to prefix (s3_url, when the run writes there) by its owner object `s3_record`
+    (None when absent, CORRUPT when not JSON) and, where it has none, by `s3_foreign`: whether
+    it holds objects this backup directory's own journal does not name. `s3_above` is (URL,
+    owner record) of each prefix above it that has one: a prefix inside another node's is
+    that node's.
+    """
+    problems = overlap_problems(places)
+    local = local_ownership(dest, me, meta)
+    if not local.usable:
+        problems.append(f"--backup-dir {dest} {local.why}")
+    verdict: Ownership | None = None
+    if s3_url is not None:
+        if s3_record is CORRUPT:
+            problems.append(
+                f"--backup-to {s3_url}: owner record {s3_key} is not JSON (corrupt): whose backup this is "
+                "cannot be told"
+            )
+        else:
+            verdict = judge(s3_record, me)
+            if verdict.status == FREE and s3_foreign:
+                problems.append(
+                    f"--backup-to {s3_url} holds objects but no owner record, and this backup directory "
+                    "never wrote there: whose they are cannot be told"
+                )
+            elif not verdict.usable:
+                problems.append(f"--backup-to {s3_url} {verdict.why}")
+        for url, rec in s3_above:
+            above = judge(rec, me) if rec is not CORRUPT else Ownership(UNKNOWN, "has a corrupt owner record")
+            if not above.usable:
+                problems.append(f"--backup-to {s3_url} lies inside {url}, which {above.why}")
+    return problems, verdict

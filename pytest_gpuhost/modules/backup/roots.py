@@ -39,7 +39,8 @@ def root_problems(manifest: Manifest, listing: Listing) -> list[str]:
                 f"{where} {what}: nothing of it is backed up; fix the path, or set expected_empty: true"
             )
         elif r["n"] == 0 and r["e"] == 0 and r["kind"] in ("dir", "file") and not cat.expected_empty:
-            rules = f" ({r['k']} left out by the category's rules)" if r["k"] else ""
+            left = int(r["k"]) + int(r.get("x", 0)) + int(r.get("xd", 0))
+            rules = f" ({left} left out by the category's rules)" if left else ""
             out.append(
                 f"{where} yields no file{rules}: check its include/exclude, or set expected_empty: true "
                 "where nothing is expected there"
@@ -75,6 +76,18 @@ def root_rows(
             ):
                 why = str(s.get("why") or "left out")
                 rules[why] = rules.get(why, 0) + 1
+        cat = next((c for c in manifest.categories if c.name == r["category"]), None)
+        globs = ""
+        if cat is not None:
+            globs = (
+                "include "
+                + " ".join(cat.include)
+                + (" exclude " + " ".join(cat.exclude) if cat.exclude else "")
+            )
+        if r.get("x"):
+            rules[f"the globs ({globs})"] = int(r["x"])
+        if r.get("xd"):
+            rules[f"directories not entered, by the globs ({globs})"] = int(r["xd"])
         rows.append(
             {
                 "category": r["category"],
