@@ -190,7 +190,7 @@ MUTATIONS = (
         "destination-owner",
         "a backup directory another node's run wrote is refused before anything is stopped",
         "pytest_gpuhost/modules/backup/ownership.py",
-        '    if "machine_id" in differ:',
+        "    if not local.usable:",
         "    if False:",
         (
             "tests/test_decommission_preflight.py::test_a_destination_of_another_node_is_refused_before_anything_stops",

@@ -34,13 +34,13 @@ from pytest_gpuhost.modules.backup.local import (
     Progress,
 )
 from pytest_gpuhost.modules.backup.ownership import (
-    CORRUPT,
     MINE,
     Place,
     claim_problems,
     describe,
     node_identity,
     run_places,
+    s3_evidence,
 )
 from pytest_gpuhost.modules.backup.s3 import (
     S3Item,
@@ -50,7 +50,6 @@ from pytest_gpuhost.modules.backup.s3 import (
     parse_s3_url,
     state_tag,
 )
-from pytest_gpuhost.modules.backup.state import StateFile
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.run.procedure import Procedure
 
@@ -250,26 +249,20 @@ class Decommission(Procedure):
         client = None
         theirs_s3: Any = None
         foreign = False
+        above: list[tuple[str, Any]] = []
         if self.s3 is not None and self.writes_backup_to():
             client = make_client(self.endpoint)
             s3_key = self.s3.key(f"{META}/{OWNER_NAME}")
+            journal = f"s3-{state_tag(str(client.meta.endpoint_url), self.s3.url)}"
             try:
-                body = client.get_object(Bucket=self.s3.bucket, Key=s3_key)["Body"].read()
+                theirs_s3, foreign, above = s3_evidence(
+                    client, self.s3.bucket, self.s3.prefix, self.dest, journal
+                )
             except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
                 code = getattr(exc, "response", {}).get("Error", {}).get("Code")
-                if code not in ("NoSuchKey", "404"):
-                    raise DestinationError(
-                        f"--backup-to {self.s3.url}: owner record not readable: {code or exc}"
-                    ) from None
-                foreign = self._s3_holds_foreign(client)
-            else:
-                try:
-                    theirs_s3 = json.loads(body)
-                except ValueError:
-                    theirs_s3 = CORRUPT
-        above: list[tuple[str, Any]] = []
-        if client is not None and self.s3 is not None:
-            above = self._s3_owners_above(client)
+                raise DestinationError(
+                    f"--backup-to {self.s3.url}: owner record not readable: {code or exc}"
+                ) from None
         problems, verdict = claim_problems(
             me,
             self.places(),
@@ -298,43 +291,6 @@ class Decommission(Procedure):
             os.replace(tmp, local)
         if client is not None and s3_key is not None and self.s3 is not None:
             client.put_object(Bucket=self.s3.bucket, Key=s3_key, Body=json.dumps(me, indent=1).encode())
-
-    def _s3_owners_above(self, client: Any) -> list[tuple[str, Any]]:
-        """(URL, owner record) of each prefix above --backup-to's that has one (a HEAD-sized GET each)."""
-        assert self.s3 is not None
-        parts = [p for p in self.s3.prefix.split("/") if p]
-        out: list[tuple[str, Any]] = []
-        for n in range(len(parts)):
-            prefix = "/".join(parts[:n])
-            key = (prefix + "/" if prefix else "") + f"{META}/{OWNER_NAME}"
-            try:
-                body = client.get_object(Bucket=self.s3.bucket, Key=key)["Body"].read()
-            except Exception as exc:  # noqa: BLE001 - absent is the usual answer
-                code = getattr(exc, "response", {}).get("Error", {}).get("Code")
-                if code in ("NoSuchKey", "404"):
-                    continue
-                raise DestinationError(
-                    f"--backup-to {self.s3.url}: owner record {key} not readable: {code or exc}"
-                ) from None
-            try:
-                rec: Any = json.loads(body)
-            except ValueError:
-                rec = CORRUPT
-            out.append((f"s3://{self.s3.bucket}/{prefix}", rec))
-        return out
-
-    def _s3_holds_foreign(self, client: Any) -> bool:
-        """Whether --backup-to holds an object this backup directory's journal does not name."""
-        assert self.s3 is not None
-        prefix = self.s3.prefix + "/" if self.s3.prefix else ""
-        res = client.list_objects_v2(Bucket=self.s3.bucket, Prefix=prefix, MaxKeys=1000)
-        keys = [o["Key"] for o in res.get("Contents", []) or []]
-        if not keys:
-            return False
-        tag = state_tag(str(client.meta.endpoint_url), self.s3.url)
-        journal = self.dest / META / f"s3-{tag}.json"
-        mine = StateFile.peek(journal.parent, journal.stem)
-        return any(k not in mine for k in keys)
 
     # ---------------------------------------------------------------- 1 inventory
 

@@ -41,6 +41,7 @@ __all__ = [
     "CORRUPT",
     "Ownership",
     "claim_problems",
+    "s3_evidence",
     "Place",
     "judge",
     "local_ownership",
@@ -421,3 +422,46 @@ def claim_problems(
             if not above.usable:
                 problems.append(f"--backup-to {s3_url} lies inside {url}, which {above.why}")
     return problems, verdict
+
+
+def s3_evidence(
+    client: Any, bucket: str, prefix: str, dest: Path, journal_name: str, meta: str = ".gpuhost"
+) -> tuple[Any, bool, list[tuple[str, Any]]]:
+    """Read what says whose an S3 prefix is: (its owner record: None, CORRUPT or the parsed
+    JSON; whether it holds objects this backup directory's journal `journal_name` does not
+    name, asked only where it has no record; (URL, record) of each prefix above with one).
+
+    Raises the client's error for anything but an absent record (the caller names it).
+    """
+    from pytest_gpuhost.modules.backup.state import StateFile
+
+    def get(key: str) -> Any:
+        try:
+            body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except Exception as exc:
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+            if code in ("NoSuchKey", "404"):
+                return None
+            raise
+        try:
+            return json.loads(body)
+        except ValueError:
+            return CORRUPT
+
+    parts = [p for p in prefix.split("/") if p]
+    here = "/".join(parts)
+    record = get((here + "/" if here else "") + f"{meta}/{OWNER_NAME}")
+    foreign = False
+    if record is None:
+        res = client.list_objects_v2(Bucket=bucket, Prefix=here + "/" if here else "", MaxKeys=1000)
+        keys = [o["Key"] for o in res.get("Contents", []) or []]
+        if keys:
+            mine = StateFile.peek(dest / meta, journal_name)
+            foreign = any(k not in mine for k in keys)
+    above: list[tuple[str, Any]] = []
+    for n in range(len(parts)):
+        up = "/".join(parts[:n])
+        rec = get((up + "/" if up else "") + f"{meta}/{OWNER_NAME}")
+        if rec is not None:
+            above.append((f"s3://{bucket}/{up}", rec))
+    return record, foreign, above
