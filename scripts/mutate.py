@@ -242,7 +242,9 @@ MUTATIONS = (
         "suites/decommission/conftest.py",
         "    if overlaps:",
         "    if False:",
-        ("tests/test_backup_ownership.py::test_backup_to_inside_an_in_s3_location_is_refused_before_anything",),
+        (
+            "tests/test_backup_ownership.py::test_backup_to_inside_an_in_s3_location_is_refused_before_anything",
+        ),
     ),
     Mutation(
         "multipart-own-uploads",
