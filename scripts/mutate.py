@@ -247,6 +247,16 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "in-s3-not-ours",
+        "an object at an in_s3 location this node did not write (the pipeline's, another node's) is never overwritten",
+        "suites/decommission/in_s3.py",
+        '        if (head.get("Metadata") or {}).get(OWNER_META) == tag:',
+        "        if True:",
+        (
+            "tests/test_backup_ownership.py::test_an_object_at_an_in_s3_location_is_overwritten_only_when_this_node_wrote_it",
+        ),
+    ),
+    Mutation(
         "multipart-own-uploads",
         "only the multipart uploads this backup started are aborted, never another tool's or node's",
         "pytest_gpuhost/modules/backup/s3.py",

@@ -261,3 +261,23 @@ def test_backup_to_inside_an_in_s3_location_is_refused_before_anything(s3_endpoi
         f"--s3-endpoint={s3_endpoint.url}",
     )  # fmt: skip
     assert r.returncode != 4 and "a run would write where" not in r.stderr, r.stderr  # the steps run
+
+
+def test_an_object_at_an_in_s3_location_is_overwritten_only_when_this_node_wrote_it(s3_endpoint) -> None:
+    from pytest_gpuhost.modules.backup.ownership import object_owner_tag
+    from pytest_gpuhost.modules.backup.s3 import S3Item
+    from suites.decommission.in_s3 import not_ours
+
+    bucket = s3_endpoint.make_bucket("notours")
+    client = s3_endpoint.client()
+    mine, other = object_owner_tag(ME), object_owner_tag(dict(ME, target="gpu-02"))
+    client.put_object(Bucket=bucket, Key="p/pipeline.bin", Body=b"the pipeline's")
+    client.put_object(Bucket=bucket, Key="p/mine.bin", Body=b"x", Metadata={"gpuhost-owner": mine})
+    client.put_object(Bucket=bucket, Key="p/other.bin", Body=b"y", Metadata={"gpuhost-owner": other})
+    items = [
+        S3Item(n, "0" * 64, 1, key=f"p/{n}") for n in ("pipeline.bin", "mine.bin", "other.bin", "gone.bin")
+    ]
+    ok, refused = not_ours(client, bucket, items, mine)
+    assert [i.key for i in ok] == ["p/mine.bin", "p/gone.bin"]
+    assert refused == ["p/pipeline.bin", "p/other.bin"]
+    assert mine != other and object_owner_tag(dict(ME, host_key="h" * 32)) != mine  # a clone is not me

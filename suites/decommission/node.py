@@ -39,6 +39,7 @@ from pytest_gpuhost.modules.backup.ownership import (
     claim_problems,
     describe,
     node_identity,
+    object_owner_tag,
     run_places,
     s3_evidence,
 )
@@ -128,6 +129,7 @@ class Decommission(Procedure):
         self._in_place: InPlaceResult | None = None
         self._node_listing: Listing | None = None  # every file, also those proved in place
         self._in_place_uploads: dict[str, S3Upload] = {}
+        self._owner_tag: str | None = None
 
     # ---------------------------------------------------------------- shared state
 
@@ -157,6 +159,7 @@ class Decommission(Procedure):
                 progress=self.progress,
                 progress_interval=2.0,
                 part_size=self.part_size,
+                owner_tag=self.owner_tag(),
             )
         return self._s3
 
@@ -456,5 +459,12 @@ class Decommission(Procedure):
                 progress=self.progress,
                 progress_interval=2.0,
                 part_size=self.part_size,
+                owner_tag=self.owner_tag(),
             )
         return self._in_place_uploads[url]
+
+    def owner_tag(self) -> str:
+        """This node's tag in the metadata of every object its runs write (ownership.object_owner_tag)."""
+        if self._owner_tag is None:
+            self._owner_tag = object_owner_tag(self.identity())
+        return self._owner_tag

@@ -40,7 +40,9 @@ __all__ = [
     "UNKNOWN",
     "CORRUPT",
     "Ownership",
+    "OWNER_META",
     "claim_problems",
+    "object_owner_tag",
     "s3_evidence",
     "Place",
     "judge",
@@ -465,3 +467,15 @@ def s3_evidence(
         if rec is not None:
             above.append((f"s3://{bucket}/{up}", rec))
     return record, foreign, above
+
+
+#: The user metadata every object a run writes carries: the tag of the node that wrote it.
+OWNER_META = "gpuhost-owner"
+
+
+def object_owner_tag(me: Mapping[str, str]) -> str:
+    """The tag of a node in an object's metadata (ASCII hex of its identity fields)."""
+    import hashlib
+
+    ident = "\0".join(str(me.get(f) or "") for f in ("machine_id", "target", "host_key"))
+    return hashlib.sha256(ident.encode("utf-8", "surrogatepass")).hexdigest()[:32]

@@ -125,8 +125,10 @@ class S3Upload:
         progress: Callable[[Progress], None] | None = None,
         progress_interval: float = 1.0,
         part_size: int | None = None,
+        owner_tag: str = "",
     ) -> None:
         self.dest = Path(dest)
+        self.owner_tag = owner_tag  # written as each object's gpuhost-owner metadata
         self.part_size = part_size or PART_SIZE
         self.multipart_threshold = part_size if part_size else MULTIPART_THRESHOLD
         self.loc = location
@@ -256,6 +258,8 @@ class S3Upload:
     def _upload_one(self, item: S3Item, tick: Callable[[int], None]) -> dict[str, Any]:
         key = self.key_of(item)
         meta = {"sha256": item.sha256}
+        if self.owner_tag:
+            meta["gpuhost-owner"] = self.owner_tag
         if item.link is not None:
             meta["symlink"] = "1"
             body = item.link
