@@ -422,11 +422,15 @@ class InPlace:
             sizes = []
         if len(sizes) == n:
             return tuple(sizes), asked
+        def part(i: int) -> int:
+            return int(client.head_object(Bucket=loc.bucket, Key=key, PartNumber=i)["ContentLength"])
+
         try:
-            sizes = [
-                int(client.head_object(Bucket=loc.bucket, Key=key, PartNumber=i)["ContentLength"])
-                for i in range(1, n + 1)
-            ]
+            if n <= 2:
+                sizes = [part(i) for i in range(1, n + 1)]
+            else:  # the parts' HEADs side by side: a 10,000-part object is not 10,000 round trips in a row
+                with ThreadPoolExecutor(max_workers=min(8, n), thread_name_prefix="s3part") as pool:
+                    sizes = list(pool.map(part, range(1, n + 1)))
         except Exception:  # noqa: BLE001 - no sizes: "cannot be verified", never a guess
             return (), asked + n
         return tuple(sizes), asked + n
