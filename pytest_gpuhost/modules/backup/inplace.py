@@ -422,6 +422,7 @@ class InPlace:
             sizes = []
         if len(sizes) == n:
             return tuple(sizes), asked
+
         def part(i: int) -> int:
             return int(client.head_object(Bucket=loc.bucket, Key=key, PartNumber=i)["ContentLength"])
 
