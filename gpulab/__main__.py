@@ -8,8 +8,10 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from gpulab.host.lab import Lab, LabError, LabHost
+from gpulab.profiles.python_variants import SHAPES, node_python_profile
 
 FAULTS = {
     "cut-link": ("take the host's link down", LabHost.cut_link),
@@ -40,6 +42,16 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--loss-pct", type=float, default=0, help="netem loss on the host's link")
     up.add_argument(
         "--data-scale", choices=("small", "bench"), default="small", help="size of the profile's file trees"
+    )
+    up.add_argument(
+        "--node-python",
+        choices=SHAPES,
+        help="the node's python3 (gpulab/host/pythons.py); its services run under their own interpreter",
+    )
+    up.add_argument(
+        "--no-services",
+        action="store_true",
+        help="with --node-python: no services, so no Python runs on the node",
     )
     down = sub.add_parser("down", help="tear a lab host down")
     g = down.add_mutually_exclusive_group(required=True)
@@ -81,8 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     lab = Lab()
     try:
         if args.cmd == "up":
+            profile: Any = args.profile
+            if args.node_python:
+                profile = node_python_profile(
+                    args.node_python, services=not args.no_services, base=args.profile
+                )
             h = lab.up(
-                args.profile,
+                profile,
                 name=args.name,
                 delay_ms=args.delay_ms,
                 loss_pct=args.loss_pct,

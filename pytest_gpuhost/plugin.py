@@ -17,6 +17,7 @@ import pytest
 
 from pytest_gpuhost import hookspec, redact
 from pytest_gpuhost.errors import GpuhostError
+from pytest_gpuhost.report import answer
 from pytest_gpuhost.report import html as html_report
 from pytest_gpuhost.report.outputs import configure_outputs
 from pytest_gpuhost.run import evidence, fixtures, remediation, settings, targets_stash
@@ -75,7 +76,7 @@ def pytest_configure(config: pytest.Config) -> None:
     redact.remember_env(os.environ)  # an operator's own AWS_SECRET_ACCESS_KEY never reaches a report
     controller = not hasattr(config, "workerinput")
     if controller:
-        config.pluginmanager.register(html_report.HtmlCustomisation(), "gpuhost-html")
+        config.pluginmanager.register(html_report.HtmlCustomisation(config), "gpuhost-html")
     settings.publish(config, s)
     if s.hosts or s.inventory:
         config.stash[targets_key] = targets_stash.load_targets(config, s)
@@ -157,5 +158,7 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
     return remediation.report_teststatus(report)
 
 
+@pytest.hookimpl(trylast=True)  # last: the answer in words ends the output, above pytest's counts
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     remediation.terminal_summary(terminalreporter)
+    answer.terminal_summary(terminalreporter)

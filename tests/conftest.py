@@ -28,6 +28,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # local:// is named after the machine (exec/nodename.py); the plugin's own tests expect one
     # name on every machine. tests/test_nodecheck_name.py checks the host-name default without it.
     os.environ.setdefault("GPUHOST_NODE_NAME", "local")
+    if not os.environ.get("GPUHOST_CONTROLLER_STATE_DIR"):
+        # what a --check-only health run keeps on the controller (modules/health/controller_state.py)
+        kept = tempfile.mkdtemp(prefix="gpuhost-test-controller-state-")
+        os.environ["GPUHOST_CONTROLLER_STATE_DIR"] = kept
+        config.add_cleanup(lambda: shutil.rmtree(kept, ignore_errors=True))
     if os.environ.get("GPUHOST_STATE_DIR"):
         return
     state = tempfile.mkdtemp(prefix="gpuhost-test-state-")

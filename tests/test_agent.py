@@ -89,6 +89,55 @@ def test_a_probe_that_fails_to_load_stops_the_agent():
         _serve(program, {"id": 1, "op": "hello"})
 
 
+def test_a_probe_whose_module_is_missing_is_unavailable_and_the_agent_serves_the_rest():
+    """A module the node's Python lacks makes its probe (and the probes importing it) unavailable."""
+    missing = (
+        "from pytest_gpuhost.exec.agent.core import fact, op\n"
+        "@op('early')\n"
+        "def early(params):\n"
+        "    return 1\n"
+        "import gpuhost_no_such_module\n"
+        "@op('opt_stream', stream=True)\n"
+        "def opt_stream(params, emit):\n"
+        "    return 2\n"
+        "@fact('opt_fact')\n"
+        "def opt_fact(params):\n"
+        "    return 3\n"
+    )
+    dependent = (
+        "from pytest_gpuhost.exec.agent.probe_opt import early\n@op('dep')\ndef dep(params):\n    return 4\n"
+    )
+    fine = "from pytest_gpuhost.exec.agent.core import op\n@op('fine')\ndef fine(params):\n    return 5\n"
+    program = (
+        _core()
+        + _probe("probe_opt", missing)
+        + _probe("probe_dep", dependent)
+        + _probe("probe_fine", fine)
+        + "main()\n"
+    )
+    hello, early, stream, facts, dep, ok = _serve(
+        program,
+        {"id": 1, "op": "hello"},
+        {"id": 2, "op": "early"},
+        {"id": 3, "op": "opt_stream"},
+        {"id": 4, "op": "facts", "names": ["opt_fact", "kernel"]},
+        {"id": 5, "op": "dep"},
+        {"id": 6, "op": "fine"},
+    )
+    why = "this Python has no module 'gpuhost_no_such_module'"
+    assert hello["result"]["unavailable"] == {
+        "probe_opt": why,
+        "probe_dep": f"it needs probe_opt, which is unavailable: {why}",
+    }
+    # what the probe registered before the import failed is taken back, not left half-loaded
+    assert early["error"] == f"early is unavailable on this node: probe_opt: {why}"
+    assert stream["error"] == f"opt_stream is unavailable on this node: probe_opt: {why}"
+    assert facts["result"]["opt_fact"] == {"error": f"opt_fact is unavailable on this node: probe_opt: {why}"}
+    assert facts["result"]["kernel"]["release"] == os.uname().release
+    assert dep["error"].startswith("dep is unavailable on this node: probe_dep: it needs probe_opt")
+    assert ok["result"] == 5
+
+
 def test_probes_import_only_the_core_api_and_other_probes():
     """On the target only `pytest_gpuhost.exec.agent.core` exists, holding exactly its `__all__`,
     and the probes, each loaded before any probe that imports from it."""
@@ -470,7 +519,9 @@ def test_fallback_without_python(tmp_path):
         assert isinstance(nope, OSError) and nope.errno == 2
         assert c.write_file(str(tmp_path / "w"), "v\n", timeout=5).ok
         assert (tmp_path / "w").read_text() == "v\n"
-        with pytest.raises(AgentError, match="needs python3"):
+        with pytest.raises(AgentError, match="needs the agent; no usable Python: python3 absent"):
+            c.facts("kernel")
+        with pytest.raises(AgentError, match="needs the agent, which local cannot run .*said once above"):
             c.facts("kernel")
     finally:
         c.close()
@@ -602,7 +653,7 @@ def test_state_dir_comes_from_the_agents_environment(tmp_path, monkeypatch) -> N
 
 
 # ----------------------------------------------------------------------
-# How the agent is started: `python3 -S -u -c BOOTSTRAP` (no site initialisation, unbuffered).
+# How the agent is started: `sh -c PROBE_SH` execs the node's Python as `-S -u -c PRELUDE+BOOTSTRAP`
 
 
 def test_agent_runs_without_site_initialisation() -> None:

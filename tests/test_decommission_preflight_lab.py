@@ -70,3 +70,62 @@ def test_a_wrong_bucket_is_refused_in_one_line_before_any_server_stops(b200, s3_
     assert _servers(h) == 7
     assert not dest.exists()
     assert s3_endpoint.client().list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
+
+
+def _run_args(h: Any, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Any:
+    argv = [
+        sys.executable, "-m", "pytest", str(ROOT / "suites" / "decommission"), *h.pytest_args(),
+        f"--report-dir={tmp_path / 'reports'}", "-p", "no:cacheprovider", "-q", *args,
+    ]  # fmt: skip
+    return subprocess.run(
+        argv, cwd=tmp_path, env=env or dict(os.environ), capture_output=True, text=True, timeout=300
+    )
+
+
+def test_every_missing_precondition_is_listed_at_once_before_any_server_stops(b200, tmp_path):
+    """The example manifest marks categories for S3: without --backup-to, and with a backup
+    directory under a file, the run is refused with both lines, the servers run, nothing is made."""
+    h = b200
+    h.reset()
+    assert _servers(h) == 7
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    dest = blocker / "backup"
+    r = _run_args(h, tmp_path, f"--manifest={MANIFEST}", f"--backup-dir={dest}")
+    out = r.stdout + r.stderr
+    assert r.returncode == 4, out[-5000:]
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 2, out[-5000:]
+    assert lines[0].startswith("ERROR: gpuhost: the manifest marks ") and "--backup-to=s3://" in lines[0], (
+        lines
+    )
+    assert lines[1] == f"gpuhost: --backup-dir {dest} cannot be made: {blocker} is not a directory", lines
+    assert "Traceback" not in out and "ProcedureError" not in out
+    assert _servers(h) == 7
+    assert blocker.read_text() == "x"
+
+
+def test_a_backup_dir_without_room_for_the_node_refuses_at_step_one_with_servers_running(b200, tmp_path):
+    """Room at the backup directory is checked against the node's listing before the first stop."""
+    h = b200
+    h.reset()
+    assert _servers(h) == 7
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "gpuhost-test-small", str(small)], check=True)
+    try:
+        doc = yaml.safe_load(MANIFEST.read_text())
+        for cat in doc["categories"].values():
+            cat.pop("s3", None)  # no S3 here: only the local directory's room is asked
+        manifest = tmp_path / "local-only.yaml"
+        manifest.write_text(yaml.safe_dump(doc))
+        r = _run_args(h, tmp_path, f"--manifest={manifest}", f"--backup-dir={small / 'node'}")
+        out = r.stdout + r.stderr
+        assert r.returncode == 1, out[-5000:]
+        assert "refused before any change" in out and "GB free on its filesystem" in out, out[-5000:]
+        assert "NOT SAFE" in out or "NOT safe" in out, out[-5000:]
+        assert "ProcedureError" not in out
+        assert _servers(h) == 7
+        assert list(small.iterdir()) == []  # not even an owner record or a timeline
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

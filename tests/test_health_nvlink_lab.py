@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from pytest_gpuhost.modules.health import controller_state
 from pytest_gpuhost.modules.health.facts import SOURCE_ENV
 from tests.test_health_lab_gpus import boot, inject, run_health
 
@@ -31,7 +32,10 @@ def test_b200_nvlink_counters_grown_since_the_last_run_fail_naming_gpu_link_and_
     and each path is the one taken: NVML starts no `nvidia-smi nvlink -e`."""
     monkeypatch.setenv(SOURCE_ENV, source)
     h = boot(lab, "b200-nvl8")
-    assert h.ssh(["rm", "-f", STATE]).returncode == 0  # no earlier run: this one is the baseline
+    # no earlier run: this one is the baseline (what a fixing run left on the node, and what a
+    # --check-only run kept on the controller: modules/health/controller_state.py)
+    assert h.ssh(["rm", "-f", STATE]).returncode == 0
+    controller_state.path_for(h.name).unlink(missing_ok=True)
     # lifetime counts from before the first run: recorded, not judged
     inject(h, {"gpus": {"0000:43:00.0": {"nvlink_errors": {"7": {"Link recovery successful events": 500}}}}})
     try:

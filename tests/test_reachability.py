@@ -61,7 +61,9 @@ def test_kinds_are_picked_in_one_place(tmp_path):
 def test_fallback_can_be_refused(tmp_path):
     _tools(tmp_path / "bin", "sh", "cat", "timeout")
     launcher = LocalLauncher({"PATH": str(tmp_path / "bin")})
-    with pytest.raises(AgentError, match="no python3 on t and the fallback is disabled") as info:
+    with pytest.raises(
+        AgentError, match="t: no usable Python: python3 absent.*; the fallback is disabled"
+    ) as info:
         connect("t", launcher, ConnectionOptions(allow_fallback=False))
     assert not isinstance(info.value, Unreachable)
 
@@ -141,7 +143,7 @@ def test_failures_on_a_reachable_target_are_not_unreachable(tmp_path):
     assert not isinstance(closed.value, Unreachable)
     _tools(tmp_path / "bin", "sh", "cat", "timeout")
     with open_connection(parse_host_url(f"local://?path={tmp_path / 'bin'}")) as fb:
-        with pytest.raises(AgentError, match="needs python3") as info:
+        with pytest.raises(AgentError, match="needs the agent; no usable Python") as info:
             fb.facts("kernel")
         assert not isinstance(info.value, Unreachable)
 

@@ -273,3 +273,68 @@ def test_fleet_count_line_counts_hosts_and_results_apart() -> None:
         count_line(one)
         == "1 host x 4 checks = 4 results: 1 passed, 1 fixed, 1 would fix, 1 skipped; hosts: 0 ok, 1 failed"
     )
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="chromium is not installed (/usr/bin/chromium)")
+def test_the_answer_opens_the_rendered_report_and_a_screenshot_is_kept(report: Path) -> None:
+    """The verdict in words is the first thing on the page, read from the DOM Chromium rendered.
+
+    The screenshot is kept under reports/ci/ (ignored by git) for CI to show a reviewer.
+    """
+    profile = tempfile.mkdtemp(prefix="gpuhost-chromium-")
+    shots = Path(__file__).resolve().parents[1] / "reports" / "ci"
+    shots.mkdir(parents=True, exist_ok=True)
+    shot = shots / "report-answer.png"
+    base = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}"]  # fmt: skip
+    try:
+        dom = subprocess.run(
+            [*base, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=60
+        )
+        pic = subprocess.run(
+            [*base, "--hide-scrollbars", "--window-size=1280,900", f"--screenshot={shot}", report.as_uri()],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    page = dom.stdout
+    banner = re.search(r'<div id="gpuhost-answer">(.*?)</div></div>', page, re.S)
+    assert banner, page[:3000]
+    assert re.search(r'class="gh-answer gh-answer-bad" data-target="local" data-ok="false"', banner.group(1))
+    assert "<h2>local: NEEDS ATTENTION: 1 of 3 checks</h2>" in banner.group(1)
+    assert "broken: failed" in banner.group(1)
+    # before the matrix and the rows: the answer first
+    assert page.index('id="gpuhost-answer"') < page.index('id="gpuhost-matrix"')
+    assert "<title>gpuhost run: local</title>" in page or "gpuhost run: local" in page
+    assert pic.returncode == 0 and shot.stat().st_size > 10_000, pic.stderr[-2000:]
+
+
+PROCEDURE = """
+import pytest
+from pytest_gpuhost.run.remediation import Check
+
+pytestmark = pytest.mark.gpuhost_procedure
+
+def test_first(target, remediate):
+    remediate(name="first", check=lambda: Check(False, "the first step found the host broken"))
+
+def test_second(target, remediate):
+    remediate(name="second", check=lambda: Check(True, "fine"))
+"""
+
+
+def test_a_skipped_step_says_why_in_a_sentence(tmp_path: Path) -> None:
+    """No raw (path, line, reason) tuple and no plugin path in a skipped row: a sentence."""
+    (tmp_path / "test_proc.py").write_text(PROCEDURE)
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--host=local://", "--report-name=proc",
+            "test_proc.py"]  # fmt: skip
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    data = _report_data(tmp_path / "reports" / "proc.html")
+    second = next(e for n, es in data["tests"].items() if "test_second" in n for e in es)
+    log = html.unescape("".join(second["log"]))
+    assert "Not run: the step before it, first, failed" in log, log
+    assert "site-packages" not in log and "remediation.py" not in log and "('" not in log, log

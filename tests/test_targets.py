@@ -100,7 +100,7 @@ def test_exec_chains_docker_sudo_pct(tmp_path):
     finally:
         host.close()
     lines = log.read_text().splitlines()
-    assert lines[0].startswith("docker exec -i web python3")
+    assert lines[0].startswith("docker exec -i web sh -c ")  # the agent's start finds its Python
     assert lines[1] == "sudo -n --"
     assert "pct exec 101 --" in lines
     assert any(line.startswith("docker exec -i web") for line in lines)

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from gpulab.errors import LabError
-from gpulab.host import boot, cgroups, layer, netns, procs, units
+from gpulab.host import boot, cgroups, layer, netns, procs, pythons, units
 from gpulab.profiles.load import ProfileError, load_profile
 from gpulab.profiles.types import Profile, Service
 
@@ -913,6 +913,8 @@ class Lab:
                 json.dumps({"host": host.name, "container": m.cid}) + "\n"
             )
             layer.install_tools(tmp, container=m.cid is not None)
+            if m.cid is None:
+                pythons.install_node_python(tmp, prof.node_python)
             if m.cid is None:
                 layer.populate_files(tmp, prof, host.meta.get("data_scale", "small"))
             for svc in mine:

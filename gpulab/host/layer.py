@@ -7,13 +7,22 @@ profile's data trees. ``LabHost`` mounts the layer under the host's overlay (gpu
 
 from __future__ import annotations
 
+import compileall
 import shutil
 from pathlib import Path
 
 from gpulab import nvml
 from gpulab.profiles.types import Profile, Service
 
-__all__ = ["HOST_PY_SITE", "TOOL_PATHS", "install_tools", "populate_files", "service_env", "write_procfiles"]
+__all__ = [
+    "HOST_PY_SITE",
+    "HOST_TOOL_PATHS",
+    "TOOL_PATHS",
+    "install_tools",
+    "populate_files",
+    "service_env",
+    "write_procfiles",
+]
 
 PKG = Path(__file__).resolve().parents[1]  # gpulab/
 
@@ -49,6 +58,10 @@ TOOL_PATHS = {
 }
 
 
+#: Proxmox's tools in a lab host that is not a container (gpulab/hosttools).
+HOST_TOOL_PATHS = ("usr/sbin/pct", "usr/bin/lxc-attach")
+
+
 def install_tools(root: Path, container: bool) -> None:
     """Copy the in-host tools, the sglang package and pct/lxc-attach into a machine's lab layer."""
     tools = PKG / "tools"
@@ -68,6 +81,11 @@ def install_tools(root: Path, container: bool) -> None:
         src = tools / pkg
         if src.is_dir():
             shutil.copytree(src, site / pkg, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+            # Compiled into the layer, as a distribution's package ships its .pyc: otherwise the
+            # first nvidia-smi of a run writes its cache into the host's own files, and a run that
+            # must write nothing (--check-only, tests/test_check_only_writes_nothing_lab.py) would
+            # be blamed for the lab's own write.
+            compileall.compile_dir(site / pkg, quiet=1)
     lib = root / "usr/local/lib/gpulab"
     lib.mkdir(parents=True, exist_ok=True)
     (root / nvml.LIB_PATH).parent.mkdir(parents=True, exist_ok=True)
@@ -78,8 +96,9 @@ def install_tools(root: Path, container: bool) -> None:
     shutil.copyfile(PKG / "hosttools" / "uname", root / "usr/bin/uname")
     (root / "usr/bin/uname").chmod(0o755)
     if not container:
-        for name, rel in (("pct", "usr/sbin/pct"), ("lxc-attach", "usr/bin/lxc-attach")):
+        for rel in HOST_TOOL_PATHS:
             dst = root / rel
+            name = Path(rel).name
             shutil.copyfile(PKG / "hosttools" / name, dst)
             dst.chmod(0o755)
 

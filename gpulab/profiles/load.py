@@ -367,6 +367,7 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile
         kernel_holders=tuple(holders),
         module_params=params,
         gsp_boot_s=float(d["gsp_boot_s"]),
+        node_python=str(d["node_python"]),
         name=d["name"],
         hostname=d["hostname"],
         kernel=kernel,

@@ -203,6 +203,8 @@ class Profile:
     kernel_holders: tuple[KernelHolder, ...] = ()
     module_params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     gsp_boot_s: float = 0.0
+    #: what the node's python3 is (gpulab/host/pythons.py SHAPES): system, cpython-3.6, minimal, ...
+    node_python: str = "system"
 
     @property
     def kernel_version(self) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """The agent connection: one agent per target, one JSON line per request and per reply.
 
-The agent is started through the target's launcher (`python3 -S -u -c BOOTSTRAP`, the program
-sent on stdin) and answers `hello` first.  If it dies, the request in flight raises `AgentLost`;
+The agent is started through the target's launcher (`sh -c PROBE_SH ...`, which `exec`s the
+first usable interpreter with `-S -u -c PRELUDE+BOOTSTRAP`: pythons.py; the program is sent on
+stdin) and answers `hello` first.  If it dies, the request in flight raises `AgentLost`;
 the next request starts a new agent (reconnecting SSH if needed) once, and raises `AgentLost`
 if that fails too.  A reply that does not come within the reply timeout stops the agent and
 raises `AgentLost` as well: in every case the connection, not the operation, is what failed.
@@ -22,16 +23,21 @@ from pytest_gpuhost.exec.agent import BOOTSTRAP, PYTHON_FLAGS, agent_payload
 from pytest_gpuhost.exec.channels import RawChannel
 from pytest_gpuhost.exec.connection import REPLY_MARGIN, Connection, ConnectionOptions
 from pytest_gpuhost.exec.launch import Launcher
+from pytest_gpuhost.exec.pythons import PRELUDE, needs_text, no_python_line, start_argv
 from pytest_gpuhost.exec.results import CommandResult, WriteResult
 
 __all__ = ["AgentConnection", "AgentSession", "NoPython"]
 
-#: Exit codes that mean "python3 is not there" when starting the agent.
+#: Exit codes of an agent start that ran no agent: the probe found no usable Python (127), or
+#: the shell could not run what it was given.
 _NO_PYTHON = (126, 127)
 
 
 class NoPython(AgentError):
-    """The target has no interpreter to start the agent with (the fallback may apply)."""
+    """The target has no usable interpreter to start the agent with (the fallback may apply).
+
+    The message is the one line for the operator: what was found, and what the agent needs.
+    """
 
 
 def last_line(text: str) -> str:
@@ -168,26 +174,32 @@ class AgentConnection(Connection):
         return self
 
     def _start_agent(self) -> AgentSession:
-        argv = [self.opts.python, *PYTHON_FLAGS, "-c", BOOTSTRAP]
+        python = self.opts.python
         try:
-            chan = self.launcher.open(argv)
+            chan = self.launcher.open(start_argv(python))
         except FileNotFoundError as exc:
-            if exc.filename in (None, self.opts.python):
-                if not self._had_agent:
-                    raise NoPython(f"no {self.opts.python} on {self.name}") from exc
-                raise AgentLost(f"cannot start the agent on {self.name}: {self.opts.python} is gone") from exc
-            raise ConnectError(
-                f"cannot start the agent on {self.name}: {exc.filename}: command not found"
-            ) from exc
+            if exc.filename not in (None, "sh"):
+                raise ConnectError(
+                    f"cannot start the agent on {self.name}: {exc.filename}: command not found"
+                ) from exc
+            chan = self._open_without_sh(python or "python3")
         session = AgentSession(chan, self.name)
         chan.send(agent_payload())
         try:
             reply = session.request({"id": 0, "op": "hello"}, self.opts.connect_timeout + 20.0, None)
         except AgentLost as exc:
             rc = chan.exit_status(1.0)
+            line = no_python_line(self.name, chan.stderr_text(), python)
             session.kill()
-            if rc in _NO_PYTHON and not self._had_agent:
-                raise NoPython(f"no {self.opts.python} on {self.name} (exit status {rc})") from exc
+            if line is None and rc in _NO_PYTHON:
+                tail = last_line(chan.stderr_text())
+                line = f"{self.name}: no usable Python: the agent's start exited {rc}" + (
+                    f": {tail}" if tail else ""
+                )
+            if line is not None:
+                if not self._had_agent:
+                    raise NoPython(line) from None
+                raise AgentLost(f"cannot start the agent again: {line}") from None
             raise AgentLost(f"cannot start the agent on {self.name}: {exc}") from exc
         self.round_trips += 1
         if not reply.get("ok"):
@@ -195,6 +207,17 @@ class AgentConnection(Connection):
             raise AgentError(f"agent on {self.name} failed to start: {reply.get('error')}")
         session.hello = self.hello = reply["result"]
         return session
+
+    def _open_without_sh(self, python: str) -> RawChannel:
+        """Start the interpreter directly where the target has no `sh` (a local PATH without it)."""
+        try:
+            return self.launcher.open([python, *PYTHON_FLAGS, "-c", PRELUDE + BOOTSTRAP])
+        except FileNotFoundError as exc:
+            if not self._had_agent:
+                raise NoPython(
+                    f"{self.name}: no usable Python: no sh and no {python}; the agent needs {needs_text()}"
+                ) from None
+            raise AgentLost(f"cannot start the agent on {self.name}: {python} is gone") from exc
 
     def _ensure(self) -> AgentSession:
         self._check_open()

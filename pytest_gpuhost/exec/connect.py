@@ -1,8 +1,12 @@
 """The one place that picks a connection's kind: start the agent, else fall back.
 
-`connect` starts the agent through the launcher; when the target has no interpreter (the
-program is not found here, or the target's shell answers 126/127) it returns a
-`FallbackConnection` on the same launcher instead, unless the fallback is disabled.
+`connect` starts the agent through the launcher; when the target has no usable interpreter
+(pythons.py: none of the candidates is CPython >= 3.6 with the modules the agent needs) it
+returns a `FallbackConnection` on the same launcher instead, unless the fallback is disabled.
+The fallback keeps the one line that says why (`no_python`): the target still answers
+commands and file reads (what `host.run` and `host.file` need), and every operation that needs
+the agent is refused with that line.  A suite's first step that needs the agent fails with it,
+and the run's evidence shows the connection's mode.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ def connect(name: str, launcher: Launcher, opts: ConnectionOptions | None = None
         return agent.connect()
     except NoPython as exc:
         if opts.allow_fallback:
-            return FallbackConnection(name, launcher, opts)
+            fallback = FallbackConnection(name, launcher, opts)
+            fallback.no_python = str(exc)
+            return fallback
         launcher.close()
-        raise AgentError(f"no {opts.python} on {name} and the fallback is disabled") from exc
+        raise AgentError(f"{exc}; the fallback is disabled") from None
     except BaseException:
         agent.close()
         raise

@@ -5,9 +5,10 @@
 `round_trips`, `hello` and the `on_command` observers.  It has two implementations:
 
 - `AgentConnection` (agent_session.py, mode "agent"): one agent started through the target's
-  `Launcher` (`python3 -S -u -c BOOTSTRAP`, program sent on stdin); requests are one JSON line each
+  `Launcher` (the first usable Python found by `sh -c PROBE_SH`: pythons.py; program sent on
+  stdin); requests are one JSON line each
   way over that single channel, so a command costs a round trip, not a new SSH channel;
-- `FallbackConnection` (fallback.py, mode "fallback"), for targets without python3: one channel
+- `FallbackConnection` (fallback.py, mode "fallback"), for targets without a usable Python: one channel
   per command wrapped in `timeout -s KILL N`, files read by `cat`, file ops by POSIX tools.
 
 `connect.connect()` is the one place that picks: it starts the agent, and where the interpreter
@@ -57,7 +58,8 @@ class ConnectionOptions:
     """What a connection was opened with; containers opened through it inherit it."""
 
     command_timeout: float = 60.0
-    python: str = "python3"
+    #: The interpreter the operator named (`?python=`); "" finds one (exec/pythons.py).
+    python: str = ""
     allow_fallback: bool = True
     connect_timeout: float = 10.0
 
@@ -84,7 +86,19 @@ class Connection(abc.ABC):
         #: Set by targets.py: how `container()` opens a connection into a container.
         self.container_opener: ContainerOpener | None = None
         self.children: list[Connection] = []
+        #: Why the agent could not start (one line; set on a fallback connection), else "".
+        self.no_python = ""
         self._closed = False
+
+    @property
+    def python(self) -> str:
+        """The interpreter the agent runs under on the target (a path), "" without an agent.
+
+        Code that runs a Python program of its own on the target (a health probe of a service,
+        the backup's bulk sender) runs it with this one: the node's `python3` may be missing,
+        too old, or without the modules the program needs.
+        """
+        return str(self.hello.get("executable") or "")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} via {self.launcher.description} mode={self.mode}>"

@@ -1,9 +1,9 @@
-"""The connection for targets without Python: one channel per command, POSIX tools for file ops.
+"""The connection for targets without a usable Python: one channel per command, POSIX tools for file ops.
 
 Each command runs on a channel of its own under `timeout -s KILL N` (the whole process group is
 killed on the target), bounded here too, N + 5 s.  Files are read with `cat` and written with
 `sh -c 'cat > "$1"'`; `listdir`, `stat`, `readlink` and `glob` are answered by small `sh` scripts;
-other agent ops fail with "needs python3".  A channel that ends without an exit status (the SSH
+other agent ops fail with "needs the agent" and why the node has none (`needs_agent`).  A channel that ends without an exit status (the SSH
 connection dropped) or gives none within the bound raises `AgentLost`, as the agent would.
 """
 
@@ -28,6 +28,7 @@ class FallbackConnection(Connection):
     """A connection that answers the core ops with one `timeout`-wrapped channel each."""
 
     mode = "fallback"
+    _said_why = False
 
     def connect(self) -> FallbackConnection:
         """Nothing runs on the target between commands; return self."""
@@ -48,7 +49,7 @@ class FallbackConnection(Connection):
         try:
             chan = self.launcher.open(["timeout", "-s", "KILL", str(secs), *argv])
         except FileNotFoundError as exc:
-            raise AgentError(f"{self.name} has neither {self.opts.python} nor {exc.filename}") from exc
+            raise AgentError(f"{self.name} has no usable Python and no {exc.filename}") from exc
         try:
             if stdin:
                 chan.send(stdin)
@@ -154,11 +155,19 @@ class FallbackConnection(Connection):
                 return {"ok": True, "result": out if "patterns" in params else out[patterns[0]]}
         except OSError as exc:
             return {"ok": False, "error": f"{op}: {exc}", "errno": exc.errno}
-        return {
-            "ok": False,
-            "error": f"{op} needs {self.opts.python} on {self.name}, which it lacks",
-            "errno": None,
-        }
+        return {"ok": False, "error": self.needs_agent(), "errno": None}
+
+    def needs_agent(self) -> str:
+        """Say that an operation needs the agent: the first time with the whole reason, then briefly.
+
+        The reason (what Python the node has, what the agent needs) is one line said once per
+        connection, so a run whose every check needs the agent does not print it once per check.
+        """
+        why = self.no_python.removeprefix(f"{self.name}: ") or "no usable Python"
+        if self._said_why:
+            return f"needs the agent, which {self.name} cannot run (no usable Python: said once above)"
+        self._said_why = True
+        return f"needs the agent; {why}"
 
     def _paths(self, op: str, params: dict[str, Any]) -> dict[str, Any]:
         paths = params.get("paths") or ([params["path"]] if params.get("path") else [])
@@ -217,7 +226,7 @@ class FallbackConnection(Connection):
     def stream(self, op: str, **params: Any) -> Iterator[dict[str, Any]]:
         """Raise AgentError when iterated, as the agent's stream would fail: streaming needs it."""
         self._check_open()
-        raise AgentError(f"{op}: {self.name} has no {self.opts.python}; streaming needs the agent")
+        raise AgentError(f"{op} on {self.name}: {self.needs_agent()}")
         yield {}  # unreachable: makes this a generator, so it fails where the agent's would
 
 

@@ -3,7 +3,8 @@
 `parse_host_url` accepts `ssh://[user@]host[:port]`, `paramiko://` (same), `local://`, and the
 testinfra container schemes that can carry our agent: `docker://[user@]NAME`,
 `podman://[user@]NAME`, `kubectl://POD?container=C&namespace=N`, `lxc://NAME` (LXD's `lxc exec`).
-Query options on any URL: `sudo=1`, `python=python3.11`, `identity=PATH`, `timeout=S`;
+Query options on any URL: `sudo=1`, `python=python3.11` (the only interpreter the agent may
+use; without it the agent finds one: exec/pythons.py), `identity=PATH`, `timeout=S`;
 `?path=/a:/b` replaces PATH for programs started on this machine (local://, docker:// ...;
 tests use it to hide python3 or to put stand-in tools first).
 
@@ -313,7 +314,7 @@ def _launcher(spec: TargetSpec, options: TargetOptions) -> Launcher:
 
 
 def open_connection(spec: TargetSpec, options: TargetOptions | None = None) -> Connection:
-    """Open a Connection to `spec` with its agent started (or the fallback, without python3).
+    """Open a Connection to `spec` with its agent started (or the fallback, without a usable Python).
 
     Raise `ConnectError` (an `Unreachable`) when the target cannot be reached.
     """
@@ -326,7 +327,7 @@ def open_connection(spec: TargetSpec, options: TargetOptions | None = None) -> C
     timeout = spec.query.get("timeout") or options.command_timeout
     opts = ConnectionOptions(
         command_timeout=float(timeout),
-        python=spec.query.get("python") or str(spec.vars.get("ansible_python_interpreter") or "python3"),
+        python=spec.query.get("python") or _python_var(spec.vars.get("ansible_python_interpreter")),
         connect_timeout=float(options.connect_timeout),
     )
     conn = connect(spec.name or spec.hostname, launcher, opts)
@@ -350,6 +351,12 @@ def open_container(
     conn = connect(f"{host.name}/{cs.name}", launcher, dataclasses.replace(host.opts))
     conn.container_opener = lambda inner, spec: open_container(inner, spec, options)
     return conn
+
+
+def _python_var(value: Any) -> str:
+    """`ansible_python_interpreter` as ours: Ansible's `auto*` values mean "find one", as here."""
+    text = str(value or "")
+    return "" if text.startswith("auto") else text
 
 
 def _explicit_port(spec: TargetSpec) -> bool:

@@ -144,8 +144,8 @@ def find_tool(
     """The first tool that can run the collective, and where each was looked for.
 
     nccl-tests' all_reduce_perf on any of `conns` first; then each of `pythons` ((conn,
-    interpreter, where it came from), in the caller's order), then ``python3`` on each of `conns`,
-    whose torch must have NCCL.
+    interpreter, where it came from), in the caller's order), then ``python3`` on each of `conns`
+    and the interpreter each one's agent runs on; its torch must have NCCL.
     """
     looked: list[str] = []
     reachable = []
@@ -160,6 +160,8 @@ def find_tool(
         reachable.append(conn)
     tried: set[tuple[str, str]] = set()
     candidates = [*pythons, *((c, "python3", "python3 on PATH") for c in reachable)]
+    # the interpreter the agent found (exec/pythons.py), where PATH's python3 is another or none
+    candidates += [(c, str(c.python), "the agent's Python") for c in reachable if getattr(c, "python", "")]
     for conn, python, origin in candidates:
         if (conn.name, python) in tried:
             continue

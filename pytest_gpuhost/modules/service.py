@@ -229,14 +229,18 @@ def check_health(conn: _Conn, url: str, *, bound: float, interval: float = 1.0) 
     """Poll `url` from the target itself until it answers 200 or `bound` seconds pass.
 
     Returns (healthy, last answer, seconds waited). Runs on the target so that a service that
-    listens on the container's loopback is reachable.
+    listens on the container's loopback is reachable, under the interpreter the target's agent
+    runs on (`Connection.python`: the node's `python3` may be missing or too old); where there is
+    none (the fallback), or it cannot run the probe, `curl` prints the status code instead.
     """
     t0 = time.monotonic()
-    probe = ["python3", "-c", _HEALTH, url, "3"]
+    curl = ["curl", "-s", "-o", "/dev/null", "-m", "3", "-w", "%{http_code}\n", url]
+    python = str(getattr(conn, "python", "") or "")
+    probe = [python, "-c", _HEALTH, url, "3"] if python else curl
     while True:
         r = conn.run(probe, timeout=10)
-        if r.rc == 127 and probe[0] == "python3":  # no Python where the service runs: curl prints the code
-            probe = ["curl", "-s", "-o", "/dev/null", "-m", "3", "-w", "%{http_code}\n", url]
+        if probe is not curl and r.rc != 0 and not r.stdout.strip():
+            probe = curl  # the program always prints; nothing means the interpreter could not run it
             continue
         lines = (r.stdout or r.stderr).strip().splitlines()
         answer = lines[-1] if lines else f"rc {r.rc}"

@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.redact import redact
+from pytest_gpuhost.report import answer
 from pytest_gpuhost.report.diff import render_diff, state_diff
 from pytest_gpuhost.report.outputs import configure_outputs
 from pytest_gpuhost.run.evidence import connections
 from pytest_gpuhost.run.record import FIXED, WOULD_FIX, check_name, phase_result, record_key
+from pytest_gpuhost.run.targets_stash import targets_key
 
 __all__ = [
     "HtmlCustomisation",
@@ -168,7 +170,15 @@ def connection_line(c: dict[str, Any]) -> str:
     client = str(c.get("version") or c.get("client") or "?")
     mode = f", {c['mode']}" if c.get("mode") else ""
     via = f" ({c['via']})" if c.get("via") else ""
-    return html.escape(f"{c.get('target', '')} ({c.get('to', 'host')}): {client}{mode}{via}")
+    node = [f"{k} {c['node_' + k]}" for k in ("python", "kernel") if c.get("node_" + k)]
+    if node and c.get("node_executable"):
+        node[0] += f" ({c['node_executable']})"
+    if c.get("node_version"):
+        node.append(f"agent {c['node_version']}")
+    if c.get("no_python"):
+        node.append(str(c["no_python"]))  # the fallback's reason, one line
+    there = f"; on the node: {', '.join(node)}" if node else ""
+    return html.escape(redact(f"{c.get('target', '')} ({c.get('to', 'host')}): {client}{mode}{via}{there}"))
 
 
 def render_evidence(when: str, ev: dict[str, Any], remediations: list[dict[str, Any]] | None = None) -> str:
@@ -273,6 +283,44 @@ def _what_changed(report: pytest.TestReport) -> str:
     return '<div class="gh-changed">' + "<br>".join(html.escape(redact(line)) for line in lines) + "</div>"
 
 
+def _suite_of(config: Any) -> str:
+    """The suite a run runs ("p2p", "decommission", "health"), from its arguments; else "run"."""
+    for arg in getattr(config.invocation_params, "args", ()):
+        name = str(arg).split("::", 1)[0].rstrip("/").rsplit("/", 1)[-1].rsplit(".", 1)[-1]
+        if name in ("p2p", "decommission", "health", "accept"):
+            return name
+    return "run"
+
+
+def _changed_html(run_record: Any) -> str:
+    """What the run changed (each fix, before -> after) and what it measured before and after.
+
+    Shown under the answer, before the rows: the P2P heatmaps of every target side by side, on one
+    scale, and one line per fix; the rows below keep the full evidence.
+    """
+    fixes: list[str] = []
+    matrices: list[dict[str, Any]] = []
+    for t in run_record.decided():
+        for rem in t.remediations:
+            if rem.get("outcome") == FIXED:
+                before = (rem.get("before") or {}).get("summary", "")
+                after = (rem.get("after") or {}).get("summary", "")
+                fixes.append(f"{t.target}: {rem.get('name')}: {before} \u2192 {after}")
+        for phase in ("setup", "call", "teardown"):
+            matrices += (t.evidence.get(phase) or {}).get("matrices") or []
+    out = ['<div id="gpuhost-changed">']
+    if fixes:
+        out.append("<h3>What this run changed</h3><ul>")
+        out += [f"<li>{html.escape(redact(line))}</li>" for line in fixes[:100]]
+        if len(fixes) > 100:
+            out.append(f"<li>... and {len(fixes) - 100} more: see the rows below</li>")
+        out.append("</ul>")
+    if matrices:
+        out.append(f'<h3>Measured</h3><div class="gh-ev">{_heatmaps(matrices[:32])}</div>')
+    out.append("</div>")
+    return "".join(out) if len(out) > 2 else ""
+
+
 class HtmlCustomisation:
     """pytest-html hooks: Outcome and Target columns, the targets x checks matrix, the CSS.
 
@@ -280,13 +328,45 @@ class HtmlCustomisation:
     fleet summary's.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, config: pytest.Config | None = None) -> None:
         self.report_data: Any = None
+        self.config = config
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_html_report_title(self, report: Any) -> None:
         self.report_data = report  # pytest-html's ReportData: its outcome labels are relabelled below
-        report.title = f"gpuhost: {Path(report.title).stem}"
+        # the suite and the node, not the run's file name: "gpuhost decommission: b200-node07"
+        # (asked at the session's start: the targets are known, their answers not yet)
+        names = [str(t.name) for t in self.config.stash.get(targets_key, [])] if self.config else []
+        report.title = (
+            answer.title(_suite_of(self.config), names) if names else f"gpuhost: {Path(report.title).stem}"
+        )
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Put the nodes in the report's environment box: their Python, kernel and the agent's version.
+
+        pytest-html shows pytest-metadata's dict, read by reference when the page is written: the
+        controller's Python and platform are renamed to say whose they are, and each node's own
+        facts (from its agent's hello) join them.
+        """
+        try:
+            from pytest_metadata.plugin import metadata_key
+        except ImportError:  # pytest-html without pytest-metadata: no environment box to fill
+            return
+        meta = session.config.stash.get(metadata_key, None)
+        if not isinstance(meta, dict):
+            return
+        for key in ("Python", "Platform"):
+            if key in meta:
+                meta[f"Controller {key.lower()}"] = meta.pop(key)
+        for c in connections():
+            facts = [f"{k} {c['node_' + k]}" for k in ("python", "kernel") if c.get("node_" + k)]
+            if c.get("node_version"):
+                facts.append(f"agent {c['node_version']}")
+            if facts:
+                where = "" if c.get("to", "host") == "host" else f" ({c.get('to')})"
+                meta[redact(f"Node {c.get('target', '')}{where}")] = redact(", ".join(facts))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_html_results_table_header(self, cells: list[str]) -> None:
@@ -308,10 +388,40 @@ class HtmlCustomisation:
         cells.insert(3, f'<td class="col-gpuhostTarget">{html.escape(redact(target))}</td>')
 
     @pytest.hookimpl(optionalhook=True)
+    def pytest_html_results_table_html(self, report: pytest.TestReport, data: list[str]) -> None:
+        """Say why a step was skipped in a sentence, not as pytest's (path, line, reason) tuple.
+
+        The tuple names a file of the plugin (under site-packages when installed) and a line in
+        it, which tell a reviewer nothing; the reason does.
+        """
+        if not (report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3):
+            return
+        reason = " ".join(str(report.longrepr[2]).removeprefix("Skipped: ").split())
+        if reason.startswith("blocked: step ") and reason.endswith(" failed"):
+            step = reason.removeprefix("blocked: step ").removesuffix(" failed")
+            step = step.split("[", 1)[0].removeprefix("test_").replace("_", " ")  # the step's own name
+            sentence = (
+                f"Not run: the step before it, {step}, failed, and a procedure stops at its first failure."
+            )
+        else:
+            sentence = f"Not applicable here: {reason}."
+        text = f'<div class="gh-skip">{html.escape(redact(sentence))}</div>'
+        if data and report.longreprtext:
+            data[0] = text  # pytest-html's first entry is the report's long text: the tuple
+        else:
+            data.insert(0, text)
+
+    @pytest.hookimpl(optionalhook=True)
     def pytest_html_results_summary(
         self, prefix: list[str], summary: list[str], postfix: list[str], session: Any
     ) -> None:
-        prefix.append(f"<style>{OUTCOME_CSS}</style>")
+        prefix.append(f"<style>{OUTCOME_CSS}{answer.ANSWER_CSS}</style>")
+        run_record = session.config.stash.get(record_key, None)
+        if run_record is not None:
+            found = answer.answers(run_record)
+            if found:  # the answer first: a reviewer decides from the banner, the rows are the evidence
+                prefix.append(answer.banner_html(found))
+                prefix.append(_changed_html(run_record))
         conns = connections()
         if conns:  # how every target was reached: the SSH client and its version, agent or fallback
             prefix.append(

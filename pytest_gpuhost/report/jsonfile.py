@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.redact import redact_argv, redact_obj
+from pytest_gpuhost.report import answer
 from pytest_gpuhost.run.evidence import session_evidence
 from pytest_gpuhost.run.record import RunRecord
 
@@ -31,6 +32,7 @@ class JsonWriter:
         for t in tests:
             counts[t["gpuhost_outcome"]] = counts.get(t["gpuhost_outcome"], 0) + 1
         return {
+            "answers": answer.answers(self.record),  # the verdict in words, first
             "name": self.path.stem,
             "started": self.record.started,
             "finished": time.time(),

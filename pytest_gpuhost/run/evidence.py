@@ -79,6 +79,8 @@ class Evidence:
         self.matrices: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.actions: list[dict[str, Any]] = []
+        #: The answer a suite gives for a target, in words (`answer`); the outputs open with it.
+        self.answers: list[dict[str, Any]] = []
         #: How each target was reached (client and version, mode), recorded where it was opened.
         self.connections: list[dict[str, Any]] = []
 
@@ -161,6 +163,31 @@ class Evidence:
                 return
         self.actions.append(data)
 
+    def answer(
+        self,
+        target: str,
+        ok: bool,
+        headline: str,
+        details: Sequence[str] = (),
+        table: Sequence[Sequence[Any]] = (),
+    ) -> None:
+        """Record the answer the operator came for, for one target: "SAFE TO TERMINATE: ...".
+
+        `headline` is one line that starts with the verdict in capitals; `details` are the
+        problems or figures behind it, one line each; `table` (a header row, then rows) is shown
+        under the banner (a decommission's categories). The terminal's last lines, the report's
+        banner and the JSON file say it first (report/answer.py).
+        """
+        self.answers.append(
+            {
+                "target": str(target),
+                "ok": bool(ok),
+                "headline": redact(" ".join(str(headline).split())),
+                "details": [redact(" ".join(str(d).split())) for d in details][:50],
+                "table": [[redact(str(c)) for c in row] for row in table][:201],
+            }
+        )
+
     @property
     def empty(self) -> bool:
         """Tell whether nothing was recorded."""
@@ -171,13 +198,23 @@ class Evidence:
             or self.matrices
             or self.notes
             or self.actions
+            or self.answers
             or self.connections
         )
 
     def to_dict(self) -> dict[str, Any]:
         """Return the JSON-able record (only the non-empty kinds)."""
         out: dict[str, Any] = {}
-        for key in ("commands", "states", "measures", "matrices", "notes", "actions", "connections"):
+        for key in (
+            "commands",
+            "states",
+            "measures",
+            "matrices",
+            "notes",
+            "actions",
+            "answers",
+            "connections",
+        ):
             value = getattr(self, key)
             if value:
                 out[key] = value

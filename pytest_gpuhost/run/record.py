@@ -305,6 +305,16 @@ class RunRecord:
         """Return the check names, in order of first report."""
         return list(dict.fromkeys(t.check for t in self.decided()))
 
+    def answers(self) -> dict[str, dict[str, Any]]:
+        """The answer each suite gave per target (the last one recorded for a target wins)."""
+        out: dict[str, dict[str, Any]] = {}
+        for t in self.tests.values():
+            for phase in ("setup", "call", "teardown"):
+                for a in (t.evidence.get(phase) or {}).get("answers") or []:
+                    if isinstance(a, Mapping) and a.get("headline"):
+                        out[str(a.get("target") or t.target)] = dict(a)
+        return out
+
     def cells(self) -> dict[tuple[str, str], TestRecord]:
         """Return the (target, check) matrix; a later test with the same cell does not hide a bad one."""
         out: dict[tuple[str, str], TestRecord] = {}

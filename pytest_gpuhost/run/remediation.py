@@ -308,7 +308,8 @@ class Remediator:
         try:
             remediation.fix(actions, before)
         except Exception as exc:  # a fix that raises is a failed remediation, not an error
-            reason = f"fix raised {type(exc).__name__}: {exc}"
+            # the plugin's own errors carry a line meant for the operator: no class name before it
+            reason = str(exc) if isinstance(exc, GpuhostError) else f"fix raised {type(exc).__name__}: {exc}"
             for action in actions:
                 ev.action(action, "failed")
         fix_ran = not reason

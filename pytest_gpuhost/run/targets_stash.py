@@ -170,7 +170,8 @@ def client_version(client: str) -> str:
 
 
 def describe_connection(name: str, which: str, conn: Any, spec: Any) -> dict[str, Any]:
-    """Say how a target was reached, for the run's evidence: client, its version, agent or fallback."""
+    """Say how a target was reached, for the run's evidence: client, its version, agent or fallback,
+    and the node's side (its Python and where, or why the agent could not start)."""
     launcher = getattr(conn, "launcher", None)
     client = str(getattr(launcher, "client", "") or "")
     container = getattr(spec, "container", None) if which == "container" else None
@@ -181,6 +182,14 @@ def describe_connection(name: str, which: str, conn: Any, spec: Any) -> dict[str
         "version": client_version(client),
         "mode": str(getattr(conn, "mode", "") or ""),
         "via": str(getattr(launcher, "description", "") or ""),
+        # the node's side, for the report's environment: its Python, kernel and our agent's version
+        **{
+            f"node_{k}": str(v)
+            for k, v in (getattr(conn, "hello", None) or {}).items()
+            if k in ("python", "executable", "kernel", "version") and v
+        },
+        # a fallback connection: the one line saying why the agent could not start
+        **({"no_python": str(conn.no_python)} if getattr(conn, "no_python", "") else {}),
     }
 
 

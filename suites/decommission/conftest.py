@@ -19,7 +19,7 @@ from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Remediation, WouldFix
 from pytest_gpuhost.run.targets_stash import targets_key
 
-from . import options
+from . import options, preflight
 from .node import Decommission
 
 
@@ -60,7 +60,12 @@ def destinations(config: pytest.Config, target_name: str) -> tuple[str, str | No
 
 @pytest.hookimpl(trylast=True)  # after the plugin's configure has loaded the run's targets
 def pytest_configure(config: pytest.Config) -> None:
-    """Refuse, as a usage error before any test runs, destinations that several targets would share."""
+    """Refuse, as one usage error before any test runs, everything the run would need and lacks.
+
+    Every problem is one line, and all of them are listed at once (suites/decommission/preflight.py):
+    destinations that several targets would share, the options the manifest implies, backup
+    directories this user cannot make, S3 locations that do not answer. No node is reached.
+    """
     names = [str(t.name) for t in config.stash.get(targets_key, [])]
     if not names:
         return
@@ -76,20 +81,20 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # no manifest: the steps say so; --co touches nothing; xdist: the controller checked
     endpoint, _ = options.get(config, "s3_endpoint")
     send_to, _ = options.get(config, "in_s3_send_to")
+    manifest = load_manifest(manifest_path)
     overlaps = run_overlaps(
-        load_manifest(manifest_path),
-        names,
-        dirs,
-        urls,
-        send_to or "location",
-        str(config.invocation_params.dir),
+        manifest, names, dirs, urls, send_to or "location", str(config.invocation_params.dir)
     )
     if overlaps:
-        raise pytest.UsageError("\n".join(f"gpuhost: {p}" for p in overlaps))
-    dests = s3_destinations(
-        load_manifest(manifest_path), list(urls.values()), in_s3_to_backup_to=send_to == "backup-to"
-    )
-    problems = s3_problems(dests, endpoint)
+        raise pytest.UsageError("\n".join(f"gpuhost: {printable(redact(p))}" for p in overlaps))
+    problems = preflight.options_problems(manifest, backup_to=backup_to, send_to=send_to)
+    here = Path(config.invocation_params.dir)
+    for d in dict.fromkeys(dirs.values()):
+        why = preflight.backup_dir_problem(here / d)
+        if why:
+            problems.append(why)
+    dests = s3_destinations(manifest, list(urls.values()), in_s3_to_backup_to=send_to == "backup-to")
+    problems = [printable(redact(p)).replace("\n", "\\n") for p in problems] + s3_problems(dests, endpoint)
     if problems:
         raise pytest.UsageError("\n".join(f"gpuhost: {p}" for p in problems))
 

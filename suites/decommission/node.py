@@ -122,6 +122,9 @@ class Decommission(Procedure):
         self.record_state = record  # evidence.state
         self.record_measure = measure  # evidence.measure
         self.outcomes: dict[str, str] = {}  # step name -> outcome, for the verdict
+        self.refused: list[str] = []  # what step 1 found the run cannot do: nothing is changed then
+        self._stake: tuple[Any, ...] | None = None  # owner records to write once step 1 passed
+        self._events: list[dict[str, str]] = []  # the timeline of a --check-only run, kept in memory
         self.inventory: dict[str, Any] = {}
         self._listing: Listing | None = None
         self._backup: Backup | None = None
@@ -165,23 +168,29 @@ class Decommission(Procedure):
 
     @property
     def meta(self) -> Path:
-        """The backup directory's `.gpuhost/` folder (made on first use)."""
+        """The backup directory's `.gpuhost/` folder (made on first use, never under --check-only)."""
         path = self.dest / ".gpuhost"
-        path.mkdir(parents=True, exist_ok=True)
+        if not self.check_only:
+            path.mkdir(parents=True, exist_ok=True)
         return path
 
     def event(self, text: str) -> None:
-        """Append one line to the persistent timeline (UTC)."""
+        """Append one line to the persistent timeline (UTC); under --check-only, to this run's only."""
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        entry = {"t": stamp, "target": self.target, "event": text}
+        if self.check_only or self._stake is not None:
+            # --check-only writes nothing, the backup directory included; nor does a run whose
+            # step 1 has not passed its preflight yet (`stake` writes these lines then)
+            self._events.append(entry)
+            return
         with open(self.meta / "timeline.jsonl", "a") as f:
-            f.write(json.dumps({"t": stamp, "target": self.target, "event": text}) + "\n")
+            f.write(json.dumps(entry) + "\n")
 
     def timeline(self) -> list[dict[str, str]]:
-        """The timeline so far, over every run."""
+        """The timeline so far, over every run (and this check-only run's events after them)."""
         path = self.meta / "timeline.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        kept = path.read_text().splitlines() if path.exists() else []
+        return [json.loads(line) for line in kept if line.strip()] + list(self._events)
 
     def stopped(self) -> list[dict[str, Any]]:
         """Every process a run stopped, as recorded before it was signalled."""
@@ -287,13 +296,27 @@ class Decommission(Procedure):
             )
         if self.check_only:
             return
-        if not local.exists():
+        self._stake = (me, None if local.exists() else local, client, s3_key)
+
+    def stake(self) -> None:
+        """Write the owner records `claim` found missing: once step 1's preflight passed, not before.
+
+        A run refused before any change leaves no trace at its destinations, an owner record included.
+        """
+        if self._stake is None:
+            return
+        me, local, client, s3_key = self._stake
+        self._stake = None
+        if local is not None:
             local.parent.mkdir(parents=True, exist_ok=True)
             tmp = local.with_name(f".{OWNER_NAME}.tmp")
             tmp.write_text(json.dumps(me, indent=1) + "\n")
             os.replace(tmp, local)
         if client is not None and s3_key is not None and self.s3 is not None:
             client.put_object(Bucket=self.s3.bucket, Key=s3_key, Body=json.dumps(me, indent=1).encode())
+        held, self._events = self._events, []
+        with open(self.meta / "timeline.jsonl", "a") as f:
+            f.writelines(json.dumps(entry) + "\n" for entry in held)
 
     # ---------------------------------------------------------------- 1 inventory
 

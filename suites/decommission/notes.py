@@ -12,19 +12,25 @@ from pytest_gpuhost.modules.backup.local import Listing
 from pytest_gpuhost.modules.backup.roots import root_problems, root_rows
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.redact import printable, redact
+from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
-from .node import Decommission
+from .node import Decommission, mb
 
 __all__ = [
     "STEPS",
+    "VERDICT",
+    "answer_line",
+    "category_table",
+    "grouped",
     "cell",
     "in_place_notes",
     "md",
     "notes_after_failure",
     "notes_body",
     "notes_current",
+    "put_verdict",
     "step_notes_saved",
     "step_safe_to_terminate",
     "verdict",
@@ -61,6 +67,7 @@ def verdict(
     open_uploads: Sequence[str] = (),
     in_place_missing: Sequence[tuple[str, str]] = (),
     s3_unreadable: Sequence[str] = (),
+    refused: Sequence[str] = (),
 ) -> list[str]:
     """Return why the node is not safe to terminate; an empty list is the only "safe".
 
@@ -72,7 +79,7 @@ def verdict(
     the verdict could not read (`s3_unreadable`: one line each, "--backup-to URL: why") proves
     nothing of what is there.
     """
-    problems: list[str] = []
+    problems: list[str] = [f"refused before any change: {md(p)}" for p in refused]
     for step in STEPS:
         outcome = outcomes.get(step)
         if step == "data in s3" and outcome == "skipped":
@@ -241,6 +248,76 @@ def in_place_notes(run: Decommission) -> list[str]:
     return out
 
 
+#: How NOTES.md's verdict line starts: step 7 writes it under the title, step 6 compares without it.
+VERDICT = "**Verdict:"
+
+
+def grouped(problems: Sequence[str]) -> list[str]:
+    """The verdict's problems for a person: each step's line, then each kind counted with an example.
+
+    A node not yet emptied has a line per running process and per file; thousands of them say
+    less than "21 still running (e.g. PID 75 ...)".
+    """
+    steps = [p for p in problems if p.startswith(("step ", "refused "))]
+    kinds: dict[str, list[str]] = {}
+    for p in problems:
+        if p in steps:
+            continue
+        kind, _, rest = p.partition(": ")
+        kinds.setdefault(kind, []).append(rest)
+    out = list(steps)
+    for kind, items in kinds.items():
+        out.append(f"{kind}: {items[0]}" if len(items) == 1 else f"{len(items):,} {kind}, e.g. {items[0]}")
+    return out
+
+
+def answer_line(run: Decommission, full: Listing, problems: Sequence[str]) -> str:
+    """The verdict in words: "SAFE TO TERMINATE: 2,010 files, 145.7 MB verified in DIR; ..." or "NOT SAFE: ..."."""
+    if problems and run.check_only:
+        would = [s for s in STEPS if run.outcomes.get(s) == "would fix"]
+        return f"NOT SAFE YET (check-only): {len(would)} steps would run: {', '.join(would)}"
+    if problems:
+        return f"NOT SAFE: {len(problems)} problem{'s' if len(problems) != 1 else ''}"
+    size = sum(f.size for f in full.files)
+    parts = [f"{len(full.files):,} files, {mb(size)} verified in {md(run.dest)}"]
+    if run.s3 is not None and run.s3_cats():
+        parts.append(f"categories {md(', '.join(run.s3_cats()))} also in {md(run.s3.url)}")
+    r = run._in_place
+    if r is not None and r.proved:
+        urls = sorted({p.url.rsplit("/", 1)[0] for p in r.proofs if p.ok})
+        where = md(urls[0]) if len(urls) == 1 else f"{len(urls)} S3 locations"
+        parts.append(f"{len(r.proved):,} objects proved in place in {where}")
+    return "SAFE TO TERMINATE: " + "; ".join(parts)
+
+
+def category_table(run: Decommission, full: Listing) -> list[list[str]]:
+    """The decommission's categories for the report's banner: files, bytes, where they went."""
+    totals = full.totals()
+    rows = [["category", "files", "bytes", "where"]]
+    for cat in run.manifest.categories:
+        t = totals.get(cat.name, {"files": 0, "bytes": 0})
+        where = [str(run.dest / cat.name)]
+        if cat.s3 and run.s3 is not None:
+            where.append(f"{run.s3.url}/{cat.name}")
+        where += [f"{root} in place in {url}" for root, url in cat.in_s3]
+        rows.append([md(cat.name), f"{t['files']:,}", mb(int(t["bytes"])), md(", ".join(where))])
+    return rows
+
+
+def put_verdict(run: Decommission, headline: str) -> None:
+    """Open NOTES.md with the verdict: its line goes under the title, replacing an older one."""
+    path = run.dest / "NOTES.md"
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text(errors="replace").split("\n") if not line.startswith(VERDICT)]
+    while len(lines) > 2 and lines[1] == "" and lines[2] == "":
+        del lines[1]
+    lines[1:1] = ["", f"{VERDICT} {md(headline)}**"]
+    tmp = path.with_name(".NOTES.md.tmp")
+    tmp.write_text("\n".join(lines))
+    os.replace(tmp, path)
+
+
 def step_notes_saved(run: Decommission) -> Step:
     """Step 6: NOTES.md says what the node was, what ran, what was kept and where."""
     path = run.dest / "NOTES.md"
@@ -272,6 +349,9 @@ def notes_current(run: Decommission, body: str) -> bool:
     """Whether NOTES.md holds `body` already (its timeline aside)."""
     path = run.dest / "NOTES.md"
     current = path.read_text(errors="replace") if path.exists() else ""
+    lines = current.split("\n")
+    if len(lines) > 2 and lines[2].startswith(VERDICT):  # the verdict step's line, not the notes
+        current = "\n".join(lines[:1] + lines[3:])
     return current.split("\n## Timeline\n", 1)[0] == body.rstrip("\n") + "\n" or current.startswith(body)
 
 
@@ -292,8 +372,8 @@ def notes_after_failure(run: Decommission, problems: Sequence[str]) -> str | Non
     what the node was, what ran, what is in the backup and what is not verified, as far as the
     run got. Never under --check-only. Return a problem line when it could not be written.
     """
-    if run.check_only or run.outcomes.get("notes saved") in ("passed", "fixed"):
-        return None
+    if run.check_only or run.refused or run.outcomes.get("notes saved") in ("passed", "fixed"):
+        return None  # a run refused before any change writes nothing at its destinations
     try:
         body = notes_body(run, problems)
         if not notes_current(run, body):
@@ -330,6 +410,7 @@ def step_safe_to_terminate(run: Decommission) -> Step:
             open_uploads=open_uploads,
             in_place_missing=[(p.file.display, p.how) for p in run.in_place_outstanding()],
             s3_unreadable=s3_unreadable,
+            refused=run.refused,
         )
         problems += root_problems(run.manifest, full)
         if problems:
@@ -337,11 +418,17 @@ def step_safe_to_terminate(run: Decommission) -> Step:
             failed = notes_after_failure(run, problems)
             problems += [failed] if failed else []
         state = {"problems": problems, "files": len(full.files), "in_place": run.in_place_summary()}
+        headline = answer_line(run, full, problems)
+        evidence.current().answer(
+            run.target, not problems, headline, grouped(problems), category_table(run, full)
+        )
         if problems:
             head = "\n  ".join(problems[:30])
             more = f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else ""
             return Check(False, f"NOT safe to terminate: {len(problems)} problems:\n  {head}{more}", state)
         run.event("safe to terminate")
+        if not run.check_only:
+            put_verdict(run, headline)
         return Check(True, f"safe to terminate: {len(full.files)} files verified in every destination", state)
 
     def fix(actions: list[Action], before: Check) -> None:

@@ -11,6 +11,7 @@ from pytest_gpuhost.redact import redact_obj
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
+from . import preflight
 from .node import APPS_QUERY, GPU_QUERY, Decommission, csv_rows, mb
 
 __all__ = ["gpu_state", "step_gpus_idle", "step_inventory", "step_servers_stopped"]
@@ -27,9 +28,21 @@ def step_inventory(run: Decommission) -> Step:
             f"{inv['hostname']} ({inv['kernel']}): {len(inv['gpus'])} GPUs, {len(inv['gpu_apps'])} GPU processes, "
             f"{len(inv['to_stop'])} processes selected to stop; {cats}; {inv['round_trips']} round trip(s)"
         )
+        # The last moment before the first change: what the listing shows the run cannot do
+        # refuses it here, with every server still running (suites/decommission/preflight.py).
+        assert run._listing is not None
+        run.refused = preflight.node_problems(run._listing, run.manifest, run.dest, run.backup.state.items)
+        if run.refused:
+            run.event("refused before any change: " + "; ".join(run.refused))
+            head = "\n  ".join(run.refused)
+            return Check(False, f"refused before any change ({len(run.refused)} problems):\n  {head}", inv)
+        run.stake()  # the destinations' owner records, now that the run will go on
         return Check(ok=True, summary=summary, state=inv)
 
-    return run.step("inventory", check)
+    def fix(actions: list[Action], before: Check) -> None:
+        raise ProcedureError("nothing was stopped or copied: " + "; ".join(run.refused))
+
+    return run.step("inventory", check, None, fix)
 
 
 def step_servers_stopped(run: Decommission) -> Step:

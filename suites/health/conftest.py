@@ -19,6 +19,7 @@ import pytest
 
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.modules.health import checks as hm
+from pytest_gpuhost.modules.health import controller_state
 from pytest_gpuhost.modules.health import facts as health_facts
 from pytest_gpuhost.run import evidence, scheduling
 from pytest_gpuhost.run.remediation import Action, Check
@@ -41,14 +42,22 @@ def _health_up(facts: dict[str, Any], t: hm.Thresholds) -> bool:
 class HostHealth:
     """The health facts and verdicts of one target, gathered once per worker."""
 
-    def __init__(self, target: Any, fixes: list[str]) -> None:
+    def __init__(self, target: Any, fixes: list[str], check_only: bool = False) -> None:
         self.target = target
         self.name: str = target.name
         self.fixes = fixes
+        self.check_only = check_only
         self.thresholds = hm.Thresholds.from_vars(target.vars)
         self.params = hm.probe_params(self.thresholds)
+        # What the last --check-only run remembered, kept on the controller (it writes nothing on
+        # the node): sent with every run, the node's probe takes the newer of it and its own file.
+        kept = controller_state.load(self.name)
+        if kept is not None:
+            self.params["state"] = kept
+            self.params["state_from"] = str(controller_state.path_for(self.name))
         self.facts: dict[str, Any] | None = None
         self.error: GpuhostError | None = None
+        self.error_said = False  # the error's whole line went to one check; the rest refer to it
         self.verdicts: dict[str, hm.Verdict] = {}
         self.samples: dict[str, list[dict[str, Any]]] = {}
         self.round_trips = 0
@@ -115,8 +124,8 @@ class HostHealth:
         Started once per host when the Xid/SXid verdicts exist (a run that died before judging
         them leaves the old cursor, and the next run reads those lines again), in a thread: the
         request's round trip overlaps the host's remaining checks, and `wait_commit` collects it
-        at the host's last check (or at the end of the session). It is the plugin's own
-        bookkeeping in /var/lib/gpuhost, so --check-only writes it too.
+        at the host's last check (or at the end of the session). Under --check-only it is kept on
+        the controller instead (`modules/health/controller_state.py`): nothing is written on the node.
         """
         if self._commit is not None or self.facts is None:
             return
@@ -128,9 +137,13 @@ class HostHealth:
 
         def commit() -> None:
             try:
-                conn.call("health_commit", state=state, state_path=state_path, timeout=10)
+                stamped = dict(state, committed=time.time())
+                if self.check_only:  # writes nothing on the node: the controller keeps it
+                    controller_state.save(self.name, stamped)
+                else:
+                    conn.call("health_commit", state=stamped, state_path=state_path, timeout=10)
                 self.committed = True
-            except GpuhostError as exc:
+            except (GpuhostError, OSError) as exc:
                 self.commit_error = f"{type(exc).__name__}: {exc}"
 
         with self._lock:
@@ -303,6 +316,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         hh.wait_commit()
 
 
+def _check_only(config: pytest.Config) -> bool:
+    from pytest_gpuhost.run import settings
+
+    return bool(settings.read(config).check_only)
+
+
 def _read_quietly(hh: HostHealth) -> None:
     try:
         hh.gather()
@@ -331,7 +350,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if name in hosts:
             continue
         try:
-            hh = HostHealth(get_target(config, name), options.fixes(config))
+            hh = HostHealth(get_target(config, name), options.fixes(config), _check_only(config))
         except (hm.ThresholdError, StopIteration):
             continue  # reported by the host's own checks
         hosts[name] = hh
@@ -365,17 +384,29 @@ def health(target: Any, request: pytest.FixtureRequest) -> HostHealth:
     hh = hosts.get(target.name)
     if hh is None:
         try:
-            hh = HostHealth(target, options.fixes(request.config))
+            hh = HostHealth(target, options.fixes(request.config), _check_only(request.config))
         except hm.ThresholdError as exc:
             pytest.fail(f"{target.name}: {exc}", pytrace=False)
         hosts[target.name] = hh
+    failed: GpuhostError | None = None
     try:
         hh.gather()
     except GpuhostError as exc:
-        # One line, and no traceback to render: for an unreachable host this runs once per
-        # check, and formatting the connection code's frames each time costs more than the
-        # connect timeout itself.
-        pytest.fail(f"{target.name}: {type(exc).__name__}: {exc}", pytrace=False)
+        failed = exc
+    if failed is not None:
+        # One line, no traceback and no chained exception (raised outside the `except`): for a
+        # host that cannot be read this runs once per check, and formatting the connection
+        # code's frames each time costs more than the connect timeout itself.  The whole line
+        # is said at the host's first check; the others refer to it.
+        if hh.error_said:
+            where = str(getattr(target.spec, "hostname", "") or "")
+            source = f" from {where}" if where and where != target.name else ""
+            pytest.fail(
+                f"{target.name}: facts not read{source} ({type(failed).__name__}, said at its first check)",
+                pytrace=False,
+            )
+        hh.error_said = True
+        pytest.fail(f"{target.name}: {type(failed).__name__}: {failed}", pytrace=False)
     return hh
 
 

@@ -73,6 +73,7 @@ def step_p2p_collective(run: P2PProcedure) -> Step:
             first, control = run_both(tool, gpus, run.opts.nccl_timeout)
             for arm in (first, control):
                 ev.state(arm.name, side(arm), target=tool.conn.name)
+            run.collective = (first, control)
             v = nccl.verdict(first, control)
             state: dict[str, Any] = {
                 "tool": tool.describe(),

@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
-from . import options
+from pytest_gpuhost.run import evidence
+
+from . import answer, options
 from .procedure import P2PProcedure
 
 
@@ -18,4 +20,8 @@ def p2p(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterator[
         target, options.options(pytestconfig, getattr(target, "vars", None)), check_only=check_only
     )
     yield proc
-    proc.finish()
+    problems = proc.finish()
+    said = answer.headline(proc)
+    if said is not None:
+        ok, line, details = said
+        evidence.current().answer(proc.conn.name, ok and not problems, line, [*problems, *details])

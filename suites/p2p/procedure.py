@@ -89,6 +89,8 @@ class P2PProcedure(Procedure):
         self.plan: P2PPlan | None = None
         self.old_journal: dict[str, Any] | None = None
         self.before: p2p.P2PMatrix | None = None
+        self.after: p2p.P2PMatrix | None = None  # step 6's measurement, when it measured again
+        self.collective: tuple[Any, Any] | None = None  # step 7's two arms (P2P on, P2P off)
         self.before_ok: bool | None = None
         self.changed = False  # this run unbound/rebound something: P2P must be measured again
         self.stopped_service = False  # this run (or the interrupted one it completes) stopped it

@@ -130,6 +130,7 @@ def step_p2p_bandwidth(run: P2PProcedure) -> Step:
             run.read_facts(("nvidia_smi_gpus",))
             matrix = p2p.measure_anywhere(run.measure_conns(), run.plan.gpus, index=run.smi_index())
             run.record_matrix("P2P bandwidth after", matrix)
+            run.after = matrix
         run.no_tool = matrix.note if matrix.no_tool else ""
         state: dict[str, Any] = {"matrix": matrix.to_dict()}
         if matrix.no_tool:  # nothing was measured: say what to install where, not what to fix

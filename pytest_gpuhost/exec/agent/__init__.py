@@ -69,6 +69,7 @@ picked up by its name; nothing else needs registering.
 
 from __future__ import annotations
 
+import ast
 import functools
 import re
 import zlib
@@ -77,6 +78,7 @@ from pathlib import Path
 
 __all__ = [
     "BOOTSTRAP",
+    "agent_needs",
     "CORE_FILES",
     "PYTHON_FLAGS",
     "agent_source",
@@ -222,6 +224,26 @@ def probe_program(probe: str, call: str) -> str:
         raise ValueError(f"no agent probe named {probe!r} in {_HERE}")
     needs = "".join(_probe_call(p) for p in _with_needs(probe) if p != path)
     return _core() + "\n" + needs + f"exec({call!r}, {_probe_call(path).rstrip()}.__dict__)\n"
+
+
+@functools.lru_cache(maxsize=1)
+def agent_needs() -> tuple[str, ...]:
+    """Return the modules the agent cannot start without: the core files' imports and zlib.
+
+    Read from the core's own import lines, so the list cannot drift from the code.  Probes'
+    imports are not in it: a probe whose module is missing is unavailable, not fatal.  `sys`
+    is left out (every interpreter has it built in).
+    """
+    names = {"os", "zlib"}  # the bootstrap's
+    for name in CORE_FILES:
+        tree = ast.parse((_HERE / name).read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+    names -= {"pytest_gpuhost", "__future__", "sys"}
+    return tuple(sorted(names))
 
 
 @functools.lru_cache(maxsize=1)

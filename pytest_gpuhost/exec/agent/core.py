@@ -10,6 +10,7 @@ registers it under its dotted name for the probes loaded after it that import fr
 Target side: stdlib only, Python 3.6 syntax (see the package docstring).
 """
 
+import re
 import sys
 import types
 
@@ -24,6 +25,10 @@ from pytest_gpuhost.exec.agent.files import (
 from pytest_gpuhost.exec.agent.registry import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_OUTPUT,
+    FACTS,
+    OPS,
+    STREAM_OPS,
+    UNAVAILABLE,
     OpError,
     b64d,
     b64e,
@@ -68,20 +73,63 @@ def _api_module():
     return mod
 
 
+# What a probe registers (`@op("name"`, `@fact("name"`) and which probes it imports from: read
+# from its source, so a probe that cannot load still answers for its names.
+_PROVIDES = re.compile(r"^@(op|fact)\(\s*[\"'](\w+)[\"']", re.MULTILINE)
+_IMPORTS_PROBE = re.compile(r"^from pytest_gpuhost\.exec\.agent\.(probe_\w+) import ", re.MULTILINE)
+
+
 def load_probe(name, source):
     """Run a probe's source in a new module named PROBE_PREFIX + name; return the module.
 
     The module starts with every API name already defined, for probes that use them without
-    importing them.  A failing probe raises here: the agent does not start half-built.
+    importing them.  A probe that imports a module this Python lacks (`ctypes`, `statistics`:
+    Debian's python3-minimal has neither) is unavailable, as is a probe that imports from an
+    unavailable probe: its ops and facts answer with the reason, and the agent serves the rest
+    (`hello` lists them under `unavailable`).  Any other failure raises here: the agent does not
+    start half-built.
     """
+    for need in _IMPORTS_PROBE.findall(source):
+        if need in UNAVAILABLE:
+            return _unavailable(name, source, f"it needs {need}, which is unavailable: {UNAVAILABLE[need]}")
     api = _api_module()
     mod = types.ModuleType(PROBE_PREFIX + name)
     for attr in __all__:
         setattr(mod, attr, getattr(api, attr))
     sys.modules[mod.__name__] = mod
-    exec(compile(source, f"<gpuhost-agent/{name}.py>", "exec"), mod.__dict__)
+    ops, facts = set(OPS), set(FACTS)
+    try:
+        exec(compile(source, f"<gpuhost-agent/{name}.py>", "exec"), mod.__dict__)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or ""
+        if not missing or missing.startswith("pytest_gpuhost"):
+            raise  # the probe's own mistake (a name the core does not export), not the node's
+        del sys.modules[mod.__name__]
+        for key in set(OPS) - ops:
+            del OPS[key]
+            STREAM_OPS.discard(key)
+        for key in set(FACTS) - facts:
+            del FACTS[key]
+        return _unavailable(name, source, f"this Python has no module {missing!r}")
     # A later probe's `from pytest_gpuhost.exec.agent.probe_x import y` finds it (the import
     # system looks a dotted name up in sys.modules before its parents); in the plugin the real
     # module is already there and stays.
     sys.modules.setdefault(PROBE_PACKAGE + name, mod)
     return mod
+
+
+def _unavailable(name, source, why):
+    """Mark probe `name` unavailable: each op and fact it would register answers with `why`."""
+    UNAVAILABLE[name] = why
+    message = f"unavailable on this node: {name}: {why}"
+    for kind, key in _PROVIDES.findall(source):
+
+        def refuse(*_args, _key=key):
+            raise OpError(f"{_key} is {message}")
+
+        if kind == "op":
+            OPS[key] = refuse
+            STREAM_OPS.discard(key)  # a refusal is one reply, whatever the op streams
+        else:
+            FACTS[key] = refuse
+    return None

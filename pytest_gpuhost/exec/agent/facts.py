@@ -6,9 +6,20 @@ Target side: stdlib only, Python 3.6 syntax (see the package docstring).
 import os
 import platform
 import socket
+import sys
 
 from pytest_gpuhost.exec.agent.files import read_text, state_path
-from pytest_gpuhost.exec.agent.registry import AGENT_VERSION, FACTS, OPS, dispatch, fact, one_line, op
+from pytest_gpuhost.exec.agent.registry import (
+    AGENT_VERSION,
+    FACTS,
+    OPS,
+    UNAVAILABLE,
+    OpError,
+    dispatch,
+    fact,
+    one_line,
+    op,
+)
 
 
 @op("facts")
@@ -25,6 +36,8 @@ def op_facts(params):
             out[name] = fn(fparams)
         except OSError as exc:
             out[name] = {"error": f"{name}: {exc.strerror or exc}", "errno": exc.errno}
+        except OpError as exc:
+            out[name] = {"error": one_line(exc)}
         except Exception as exc:
             out[name] = {"error": f"{name}: {type(exc).__name__}: {one_line(exc)}"}
     return out
@@ -35,12 +48,14 @@ def op_hello(params):
     return {
         "pid": os.getpid(),
         "python": platform.python_version(),
+        "executable": sys.executable,
         "uid": os.getuid(),
         "hostname": socket.gethostname(),
         "kernel": platform.release(),
         "version": AGENT_VERSION,
         "ops": sorted(OPS),
         "facts": sorted(FACTS),
+        "unavailable": dict(UNAVAILABLE),
         "state_dir": state_path(),
         "machine_id": _machine_id(),
         "host_key": _host_key(),

@@ -47,6 +47,14 @@ XID_FALLEN_OFF_THE_BUS = 79
 _CAUSE = re.compile(r"\bcaused by previous Xid (\d+)\b")
 
 
+def _committed(state):
+    """When a state was committed (0 when it does not say)."""
+    try:
+        return float(state.get("committed") or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def read_state(path):
     """Return the health state file as (state, error); a missing file is (None, None)."""
     try:
@@ -155,6 +163,11 @@ def fact_health_kernel_log(params):
     timeout = float(params.get("timeout", 20))
     path = params.get("state_path") or state_path(STATE_FILE)
     state, state_error = read_state(path)
+    sent = params.get("state")
+    if isinstance(sent, dict) and (state is None or _committed(sent) >= _committed(state)):
+        # the controller keeps the state of every run (a --check-only run keeps it there alone,
+        # writing nothing here) and sends it: the newer of the two is this node's last run
+        state, state_error, path = sent, None, params.get("state_from") or "controller"
     record = []  # type: list
     lines, mode, failed = _dmesg_lines(timeout, record)
     if failed is not None:
@@ -221,7 +234,7 @@ def op_health_commit(params):
     if not isinstance(state, dict):
         raise OpError("health_commit: state must be an object")
     state = dict(state)
-    state["committed"] = time.time()
+    state.setdefault("committed", time.time())  # the controller's stamp: the copy it keeps has the same
     d = os.path.dirname(path)
     if d and not os.path.isdir(d):
         os.makedirs(d, 0o755)

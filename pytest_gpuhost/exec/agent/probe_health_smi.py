@@ -213,12 +213,14 @@ def _cached_cuda(params, driver):
     """Return the CUDA version the health state keeps for this driver version, or None."""
     if not driver or params.get("no_cache"):
         return None
-    try:
-        state = json.loads(
-            read_text(params.get("state_path") or state_path(STATE_FILE), 1 << 20).decode("utf-8")
-        )
-    except (OSError, ValueError):
-        return None  # no state yet, or unreadable: the kernel-log fact says why
+    state = params.get("state")  # a --check-only run's state, sent by the controller
+    if not isinstance(state, dict):
+        try:
+            state = json.loads(
+                read_text(params.get("state_path") or state_path(STATE_FILE), 1 << 20).decode("utf-8")
+            )
+        except (OSError, ValueError):
+            return None  # no state yet, or unreadable: the kernel-log fact says why
     cached = state.get("cuda") if isinstance(state, dict) else None
     if isinstance(cached, dict) and cached.get("driver_version") == driver and cached.get("cuda_version"):
         return cached

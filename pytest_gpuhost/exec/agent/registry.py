@@ -14,6 +14,7 @@ DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 OPS = {}  # type: dict
 STREAM_OPS = set()  # type: set
 FACTS = {}  # type: dict
+UNAVAILABLE = {}  # type: dict  # probe -> why it is not loaded (a module this Python lacks)
 ORPHANS = []  # type: list  # pids of children left to the kernel; reaped when they finish
 PROTO_FDS = []  # type: list  # the protocol's descriptors; a forked writer closes them at once
 

@@ -10,7 +10,7 @@ variables in order and keeps the last it finds):
 - `ansible_become: true` -> `?sudo=1` (we run `sudo -n`, so only `ansible_become_method: sudo`
   and `ansible_become_user: root` are accepted; anything else is refused, never ignored);
 - `ansible_connection`: `ssh`/`paramiko`/`smart` (default), `local`, `docker`, `podman`, `lxd`, `kubectl`;
-- `ansible_python_interpreter` -> `?python=` (Ansible's `auto*` values mean python3).
+- `ansible_python_interpreter` -> `?python=` (Ansible's `auto*` values mean discovery: none named).
 
 `container` (or `gpuhost_container`) names the host's service container. A variable whose name is
 close to a known one (difflib) or that starts with `gpuhost_` without being ours is reported by
@@ -173,7 +173,8 @@ def _url(name: str, hv: dict[str, Any], where: str) -> tuple[str, dict[str, str]
     python = hv.get("ansible_python_interpreter")
     if python is not None:
         py = _text(python, "ansible_python_interpreter", where)
-        query["python"] = "python3" if py.startswith("auto") else py
+        if not py.startswith("auto"):  # Ansible's auto*: discovery, which the agent's start does
+            query["python"] = py
     if scheme == "local":
         return "local://", query
     address = _text(_last(hv, "ansible_host", "ansible_ssh_host") or name, "ansible_host", where)

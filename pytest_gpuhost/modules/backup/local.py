@@ -107,7 +107,8 @@ class Backup:
         self.progress = progress
         self.progress_interval = progress_interval
         self.stall_timeout = stall_timeout
-        self.meta.mkdir(parents=True, exist_ok=True)
+        # The backup directory is made by the first write (a record, or `run`), never here: a
+        # run that only reads (--check-only, or one refused before any change) leaves none.
         self.state = StateFile(self.meta, "state")
         self.writer = LocalWriter(self.dest, self.meta, self.state, self._placed)
         # called with (file, state record) for each file or link verified into place: the S3
@@ -187,6 +188,7 @@ class Backup:
         """Carry out a plan: links, node-side hash comparisons, then one bulk stream of contents."""
         result = TransferResult()
         started = time.monotonic()
+        self.meta.mkdir(parents=True, exist_ok=True)
         lock = open(self.meta / "lock", "w")  # noqa: SIM115 - held for the whole run
         try:
             try:

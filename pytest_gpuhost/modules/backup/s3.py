@@ -138,8 +138,7 @@ class S3Upload:
         self.workers = workers
         self.progress = progress
         self.progress_interval = progress_interval
-        meta = self.dest / _META
-        meta.mkdir(parents=True, exist_ok=True)
+        meta = self.dest / _META  # made by the state's first record (StateFile), never here
         # one state per destination: the same directory may go to two buckets
         self.state = StateFile(meta, f"s3-{state_tag(str(self.client.meta.endpoint_url), location.url)}")
         self._lock = threading.Lock()

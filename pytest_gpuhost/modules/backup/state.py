@@ -69,6 +69,9 @@ class StateFile:
         line = json.dumps(rec) + "\n"
         with self._append_lock:
             if self._fh is None:
+                # made on the first record, not before: a run that only reads (--check-only, or one
+                # refused by its preflight) leaves no directory behind
+                self.journal.parent.mkdir(parents=True, exist_ok=True)
                 self._fh = open(self.journal, "a")  # noqa: SIM115 - closed in compact()
             self._fh.write(line)
             now = time.monotonic()
@@ -86,8 +89,8 @@ class StateFile:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
-        if not self.journal.exists() and self.path.exists():
-            return  # nothing recorded since the last compaction
+        if not self.journal.exists() and (self.path.exists() or not self.items):
+            return  # nothing recorded since the last compaction (or ever)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"version": 1, "items": self.items}))
         os.replace(tmp, self.path)

@@ -43,7 +43,10 @@ def transfer(
 ) -> None:
     """Stream the files' contents over one channel; small files are written by writer threads."""
     total_bytes = sum(f.size for f in files)
-    python = str(getattr(getattr(conn, "opts", None), "python", "python3"))
+    # the interpreter the agent found on the node (exec/pythons.py), not whatever `python3` is
+    python = str(
+        getattr(conn, "python", "") or getattr(getattr(conn, "opts", None), "python", "") or "python3"
+    )
     chan = ChannelIO(conn.open_channel(sender_argv(max(stall_timeout * 2, 30), python)), stall_timeout)
     reader = StreamReader(chan, stall_timeout)
     started = time.monotonic()
@@ -95,7 +98,7 @@ def transfer(
         # the request goes from a thread: a long list must not deadlock against a full pipe
         threading.Thread(target=chan.write, args=(request(files),), daemon=True).start()
         if reader.exact(4) != wire.MAGIC:
-            raise BackupError("bulk sender did not start (is python3 on the node?)")
+            raise BackupError(f"bulk sender did not start under {python} on the node")
         while True:
             index = reader.u32()
             if index == wire.END:
