@@ -83,7 +83,7 @@ def test_aws_cli_sync_is_proved_in_place_with_nothing_sent(conn, tmp_path, s3_en
     assert all(p.ok for p in res.proofs), [(p.url, p.how) for p in res.proofs if not p.ok]
     assert not res.to_send and not res.unverifiable
     big = next(p for p in res.proofs if p.url.endswith("data-00000-of-00002.arrow"))
-    assert "multipart ETag (3 parts of 8388608 bytes)" in big.how  # the cli's 8 MiB parts
+    assert "multipart ETag (3 parts of 8388608 bytes, sizes from S3)" in big.how  # the cli's 8 MiB parts
     assert res.hashed_bytes == sum(len(v) for v in files.values())
 
 
@@ -143,9 +143,15 @@ def test_boto3_objects_of_every_kind(conn, tmp_path, s3_endpoint, monkeypatch):
     res = _inplace(conn, m, s3_endpoint).check(listing)
     by = {p.url.rsplit("/run/", 1)[1]: p for p in res.proofs}
     assert by["shards/data-00000-of-00002.arrow"].ok
-    assert "multipart ETag (5 parts of 5242880 bytes)" in by["shards/data-00000-of-00002.arrow"].how
+    assert (
+        "multipart ETag (5 parts of 5242880 bytes, sizes from S3)"
+        in by["shards/data-00000-of-00002.arrow"].how
+    )
     assert by["shards/data-00001-of-00002.arrow"].ok  # composite SHA-256: the ETag proves it
-    assert "multipart ETag (2 parts of 6291456 bytes)" in by["shards/data-00001-of-00002.arrow"].how
+    assert (
+        "multipart ETag (2 parts of 6291456 bytes, sizes from S3)"
+        in by["shards/data-00001-of-00002.arrow"].how
+    )
     assert by["completions/part-0000.jsonl"].how.startswith("SHA-256 checksum")
     assert by["sha1.bin"].how.startswith("SHA-1 checksum") and by["sha1.bin"].ok
     assert by["plain.bin"].how.startswith("MD5 ETag") and by["plain.bin"].ok

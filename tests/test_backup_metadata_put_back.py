@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuhost.exec.agent.probe_backup import END, TRAILER, reader_thread
+from pytest_gpuhost.exec.agent.probe_backup import END, TRAILER, reader_thread, unpack_trailer
 from pytest_gpuhost.exec.targets import open_connection, parse_host_url
 from pytest_gpuhost.modules.backup.local import Backup, Category, Manifest
 from pytest_gpuhost.modules.process import Selection
@@ -87,6 +87,6 @@ def test_a_rewrite_during_the_read_with_mtime_put_back_is_reported_changed(tmp_p
     reader_thread([(os.fsencode(path), len(os.fsencode(tmp_path)))], put)
     stream = b"".join(out)
     assert stream[-8:-4] == END.to_bytes(4, "big")
-    code, size, _mtime, _mode, changed, _sha = TRAILER.unpack(stream[-8 - TRAILER.size : -8])
+    code, size, _mtime, _mode, changed, _sha = unpack_trailer(stream[-8 - TRAILER.size : -8])
     assert rewritten and code == 0 and size == 8 * MiB
     assert changed == 1, "a file that never existed on the node would be placed as verified"

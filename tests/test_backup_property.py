@@ -20,6 +20,7 @@ for two nodes); GPUHOST_PROPERTY_SHRINK=1 shrinks a failing case before printing
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -649,3 +650,259 @@ def test_two_nodes_refused_or_both_kept(
         assert all(safe for _, _, safe in kept)  # nothing else stands in the way here
     finally:
         shutil.rmtree(d)
+
+
+# ---------------------------------------------------------------- fleets: whose data, every root
+#
+# Fleets of two or three nodes run one after the other, each with destinations drawn from small
+# pools so that they overlap as an operator's mistakes make them: one backup directory shared or
+# nested, S3 prefixes equal, nested (p, p/x) or only string-related (p, px), a --backup-to inside
+# another node's in_s3 location, owner records lost or corrupted between runs, machines cloned
+# from one image (one machine-id). Roots are plain, links (followed or not), empty (expected or
+# not) and filtered. Each node's run is gated by the suite's own decision (`claim_problems` on
+# `s3_evidence`, as Decommission.claim calls them), then runs the real engine (Backup, S3Upload)
+# and judges itself as the verdict does (`Backup.verify`, `S3Upload.verify`, `root_problems`).
+# The truth is the test's own, from the bytes: each file of each root of each node called safe,
+# read from its source, must be byte-identical in its backup directory and (s3) under its
+# prefix, read back with boto3, or be left out by the category's exclude rule and counted
+# there; and that must still hold after every later node of the fleet ran. No object may land
+# under an in_s3 location. GPUHOST_FLEET_CASES sets the count (300); a failure names its seed.
+
+FLEET_CASES = int(os.environ.get("GPUHOST_FLEET_CASES", "300"))
+FLEET_SEED = int(os.environ.get("GPUHOST_FLEET_SEED", "0"))
+
+
+@dataclass
+class FleetNode:
+    name: str
+    me: dict[str, str]
+    dest: Path
+    url: str | None
+    in_s3: str | None
+    roots: list[Path]
+    follow: bool
+    expected_empty: bool
+    sources: dict[Path, bytes] = field(default_factory=dict)  # file -> bytes, as the truth sees them
+    skipped: set[Path] = field(default_factory=set)  # files the exclude glob leaves out
+
+
+def _fleet(rng: Any, d: Path, bucket: str, seed: int) -> list[FleetNode]:
+    from pytest_gpuhost.modules.backup.ownership import node_identity
+
+    n = rng.choice((2, 3))
+    base_mid = f"{seed:08x}" + "0" * 24
+    dir_pool = ["shared", "shared/sub", "own{k}", "own{k}", "sharedx"]
+    url_pool = [None, "p", "p/x", "px", "own{k}", "own{k}", "pipe/b"]
+    nodes = []
+    for k in range(n):
+        cloned = k > 0 and rng.random() < 0.25
+        mid = base_mid if cloned else f"{seed:08x}{k:024x}"
+        key = "k" * 32 if cloned and rng.random() < 0.5 else f"{k:032x}"
+        me = node_identity(f"n{k}", "ubuntu", mid, "t", host_key=key)
+        dest = d / rng.choice(dir_pool).format(k=k)
+        u = rng.choice(url_pool)
+        url = None if u is None else f"s3://{bucket}/c{seed}/{u.format(k=k)}"
+        in_s3 = f"s3://{bucket}/c{seed}/pipe" if rng.random() < 0.3 else None
+        src = d / f"src{k}"
+        data = src / "data"
+        data.mkdir(parents=True)
+        node = FleetNode(f"n{k}", me, dest, url, in_s3, [data], rng.random() < 0.5, rng.random() < 0.5)
+        for i in range(rng.randint(1, 3)):
+            p = data / f"f{i}.bin"
+            p.write_bytes(f"{seed}/{k}/{i}/".encode() + rng.randbytes(rng.randint(0, 300)))
+            node.sources[p] = p.read_bytes()
+        if rng.random() < 0.4:  # a file the category's exclude leaves out
+            p = data / "scratch.skip"
+            p.write_bytes(b"tmp")
+            node.skipped.add(p)
+        if rng.random() < 0.35:  # a root that is a link to more data
+            real = src / "real"
+            real.mkdir()
+            (real / "g.bin").write_bytes(f"{seed}/{k}/linked".encode())
+            (src / "link").symlink_to(real)
+            node.roots.append(src / "link")
+            node.sources[real / "g.bin"] = (real / "g.bin").read_bytes()
+        if rng.random() < 0.3:  # a root that yields nothing
+            (src / "empty").mkdir()
+            node.roots.append(src / "empty")
+        nodes.append(node)
+    return nodes
+
+
+def _fleet_event(rng: Any, node: FleetNode, client: Any, bucket: str) -> str:
+    """Between runs: lose or corrupt an earlier node's owner record (local or S3)."""
+    roll = rng.random()
+    rec = node.dest / ".gpuhost" / "node.json"
+    if roll < 0.15 and rec.exists():
+        rec.unlink()
+        return f"{node.name}: local record lost"
+    if roll < 0.25 and rec.exists():
+        rec.write_text("{torn")
+        return f"{node.name}: local record corrupt"
+    if roll < 0.35 and node.url is not None:
+        prefix = parse_s3_url(node.url).prefix
+        client.delete_object(Bucket=bucket, Key=f"{prefix}/.gpuhost/node.json")
+        return f"{node.name}: S3 record lost"
+    return ""
+
+
+def _fleet_run(world_conn: Any, client: Any, endpoint: str, node: FleetNode) -> tuple[bool, str]:
+    """One node's run: the claim decision, then (when allowed) the real backup and its verdict."""
+    from pytest_gpuhost.modules.backup.ownership import claim_problems, run_places, s3_evidence
+    from pytest_gpuhost.modules.backup.roots import root_problems
+    from pytest_gpuhost.modules.backup.s3 import state_tag
+
+    cat = Category(
+        CATEGORY,
+        tuple(str(r) for r in node.roots),
+        exclude=("*.skip",),
+        s3=node.url is not None,
+        follow_root_links=node.follow,
+        expected_empty=node.expected_empty,
+    )
+    manifest = Manifest("fleet", (cat,), Selection())
+    places = run_places(
+        [node.name],
+        {node.name: str(node.dest)},
+        {node.name: node.url} if node.url else {},
+        [(node.in_s3, CATEGORY)] if node.in_s3 else [],
+        in_s3_writes=False,
+    )
+    record, foreign, above = None, False, []
+    if node.url is not None:
+        loc = parse_s3_url(node.url)
+        journal = f"s3-{state_tag(endpoint, node.url)}"
+        record, foreign, above = s3_evidence(client, loc.bucket, loc.prefix, node.dest, journal)
+    problems, s3_judged = claim_problems(
+        node.me, places, node.dest, s3_url=node.url, s3_record=record, s3_foreign=foreign, s3_above=above
+    )
+    if problems:
+        return False, "refused: " + "; ".join(problems)
+    own = node.dest / ".gpuhost" / "node.json"
+    if not own.exists():
+        own.parent.mkdir(parents=True, exist_ok=True)
+        own.write_text(json.dumps(node.me))
+    with open(node.dest / ".gpuhost" / "timeline.jsonl", "a") as f:
+        f.write(json.dumps({"t": "t", "target": node.name, "event": "run"}) + "\n")
+    b = Backup(world_conn, manifest, node.dest)
+    listing = b.walk()
+    res = b.run(b.plan(listing))
+    if res.error:
+        return False, f"backup error {res.error}"
+    why = [f"{p}: {w}" for p, w in b.verify(listing)] + root_problems(manifest, listing)
+    if node.url is not None:
+        loc = parse_s3_url(node.url)
+        if s3_judged is not None and s3_judged.status != "mine":
+            client.put_object(
+                Bucket=loc.bucket, Key=f"{loc.prefix}/.gpuhost/node.json", Body=json.dumps(node.me)
+            )
+        up = S3Upload(node.dest, loc, client=client, workers=2)
+        items, unverified = items_from_backup(b, listing)
+        up.run(up.plan(items))
+        up.finish()
+        why += [f"{p}: {w}" for p, w in [*unverified, *up.verify(items)]]
+        why += [f"open upload {k}" for k, _ in up.open_uploads()]
+    return not why, "; ".join(why[:5])
+
+
+def _fleet_truth(client: Any, bucket: str, node: FleetNode) -> list[str]:
+    """What the bytes say of a node called safe: each file of its roots kept in every destination."""
+    lost = []
+    for path, body in node.sources.items():
+        local = node.dest / CATEGORY / str(path).lstrip("/")
+        try:
+            if local.read_bytes() != body:
+                lost.append(f"{local}: other bytes")
+        except OSError as exc:
+            lost.append(f"{local}: {exc.strerror}")
+        if node.url is not None:
+            loc = parse_s3_url(node.url)
+            key = f"{loc.prefix}/{CATEGORY}/{str(path).lstrip('/')}"
+            try:
+                got = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+            except Exception as exc:  # noqa: BLE001 - the truth names it
+                lost.append(f"s3://{bucket}/{key}: {type(exc).__name__}")
+                continue
+            if got != body:
+                lost.append(f"s3://{bucket}/{key}: other bytes")
+    for path in node.skipped:  # left out by the rule: never copied
+        if (node.dest / CATEGORY / str(path).lstrip("/")).exists():
+            lost.append(f"{path}: excluded, but copied")
+    return lost
+
+
+FLEET_WORKERS = 8  # cases run side by side, each worker on its own agent connection: mostly waits
+
+
+@pytest.fixture(scope="module")
+def fleet_world(s3_endpoint: Any) -> Iterator[tuple[list[Any], Any, str, str]]:
+    conns = [open_connection(parse_host_url("local://")) for _ in range(FLEET_WORKERS)]
+    client = s3_endpoint.client()
+    try:
+        yield conns, client, s3_endpoint.make_bucket("fleet"), str(client.meta.endpoint_url)
+    finally:
+        for c in conns:
+            c.close()
+
+
+def _fleet_case(conn: Any, client: Any, bucket: str, endpoint: str, seed: int, stats: dict[str, int]) -> None:
+    """One fleet, seeded: build, run each node in turn, check the properties from the bytes."""
+    import random
+
+    rng = random.Random(seed)
+    d = Path(tempfile.mkdtemp(prefix=f"fleet{seed}-"))
+    story: list[str] = []
+    try:
+        nodes = _fleet(rng, d, bucket, seed)
+        safe: list[FleetNode] = []
+        for i, node in enumerate(nodes):
+            if i:
+                story.append(_fleet_event(rng, rng.choice(nodes[:i]), client, bucket))
+            ok, why = _fleet_run(conn, client, endpoint, node)
+            story.append(
+                f"{node.name} dest={node.dest.relative_to(d)} url={node.url} in_s3={node.in_s3} "
+                f"roots={[r.name for r in node.roots]} follow={node.follow} "
+                f"empty_ok={node.expected_empty} mid={node.me['machine_id'][-4:]}: {'safe' if ok else why[:300]}"
+            )
+            stats["safe" if ok else "refused" if why.startswith("refused") else "not safe"] += 1
+            if not ok:
+                continue
+            safe.append(node)
+            for s in safe:  # the properties, from the bytes, for every node called safe so far
+                lost = _fleet_truth(client, bucket, s)
+                assert not lost, f"{s.name} was called safe, then {lost}\n" + "\n".join(story)
+            names = [r.name for r in node.roots]
+            # a link root not followed, or an empty root not expected, is never safe
+            assert node.follow or "link" not in names, "a link root not followed was safe\n" + "\n".join(
+                story
+            )
+            assert node.expected_empty or "empty" not in names, "an empty root was safe\n" + "\n".join(story)
+            if node.url and node.in_s3:  # no run writes inside its own in_s3 location
+                inside = (node.url.rstrip("/") + "/").startswith(node.in_s3.rstrip("/") + "/")
+                assert not inside, f"{node.name} wrote inside its in_s3\n" + "\n".join(story)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_fleets_touch_only_their_own_data_and_account_for_every_root(fleet_world: Any) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    conns, client, bucket, endpoint = fleet_world
+    started = time.monotonic()
+    stats = {"safe": 0, "refused": 0, "not safe": 0}
+    seeds = list(range(FLEET_SEED, FLEET_SEED + FLEET_CASES))
+    failures: list[str] = []
+
+    def worker(w: int) -> None:
+        for seed in seeds[w::FLEET_WORKERS]:
+            try:
+                _fleet_case(conns[w], client, bucket, endpoint, seed, stats)
+            except AssertionError as exc:
+                failures.append(f"seed {seed} (GPUHOST_FLEET_SEED={seed} GPUHOST_FLEET_CASES=1): {exc}")
+
+    with ThreadPoolExecutor(max_workers=FLEET_WORKERS) as pool:
+        list(pool.map(worker, range(FLEET_WORKERS)))
+    took = time.monotonic() - started
+    print(f"fleet cases: {FLEET_CASES}, nodes {stats}, {took:.1f} s")
+    assert not failures, f"{len(failures)} of {FLEET_CASES} fleets broke a property; first:\n{failures[0]}"
+    assert stats["safe"] and stats["refused"], stats  # both sides of the gate were taken

@@ -55,14 +55,24 @@ def test_upload_verify_rerun_and_multipart_hygiene(aws_env, backed_up):
     bucket = aws_env.make_bucket("bk")
     loc = parse_s3_url(f"s3://{bucket}/node-a")
     client = aws_env.client()
-    # an upload left open by an interrupted run
+    # an upload left open by an interrupted run of this backup (its journal names the upload id)
     stale = client.create_multipart_upload(Bucket=bucket, Key="node-a/data/stale", ChecksumAlgorithm="SHA256")
     up = S3Upload(b.dest, loc, endpoint=aws_env.url, workers=4, part_size=5 * 1024 * 1024)
+    up._record_upload("node-a/data/stale", stale["UploadId"])
+    # uploads this backup did not start: another tool's under the prefix, a sibling prefix's
+    theirs = client.create_multipart_upload(Bucket=bucket, Key="node-a/data/theirs")
+    sibling = client.create_multipart_upload(Bucket=bucket, Key="node-ab/data/x")
     items, unverified = items_from_backup(b, listing)
     assert not unverified and len(items) == 43
     res = up.run(up.plan(items))
     assert res.ok, res.failed
     assert res.uploaded == 43 and res.aborted_uploads == ["node-a/data/stale"]
+    left = {
+        (u["Key"], u["UploadId"]) for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    }
+    assert left == {("node-a/data/theirs", theirs["UploadId"]), ("node-ab/data/x", sibling["UploadId"])}
+    for key, uid in left:
+        client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=uid)
     # the first single-request upload went through boto3, the other 41 (hostile names too) through
     # SignedPut; the checks below read every object back through boto3
     assert up.fast_puts == 41

@@ -8,7 +8,6 @@ without a checksum) keeps the node from being "safe", named.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import re
@@ -78,15 +77,23 @@ def test_data_already_in_s3_is_proved_there_not_copied(b200, s3_endpoint, tmp_pa
     ]  # fmt: skip
 
     rc, out, counts = _run(argv, env)
-    assert rc == 0, out
+    # the changed object is the pipeline's, not this node's: it is never overwritten (the node is
+    # not safe, and says why); the missing one is absent, so it is sent back
+    assert rc != 0 and "not overwritten: the object there is not this node's" in out, out
+    body = client.get_object(Bucket=bucket, Key=f"dflash/{changed}")["Body"].read()
+    assert body != (pipeline / changed).read_bytes()
     # only the missing and the changed file were copied off the node; the rest was proved in place
     local = sorted(
         p.relative_to(dest / "data" / "data" / "data") for p in (dest / "data").rglob("*") if p.is_file()
     )
     assert [str(p) for p in local] == sorted([gone, changed]), local
-    for rel in (gone, changed):
-        body = client.get_object(Bucket=bucket, Key=f"dflash/{rel}")["Body"].read()
-        assert hashlib.sha256(body).digest() == hashlib.sha256((pipeline / rel).read_bytes()).digest()
+    body = client.get_object(Bucket=bucket, Key=f"dflash/{gone}")["Body"].read()
+    assert body == (pipeline / gone).read_bytes()
+    assert client.head_object(Bucket=bucket, Key=f"dflash/{gone}")["Metadata"]["gpuhost-owner"]
+    # the pipeline puts its object right; the run then proves it in place
+    client.put_object(Bucket=bucket, Key=f"dflash/{changed}", Body=(pipeline / changed).read_bytes())
+    rc, out, counts = _run(argv, env)
+    assert rc == 0, out
     notes = (dest / "NOTES.md").read_text()
     assert f"## Verified where it already was in S3 ({len(files)} of {len(files)})" in notes, notes
     assert "MD5 ETag (single-part upload)" in notes

@@ -12,6 +12,7 @@ import pytest
 from pytest_gpuhost.exec.s3io import location_problem
 from pytest_gpuhost.modules.backup.destination import DestinationError, per_target
 from pytest_gpuhost.modules.backup.local import Manifest, Progress, load_manifest
+from pytest_gpuhost.modules.backup.ownership import run_overlaps
 from pytest_gpuhost.modules.backup.s3 import parse_s3_url
 from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run import evidence
@@ -91,6 +92,11 @@ def pytest_configure(config: pytest.Config) -> None:
     endpoint, _ = options.get(config, "s3_endpoint")
     send_to, _ = options.get(config, "in_s3_send_to")
     manifest = load_manifest(manifest_path)
+    overlaps = run_overlaps(
+        manifest, names, dirs, urls, send_to or "location", str(config.invocation_params.dir)
+    )
+    if overlaps:
+        raise pytest.UsageError("\n".join(f"gpuhost: {printable(redact(p))}" for p in overlaps))
     problems = preflight.options_problems(manifest, backup_to=backup_to, send_to=send_to)
     here = Path(config.invocation_params.dir)
     for d in dict.fromkeys(dirs.values()):
@@ -167,6 +173,7 @@ def decom(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterato
         in_s3_send_to=options.get(pytestconfig, "in_s3_send_to")[0] or "location",
         fixes=options.fixes(pytestconfig),
         credentials_left=options.get(pytestconfig, "credentials_left")[0] or "report",
+        in_s3_min_proof=options.get(pytestconfig, "in_s3_min_proof")[0] or "crc64",
     )
     refused = None
     try:

@@ -13,12 +13,14 @@ is proved there by the checksum this run sent; the object in place is left as it
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pytest_gpuhost.modules.backup.inplace import InPlaceResult, Proof
 from pytest_gpuhost.modules.backup.local import Backup
+from pytest_gpuhost.modules.backup.ownership import OWNER_META
 from pytest_gpuhost.modules.backup.s3 import S3Item, item_for
 
-__all__ = ["not_proved", "sends", "to_backup_to"]
+__all__ = ["not_proved", "not_ours", "sends", "to_backup_to"]
 
 
 def sends(
@@ -56,3 +58,29 @@ def to_backup_to(result: InPlaceResult | None, backup: Backup) -> tuple[list[S3I
             continue
         items.append(item_for(p.file, rec))
     return items, unverified
+
+
+def not_ours(client: Any, bucket: str, items: Sequence[S3Item], tag: str) -> tuple[list[S3Item], list[str]]:
+    """Split the items to send to an in_s3 location into (those this node may write, the keys it
+    may not). An object that is absent may be written, and one this node's runs wrote (its
+    gpuhost-owner metadata is this node's tag); any other object there (the pipeline's, another
+    node's) is never overwritten, whatever it holds: its file stays an item of the verdict, and
+    --in-s3-send-to=backup-to sends it under --backup-to instead."""
+    mine: list[S3Item] = []
+    refused: list[str] = []
+    for item in items:
+        key = item.key or ""
+        try:
+            head = client.head_object(Bucket=bucket, Key=key)
+        except Exception as exc:  # noqa: BLE001 - absent (404) may be written; else not proved ours
+            code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+            if code in ("404", "NoSuchKey", "NotFound"):
+                mine.append(item)
+            else:
+                refused.append(key)
+            continue
+        if (head.get("Metadata") or {}).get(OWNER_META) == tag:
+            mine.append(item)
+        else:
+            refused.append(key)
+    return mine, refused

@@ -26,13 +26,7 @@ from typing import Any
 
 from pytest_gpuhost.exec.s3io import make_client
 from pytest_gpuhost.modules import credentials
-from pytest_gpuhost.modules.backup.destination import (
-    OWNER_NAME,
-    DestinationError,
-    describe_owner,
-    owner_record,
-    same_owner,
-)
+from pytest_gpuhost.modules.backup.destination import OWNER_NAME, DestinationError
 from pytest_gpuhost.modules.backup.inplace import InPlace, InPlaceResult, Proof
 from pytest_gpuhost.modules.backup.local import (
     META,
@@ -41,7 +35,24 @@ from pytest_gpuhost.modules.backup.local import (
     Manifest,
     Progress,
 )
-from pytest_gpuhost.modules.backup.s3 import S3Item, S3Location, S3Upload, items_from_backup, parse_s3_url
+from pytest_gpuhost.modules.backup.ownership import (
+    MINE,
+    Place,
+    claim_problems,
+    describe,
+    node_identity,
+    object_owner_tag,
+    run_places,
+    s3_evidence,
+)
+from pytest_gpuhost.modules.backup.s3 import (
+    S3Item,
+    S3Location,
+    S3Upload,
+    items_from_backup,
+    parse_s3_url,
+    state_tag,
+)
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.redact import redact
 from pytest_gpuhost.run.procedure import Procedure
@@ -72,19 +83,6 @@ def mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def _read_owner(path: Path) -> dict[str, Any] | None:
-    """The owner record at path, or None when there is none (an unreadable one is not ours)."""
-    try:
-        rec = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        return {"target": f"unknown (owner record unreadable: {exc})", "hostname": "?"}
-    return (
-        rec if isinstance(rec, dict) else {"target": "unknown (owner record not an object)", "hostname": "?"}
-    )
-
-
 class Decommission(Procedure):
     """One node being emptied: its link, manifest, destinations and what happened so far."""
 
@@ -104,6 +102,8 @@ class Decommission(Procedure):
         in_s3_send_to: str = "location",
         fixes: tuple[str, ...] = (),
         credentials_left: str = "report",
+        node_name: str = "",
+        in_s3_min_proof: str = "crc64",
         progress: Callable[[Progress], None] | None = None,
         say: Callable[[str], None] | None = None,
         record: Callable[[str, Any], None] | None = None,
@@ -128,15 +128,15 @@ class Decommission(Procedure):
         self.environ_findings: list[credentials.Finding] = []  # stopped processes' environments
         self.environ_error: str | None = None
         self._environ_pending: list[credentials.Finding] = []
+        self.node_name = node_name  # the operator's name of the node, part of its identity
+        self.in_s3_min_proof = in_s3_min_proof  # the weakest proof in place that counts (--in-s3-min-proof)
         self.progress = progress
         self.say = say  # one line on the operator's terminal
         self.record_state = record  # evidence.state
         self.record_measure = measure  # evidence.measure
         self.outcomes: dict[str, str] = {}  # step name -> outcome, for the verdict
-        self.refused: list[str] = []
-        self._stake: tuple[Any, ...] | None = (
-            None  # owner records to write once step 1 passed  # what step 1 found the run cannot do: nothing is changed then
-        )
+        self.refused: list[str] = []  # what step 1 found the run cannot do: nothing is changed then
+        self._stake: tuple[Any, ...] | None = None  # owner records to write once step 1 passed
         self._events: list[dict[str, str]] = []  # the timeline of a --check-only run, kept in memory
         self.inventory: dict[str, Any] = {}
         self._listing: Listing | None = None
@@ -145,6 +145,7 @@ class Decommission(Procedure):
         self._in_place: InPlaceResult | None = None
         self._node_listing: Listing | None = None  # every file, also those proved in place
         self._in_place_uploads: dict[str, S3Upload] = {}
+        self._owner_tag: str | None = None
 
     # ---------------------------------------------------------------- shared state
 
@@ -174,6 +175,7 @@ class Decommission(Procedure):
                 progress=self.progress,
                 progress_interval=2.0,
                 part_size=self.part_size,
+                owner_tag=self.owner_tag(),
             )
         return self._s3
 
@@ -220,59 +222,94 @@ class Decommission(Procedure):
 
     # ---------------------------------------------------------------- whose destinations
 
-    def claim(self) -> None:
-        """Refuse destinations that hold another node's backup; mark new ones as this node's.
-
-        Runs before the first step. The node is named by its machine-id (the agent's hello), the
-        destinations' owner records are read (the backup directory's `.gpuhost/node.json`, the
-        `--backup-to` prefix's `.gpuhost/node.json`). Raises DestinationError, one line for all,
-        naming the node that owns each refused destination. Under --check-only nothing is written.
-        """
+    def identity(self) -> dict[str, str]:
+        """This node's owner record: machine-id, target name, host keys (the agent's hello)."""
         hello = dict(getattr(self.conn.connection(), "hello", None) or {})  # read at connect
-        if "machine_id" not in hello:
+        if "machine_id" not in hello or "host_key" not in hello:
             hello = self.conn.batch([{"op": "hello"}])[0]
             if isinstance(hello, Exception):
                 raise hello
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        me = owner_record(
-            self.target, str(hello.get("hostname") or ""), str(hello.get("machine_id") or ""), stamp
+        return node_identity(
+            self.target,
+            str(hello.get("hostname") or ""),
+            str(hello.get("machine_id") or ""),
+            stamp,
+            host_key=str(hello.get("host_key") or ""),
+            node_name=self.node_name,
         )
-        problems: list[str] = []
+
+    def places(self) -> list[Place]:
+        """Every place this node's run reads or writes (see ownership.run_places)."""
+        in_s3_urls = [
+            (u, c.name) for c in self.manifest.categories for u in dict.fromkeys(u for _, u in c.in_s3)
+        ]
+        backup_to = {self.target: self.s3.url} if self.s3 is not None and self.writes_backup_to() else {}
+        return run_places(
+            [self.target],
+            {self.target: str(self.dest)},
+            backup_to,
+            in_s3_urls,
+            in_s3_writes=bool(in_s3_urls) and self.in_s3_send_to == "location",
+        )
+
+    def writes_backup_to(self) -> bool:
+        """Whether the run writes under --backup-to (a category marked s3, or in_s3 misses there)."""
+        return bool(self.s3_cats() or self.in_s3_to_backup_to())
+
+    def claim(self) -> None:
+        """Prove every destination is this node's, or refuse; mark new ones as this node's.
+
+        Runs before the first step. The places the run reads and writes must not overlap
+        (ownership.overlap_problems). The backup directory is judged by its owner record, and
+        where that is lost, by its own state and timeline (ownership.local_ownership); the
+        `--backup-to` prefix by its owner object, and where there is none, by whether this
+        backup directory's own journal of that destination says it wrote the objects there.
+        Raises DestinationError, one line for all, naming whose each refused destination is.
+        Under --check-only nothing is written.
+        """
+        me = self.identity()
         local = self.dest / META / OWNER_NAME
-        theirs = _read_owner(local)
-        if theirs is not None and not same_owner(theirs, me):
-            problems.append(f"--backup-dir {self.dest} holds the backup of {describe_owner(theirs)}")
         s3_key = None
         client = None
-        if self.s3 is not None and (self.s3_cats() or self.in_s3_to_backup_to()):
+        theirs_s3: Any = None
+        foreign = False
+        above: list[tuple[str, Any]] = []
+        if self.s3 is not None and self.writes_backup_to():
             client = make_client(self.endpoint)
             s3_key = self.s3.key(f"{META}/{OWNER_NAME}")
+            journal = f"s3-{state_tag(str(client.meta.endpoint_url), self.s3.url)}"
             try:
-                body = client.get_object(Bucket=self.s3.bucket, Key=s3_key)["Body"].read()
-                loaded = json.loads(body)
-                theirs_s3: dict[str, Any] | None = (
-                    loaded if isinstance(loaded, dict) else {"target": "unknown (owner record not an object)"}
+                theirs_s3, foreign, above = s3_evidence(
+                    client, self.s3.bucket, self.s3.prefix, self.dest, journal
                 )
             except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
                 code = getattr(exc, "response", {}).get("Error", {}).get("Code")
-                if code not in ("NoSuchKey", "404"):
-                    raise DestinationError(
-                        f"--backup-to {self.s3.url}: owner record not readable: {code or exc}"
-                    ) from None
-                theirs_s3 = None
-            if theirs_s3 is not None and not same_owner(theirs_s3, me):
-                problems.append(f"--backup-to {self.s3.url} holds the backup of {describe_owner(theirs_s3)}")
-            elif theirs_s3 is not None:
-                s3_key = None  # already ours
+                raise DestinationError(
+                    f"--backup-to {self.s3.url}: owner record not readable: {code or exc}"
+                ) from None
+        problems, verdict = claim_problems(
+            me,
+            self.places(),
+            self.dest,
+            s3_url=self.s3.url if client is not None and self.s3 is not None else None,
+            s3_record=theirs_s3,
+            s3_key=s3_key or "",
+            s3_foreign=foreign,
+            s3_above=above,
+            meta=META,
+        )
+        if verdict is not None and verdict.status == MINE:
+            s3_key = None  # already ours
         if problems:
             raise DestinationError(
                 "; ".join(problems)
-                + f"; this node is {describe_owner(dict(me, claimed=''))}: give it a place of its own "
+                + f"; this node is {describe(dict(me, claimed=''))}: give it a place of its own "
                 "(a template with {host}, or a new --backup-dir/--backup-to)"
             )
         if self.check_only:
             return
-        self._stake = (me, local if theirs is None else None, client, s3_key)
+        self._stake = (me, None if local.exists() else local, client, s3_key)
 
     def stake(self) -> None:
         """Write the owner records `claim` found missing: once step 1's preflight passed, not before.
@@ -404,7 +441,9 @@ class Decommission(Procedure):
         file under it is an item with the one-line reason, and goes to the local backup.
         """
         client = make_client(self.endpoint)
-        checker = InPlace(self.conn.connection(), self.manifest, lambda loc: client)
+        checker = InPlace(
+            self.conn.connection(), self.manifest, lambda loc: client, min_proof=self.in_s3_min_proof
+        )
         try:
             res = checker.check(listing, self._in_place)
         except Exception as exc:  # noqa: BLE001 - one line, never a traceback wall
@@ -489,5 +528,12 @@ class Decommission(Procedure):
                 progress=self.progress,
                 progress_interval=2.0,
                 part_size=self.part_size,
+                owner_tag=self.owner_tag(),
             )
         return self._in_place_uploads[url]
+
+    def owner_tag(self) -> str:
+        """This node's tag in the metadata of every object its runs write (ownership.object_owner_tag)."""
+        if self._owner_tag is None:
+            self._owner_tag = object_owner_tag(self.identity())
+        return self._owner_tag

@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 
 from pytest_gpuhost.exec.s3io import s3_problem
 from pytest_gpuhost.modules import credentials
+from pytest_gpuhost.modules.backup.inplace import STRENGTH
 from pytest_gpuhost.modules.backup.local import Listing
+from pytest_gpuhost.modules.backup.roots import root_problems, root_rows
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run import evidence
@@ -183,6 +185,7 @@ def notes_body(run: Decommission, problems: Sequence[str] = ()) -> str:
         lines += [f"- `{md(p)}`: {md(why)}" for p, why in missing[:200]]
         if len(missing) > 200:
             lines.append(f"- ... and {len(missing) - 200} more (see the safe-to-terminate step)")
+    lines += root_notes(run, run._node_listing or listing, missing)
     lines += in_place_notes(run)
     lines += credentials_notes(run)
     sums = run.dest / "SHA256SUMS"
@@ -244,18 +247,52 @@ def credentials_notes(run: Decommission) -> list[str]:
     return out
 
 
+def root_notes(run: Decommission, listing: Listing, missing: Sequence[tuple[str, str]]) -> list[str]:
+    """NOTES.md's table of every root: what it is, files found, verified where, left out by what."""
+    if not listing.roots:
+        return []
+    bad = {p for p, _ in missing}
+    items = run.backup.state.items
+    local_ok = [f.key for f in listing.files if f.key in items and f.display not in bad]
+    verified: dict[str, list[str]] = {"local backup": local_ok}
+    if run._in_place is not None and run._in_place.proofs:
+        verified["in place in S3"] = list(run._in_place.proved)
+    rows = root_rows(run.manifest, listing, verified, listing.skipped)
+    out = ["", "## Every root", "", "| category | root | what it is | files found | verified | left out |"]
+    out.append("|---|---|---|---|---|---|")
+    for r in rows:
+        where = ", ".join(f"{n} in {md(k)}" for k, n in r["verified"].items() if n) or "none"
+        left = ", ".join(f"{n} by {md(why)}" for why, n in sorted(r["left_out"].items()))
+        if r["not_listed"]:
+            left = (left + ", " if left else "") + f"{r['not_listed']} not listed (see below)"
+        out.append(
+            f"| {cell(r['category'])} | {cell(r['root'])} | {cell(r['kind'])} | {r['found']} | {cell(where)} "
+            f"| {cell(left or 'none')} |"
+        )
+    problems = root_problems(run.manifest, listing)
+    if problems:
+        out += ["", f"### Roots to answer ({len(problems)})", ""]
+        out += [f"- {md(p)}" for p in problems]
+    return out
+
+
 def in_place_notes(run: Decommission) -> list[str]:
     """NOTES.md lines on the files under in_s3 roots: how each was proved, or why it was not."""
     r = run._in_place
     if r is None or not r.proofs:
         return []
     out = ["", f"## Verified where it already was in S3 ({len(r.proved)} of {len(r.proofs)})", ""]
-    by_how: dict[str, int] = {}
+    by_how: dict[tuple[int, str, str], int] = {}
     for p in r.proofs:
         if p.ok:
             how = p.how.removesuffix(" matches the node's file")
-            by_how[how] = by_how.get(how, 0) + 1
-    out += [f"- {n} files by {md(how)}" for how, n in sorted(by_how.items())]
+            k = (-STRENGTH.get(p.strength, 0), p.strength or "?", how)
+            by_how[k] = by_how.get(k, 0) + 1
+    out.append(
+        f"- proofs by strength (sha256 > sha1 > md5 > crc64 > crc32); the least this run accepts: "
+        f"{md(run.in_s3_min_proof)} (--in-s3-min-proof)"
+    )
+    out += [f"- {n} files by {md(how)} (strength {md(st)})" for (_, st, how), n in sorted(by_how.items())]
     proved_bytes = sum(p.file.size for p in r.proofs if p.ok)
     out.append(f"- {proved_bytes} bytes proved from the node's own reads of them, none copied off the node")
     bad = [p for p in r.proofs if not p.ok]
@@ -265,7 +302,7 @@ def in_place_notes(run: Decommission) -> list[str]:
         out += [f"- `{md(p.file.display)}` ({md(p.url)}): {md(p.how)}{md(elsewhere)}" for p in bad[:200]]
     shown = [p for p in r.proofs if p.ok][:200]
     out += ["", "### How each file was proved", ""]
-    out += [f"- `{md(p.file.display)}`: {md(p.how)}" for p in shown]
+    out += [f"- `{md(p.file.display)}`: {md(p.strength or '?')}: {md(p.how)}" for p in shown]
     if len(r.proved) > len(shown):
         out.append(f"- ... and {len(r.proved) - len(shown)} more (see the evidence of step 5)")
     return out
@@ -448,6 +485,7 @@ def step_safe_to_terminate(run: Decommission) -> Step:
         )
         if unread and run.credentials_left == "unsafe":
             problems.append(f"credentials on the node could not be read: {md(unread)}")
+        problems += root_problems(run.manifest, full)
         if problems:
             run._listing = listing  # what the local backup is to hold, as step 4 sets it
             failed = notes_after_failure(run, problems)

@@ -104,6 +104,17 @@ def _credentials_left(raw: Any) -> str:
     return value
 
 
+#: The proofs in place, strongest first (`--in-s3-min-proof`; modules/backup/inplace.py STRENGTH).
+MIN_PROOFS = ("sha256", "sha1", "md5", "crc64", "crc32")
+
+
+def _min_proof(raw: Any) -> str:
+    value = str(raw).strip().lower()
+    if value not in MIN_PROOFS:
+        raise BadValue(f"expected one of {', '.join(MIN_PROOFS)}")
+    return value
+
+
 def _opt(name: str, flag: str | None, help: str, **kw: Any) -> Option:
     return Option(f"decommission_{name}", flag, help, **kw)
 
@@ -161,8 +172,24 @@ FIX = _opt(
     kind="list",
 )
 
+IN_S3_MIN_PROOF = _opt(
+    "in_s3_min_proof",
+    "--in-s3-min-proof",
+    "the weakest proof that counts for a file already in S3: sha256, sha1, md5 (an ETag), crc64 or "
+    "crc32; a weaker one is 'cannot be verified' (default {default}: a 32-bit CRC alone is not enough)",
+    parse=_min_proof,
+    default="crc64",
+)
 #: Every option with a flag (and its ini twin).
-OPTIONS: tuple[Option, ...] = (MANIFEST, BACKUP_DIR, BACKUP_TO, S3_ENDPOINT, IN_S3_SEND_TO, CREDENTIALS)
+OPTIONS: tuple[Option, ...] = (
+    MANIFEST,
+    BACKUP_DIR,
+    BACKUP_TO,
+    S3_ENDPOINT,
+    IN_S3_SEND_TO,
+    IN_S3_MIN_PROOF,
+    CREDENTIALS,
+)
 
 STALL_TIMEOUT = _opt(
     "stall_timeout",

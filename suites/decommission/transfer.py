@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_gpuhost.exec.s3io import s3_problem
+from pytest_gpuhost.exec.s3io import make_client, parse_s3_url, s3_problem
 from pytest_gpuhost.modules.backup.local import BackupPlan, Listing, RemoteFile
 from pytest_gpuhost.modules.backup.s3 import item_for
 from pytest_gpuhost.run.procedure import ProcedureError, Step
@@ -231,7 +231,16 @@ def step_data_in_s3(run: Decommission) -> Step:
             state = dict(run.in_place_summary(), sent_to="--backup-to")
             return True, f"{n - len(bad)} files proved in place, {len(bad)} go under --backup-to", state
         to_send, unverified = in_s3.sends(run._in_place, run.backup)
-        box.update(sends=to_send, send_unverified=unverified)
+        client = make_client(run.endpoint) if to_send else None
+        refused: list[str] = []
+        for url in list(to_send):
+            mine, theirs = in_s3.not_ours(client, parse_s3_url(url).bucket, to_send[url], run.owner_tag())
+            refused += theirs
+            if mine:
+                to_send[url] = mine
+            else:
+                del to_send[url]
+        box.update(sends=to_send, send_unverified=unverified, not_ours=refused)
         bad = in_s3.not_proved(run._in_place)
         cannot = [p for p in bad if not p.send]
         n_send = sum(len(v) for v in to_send.values())
@@ -243,6 +252,11 @@ def step_data_in_s3(run: Decommission) -> Step:
                 state,
             )
         summary = f"{n_send + len(unverified)} files to send back to where they belong in S3"
+        if refused:
+            summary += (
+                f"; {len(refused)} not overwritten: the object there is not this node's (the pipeline's or "
+                f"another node's), e.g. {refused[0]}; --in-s3-send-to=backup-to sends them under --backup-to"
+            )
         if cannot:
             head = "; ".join(f"{p.file.display} ({p.how})" for p in cannot[:3])
             summary += f"; {len(cannot)} cannot be verified there: {head}"

@@ -58,7 +58,31 @@ def op_hello(params):
         "unavailable": dict(UNAVAILABLE),
         "state_dir": state_path(),
         "machine_id": _machine_id(),
+        "host_key": _host_key(),
     }
+
+
+def _host_key():
+    """SHA-256 (hex, 32 digits) of the node's SSH host public keys, "" when it has none.
+
+    A second name of the machine beside machine-id: two machines cloned from one image share
+    /etc/machine-id, and differ here once their host keys were made anew on first boot.
+    """
+    import glob
+    import hashlib
+
+    h = hashlib.sha256()
+    found = False
+    for path in sorted(glob.glob("/etc/ssh/ssh_host_*_key.pub")):
+        try:
+            with open(path, "rb") as f:
+                fields = f.read(16384).split()
+        except OSError:
+            continue
+        if len(fields) >= 2:  # "TYPE BASE64 [comment]": the comment is not the key
+            h.update(fields[0] + b" " + fields[1] + b"\n")
+            found = True
+    return h.hexdigest()[:32] if found else ""
 
 
 def _machine_id():

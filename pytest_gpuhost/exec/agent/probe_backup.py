@@ -19,8 +19,14 @@ Bulk wire format (all integers big-endian):
   node -> controller: MAGIC, then per file: u32 index, frames, u32 0, trailer; finally
   u32 END and u32 count of files sent.  A frame is (u32 len, len bytes) for data, or
   (u32 HOLE, u64 len) for a hole (that many zero bytes, not sent).  Trailer: TRAILER =
-  (i32 code, u64 apparent size, i64 mtime_ns, u32 mode, u8 changed, 32 bytes sha256); code 0
-  is success, > 0 an errno, NOT_REGULAR a path that is no longer a regular file.
+  (i32 code, u64 apparent size, i64 mtime seconds, u32 mtime nanoseconds, u32 mode, u8 changed,
+  32 bytes sha256); code 0 is success, > 0 an errno, NOT_REGULAR a path that is no longer a
+  regular file.  The mtime travels as seconds and nanoseconds (`pack_trailer`/`unpack_trailer`),
+  not as one i64 of nanoseconds: that covers only 1677-2262, and ext4, XFS (bigtime) and btrfs
+  hold mtimes far outside it (a clock or a tool gone wrong); one such file made the sender's
+  struct.pack raise, its thread die and the whole category stall on every run.  A file the
+  sender cannot describe for any other reason gets an error trailer (BAD_META) of its own: no
+  file stops the others.
 """
 
 import base64
@@ -35,20 +41,33 @@ import time
 
 from pytest_gpuhost.exec.agent.core import op
 
-MAGIC = b"GHB2"
+MAGIC = b"GHB3"
 CHUNK = 1 << 20
-TRAILER = struct.Struct(">iQqIB32s")
+TRAILER = struct.Struct(">iQqIIB32s")
 U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
 END = 0xFFFFFFFF
 HOLE = 0x80000000  # a frame length with this bit is a hole; data frames are at most CHUNK
 NOT_REGULAR = -1  # trailer code: the path is no longer a regular file (changed type)
 CHANGED = -2  # backup_digests: size, mtime or ctime moved while the file was read
+BAD_META = -3  # trailer code: the file's size, mtime or mode cannot be carried by the wire format
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 # O_NONBLOCK: a FIFO or device that replaced a file never blocks the open or a read
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 ZERO = memoryview(bytes(CHUNK))  # slices of a memoryview are not copies
+
+
+def pack_trailer(code, size, mtime_ns, mode, changed, sha):
+    """Return the trailer bytes of one file; the mtime as (seconds, nanoseconds), any i64 seconds."""
+    sec, nsec = divmod(mtime_ns, 1000000000)
+    return TRAILER.pack(code, size, sec, nsec, mode, changed, sha)
+
+
+def unpack_trailer(data):
+    """Return (code, size, mtime_ns, mode, changed, sha256) of a trailer's bytes."""
+    code, size, sec, nsec, mode, changed, sha = TRAILER.unpack(data)
+    return code, size, sec * 1000000000 + nsec, mode, changed, sha
 
 
 def unname(item):
@@ -262,7 +281,7 @@ def reader_thread(files, queue_put):
         try:
             fd, st = opener.open(path, anchor_len)
         except OSError as exc:
-            buf += u32(0) + TRAILER.pack(exc.errno or errno.EIO, 0, 0, 0, 0, zero)
+            buf += u32(0) + pack_trailer(exc.errno or errno.EIO, 0, 0, 0, 0, zero)
             continue
         err = 0
         size, digest = 0, zero
@@ -279,9 +298,12 @@ def reader_thread(files, queue_put):
             or after.st_ctime_ns != st.st_ctime_ns
         )
         buf += u32(0)
-        buf += TRAILER.pack(
-            err, size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), changed, digest if not err else zero
-        )
+        try:
+            buf += pack_trailer(
+                err, size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), changed, digest if not err else zero
+            )
+        except (struct.error, OverflowError, ValueError):  # beyond even i64 seconds: name it, go on
+            buf += pack_trailer(BAD_META, 0, 0, 0, 0, zero)
         if len(buf) >= CHUNK:
             queue_put(bytes(buf))
             del buf[:]

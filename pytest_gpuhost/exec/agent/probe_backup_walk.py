@@ -11,6 +11,14 @@ x other), "s" size, "m" mtime_ns, "o" mode bits, "b" bytes allocated, "a" the le
 anchor (the root the operator named, or the parent of a root that is a file), "l"/"lb" a link's
 target.  The reading side (probe_backup.py) opens each file below its anchor the same way.
 
+Each category also reports its roots ("roots": one record per root named): what the root is
+("dir", "file", "link" with "to" its target, "missing", "error"), "n" the entries it gave, "k"
+those max_size or their type left out (listed), "x" the files and "xd" the directories the
+include/exclude globs left out (counted), so that a root that is a link, is gone or yields nothing is never
+a silent pass.  A root that is a symbolic link is listed as the link itself unless the category
+says `follow_root_links`: then it is resolved once (os.path.realpath) and its target is walked
+as the root ("real" the resolved path); below the root nothing is followed either way.
+
 Globs (include, exclude) are matched segment by segment over a set of states, compiled once per
 category: linear in the number of path segments whatever the number of `**`.
 """
@@ -154,31 +162,68 @@ class _Walk:
         self.inc = [glob_compile(p) for p in cat.get("include") or ["**"]]
         self.exc = [glob_compile(p) for p in cat.get("exclude") or []]
         self.max_size = cat.get("max_size")
+        self.follow = bool(cat.get("follow_root_links"))
         self.entries = []
         self.skipped = []
         self.errors = []
+        self.roots = []
+        self.excluded = 0  # files and links the include/exclude globs left out (counted, not listed)
+        self.pruned = 0  # directories an exclude glob left out whole (not entered)
 
     def root(self, root):
         rootb = os.fsencode(os.path.normpath(root))
+        info = _name(rootb)
+        counts = (len(self.entries), len(self.skipped), len(self.errors), self.excluded, self.pruned)
+        self.roots.append(info)
+        try:
+            info["kind"] = self._root(rootb, info)
+        finally:
+            info["n"] = len(self.entries) - counts[0]
+            info["k"] = len(self.skipped) - counts[1]
+            info["e"] = len(self.errors) - counts[2]
+            info["x"] = self.excluded - counts[3]
+            info["xd"] = self.pruned - counts[4]
+
+    def _root(self, rootb, info):
         try:
             rst = os.lstat(rootb)
         except OSError as exc:
             self.errors.append(_error(rootb, exc, "cannot list"))
-            return
-        if not stat.S_ISDIR(rst.st_mode):  # a single file (or link) named as a root
+            return "missing" if exc.errno == errno.ENOENT else "error"
+        kind = "dir" if stat.S_ISDIR(rst.st_mode) else "file"
+        if stat.S_ISLNK(rst.st_mode):
+            try:
+                target = os.readlink(rootb)
+            except OSError:
+                target = b"?"
+            info["to"] = _name(target).get("p", repr(target))
+            if not self.follow:
+                kind = "link"
+            else:
+                real = os.path.realpath(rootb)
+                info["real"] = _name(real).get("p", repr(real))
+                try:
+                    rst = os.lstat(real)
+                except OSError as exc:
+                    self.errors.append(_error(rootb, exc, "the link's target cannot be listed"))
+                    return "missing"
+                rootb = real
+                kind = "dir" if stat.S_ISDIR(rst.st_mode) else "file"
+        if kind != "dir":  # a single file (or link) named as a root
             name = os.fsdecode(os.path.basename(rootb))
             states = (
                 glob_step(self.inc, glob_start(self.inc), name),
                 glob_step(self.exc, glob_start(self.exc), name),
             )
             self.item(rootb, os.path.dirname(rootb), rst, None, None, states)
-            return
+            return kind
         try:
             fd = os.open(rootb, _DIR)
         except OSError as exc:
             self.errors.append(_error(rootb, exc, "cannot open the directory"))
-            return
+            return "error"
         self.tree(fd, rootb)
+        return kind
 
     def tree(self, fd, rootb):
         # frames: (fd, path, include states, exclude states, subdirectories still to enter)
@@ -234,6 +279,7 @@ class _Walk:
             if stat.S_ISDIR(st.st_mode):
                 # prune an excluded directory ("cache" or "cache/**"): it is never entered
                 if glob_accepts(self.exc, s_exc) or glob_accepts(self.exc, glob_step(self.exc, s_exc, "")):
+                    self.pruned += 1
                     continue
                 subdirs.append((name, st, s_inc, s_exc))
             else:
@@ -242,6 +288,7 @@ class _Walk:
 
     def item(self, path, anchor, st, dfd, name, states):
         if glob_accepts(self.exc, states[1]) or not glob_accepts(self.inc, states[0]):
+            self.excluded += 1
             return
         if stat.S_ISLNK(st.st_mode):
             entry = _entry(path, st, "l", anchor)
@@ -271,5 +318,10 @@ def backup_walk(params):
         walk = _Walk(cat)
         for root in cat["roots"]:
             walk.root(root)
-        result[cat["name"]] = {"entries": walk.entries, "skipped": walk.skipped, "errors": walk.errors}
+        result[cat["name"]] = {
+            "entries": walk.entries,
+            "skipped": walk.skipped,
+            "errors": walk.errors,
+            "roots": walk.roots,
+        }
     return {"categories": result, "duration": time.time() - started}

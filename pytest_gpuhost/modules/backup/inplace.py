@@ -8,11 +8,18 @@ by the strongest thing the object carries, computed on the node in one read of t
 1. a full-object checksum: SHA-256, then SHA-1 (`HeadObject` with `ChecksumMode=ENABLED`);
 2. the ETag of a single-part upload, which is the MD5 of the body unless the object is
    encrypted with SSE-KMS or SSE-C (S3 API reference, "Common Response Headers": ETag);
-3. a multipart ETag `MD5(part MD5s)-N`, recomputed with the object's own part sizes
-   (`HeadObject` with `PartNumber`; parts other than the last are one size for every tool we
-   know, and the exact sizes are asked for when that guess does not fit);
+3. a multipart ETag `MD5(part MD5s)-N`, recomputed with the object's own part sizes, asked
+   from S3, never guessed: `GetObjectAttributes` ObjectParts where it lists every part's size
+   (real S3 does for uploads with checksums), else `HeadObject` with `PartNumber=i` for each
+   part (its ContentLength is that part's size). Tools do upload parts of unequal sizes; a
+   guess from the first part called such an object "different bytes" and sent it again;
 4. a full-object CRC64NVME, CRC32C or CRC32 checksum (the AWS SDKs' default since 2025 is a
    CRC), only where nothing above is there: a CRC finds corruption, not a forgery.
+
+Each proof is named by its strength (`STRENGTH`: sha256 > sha1 > md5 > crc64 > crc32), shown
+per object in NOTES.md, and a proof weaker than the run's minimum (`min_proof`, the suite's
+`--in-s3-min-proof`, default crc64: a 32-bit CRC matches one unrelated object in 2^32, which a
+fleet's millions of files make a real chance) is "cannot be verified", never a pass.
 
 An object with none of these (an SSE-KMS or SSE-C object without a checksum, or a composite
 checksum of a multipart upload with a non-MD5 ETag) is "cannot be verified", with what would
@@ -36,7 +43,17 @@ from pytest_gpuhost.exec.s3io import S3Location, parse_s3_url
 from pytest_gpuhost.modules.backup.listing import Listing, RemoteFile, reason
 from pytest_gpuhost.modules.backup.manifest import Manifest
 
-__all__ = ["InPlace", "InPlaceResult", "ObjectFacts", "Proof", "choose", "multipart_etag", "object_key"]
+__all__ = [
+    "MIN_PROOFS",
+    "STRENGTH",
+    "InPlace",
+    "InPlaceResult",
+    "ObjectFacts",
+    "Proof",
+    "choose",
+    "multipart_etag",
+    "object_key",
+]
 
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
 _MULTIPART = re.compile(r"^([0-9a-f]{32})-(\d+)$")
@@ -50,6 +67,20 @@ _CRCS = (
     ("ChecksumCRC32C", "crc32c", "CRC32C checksum"),
     ("ChecksumCRC32", "crc32", "CRC32 checksum"),
 )
+#: The strength of each kind of proof (the name NOTES.md shows), strongest first; the value
+#: orders them. sha256 and sha1 are cryptographic; md5 (an ETag, single or multipart) is a
+#: 128-bit digest no accident matches; crc64 and crc32 find corruption, not a replacement.
+STRENGTH = {"sha256": 5, "sha1": 4, "md5": 3, "crc64": 2, "crc32": 1}
+#: The values of --in-s3-min-proof, strongest first.
+MIN_PROOFS = tuple(STRENGTH)
+_LEVEL = {
+    "sha256": "sha256",
+    "sha1": "sha1",
+    "md5": "md5",
+    "crc64nvme": "crc64",
+    "crc32c": "crc32",
+    "crc32": "crc32",
+}
 
 
 def object_key(f: RemoteFile, location: S3Location) -> str | None:
@@ -86,6 +117,7 @@ class Need:
     how: str
     parts: tuple[int, ...] = ()
     expect: str = ""  # hex digest (or multipart ETag) the node's bytes must give
+    strength: str = ""  # a key of STRENGTH
 
 
 def multipart_etag(part_md5s: Iterable[str]) -> str:
@@ -101,34 +133,58 @@ def _full(obj: ObjectFacts, value: str) -> bool:
     return "-" not in value and not _MULTIPART.match(obj.etag)
 
 
-def choose(obj: ObjectFacts) -> Need | str:
-    """Return how to prove the object, or why it cannot be verified and what would verify it."""
+def _candidates(obj: ObjectFacts) -> list[Need]:
+    """Every way the object can be proved, strongest first."""
+    out: list[Need] = []
     for header, name, how in _CHECKSUMS:
         value = obj.checksums.get(header)
         if value and _full(obj, value):
-            return Need((name,), how, expect=base64.b64decode(value).hex())
+            out.append(Need((name,), how, expect=base64.b64decode(value).hex(), strength=_LEVEL[name]))
     if obj.sse is None and _MD5.match(obj.etag):
-        return Need(("md5",), "MD5 ETag (single-part upload)", expect=obj.etag)
+        out.append(Need(("md5",), "MD5 ETag (single-part upload)", expect=obj.etag, strength="md5"))
     m = _MULTIPART.match(obj.etag)
-    if obj.sse is None and m and obj.part_sizes:
-        n = len(obj.part_sizes)
-        return Need(
-            (),
-            f"multipart ETag ({n} parts of {obj.part_sizes[0]} bytes)",
-            parts=obj.part_sizes,
-            expect=obj.etag,
+    if obj.sse is None and m and obj.part_sizes and len(obj.part_sizes) == int(m.group(2)):
+        sizes = sorted(set(obj.part_sizes[:-1] or obj.part_sizes))
+        shape = f"of {sizes[0]} bytes" if len(sizes) <= 1 else f"of {sizes[0]}..{sizes[-1]} bytes"
+        out.append(
+            Need(
+                (),
+                f"multipart ETag ({len(obj.part_sizes)} parts {shape}, sizes from S3)",
+                parts=obj.part_sizes,
+                expect=obj.etag,
+                strength="md5",
+            )
         )
     for header, name, how in _CRCS:
         value = obj.checksums.get(header)
         if value and _full(obj, value):
-            return Need((name,), how, expect=base64.b64decode(value).hex())
+            out.append(Need((name,), how, expect=base64.b64decode(value).hex(), strength=_LEVEL[name]))
+    return out
+
+
+def choose(obj: ObjectFacts, min_proof: str = "crc32") -> Need | str:
+    """Return how to prove the object, or why it cannot be verified and what would verify it.
+
+    The strongest proof the object carries is used; one weaker than min_proof (a key of
+    STRENGTH) proves nothing.
+    """
+    found = _candidates(obj)
+    if found and STRENGTH[found[0].strength] >= STRENGTH[min_proof]:
+        return found[0]
+    if found:
+        return (
+            f"cannot be verified: its strongest proof is a {found[0].how} ({found[0].strength}), weaker than"
+            f" --in-s3-min-proof={min_proof}; a copy in place with --checksum-algorithm SHA256 would"
+            " verify it, or let the backup send it elsewhere"
+        )
+    m = _MULTIPART.match(obj.etag)
     if obj.sse:
         return (
             f"cannot be verified: encrypted with {obj.sse}, so its ETag is not an MD5, and it has no"
             " full-object checksum; a copy in place with one would verify it (aws s3api copy-object"
             " --checksum-algorithm SHA256 onto the same key), or let the backup send it again"
         )
-    if m and not obj.part_sizes:
+    if m:
         return "cannot be verified: a multipart ETag whose part sizes S3 did not give (HeadObject PartNumber)"
     return (
         f"cannot be verified: ETag {obj.etag!r} is not an MD5 and the object has no full-object checksum;"
@@ -148,6 +204,7 @@ class Proof:
     quick: tuple[int, int, int, int] | None = None  # size, mtime, ctime, inode when hashed
     etag: str = ""  # the object's ETag when it was judged
     location: str = ""  # the in_s3 URL of the file's root
+    strength: str = ""  # the proof's strength (a key of STRENGTH) when one was used
 
 
 @dataclass
@@ -184,6 +241,7 @@ class InPlace:
         workers: int | None = None,
         s3_workers: int = 16,
         op_timeout: float = 3600.0,
+        min_proof: str = "crc64",
     ) -> None:
         self.conn = conn
         self.manifest = manifest
@@ -191,16 +249,22 @@ class InPlace:
         self.workers = workers
         self.s3_workers = s3_workers
         self.op_timeout = op_timeout
+        if min_proof not in STRENGTH:
+            raise ValueError(f"min_proof {min_proof!r}: expected one of {', '.join(MIN_PROOFS)}")
+        self.min_proof = min_proof
 
     def files(self, listing: Listing) -> list[tuple[RemoteFile, S3Location]]:
         """Return each regular file under an in_s3 root, with the location of its root."""
         cats = {c.name: c for c in self.manifest.categories if c.in_s3}
+        # a root followed where its link points (follow_root_links) is named by the operator's path
+        named = {(r["category"], r["real"]): r["root"] for r in listing.roots if "real" in r}
         out = []
         for f in listing.files:
             cat = cats.get(f.category)
             if cat is None or f.kind != "f":
                 continue
             root = f.path[: f.anchor_len].decode("utf-8", "surrogateescape")
+            root = named.get((f.category, root), root)
             url = cat.in_s3_url(root) or cat.in_s3_url(f.path.decode("utf-8", "surrogateescape"))
             if url is not None:
                 out.append((f, parse_s3_url(url)))
@@ -257,7 +321,7 @@ class InPlace:
         needs: list[tuple[RemoteFile, str, Need, str]] = []
         for (f, loc, key, _), (head, _) in zip(todo, facts, strict=True):
             url = f"s3://{loc.bucket}/{key}"
-            how = choose(head) if isinstance(head, ObjectFacts) else head
+            how = choose(head, self.min_proof) if isinstance(head, ObjectFacts) else head
             if isinstance(how, str):
                 result.proofs.append(Proof(f, url, False, how))
             else:
@@ -322,21 +386,55 @@ class InPlace:
         m = _MULTIPART.match(etag)
         heads = 1
         if m and sse is None and not any(_full(obj, checks[h]) for h, _, _ in _CHECKSUMS if h in checks):
-            n = int(m.group(2))
-            first = client.head_object(Bucket=loc.bucket, Key=key, PartNumber=1)
-            heads += 1
-            size = int(first["ContentLength"])
-            last = f_size - size * (n - 1)
-            if 0 < last <= size:
-                sizes = (size,) * (n - 1) + (last,)
-            else:  # parts of several sizes: ask for each
-                sizes = tuple(
-                    int(client.head_object(Bucket=loc.bucket, Key=key, PartNumber=i)["ContentLength"])
-                    for i in range(1, n + 1)
-                )
-                heads += n
+            sizes, asked = self._part_sizes(client, loc, key, int(m.group(2)))
+            heads += asked
             obj = ObjectFacts(key, obj.size, etag, checks, obj.checksum_type, sse, sizes)
         return obj, heads
+
+    @staticmethod
+    def _part_sizes(client: Any, loc: S3Location, key: str, n: int) -> tuple[tuple[int, ...], int]:
+        """Each part's size as S3 gives it, and how many requests that took; () where it did not.
+
+        GetObjectAttributes ObjectParts first (one request per 1000 parts; real S3 lists the
+        parts of an upload made with checksums), else HeadObject PartNumber=i for every part.
+        """
+        asked = 0
+        sizes: list[int] = []
+        try:
+            marker: int | None = None
+            while True:
+                kw: dict[str, Any] = {"Bucket": loc.bucket, "Key": key, "ObjectAttributes": ["ObjectParts"]}
+                kw["MaxParts"] = 1000
+                if marker is not None:
+                    kw["PartNumberMarker"] = marker
+                res = client.get_object_attributes(**kw)
+                asked += 1
+                parts = (res.get("ObjectParts") or {}).get("Parts") or []
+                if not parts or any("Size" not in p for p in parts):
+                    sizes = []
+                    break
+                sizes += [int(p["Size"]) for p in parts]
+                op = res.get("ObjectParts") or {}
+                if not op.get("IsTruncated"):
+                    break
+                marker = int(op["NextPartNumberMarker"])
+        except Exception:  # noqa: BLE001 - not every store has it: ask each part instead
+            sizes = []
+        if len(sizes) == n:
+            return tuple(sizes), asked
+
+        def part(i: int) -> int:
+            return int(client.head_object(Bucket=loc.bucket, Key=key, PartNumber=i)["ContentLength"])
+
+        try:
+            if n <= 2:
+                sizes = [part(i) for i in range(1, n + 1)]
+            else:  # the parts' HEADs side by side: a 10,000-part object is not 10,000 round trips in a row
+                with ThreadPoolExecutor(max_workers=min(8, n), thread_name_prefix="s3part") as pool:
+                    sizes = list(pool.map(part, range(1, n + 1)))
+        except Exception:  # noqa: BLE001 - no sizes: "cannot be verified", never a guess
+            return (), asked + n
+        return tuple(sizes), asked + n
 
     # -- the node's bytes against the object
 
@@ -358,4 +456,12 @@ class InPlace:
                 send=True,
                 quick=quick,
             )
-        return Proof(f, url, True, f"{need.how} matches the node's file", quick=quick, etag=etag)
+        return Proof(
+            f,
+            url,
+            True,
+            f"{need.how} matches the node's file",
+            quick=quick,
+            etag=etag,
+            strength=need.strength,
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import errno
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
@@ -40,6 +40,7 @@ def wire_name(raw: bytes) -> dict[str, str]:
 _REASONS = {
     wire.NOT_REGULAR: "changed type since the listing: no longer a regular file",
     wire.CHANGED: "changed while it was read (size, mtime or ctime moved)",
+    wire.BAD_META: "left out: its size, mtime or mode cannot be carried (outside every wire format)",
     errno.ELOOP: "changed type since the listing: now a symlink",
     errno.ENOTDIR: "changed type since the listing: a directory on its path is not one now",
     errno.ENOENT: "vanished since the listing",
@@ -101,6 +102,9 @@ class Listing:
     skipped: list[dict[str, Any]]  # left out by the manifest's rules (max_size, not a file or link)
     errors: list[dict[str, Any]]  # could not be listed: each is an unverified item
     duration: float
+    # one record per (category, root named): kind (dir, file, link, missing, error), n entries,
+    # k left out by the rules, e not listed, to (a link's target), real (a followed link's path)
+    roots: list[dict[str, Any]] = field(default_factory=list)
 
     def totals(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -124,6 +128,7 @@ def listing_from(manifest: Manifest, res: dict[str, Any]) -> Listing:
     files: list[RemoteFile] = []
     skipped: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
+    roots: list[dict[str, Any]] = []
     for cat in manifest.categories:
         part = res["categories"].get(cat.name, {})
         for e in part.get("entries", []):
@@ -154,7 +159,27 @@ def listing_from(manifest: Manifest, res: dict[str, Any]) -> Listing:
                     "why": s.get("why"),
                 }
             )
+        for r in part.get("roots", []):
+            roots.append(
+                {
+                    "category": cat.name,
+                    "root": unname(r).decode("utf-8", "backslashreplace"),
+                    "kind": str(r.get("kind", "?")),
+                    "n": int(r.get("n", 0)),
+                    "k": int(r.get("k", 0)),
+                    "e": int(r.get("e", 0)),
+                    "x": int(r.get("x", 0)),
+                    "xd": int(r.get("xd", 0)),
+                    **{k: str(r[k]) for k in ("to", "real") if k in r},
+                }
+            )
+        # a root the operator marked expected_empty may be absent: that is not an error of the walk
+        absent = {
+            unname(r) for r in part.get("roots", []) if r.get("kind") == "missing" and cat.expected_empty
+        }
         for err in part.get("errors", []):
+            if err.get("errno") == errno.ENOENT and unname(err) in absent:
+                continue
             errors.append(
                 {
                     "category": cat.name,
@@ -169,4 +194,4 @@ def listing_from(manifest: Manifest, res: dict[str, Any]) -> Listing:
         if f.key not in seen:
             seen.add(f.key)
             unique.append(f)
-    return Listing(unique, skipped, errors, float(res.get("duration", 0.0)))
+    return Listing(unique, skipped, errors, float(res.get("duration", 0.0)), roots)

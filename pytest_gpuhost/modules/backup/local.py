@@ -173,7 +173,7 @@ class Backup:
             elif (
                 rec["m"] == f.mtime_ns
                 and lst is not None
-                and lst.st_mtime_ns == f.mtime_ns
+                and lst.st_mtime_ns == rec.get("lm", f.mtime_ns)
                 and same_node(rec, f)
             ):
                 plan.current.append(f)
@@ -247,13 +247,20 @@ class Backup:
             elif h["sha256"] == rec.get("sha256") and h["s"] == f.size:
                 try:
                     local = self._local(f)
-                    os.utime(local, ns=(f.mtime_ns, f.mtime_ns), follow_symlinks=False)
+                    try:
+                        os.utime(local, ns=(f.mtime_ns, f.mtime_ns), follow_symlinks=False)
+                    except (OverflowError, ValueError):
+                        pass  # an mtime beyond this filesystem's range: the record keeps the copy's
                     here = os.lstat(local)  # utime moved the copy's ctime
                 except OSError:
                     changed.append(f)  # the local copy is gone meanwhile: copy it again
                     continue
                 node = {"c": h["c"], "i": h["i"]} if "c" in h and "i" in h else {}
-                self.state.record(f.key, dict(rec, m=f.mtime_ns, **node, **local_identity(here)))
+                new = dict(rec, m=f.mtime_ns, **node, **local_identity(here))
+                new.pop("lm", None)
+                if here.st_mtime_ns != f.mtime_ns:
+                    new["lm"] = here.st_mtime_ns  # clamped by this filesystem
+                self.state.record(f.key, new)
                 with self._failures_lock:
                     self.failures.pop(f.key, None)
                 result.rehashed_same += 1

@@ -28,7 +28,17 @@ META = ".gpuhost"  # the backup directory's own folder: never a category name
 RESERVED = frozenset({META, "NOTES.md", "SHA256SUMS", ".SHA256SUMS.tmp", ".", ".."})
 MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds; anything longer is a typo, not a plan
 _TOP_KEYS = {"name", "description", "version", "stop", "categories", "gpu_idle_mib", "gpu_idle_timeout"}
-_CATEGORY_KEYS = {"roots", "include", "exclude", "max_size", "s3", "in_s3", "description"}
+_CATEGORY_KEYS = {
+    "roots",
+    "include",
+    "exclude",
+    "max_size",
+    "s3",
+    "in_s3",
+    "description",
+    "follow_root_links",
+    "expected_empty",
+}
 _STOP_KEYS = {"units", "match", "gpu_holders", "term_timeout", "kill_timeout"}
 _MATCH_KEYS = {"argv0", "module", "args", "name"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
@@ -60,6 +70,10 @@ class Category:
     # (root, s3://BUCKET/PREFIX): where the node's own pipeline already put a root's files, as
     # `aws s3 sync ROOT s3://BUCKET/PREFIX` lays them out; they are verified there, not copied
     in_s3: tuple[tuple[str, str], ...] = ()
+    # a root that is a symbolic link is walked where it points (else it is a problem of the verdict)
+    follow_root_links: bool = False
+    # a root that yields no file is what the operator expects (else it is a problem of the verdict)
+    expected_empty: bool = False
 
     def in_s3_url(self, root: str) -> str | None:
         """Return the s3:// URL a root's files are already in, or None."""
@@ -73,6 +87,7 @@ class Category:
             "include": list(self.include),
             "exclude": list(self.exclude),
             "max_size": self.max_size,
+            "follow_root_links": self.follow_root_links,
         }
 
 
@@ -218,8 +233,9 @@ def _check_category(c: _Checker, name: Any, spec: Any) -> None:
             size = None
         if size is None or size < 0:
             c.bad(f"{key}.max_size", v, "a size of 0 or more: bytes, or a number with K, M, G, T")
-    if "s3" in spec and not isinstance(spec["s3"], bool):
-        c.bad(f"{key}.s3", spec["s3"], "true or false (unquoted)")
+    for k in ("s3", "follow_root_links", "expected_empty"):
+        if k in spec and not isinstance(spec[k], bool):
+            c.bad(f"{key}.{k}", spec[k], "true or false (unquoted)")
     if "in_s3" in spec:
         _check_in_s3(c, key, spec)
     if "description" in spec:
@@ -330,6 +346,8 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
                 exclude=tuple(spec.get("exclude") or ()),
                 max_size=parse_size(spec.get("max_size")),
                 s3=spec.get("s3", False),
+                follow_root_links=spec.get("follow_root_links", False),
+                expected_empty=spec.get("expected_empty", False),
             )
         )
     return Manifest(

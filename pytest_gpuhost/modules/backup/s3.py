@@ -48,11 +48,18 @@ __all__ = [
     "items_from_backup",
     "key_for",
     "parse_s3_url",
+    "state_tag",
 ]
 
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 PART_SIZE = 32 * 1024 * 1024
 _META = ".gpuhost"
+_MPU = "\x00mpu\x00"  # state key of a multipart upload this backup started (no object key has NUL)
+
+
+def state_tag(endpoint_url: str, url: str) -> str:
+    """The name part of a backup directory's journal of one S3 destination (endpoint and URL)."""
+    return hashlib.sha256(f"{endpoint_url}|{url}".encode()).hexdigest()[:12]
 
 
 def key_for(rel: str) -> str:
@@ -118,8 +125,10 @@ class S3Upload:
         progress: Callable[[Progress], None] | None = None,
         progress_interval: float = 1.0,
         part_size: int | None = None,
+        owner_tag: str = "",
     ) -> None:
         self.dest = Path(dest)
+        self.owner_tag = owner_tag  # written as each object's gpuhost-owner metadata
         self.part_size = part_size or PART_SIZE
         self.multipart_threshold = part_size if part_size else MULTIPART_THRESHOLD
         self.loc = location
@@ -131,8 +140,7 @@ class S3Upload:
         self.progress_interval = progress_interval
         meta = self.dest / _META  # made by the state's first record (StateFile), never here
         # one state per destination: the same directory may go to two buckets
-        tag = hashlib.sha256(f"{self.client.meta.endpoint_url}|{location.url}".encode()).hexdigest()[:12]
-        self.state = StateFile(meta, f"s3-{tag}")
+        self.state = StateFile(meta, f"s3-{state_tag(str(self.client.meta.endpoint_url), location.url)}")
         self._lock = threading.Lock()
         self._fast: SignedPut | None = None  # single-request uploads without botocore's pipeline
 
@@ -179,10 +187,12 @@ class S3Upload:
 
     # -- multipart hygiene
 
-    def open_uploads(self) -> list[tuple[str, str]]:
-        """List (key, upload id) of multipart uploads open under the prefix."""
+    def all_open_uploads(self) -> list[tuple[str, str]]:
+        """List (key, upload id) of every multipart upload open under the prefix (a folder: the
+        prefix `p` lists `p/...`, never `px/...`), whoever started it."""
         out = []
-        kwargs: dict[str, Any] = {"Bucket": self.loc.bucket, "Prefix": self.loc.prefix}
+        prefix = self.loc.prefix + "/" if self.loc.prefix else ""
+        kwargs: dict[str, Any] = {"Bucket": self.loc.bucket, "Prefix": prefix}
         while True:
             res = self.client.list_multipart_uploads(**kwargs)
             out += [(u["Key"], u["UploadId"]) for u in res.get("Uploads", []) or []]
@@ -190,13 +200,39 @@ class S3Upload:
                 return out
             kwargs.update(KeyMarker=res["NextKeyMarker"], UploadIdMarker=res["NextUploadIdMarker"])
 
+    def open_uploads(self) -> list[tuple[str, str]]:
+        """List (key, upload id) of the multipart uploads open under the prefix that THIS backup
+        started (its journal records each upload id before the first part): only those are its
+        own to abort. Another tool's upload in progress (the pipeline's, at an in_s3 location)
+        or another node's is never touched."""
+        mine = {
+            str(v.get("upload_id")): str(v.get("key"))
+            for k, v in self.state.items.items()
+            if k.startswith(_MPU) and isinstance(v, dict)
+        }
+        return [(key, uid) for key, uid in self.all_open_uploads() if mine.get(uid) == key]
+
     def abort_open_uploads(self) -> list[str]:
-        """Abort every multipart upload left open under the prefix by an interrupted run."""
+        """Abort the multipart uploads this backup left open (an interrupted run of its own)."""
         aborted = []
         for key, upload_id in self.open_uploads():
             self.client.abort_multipart_upload(Bucket=self.loc.bucket, Key=key, UploadId=upload_id)
+            self._forget_upload(upload_id)
             aborted.append(key)
+        # an upload of ours that is no longer open (completed or aborted meanwhile) is forgotten
+        still = {uid for _, uid in self.all_open_uploads()}
+        for k in [k for k in self.state.items if k.startswith(_MPU) and k[len(_MPU) :] not in still]:
+            self.state.forget(k)
         return aborted
+
+    def _record_upload(self, key: str, upload_id: str) -> None:
+        with self._lock:
+            self.state.record(_MPU + upload_id, {"key": key, "upload_id": upload_id})
+            self.state.flush()  # before the first part: a cut run's next run must know it is ours
+
+    def _forget_upload(self, upload_id: str) -> None:
+        with self._lock:
+            self.state.forget(_MPU + upload_id)
 
     # -- upload
 
@@ -221,6 +257,8 @@ class S3Upload:
     def _upload_one(self, item: S3Item, tick: Callable[[int], None]) -> dict[str, Any]:
         key = self.key_of(item)
         meta = {"sha256": item.sha256}
+        if self.owner_tag:
+            meta["gpuhost-owner"] = self.owner_tag
         if item.link is not None:
             meta["symlink"] = "1"
             body = item.link
@@ -280,6 +318,7 @@ class S3Upload:
             Bucket=self.loc.bucket, Key=key, Metadata=meta, ChecksumAlgorithm="SHA256"
         )
         upload_id = mpu["UploadId"]
+        self._record_upload(key, upload_id)
         whole = hashlib.sha256()
         part_md5s = []
         parts = []
@@ -316,9 +355,11 @@ class S3Upload:
         except BaseException:
             try:
                 self.client.abort_multipart_upload(Bucket=self.loc.bucket, Key=key, UploadId=upload_id)
+                self._forget_upload(upload_id)
             except Exception:  # noqa: BLE001 - the next run aborts what is left open
                 pass
             raise
+        self._forget_upload(upload_id)
         etag = str(res["ETag"]).strip('"')
         expect = hashlib.md5(b"".join(part_md5s)).hexdigest() + f"-{len(parts)}"  # noqa: S324
         if etag != expect:

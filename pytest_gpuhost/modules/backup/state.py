@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +25,22 @@ class StateFile:
         self.items: dict[str, dict[str, Any]] = {}
         self._fh: IO[str] | None = None
         self._last_flush = 0.0
+        self._append_lock = threading.Lock()  # records come from several upload threads
         self._load()
 
     def _load(self) -> None:
         if self.path.exists():
             self.items = json.loads(self.path.read_text()).get("items", {})
         if self.journal.exists():
-            for line in self.journal.read_text().splitlines():
+            text = self.journal.read_text()
+            if text and not text.endswith("\n"):
+                # a run cut mid-line: drop the torn tail, or the next record appended would be
+                # glued onto it and lost on replay (a delete among them: a forgotten item back)
+                keep = text.rfind("\n") + 1
+                with open(self.journal, "r+") as f:
+                    f.truncate(len(text[:keep].encode()))
+                text = text[:keep]
+            for line in text.splitlines():
                 try:
                     rec = json.loads(line)
                 except ValueError:
@@ -39,6 +49,13 @@ class StateFile:
                     self.items.pop(rec["k"], None)
                 else:
                     self.items[rec["k"]] = rec["v"]
+
+    @staticmethod
+    def peek(directory: Path, name: str) -> dict[str, dict[str, Any]]:
+        """The items of a state without opening it for writing ({} when there is none)."""
+        if not (directory / f"{name}.json").exists() and not (directory / f"{name}.journal.jsonl").exists():
+            return {}
+        return StateFile(directory, name).items
 
     def record(self, key: str, value: dict[str, Any]) -> None:
         self.items[key] = value
@@ -49,20 +66,23 @@ class StateFile:
             self._append({"k": key, "del": True})
 
     def _append(self, rec: dict[str, Any]) -> None:
-        if self._fh is None:
-            # made on the first record, not before: a run that only reads (--check-only, or one
-            # refused by its preflight) leaves no directory behind
-            self.journal.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.journal, "a")  # noqa: SIM115 - closed in compact()
-        self._fh.write(json.dumps(rec) + "\n")
-        now = time.monotonic()
-        if now - self._last_flush > 0.2:
-            self._fh.flush()
-            self._last_flush = now
+        line = json.dumps(rec) + "\n"
+        with self._append_lock:
+            if self._fh is None:
+                # made on the first record, not before: a run that only reads (--check-only, or one
+                # refused by its preflight) leaves no directory behind
+                self.journal.parent.mkdir(parents=True, exist_ok=True)
+                self._fh = open(self.journal, "a")  # noqa: SIM115 - closed in compact()
+            self._fh.write(line)
+            now = time.monotonic()
+            if now - self._last_flush > 0.2:
+                self._fh.flush()
+                self._last_flush = now
 
     def flush(self) -> None:
-        if self._fh is not None:
-            self._fh.flush()
+        with self._append_lock:
+            if self._fh is not None:
+                self._fh.flush()
 
     def compact(self) -> None:
         """Fold the journal into the map file (atomically) and start a new journal."""

@@ -114,7 +114,7 @@ def transfer(
                         pieces.append(reader.u64())
                     else:
                         reader.pipe(n, (pieces.append,))
-                trailer = wire.TRAILER.unpack(reader.exact(wire.TRAILER.size))
+                trailer = wire.unpack_trailer(reader.exact(wire.TRAILER.size))
                 if not inflight.acquire(timeout=stall_timeout):
                     raise BackupError(f"local writes stalled for {stall_timeout:.0f} s")
                 pool.submit(small_job, f, index, pieces, trailer)
@@ -191,7 +191,7 @@ def _receive_big(reader: StreamReader, writer: LocalWriter, f: RemoteFile, tmp: 
                 sink.hole(reader.u64())
             else:
                 reader.pipe(n, (sink.data,))
-        trailer = wire.TRAILER.unpack(reader.exact(wire.TRAILER.size))
+        trailer = wire.unpack_trailer(reader.exact(wire.TRAILER.size))
     except BaseException:
         if fd is not None:
             os.close(fd)

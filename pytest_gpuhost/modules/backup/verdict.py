@@ -82,7 +82,11 @@ def unverified(
         if rec.get("s") != f.size or rec.get("m") != f.mtime_ns or not same_node(rec, f):
             why = failures.get(f.key) or "changed on the node since it was copied"
             missing.append(Item(f.display, why))
-        elif not stat.S_ISREG(lst.st_mode) or lst.st_size != f.size or lst.st_mtime_ns != f.mtime_ns:
+        elif (
+            not stat.S_ISREG(lst.st_mode)
+            or lst.st_size != f.size
+            or lst.st_mtime_ns != rec.get("lm", f.mtime_ns)
+        ):
             missing.append(Item(f.display, "local copy altered"))
         elif (rehash_local or not same_local(rec, lst)) and sha256_file(path) != rec.get("sha256"):
             # an edit of the copy with size and mtime put back moves its ctime: the bytes decide

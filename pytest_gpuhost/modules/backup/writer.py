@@ -6,6 +6,7 @@ directory in the way, a full disk): the caller records it and goes on with the n
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -149,8 +150,17 @@ class LocalWriter:
                 os.fchmod(fd, mode & 0o777 | 0o200)
                 # the mtime seen when the node opened the file: if it was being written meanwhile,
                 # the next run sees a different mtime and hashes it again
-                os.utime(fd, ns=(mtime_ns, mtime_ns))
-                allocated = os.fstat(fd).st_blocks * 512
+                try:
+                    os.utime(fd, ns=(mtime_ns, mtime_ns))
+                except (OverflowError, ValueError, OSError) as exc:
+                    # an mtime this filesystem cannot hold (beyond its range): the bytes are
+                    # verified and kept; the copy's mtime is the arrival time, and the record
+                    # keeps the node's, so the next run compares like with like
+                    if isinstance(exc, OSError) and exc.errno not in (errno.EINVAL, errno.EOVERFLOW):
+                        raise
+                held = os.fstat(fd)
+                local_mtime = held.st_mtime_ns  # the kernel clamps an mtime to the filesystem's range
+                allocated = held.st_blocks * 512
             finally:
                 os.close(fd)
             final = self.local(f)
@@ -172,6 +182,8 @@ class LocalWriter:
             "sha256": node_sha.hex(),
             **local_identity(here),
         }
+        if local_mtime != mtime_ns:
+            rec["lm"] = local_mtime  # the copy's own mtime, where this filesystem cannot hold the node's
         if f.identity is not None and not changed:
             rec["c"], rec["i"] = f.identity  # as listed; a change after it moves ctime: hashed again
         with self.lock:
