@@ -18,6 +18,7 @@ from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
 from . import actions
+from .diagnosis import diagnosis_actions
 from .procedure import P2PProcedure
 from .service_env import adopt_env_journal
 
@@ -46,6 +47,8 @@ def planned_actions(run: P2PProcedure) -> list[Action]:
     acts += actions.bind_actions(run, all_functions=True)
     acts += actions.persist_actions(run)
     acts.append(actions.start_action(run))
+    if run.diagnosis is not None:
+        acts += diagnosis_actions(run, run.diagnosis)
     return acts
 
 
@@ -64,6 +67,8 @@ def step_plan(run: P2PProcedure) -> Step:
         p2p_note = ""
         if run.before_ok is not None:
             p2p_note = "; P2P " + ("above" if run.before_ok else "below") + " threshold"
+        if run.diagnosis is not None:
+            p2p_note += "; " + run.diagnosis.summary()
         if not plan.needs_repair:
             return Check(
                 True, "nothing to repair: every in-scope group is identity" + p2p_note, plan.to_dict()

@@ -18,11 +18,11 @@ driver, whatever happened in between.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpuhost.errors import Unreachable
-from pytest_gpuhost.modules import acs, gpu, iommu, p2p, pci, service_env
+from pytest_gpuhost.modules import acs, gpu, iommu, p2p, p2p_causes, pci, service_env
 from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
@@ -34,7 +34,8 @@ from .plan import P2PPlan, make_plan, redirect_advice
 __all__ = ["HOST_FACTS", "P2POptions", "P2PProcedure"]
 
 # pci_paths: the ports above each GPU with their ACS bits (why a group is shared; ACS redirect)
-HOST_FACTS = ("gpus", "gpu_holders", "persistence", "host_info", "nvidia_smi_gpus", "pci_paths")
+# p2p_causes: BAR1, NUMA, links, ports' power management and AER, nvidia_uvm's HMM (the diagnosis)
+HOST_FACTS = ("gpus", "gpu_holders", "persistence", "host_info", "nvidia_smi_gpus", "pci_paths", "p2p_causes")
 QUICK = 10.0  # seconds to wait for a reply to a small metadata op (readlink, journal, lock)
 
 
@@ -62,6 +63,8 @@ class P2POptions:
     nccl_timeout: float = 120.0
     # the service's own NCCL_P2P_DISABLE / NCCL_P2P_LEVEL: reported; unset only when asked
     unset_service_env: bool = False
+    # the operator's expectation per pair placement (modules/p2p_causes.py EXPECTATIONS), as fractions
+    expect: dict[str, float] = field(default_factory=dict)
 
 
 def _texts(reply: Any) -> dict[str, str | None]:
@@ -102,6 +105,10 @@ class P2PProcedure(Procedure):
         self.module_files: dict[str, str | None] = {}  # nvidia_drm/nvidia_uvm files (kernel-side holders)
         self.service_env: service_env.ServiceEnv | None = None  # what the service set, read in step 1
         self.unset_names: list[str] = []  # what this run's drop-in unsets (suites/p2p/service_env.py)
+        self.diag_raw: dict[
+            str, str
+        ] = {}  # the diagnosis's command outputs from step 1 (suites/p2p/diagnosis.py)
+        self.diagnosis: p2p_causes.Diagnosis | None = None
 
     # ------------------------------------------------------------------ facts and plan
 
@@ -118,6 +125,7 @@ class P2PProcedure(Procedure):
                 {"op": "read_files", "paths": [iommu.SNP_PARAM, *gpu.MODULE_FILES], "timeout": 5},
                 {"op": "run", "argv": ["dmesg"], "timeout": 20, "max_output": 4 << 20},
                 {"op": "glob", "pattern": "/sys/class/iommu/*", "timeout": 5},
+                *[dict(r) for r in p2p_causes.READS],
             ]
         replies = self.conn.batch(requests)
         if isinstance(replies[0], Exception):
@@ -128,6 +136,7 @@ class P2PProcedure(Procedure):
         self.boot_record = persist.recorded_functions(script.get("data", "")) if "data" in script else {}
         if kernel_side:
             self._kernel_facts(*replies[3:6])
+            self.diag_raw = p2p_causes.outputs(replies[6:])
         return self.facts
 
     def _kernel_facts(self, files: Any, dmesg: Any, classes: Any) -> None:
@@ -243,6 +252,8 @@ class P2PProcedure(Procedure):
                 )
         if plan.redirects:
             ev.note("ACS redirect: " + redirect_advice(plan.redirects))
+        if plan.gpus:
+            self.diagnose()
         try:
             self.service_state = self.service.state()
         except (ServiceError, ProcedureError) as exc:
@@ -261,6 +272,14 @@ class P2PProcedure(Procedure):
             self.before_ok = all(v.ok for v in self.judge(self.before))
             self.record_matrix("P2P bandwidth before", self.before)
         return plan
+
+    def diagnose(self) -> p2p_causes.Diagnosis:
+        """Every cause of slow or broken P2P, judged from step 1's facts, into the evidence (a table)."""
+        from .diagnosis import make_diagnosis, record_diagnosis
+
+        d = make_diagnosis(self)
+        record_diagnosis(self, d)
+        return d
 
     def read_service_env(self) -> service_env.ServiceEnv | None:
         """What the service and its processes set that keeps NCCL off P2P (None: its side did not answer)."""
@@ -298,6 +317,9 @@ class P2PProcedure(Procedure):
             fraction=self.opts.fraction,
             topo=self.topo,
             model=self.plan.model,
+            placed={frozenset((e.a, e.b)): e.gbps for e in self.diagnosis.pairs if e.gbps}
+            if self.diagnosis
+            else None,
         )
 
     def record_matrix(self, name: str, matrix: p2p.P2PMatrix) -> None:
