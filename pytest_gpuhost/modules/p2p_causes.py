@@ -177,10 +177,10 @@ class Diagnosis:
         )
 
     def summary(self) -> str:
-        """One line: what was checked and what was found."""
-        names = sorted({c.cause for c in self.found})
-        checked = len({c.cause for c in self.causes})
-        return f"P2P diagnosis: {checked} causes checked; " + (
+        """One line: every cause checked, and those found."""
+        names = list(dict.fromkeys(c.cause for c in self.found))
+        checked = list(dict.fromkeys(c.cause for c in self.causes if c.cause != "scope"))
+        return f"P2P diagnosis: {len(checked)} causes checked ({', '.join(checked)}); " + (
             "found: " + ", ".join(names) if names else "none found"
         )
 
