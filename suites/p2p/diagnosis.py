@@ -4,8 +4,8 @@ The facts come in step 1's one round trip (`p2p_causes.READS`, kept by `p2p_caus
 `p2p_causes` fact (HOST_FACTS), `nvidia-smi topo -p2p r` and `w`, memory per GPU and
 `nvidia-smi -q -d MEMORY` (BAR1 where sysfs does not show it). The judging is
 pytest_gpuhost/modules/p2p_causes.py (pure). What this run fixes itself: `uvm_disable_hmm=1` in
-a modprobe.d file of its own (step 8, journaled, read back, its undo pending until the read-back
-agrees), which applies when nvidia_uvm is next loaded (the next boot: a reload is not done by the
+a modprobe.d file of its own (step 1, once the lock is held: before the collective that HMM would
+hang; journaled, read back, its undo pending until the read-back agrees), which applies when nvidia_uvm is next loaded (the next boot: a reload is not done by the
 run). The kernel command line (`pcie_port_pm=off pcie_aspm=off`) is only ever named, with the
 reboot it needs; BIOS settings (Resizable BAR) are named with the exact setting. VM (vfio-pci) GPUs
 are out of scope and never judged or touched.

@@ -13,7 +13,6 @@ from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
 from . import actions, persist
-from .diagnosis import uvm_actions, uvm_problem, write_uvm_conf
 from .procedure import P2PProcedure
 from .service_env import env_hint, env_left_after_start, env_started
 
@@ -184,9 +183,9 @@ def step_p2p_bandwidth(run: P2PProcedure) -> Step:
 
 
 def step_persisted(run: P2PProcedure) -> Step:
-    """Step 8: a boot-time unit sets exactly the in-scope groups to identity; nvidia_uvm's HMM off where found."""
+    """Step 8: a boot-time unit sets exactly the in-scope groups to identity before the GPUs' users start."""
 
-    def unit_check() -> Check:
+    def check() -> Check:
         assert run.plan is not None
         if not run.plan.groups:
             return Check(True, "no group in scope", skip="no IOMMU group in scope")
@@ -214,35 +213,13 @@ def step_persisted(run: P2PProcedure) -> Step:
             "enabled": enabled,
             "groups": [g.number for g in run.plan.groups],
             "script": want_script,
-            "unit_problems": problems,
         }
         return Check(
             not problems, "; ".join(problems) or f"{persist.UNIT_NAME} enabled for groups {groups}", state
         )
 
-    def check() -> Check:
-        base = unit_check()
-        uvm = uvm_problem(run)
-        if not uvm:
-            return base
-        state = dict(base.state or {}) | {"uvm": uvm}
-        summary = uvm if base.skip else f"{base.summary}; {uvm}" if not base.ok else f"{uvm}; {base.summary}"
-        return Check(False, summary, state)
-
-    def plan(before: Check) -> list[Action]:
-        state = before.state or {}
-        acts = uvm_actions(run) if state.get("uvm") else []
-        if state.get("unit_problems") or "uvm" not in state:
-            acts += actions.persist_actions(run)
-        return acts
-
     def fix(actions: list[Action], before: Check) -> None:
         assert run.plan is not None
-        state = before.state or {}
-        if state.get("uvm"):
-            write_uvm_conf(run)
-            if not state.get("unit_problems"):
-                return
         for path, text in (
             (persist.SCRIPT, persist.script_text(run.plan)),
             (persist.UNIT, persist.unit_text()),
@@ -261,7 +238,7 @@ def step_persisted(run: P2PProcedure) -> Step:
                     f"{' '.join(argv)} failed (rc {r.rc}): {(r.stderr or r.stdout).strip()[:200]}"
                 )
 
-    return run.step("persisted", check, plan, fix)
+    return run.step("persisted", check, lambda before: actions.persist_actions(run), fix)
 
 
 def health_url(run: P2PProcedure) -> str:
