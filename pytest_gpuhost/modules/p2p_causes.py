@@ -185,6 +185,11 @@ class Diagnosis:
         )
 
 
+def _show(text: str) -> str:
+    """A string from the node for one table cell: escape sequences shown, not obeyed, on one line."""
+    return printable(str(text)).replace("\n", "\\n").replace("\r", "\\r")
+
+
 def _mib(n: int | None) -> str:
     if n is None:
         return "unknown"
@@ -376,7 +381,7 @@ def diagnose(
     ports: dict[str, Any] = fact.get("ports") if isinstance(fact.get("ports"), dict) else {}  # type: ignore[assignment]
     add = d.causes.append
     for bdf, why in (excluded or {}).items():
-        add(Cause("scope", bdf, OK, f"not judged: {printable(why)[:160]}"))
+        add(Cause("scope", bdf, OK, f"not judged: {_show(why)[:160]}"))
 
     # IOMMU mode per group (the suite's own repair)
     for bdf in in_scope:
@@ -391,7 +396,7 @@ def diagnose(
                     "IOMMU mode",
                     bdf,
                     FOUND,
-                    f"group type {printable(t)}",
+                    f"group type {_show(t)}",
                     "unbind, write identity, rebind (steps 2-5), boot unit (step 8)",
                     THIS_RUN,
                 )
@@ -452,7 +457,7 @@ def diagnose(
     else:
         loaded_text = f"loaded uvm_disable_hmm={'1' if loaded else '0'}"
     conf_text = (
-        f"configured uvm_disable_hmm={printable(conf_value or '')[:20]} in {printable(conf_file)[:120]}"
+        f"configured uvm_disable_hmm={_show(conf_value or '')[:20]} in {_show(conf_file)[:120]}"
         if conf_value is not None
         else "not configured in modprobe.d (the driver's default: HMM on where the kernel supports it)"
     )
@@ -460,8 +465,8 @@ def diagnose(
     # whose nvidia_uvm shows no parameter (an older driver, or not loaded) is unknown, not broken
     if configured is True and loaded is True:
         verdict = OK
-    elif loaded is False or configured is False:
-        verdict = FOUND
+    elif loaded is False or configured is False or (loaded is True and configured is None):
+        verdict = FOUND  # HMM on now, or back on at the next load (nothing configures it off)
     else:
         verdict = UNKNOWN
     d.uvm_fix = verdict == FOUND and configured is not True
@@ -514,8 +519,8 @@ def diagnose(
                 add(Cause("port runtime PM", p, UNKNOWN, "power/control not readable"))
                 continue
             st = info.get("runtime_status")
-            fact_text = f"power/control={printable(str(ctl))[:10]}" + (
-                f", runtime_status={printable(str(st))[:16]}" if st else ""
+            fact_text = f"power/control={_show(str(ctl))[:10]}" + (
+                f", runtime_status={_show(str(st))[:16]}" if st else ""
             )
             auto = str(ctl).strip() == "auto"
             add(
@@ -561,7 +566,7 @@ def diagnose(
             add(Cause("link under load", bdf, UNKNOWN, "link speed not readable"))
             continue
         under = loaded_links is not None and bdf in (loaded_links or {})
-        text = f"{printable(str(cur))} x{printable(str(cw))} of {printable(str(mx))} x{printable(str(mw))}"
+        text = f"{_show(str(cur))} x{_show(str(cw))} of {_show(str(mx))} x{_show(str(mw))}"
         text += " (read under load)" if under else " (read idle: a GPU drops its link when idle)"
         degraded = under and (str(cur) != str(mx) or str(cw) != str(mw))
         add(
@@ -589,7 +594,7 @@ def diagnose(
                         "driver P2P capability",
                         f"{a} <-> {b}",
                         FOUND if bad else OK,
-                        f"topo -p2p r={printable(str(r))} w={printable(str(w))}",
+                        f"topo -p2p r={_show(str(r))} w={_show(str(w))}",
                         "the driver does not offer P2P for this pair: the causes above (IOMMU, ACS, BAR1) "
                         "or a GPU model without PCIe P2P"
                         if bad
@@ -691,7 +696,7 @@ def parse_nccl_diag(text: str) -> NcclDiag:
     markers "p2p: write mismatch", "p2p: read mismatch", ... that ROCm/rccl's unit test of the
     inherited feature looks for).
     """
-    lines = [printable(m.group(1).strip())[:300] for raw in text.splitlines() if (m := _DIAG.search(raw))]
+    lines = [_show(m.group(1).strip())[:300] for raw in text.splitlines() if (m := _DIAG.search(raw))]
     failing = [
         s
         for s in lines
