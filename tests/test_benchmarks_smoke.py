@@ -28,6 +28,7 @@ LAB = os.geteuid() == 0 and os.path.exists("/dev/fuse")
         ("bench_inplace.py", False, "bytes sent while verifying: 0 in"),
         ("bench_slurm.py", True, "nodes=2: srun -N 2 health"),
         ("bench_nodecheck.py", True, "within budget: yes"),
+        ("bench_p2p_diagnosis.py", True, "within 1 s: yes"),
     ],
 )
 def test_benchmark_smoke(script: str, needs_lab: bool, expect: str) -> None:
