@@ -187,7 +187,9 @@ def test_small_bar1_alone_is_named_with_the_bios_setting(lab: Any, tmp_path: Pat
     assert run.record == []
     bar1 = rows(run, "BAR1 size", "found")
     assert {r["where"] for r in bar1} == set(NVIDIA)
-    assert all("BAR1 256 MiB (sysfs resource region 1), memory 97887 MiB" in r["fact read"] for r in bar1), bar1
+    assert all("BAR1 256 MiB (sysfs resource region 1), memory 97887 MiB" in r["fact read"] for r in bar1), (
+        bar1
+    )
     assert all("Re-Size BAR Support" in r["fix"] and r["by"] == "BIOS" for r in bar1)
     assert not rows(run, "HMM in nvidia_uvm", "found") and not rows(run, "port runtime PM", "found")
     assert not rows(run, "AER Surprise Down", "found")

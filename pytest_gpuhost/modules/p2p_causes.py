@@ -30,6 +30,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_gpuhost.modules import parsers
 from pytest_gpuhost.redact import printable
 
 __all__ = [
@@ -624,8 +625,6 @@ def latency_us(text: str) -> dict[tuple[int, int], float]:
     Latency Matrix". nvbandwidth: `device_to_device_latency_sm`, "Device to Device Latency SM
     GPU(row) <-> GPU(column) (ns)" (testcases_sm.cpp), converted to us. Cell (row, col) -> (row, col).
     """
-    from pytest_gpuhost.modules import parsers
-
     if "Running device_to_device_latency_sm" in text:
         found = parsers.parse_nvbandwidth_text(text).get("device_to_device_latency_sm")
         scale = 1e-3

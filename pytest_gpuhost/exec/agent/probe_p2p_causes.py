@@ -102,7 +102,7 @@ def _port(bdf):
 
 def modprobe_confs():
     """{path: text} of the modprobe.d files that mention nvidia_uvm (bounded)."""
-    out = {}
+    out = {}  # type: dict
     n = 0
     for d in MODPROBE_DIRS:
         for path in sorted(glob.glob(os.path.join(glob.escape(d), "*.conf"))):
