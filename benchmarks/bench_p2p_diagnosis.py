@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from gpulab.host.lab import CLIENT_KEY, Lab  # noqa: E402
 from gpulab.profiles import p2p_variants  # noqa: E402
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url  # noqa: E402
-from pytest_gpuhost.modules import p2p_causes  # noqa: E402
+from pytest_gpuhost.modules import p2p_causes, p2p_reports  # noqa: E402
 from tests.test_p2p_suite import NVIDIA, run_suite  # noqa: E402
 
 BUDGET_S = 1.0
@@ -75,7 +75,7 @@ def main() -> int:
                         fact,
                         list(NVIDIA),
                         group_types=dict.fromkeys(NVIDIA, "DMA-FQ"),
-                        smi_bar1=p2p_causes.parse_smi_bar1(outs["smi_q"]),
+                        smi_bar1=p2p_reports.parse_smi_bar1(outs["smi_q"]),
                     )
                     d.table()
                     times.append(time.perf_counter() - t1)

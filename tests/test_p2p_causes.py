@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.exec.agent import probe_p2p_causes
-from pytest_gpuhost.modules import acs, nccl, p2p, p2p_causes
+from pytest_gpuhost.modules import acs, nccl, p2p, p2p_causes, p2p_reports
 from pytest_gpuhost.run.options import BadValue
 from suites.p2p.collective import nccl_diagnostics
 from suites.p2p.options import _expect
@@ -140,7 +140,7 @@ def test_bar1_smaller_than_memory_is_found_even_above_256_mib() -> None:
 def test_bar1_from_nvidia_smi_when_sysfs_has_none() -> None:
     f = fact()
     f["gpus"][G[0]]["bar1"] = None
-    smi = p2p_causes.parse_smi_bar1(
+    smi = p2p_reports.parse_smi_bar1(
         "GPU 00000000:17:00.0\n    FB Memory Usage\n        Total : 97887 MiB\n"
         + (OUT / "nvidia-smi-q-bar1-256mib-595.txt").read_text()
     )
@@ -247,42 +247,42 @@ def test_judge_uses_the_placement_expectation_but_keeps_nvlink() -> None:
 
 def test_latency_from_p2p_bandwidth_latency_test_and_nvbandwidth() -> None:
     four = (OUT / "p2pBandwidthLatencyTest-4gpu-latency.txt").read_text()
-    lat = p2p_causes.latency_us(four)
+    lat = p2p_reports.latency_us(four)
     assert lat[(0, 1)] == 2.31 and lat[(3, 2)] == 2.23 and (0, 0) not in lat  # P2P=Enabled block
-    assert {p2p_causes.latency_verdict(v) for v in lat.values()} == {"on"}
+    assert {p2p_reports.latency_verdict(v) for v in lat.values()} == {"on"}
     disabled = four.split("P2P=Enabled")[0]
-    off = p2p_causes.latency_us(disabled)
-    assert off[(0, 1)] == 14.95 and {p2p_causes.latency_verdict(v) for v in off.values()} == {"off"}
-    h100 = p2p_causes.latency_us((OUT / "p2pBandwidthLatencyTest-h100x8-latency.txt").read_text())
+    off = p2p_reports.latency_us(disabled)
+    assert off[(0, 1)] == 14.95 and {p2p_reports.latency_verdict(v) for v in off.values()} == {"off"}
+    h100 = p2p_reports.latency_us((OUT / "p2pBandwidthLatencyTest-h100x8-latency.txt").read_text())
     assert len(h100) == 56 and max(h100.values()) == 3.35
-    nvb = p2p_causes.latency_us((OUT / "nvbandwidth-h100x8-v0.10-latency-sm.txt").read_text())
+    nvb = p2p_reports.latency_us((OUT / "nvbandwidth-h100x8-v0.10-latency-sm.txt").read_text())
     assert len(nvb) == 56 and nvb[(0, 1)] == 0.826 and nvb[(7, 3)] == 0.822
-    assert p2p_causes.latency_verdict(6.0) == "unknown" and p2p_causes.latency_verdict(None) == "unknown"
+    assert p2p_reports.latency_verdict(6.0) == "unknown" and p2p_reports.latency_verdict(None) == "unknown"
 
 
 def test_bar1_sections_of_real_nvidia_smi_q() -> None:
-    assert p2p_causes.parse_smi_bar1((OUT / "nvidia-smi-q-bar1-256mib-595.txt").read_text()) == {
+    assert p2p_reports.parse_smi_bar1((OUT / "nvidia-smi-q-bar1-256mib-595.txt").read_text()) == {
         "#0": {"bar1_mib": 256}
     }
-    got = p2p_causes.parse_smi_bar1((OUT / "nvidia-smi-q-bar1-rtx4090-32gib-530.txt").read_text())
+    got = p2p_reports.parse_smi_bar1((OUT / "nvidia-smi-q-bar1-rtx4090-32gib-530.txt").read_text())
     assert got == {"#0": {"bar1_mib": 32768}, "#1": {"bar1_mib": 32768}}
     full = (OUT / "nvidia-smi-q-550.90.12-h200-tlimit.txt").read_text()
-    assert all("bar1_mib" not in v for v in p2p_causes.parse_smi_bar1(full).values())
+    assert all("bar1_mib" not in v for v in p2p_reports.parse_smi_bar1(full).values())
 
 
 def test_nccl_diagnostics_documented_reports() -> None:
-    ok = p2p_causes.parse_nccl_diag((OUT / "nccl-diag-2.31-documented.txt").read_text())
+    ok = p2p_reports.parse_nccl_diag((OUT / "nccl-diag-2.31-documented.txt").read_text())
     assert ok.present and ok.ok and "56 peer accesses" in ok.summary
-    part = p2p_causes.parse_nccl_diag((OUT / "nccl-diag-2.31-partial-documented.txt").read_text())
+    part = p2p_reports.parse_nccl_diag((OUT / "nccl-diag-2.31-partial-documented.txt").read_text())
     assert part.present and not part.ok and "52/56" in part.describe()
-    none = p2p_causes.parse_nccl_diag("NCCL INFO NCCL version 2.21.5+cuda12.4\n")
+    none = p2p_reports.parse_nccl_diag("NCCL INFO NCCL version 2.21.5+cuda12.4\n")
     assert not none.present
     # failure lines in the shapes RCCL's test of the feature matches (no public capture names a pair yet)
     text = (
         "h:1 NCCL DIAG [INFO] p2p: write mismatch GPU 1 (0000:18:00.0) -> GPU 2 (0000:3a:00.0)\n"
         "h:1 NCCL DIAG [INFO] p2p: read mismatch rank 0 -> rank 3\n"
     )
-    bad = p2p_causes.parse_nccl_diag(text)
+    bad = p2p_reports.parse_nccl_diag(text)
     assert bad.pairs == [("0000:18:00.0", "0000:3a:00.0"), ("rank 0", "rank 3")]
 
 

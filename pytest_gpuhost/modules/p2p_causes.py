@@ -21,6 +21,9 @@ Blackwell hosts, unless another source is named):
 - The driver's own P2P capability per pair (`nvidia-smi topo -p2p r` and `w`).
 - The link each GPU trained to under load against its maximum.
 - The NUMA placement of each pair, and what the pair should then reach (`EXPECTATIONS`).
+
+The tools' own reports it reads (nvidia-smi -q BAR1, latency matrices, NCCL's diagnostics) are
+modules/p2p_reports.py.
 """
 
 from __future__ import annotations
@@ -31,28 +34,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpuhost.modules import parsers
-from pytest_gpuhost.redact import printable
+from pytest_gpuhost.modules.p2p_reports import norm_bus, show
 
 __all__ = [
     "EXPECTATIONS",
-    "LATENCY_OFF_US",
-    "LATENCY_ON_US",
     "UVM_CONF",
     "UVM_CONF_TEXT",
     "Cause",
     "Diagnosis",
-    "NcclDiag",
     "PairExpectation",
     "READS",
     "diagnose",
     "expectation",
-    "latency_us",
-    "latency_verdict",
     "modprobe_uvm_value",
-    "norm_bus",
+    "memory_mib",
     "outputs",
-    "parse_nccl_diag",
-    "parse_smi_bar1",
+    "p2p_rw",
     "placement",
 ]
 
@@ -87,13 +84,6 @@ EXPECTATIONS: dict[str, tuple[float, str]] = {
         "39-51 GB/s of 63 GB/s measured across NUMA nodes (voipmonitor/rtx6kpro hardware/pcie-bandwidth.md)",
     ),
 }
-#: P2P latency is the clearest on/off signal: 0.36-0.45 us with P2P on, about 14 us with it off
-#: (voipmonitor/rtx6kpro); p2pBandwidthLatencyTest shows 11-20 us disabled (NVIDIA/nccl#1127,
-#: NVIDIA/cuda-samples#230) and 1.8-3.4 us enabled over NVLink (cuda-samples#230).
-LATENCY_ON_US = 4.0
-LATENCY_OFF_US = 8.0
-
-
 #: the diagnosis's command reads, sent in step 1's batch beside the facts (agent `run` requests)
 READS: tuple[dict[str, Any], ...] = (
     {"op": "run", "argv": ["nvidia-smi", "topo", "-p2p", "r"], "timeout": 30},
@@ -114,6 +104,39 @@ def outputs(replies: list[Any]) -> dict[str, str]:
     for name, reply in zip(READ_NAMES, list(replies) + [None] * len(READ_NAMES), strict=False):
         ok = isinstance(reply, dict) and reply.get("rc") == 0
         out[name] = str(reply.get("stdout") or "") if ok and isinstance(reply, dict) else ""
+    return out
+
+
+def p2p_rw(outs: dict[str, str], index: dict[int, str]) -> dict[tuple[str, str], dict[str, str]]:
+    """`nvidia-smi topo -p2p r` and `w` per GPU pair (PCI addresses, lower first; a pair counts as its
+    worse direction), given nvidia-smi's index -> PCI address."""
+    out: dict[tuple[str, str], dict[str, str]] = {}
+    for mode in ("r", "w"):
+        text = outs.get(f"topo_{mode}") or ""
+        if not text:
+            continue
+        try:
+            topo = parsers.parse_topo_p2p(text)
+        except parsers.ParseError:
+            continue
+        for (ra, rb), status in topo.links.items():
+            if not (ra.startswith("GPU") and rb.startswith("GPU") and ra[3:].isdigit() and rb[3:].isdigit()):
+                continue
+            a, b = index.get(int(ra[3:])), index.get(int(rb[3:]))
+            if a and b and a != b:
+                cell = out.setdefault((a, b) if a < b else (b, a), {})
+                if cell.get(mode) in (None, "OK"):
+                    cell[mode] = status
+    return out
+
+
+def memory_mib(text: str) -> dict[str, int]:
+    """`nvidia-smi --query-gpu=pci.bus_id,memory.total --format=csv,noheader,nounits` -> {PCI address: MiB}."""
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) == 2 and cells[1].isdigit():
+            out[norm_bus(cells[0])] = int(cells[1])
     return out
 
 
@@ -186,56 +209,10 @@ class Diagnosis:
         )
 
 
-def _show(text: str) -> str:
-    """A string from the node for one table cell: escape sequences shown, not obeyed, on one line."""
-    return printable(str(text)).replace("\n", "\\n").replace("\r", "\\r")
-
-
 def _mib(n: int | None) -> str:
     if n is None:
         return "unknown"
     return f"{n >> 30} GiB" if n >= 1 << 30 and n % (1 << 30) == 0 else f"{n >> 20} MiB"
-
-
-def parse_smi_bar1(text: str) -> dict[str, dict[str, int]]:
-    """`nvidia-smi -q` -> {bus id: {"fb_mib", "bar1_mib"}} from its FB and BAR1 "Total" lines.
-
-    Sections cut out by grep, without their "GPU 00000000:17:00.0" line, are keyed "#0", "#1", ...
-    """
-    out: dict[str, dict[str, int]] = {}
-    gpu = ""
-    section = ""
-    unnamed = 0
-    for line in text.splitlines():
-        m = re.match(r"^GPU ([0-9A-Fa-f]+:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*$", line.strip())
-        if m:
-            gpu = norm_bus(m.group(1))
-            out.setdefault(gpu, {})
-            continue
-        s = line.strip()
-        if s in ("FB Memory Usage", "BAR1 Memory Usage"):
-            section = "fb_mib" if s.startswith("FB") else "bar1_mib"
-            if not gpu or section in out.get(gpu, {}) and gpu.startswith("#"):
-                # a `grep -A3 BAR1` cut without the GPU lines: number the sections in order
-                gpu = f"#{unnamed}"
-                unnamed += 1
-                out.setdefault(gpu, {})
-            continue
-        m = re.match(r"^Total\s*:\s*(\d+)\s*MiB$", s)
-        if m and section and gpu:
-            out[gpu][section] = int(m.group(1))
-            section = ""
-        elif s and ":" not in s:
-            section = ""
-    return out
-
-
-def norm_bus(bus_id: str) -> str:
-    """nvidia-smi's 00000000:17:00.0 -> 0000:17:00.0 (other text lower-cased)."""
-    m = re.match(r"^([0-9a-fA-F]+):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$", bus_id.strip())
-    if not m:
-        return bus_id.strip().lower()
-    return f"{int(m.group(1), 16) & 0xFFFF:04x}:{m.group(2).lower()}:{m.group(3).lower()}.{m.group(4)}"
 
 
 def modprobe_uvm_value(confs: dict[str, str]) -> tuple[str | None, str]:
@@ -337,17 +314,6 @@ def expectation(
     return PairExpectation(a, b, where, min(rates) if rates else None, frac, source)
 
 
-def latency_verdict(us: float | None) -> str:
-    """P2P on / off / unclear from one pair's latency (us)."""
-    if us is None:
-        return UNKNOWN
-    if us <= LATENCY_ON_US:
-        return "on"
-    if us >= LATENCY_OFF_US:
-        return "off"
-    return UNKNOWN
-
-
 def _surprise(counts: Any) -> int:
     if not isinstance(counts, dict):
         return 0
@@ -382,7 +348,7 @@ def diagnose(
     ports: dict[str, Any] = fact.get("ports") if isinstance(fact.get("ports"), dict) else {}  # type: ignore[assignment]
     add = d.causes.append
     for bdf, why in (excluded or {}).items():
-        add(Cause("scope", bdf, OK, f"not judged: {_show(why)[:160]}"))
+        add(Cause("scope", bdf, OK, f"not judged: {show(why)[:160]}"))
 
     # IOMMU mode per group (the suite's own repair)
     for bdf in in_scope:
@@ -397,7 +363,7 @@ def diagnose(
                     "IOMMU mode",
                     bdf,
                     FOUND,
-                    f"group type {_show(t)}",
+                    f"group type {show(t)}",
                     "unbind, write identity, rebind (steps 2-5), boot unit (step 8)",
                     THIS_RUN,
                 )
@@ -458,7 +424,7 @@ def diagnose(
     else:
         loaded_text = f"loaded uvm_disable_hmm={'1' if loaded else '0'}"
     conf_text = (
-        f"configured uvm_disable_hmm={_show(conf_value or '')[:20]} in {_show(conf_file)[:120]}"
+        f"configured uvm_disable_hmm={show(conf_value or '')[:20]} in {show(conf_file)[:120]}"
         if conf_value is not None
         else "not configured in modprobe.d (the driver's default: HMM on where the kernel supports it)"
     )
@@ -520,8 +486,8 @@ def diagnose(
                 add(Cause("port runtime PM", p, UNKNOWN, "power/control not readable"))
                 continue
             st = info.get("runtime_status")
-            fact_text = f"power/control={_show(str(ctl))[:10]}" + (
-                f", runtime_status={_show(str(st))[:16]}" if st else ""
+            fact_text = f"power/control={show(str(ctl))[:10]}" + (
+                f", runtime_status={show(str(st))[:16]}" if st else ""
             )
             auto = str(ctl).strip() == "auto"
             add(
@@ -567,7 +533,7 @@ def diagnose(
             add(Cause("link under load", bdf, UNKNOWN, "link speed not readable"))
             continue
         under = loaded_links is not None and bdf in (loaded_links or {})
-        text = f"{_show(str(cur))} x{_show(str(cw))} of {_show(str(mx))} x{_show(str(mw))}"
+        text = f"{show(str(cur))} x{show(str(cw))} of {show(str(mx))} x{show(str(mw))}"
         text += " (read under load)" if under else " (read idle: a GPU drops its link when idle)"
         degraded = under and (str(cur) != str(mx) or str(cw) != str(mw))
         add(
@@ -595,7 +561,7 @@ def diagnose(
                         "driver P2P capability",
                         f"{a} <-> {b}",
                         FOUND if bad else OK,
-                        f"topo -p2p r={_show(str(r))} w={_show(str(w))}",
+                        f"topo -p2p r={show(str(r))} w={show(str(w))}",
                         "the driver does not offer P2P for this pair: the causes above (IOMMU, ACS, BAR1) "
                         "or a GPU model without PCIe P2P"
                         if bad
@@ -615,98 +581,3 @@ def diagnose(
                 )
             )
     return d
-
-
-def latency_us(text: str) -> dict[tuple[int, int], float]:
-    """GPU-to-GPU latency (us) per device pair, from p2pBandwidthLatencyTest or nvbandwidth output.
-
-    p2pBandwidthLatencyTest: the GPU block of "P2P=Enabled Latency (P2P Writes) Matrix (us)"
-    (cuda-samples p2pBandwidthLatencyTest.cu outputLatencyMatrix), else of "P2P=Disabled
-    Latency Matrix". nvbandwidth: `device_to_device_latency_sm`, "Device to Device Latency SM
-    GPU(row) <-> GPU(column) (ns)" (testcases_sm.cpp), converted to us. Cell (row, col) -> (row, col).
-    """
-    if "Running device_to_device_latency_sm" in text:
-        found = parsers.parse_nvbandwidth_text(text).get("device_to_device_latency_sm")
-        scale = 1e-3
-    else:
-        mats = parsers.parse_p2p_bandwidth_latency(text)
-        found = mats.get("P2P=Enabled Latency (P2P Writes) Matrix") or mats.get("P2P=Disabled Latency Matrix")
-        scale = 1.0
-    out: dict[tuple[int, int], float] = {}
-    if found is None:
-        return out
-    for i, row in enumerate(found.rows):
-        for j, col in enumerate(found.columns):
-            v = found.values[i][j]
-            if v is not None and row != col and str(row).isdigit() and str(col).isdigit():
-                out[(int(row), int(col))] = round(v * scale, 3)
-    return out
-
-
-@dataclass
-class NcclDiag:
-    """NCCL's own active diagnostics report (NCCL >= 2.31, NCCL_RUN_DIAGNOSTICS=1)."""
-
-    present: bool
-    ok: bool
-    lines: list[str]
-    failing: list[str]  # report lines naming a failure, escaped
-    pairs: list[tuple[str, str]]  # GPU pairs named in them (bus ids or "rank N")
-    summary: str = ""
-
-    def describe(self) -> str:
-        """One line for the evidence."""
-        if not self.present:
-            return "no NCCL DIAG report (NCCL older than 2.31, or the run ended before communicator init)"
-        if self.ok:
-            return "NCCL diagnostics: " + (self.summary or "no issue reported")
-        pairs = ", ".join(f"{a} <-> {b}" for a, b in self.pairs) or "pairs not named"
-        return f"NCCL diagnostics report failing P2P: {pairs}: " + "; ".join(self.failing[:6])
-
-
-_DIAG = re.compile(r"NCCL DIAG (.*)$")
-_BUS = re.compile(r"\b(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]\b")
-_NUM = re.compile(r"\b(GPU|gpu|dev|device|cudaDev|rank)\s*#?(\d+)\b")
-
-
-def _line_pair(line: str) -> tuple[str, str] | None:
-    """The two GPUs a report line names: bus ids first, else "GPU n" / "rank n" mentions."""
-    bus = list(dict.fromkeys(norm_bus(m.group(0)) for m in _BUS.finditer(line)))
-    if len(bus) >= 2:
-        return bus[0], bus[1]
-    nums = list(
-        dict.fromkeys(
-            f"{'rank' if m.group(1) == 'rank' else 'GPU'} {m.group(2)}" for m in _NUM.finditer(line)
-        )
-    )
-    if len(nums) >= 2:
-        return nums[0], nums[1]
-    return None
-
-
-def parse_nccl_diag(text: str) -> NcclDiag:
-    """Read the `NCCL DIAG` lines of a run's output (NCCL user guide, Troubleshooting: Diagnostics).
-
-    Lines carry a "host:pid " prefix, then `NCCL DIAG`, a `[OK]` or `[INFO]` tag and the check
-    ("p2p: ..."). A p2p `[INFO]` line is a failed or incomplete check ("only 52/56 GPU-to-GPU
-    peer accesses passed verification", "p2p: write mismatch ..."); the pairs it names are read
-    from bus ids, "GPU a -> GPU b" or "rank a -> rank b". No public capture of a failing report
-    exists yet: the parser follows the documented format and RCCL's test of it (the failure
-    markers "p2p: write mismatch", "p2p: read mismatch", ... that ROCm/rccl's unit test of the
-    inherited feature looks for).
-    """
-    lines = [_show(m.group(1).strip())[:300] for raw in text.splitlines() if (m := _DIAG.search(raw))]
-    failing = [
-        s
-        for s in lines
-        if s.startswith("[INFO]")
-        and re.search(r"\bp2p\b", s)
-        or re.search(r"\bp2p: (write|read) mismatch", s)
-    ]
-    pairs: list[tuple[str, str]] = []
-    for s in failing:
-        pair = _line_pair(s)
-        if pair is not None and pair not in pairs:
-            pairs.append(pair)
-    summary = next((s[len("[OK]") :].strip() for s in lines if s.startswith("[OK]") and "p2p" in s), "")
-    return NcclDiag(bool(lines), bool(lines) and not failing, lines, failing, pairs, summary)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_gpuhost.modules import nccl, p2p_causes
+from pytest_gpuhost.modules import nccl, p2p_reports
 from pytest_gpuhost.modules.nccl_run import ARGS, NO_TOOL, TOOL, TORCH, find_tool, run_both, side
 from pytest_gpuhost.modules.service_env import ServiceEnv
 from pytest_gpuhost.run import evidence
@@ -45,7 +45,7 @@ def nccl_diagnostics(arm: nccl.Arm) -> str:
     A pair named by CUDA device or rank is mapped to the arm's GPUs: one process, `-g N`, so
     rank i is the i-th GPU of CUDA_VISIBLE_DEVICES (PCI order).
     """
-    d = p2p_causes.parse_nccl_diag("\n".join(arm.diag))
+    d = p2p_reports.parse_nccl_diag("\n".join(arm.diag))
     gpus = list(arm.gpus)
 
     def name(x: str) -> str:

@@ -1,19 +1,18 @@
-"""The P2P diagnosis of suites/p2p: every cause checked, in the plan and the evidence, and the safe fixes.
+"""What suites/p2p does about the causes its diagnosis found: this run's one fix, and the rest named.
 
-The facts come in step 1's one round trip (`p2p_causes.READS`, kept by `p2p_causes.outputs`): the agent's
-`p2p_causes` fact (HOST_FACTS), `nvidia-smi topo -p2p r` and `w`, memory per GPU and
-`nvidia-smi -q -d MEMORY` (BAR1 where sysfs does not show it). The judging is
-pytest_gpuhost/modules/p2p_causes.py (pure). What this run fixes itself: `uvm_disable_hmm=1` in
-a modprobe.d file of its own (step 1, once the lock is held: before the collective that HMM would
-hang; journaled, read back, its undo pending until the read-back agrees), which applies when nvidia_uvm is next loaded (the next boot: a reload is not done by the
-run). The kernel command line (`pcie_port_pm=off pcie_aspm=off`) is only ever named, with the
-reboot it needs; BIOS settings (Resizable BAR) are named with the exact setting. VM (vfio-pci) GPUs
-are out of scope and never judged or touched.
+The diagnosis itself is made in step 1 (`P2PProcedure.diagnose`, judged by
+pytest_gpuhost/modules/p2p_causes.py from the facts of step 1's round trip). What this run fixes:
+`uvm_disable_hmm=1` in a modprobe.d file of its own, written with the plan once the lock is held
+(before the collective that HMM would hang), journaled, read back, its undo pending until the
+read-back agrees; it applies when nvidia_uvm is next loaded (the next boot: the run does not
+reload the module). The kernel command line (`pcie_port_pm=off pcie_aspm=off`) is only named,
+with the reboot it needs; BIOS settings (Resizable BAR) are named with the exact setting. VM
+(vfio-pci) GPUs are out of scope and never judged or touched.
 """
 
 from __future__ import annotations
 
-from pytest_gpuhost.modules import p2p_causes, parsers
+from pytest_gpuhost.modules import p2p_causes
 from pytest_gpuhost.modules.p2p_causes import Diagnosis
 from pytest_gpuhost.redact import printable
 from pytest_gpuhost.run import evidence
@@ -24,78 +23,10 @@ from .procedure import P2PProcedure
 
 __all__ = [
     "diagnosis_actions",
-    "make_diagnosis",
-    "record_diagnosis",
     "uvm_actions",
     "uvm_problem",
     "write_uvm_conf",
 ]
-
-
-def _p2p_rw(run: P2PProcedure) -> dict[tuple[str, str], dict[str, str]]:
-    index = run.smi_index() or {}
-    out: dict[tuple[str, str], dict[str, str]] = {}
-    for mode in ("r", "w"):
-        text = run.diag_raw.get(f"topo_{mode}") or ""
-        if not text:
-            continue
-        try:
-            topo = parsers.parse_topo_p2p(text)
-        except parsers.ParseError:
-            continue
-        for (ra, rb), status in topo.links.items():
-            if not (ra.startswith("GPU") and rb.startswith("GPU")):
-                continue
-            a, b = index.get(int(ra[3:])), index.get(int(rb[3:]))
-            if a and b and a != b:
-                key = (a, b) if a < b else (b, a)
-                cell = out.setdefault(key, {})
-                # a pair counts as its worse direction
-                if cell.get(mode) in (None, "OK"):
-                    cell[mode] = status
-    return out
-
-
-def _memory(run: P2PProcedure) -> dict[str, int]:
-    out = {}
-    for line in (run.diag_raw.get("memory") or "").splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) == 2 and cells[1].isdigit():
-            out[p2p_causes.norm_bus(cells[0])] = int(cells[1])
-    return out
-
-
-def make_diagnosis(run: P2PProcedure) -> Diagnosis:
-    """Judge every cause from the facts read in step 1 (in-scope GPUs only)."""
-    assert run.plan is not None
-    plan = run.plan
-    types = {}
-    for g in run.gpus():
-        if g.bdf in plan.gpus:
-            types[g.bdf] = g.group_type
-    smi = {k: v for k, v in p2p_causes.parse_smi_bar1(run.diag_raw.get("smi_q") or "").items() if ":" in k}
-    d = p2p_causes.diagnose(
-        run.facts.get("p2p_causes"),
-        list(plan.gpus),
-        group_types=types,
-        redirects=plan.redirects,
-        p2p_rw=_p2p_rw(run),
-        smi_bar1=smi,
-        memory_mib=_memory(run),
-        overrides=run.opts.expect or None,
-        excluded=plan.excluded,
-    )
-    run.diagnosis = d
-    return d
-
-
-def record_diagnosis(run: P2PProcedure, d: Diagnosis) -> None:
-    """The diagnosis table in the evidence, one note per cause found, the summary."""
-    ev = evidence.current()
-    ev.state("P2P diagnosis", d.table(), target=run.conn.name)
-    ev.note(d.summary())
-    for c in d.found:
-        ev.note(f"{c.cause} ({c.where}): {c.fact}; fix: {c.fix} [{c.who}]")
 
 
 def uvm_actions(run: P2PProcedure) -> list[Action]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpuhost.errors import Unreachable
-from pytest_gpuhost.modules import acs, gpu, iommu, p2p, p2p_causes, pci, service_env
+from pytest_gpuhost.modules import acs, gpu, iommu, p2p, p2p_causes, p2p_reports, pci, service_env
 from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
@@ -275,10 +275,26 @@ class P2PProcedure(Procedure):
 
     def diagnose(self) -> p2p_causes.Diagnosis:
         """Every cause of slow or broken P2P, judged from step 1's facts, into the evidence (a table)."""
-        from .diagnosis import make_diagnosis, record_diagnosis
-
-        d = make_diagnosis(self)
-        record_diagnosis(self, d)
+        assert self.plan is not None
+        plan, raw = self.plan, self.diag_raw
+        smi = {k: v for k, v in p2p_reports.parse_smi_bar1(raw.get("smi_q") or "").items() if ":" in k}
+        d = p2p_causes.diagnose(
+            self.facts.get("p2p_causes"),
+            list(plan.gpus),
+            group_types={g.bdf: g.group_type for g in self.gpus() if g.bdf in plan.gpus},
+            redirects=plan.redirects,
+            p2p_rw=p2p_causes.p2p_rw(raw, self.smi_index() or {}),
+            smi_bar1=smi,
+            memory_mib=p2p_causes.memory_mib(raw.get("memory") or ""),
+            overrides=self.opts.expect or None,
+            excluded=plan.excluded,
+        )
+        self.diagnosis = d
+        ev = evidence.current()
+        ev.state("P2P diagnosis", d.table(), target=self.conn.name)
+        ev.note(d.summary())
+        for c in d.found:
+            ev.note(f"{c.cause} ({c.where}): {c.fact}; fix: {c.fix} [{c.who}]")
         return d
 
     def read_service_env(self) -> service_env.ServiceEnv | None:
