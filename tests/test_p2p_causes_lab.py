@@ -85,6 +85,9 @@ def test_all_causes_check_only_lists_each_and_writes_nothing(all_causes: Any, tm
     assert {"0000:16:00.0", "0000:14:01.0", "0000:39:01.0"} <= {r["where"] for r in pm}
     (sd,) = rows(run, "AER Surprise Down", "found")
     assert sd["where"] == "0000:16:00.0" and sd["fact read"].startswith("2 Surprise Down"), sd
+    links = rows(run, "link under load")
+    assert {r["where"] for r in links} == set(NVIDIA) and all(r["verdict"] == "ok" for r in links), links
+    assert all(r["fact read"] == "32.0 GT/s PCIe x16 of 32.0 GT/s PCIe x16 (read under load)" for r in links)
     placements = {r["fact read"].split(";")[0] for r in rows(run, "NUMA placement")}
     assert placements == {"same switch", "same NUMA node"}, placements
     # the VM's GPUs are out of scope: named as excluded, never judged

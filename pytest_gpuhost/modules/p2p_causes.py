@@ -300,9 +300,11 @@ def expectation(
         frac, source = overrides[where], "--p2p-expect (operator's override)"
     rates = []
     for g in (a, b):
-        link = (links or {}).get(g) or (gpus.get(g) or {}).get("link") or {}
-        v = _trained_gbps(link)
-        if v is None:
+        loaded = (links or {}).get(g)
+        if loaded:  # the link as trained under load
+            v = _trained_gbps(loaded)
+        else:  # read idle: the maximum, never the 2.5 GT/s an idle GPU drops to
+            link = (gpus.get(g) or {}).get("link") or {}
             v = _trained_gbps(
                 {
                     "current_link_speed": link.get("max_link_speed"),

@@ -253,7 +253,7 @@ class P2PProcedure(Procedure):
         if plan.redirects:
             ev.note("ACS redirect: " + redirect_advice(plan.redirects))
         if plan.gpus:
-            self.diagnose()
+            self.diagnose()  # before the measurement: its expectations are step 6's thresholds
         try:
             self.service_state = self.service.state()
         except (ServiceError, ProcedureError) as exc:
@@ -269,16 +269,36 @@ class P2PProcedure(Procedure):
             index = self.smi_index()
             self.topo = p2p.topology(self.conn, plan.gpus, index)
             self.before = p2p.measure_anywhere(self.measure_conns(), plan.gpus, index=index)
+            if self.diagnosis is not None:
+                self.diagnose(self.links_under_load())  # right after the copies: the links as trained
             self.before_ok = all(v.ok for v in self.judge(self.before))
             self.record_matrix("P2P bandwidth before", self.before)
+        if self.diagnosis is not None:
+            self.record_diagnosis()
         return plan
 
-    def diagnose(self) -> p2p_causes.Diagnosis:
-        """Every cause of slow or broken P2P, judged from step 1's facts, into the evidence (a table)."""
+    def links_under_load(self) -> dict[str, dict[str, Any]]:
+        """Each in-scope GPU's link read right after a measurement loaded it (one read)."""
+        assert self.plan is not None
+        names = ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
+        paths = [f"{pci.DEVICES}/{b}/{n}" for b in self.plan.gpus for n in names]
+        try:
+            text = _texts(self.conn.call("read_files", paths=paths, reply_timeout=QUICK))
+        except Unreachable:
+            return {}
+        out = {}
+        for b in self.plan.gpus:
+            link = {n: (text.get(f"{pci.DEVICES}/{b}/{n}") or "").strip() for n in names}
+            if link["current_link_speed"] and link["current_link_width"]:
+                out[b] = link
+        return out
+
+    def diagnose(self, loaded: dict[str, dict[str, Any]] | None = None) -> p2p_causes.Diagnosis:
+        """Every cause of slow or broken P2P, judged from step 1's facts (and the links under load)."""
         assert self.plan is not None
         plan, raw = self.plan, self.diag_raw
         smi = {k: v for k, v in p2p_reports.parse_smi_bar1(raw.get("smi_q") or "").items() if ":" in k}
-        d = p2p_causes.diagnose(
+        self.diagnosis = p2p_causes.diagnose(
             self.facts.get("p2p_causes"),
             list(plan.gpus),
             group_types={g.bdf: g.group_type for g in self.gpus() if g.bdf in plan.gpus},
@@ -286,16 +306,21 @@ class P2PProcedure(Procedure):
             p2p_rw=p2p_causes.p2p_rw(raw, self.smi_index() or {}),
             smi_bar1=smi,
             memory_mib=p2p_causes.memory_mib(raw.get("memory") or ""),
+            loaded_links=loaded or None,
             overrides=self.opts.expect or None,
             excluded=plan.excluded,
         )
-        self.diagnosis = d
+        return self.diagnosis
+
+    def record_diagnosis(self) -> None:
+        """The diagnosis table in step 1's evidence, its summary, one note per cause found."""
+        d = self.diagnosis
+        assert d is not None
         ev = evidence.current()
         ev.state("P2P diagnosis", d.table(), target=self.conn.name)
         ev.note(d.summary())
         for c in d.found:
             ev.note(f"{c.cause} ({c.where}): {c.fact}; fix: {c.fix} [{c.who}]")
-        return d
 
     def read_service_env(self) -> service_env.ServiceEnv | None:
         """What the service and its processes set that keeps NCCL off P2P (None: its side did not answer)."""
