@@ -230,7 +230,7 @@ def test_port_pm_with_surprise_down_history_alone(lab: Any, tmp_path: Path) -> N
     (sd,) = rows(run, "AER Surprise Down", "found")
     assert sd["where"] == "0000:37:01.0" and sd["fact read"].startswith("3 Surprise Down"), sd
     (cmd,) = rows(run, "PCIe port PM / ASPM", "found")
-    assert cmd["by"] == "with --p2p-cmdline" or "reboot" in cmd["fix"], cmd
+    assert cmd["by"] == "operator (boot configuration, reboot)" and "then reboot" in cmd["fix"], cmd
     assert not rows(run, "BAR1 size", "found") and not rows(run, "HMM in nvidia_uvm", "found")
 
 

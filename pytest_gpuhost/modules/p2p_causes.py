@@ -55,7 +55,8 @@ __all__ = [
 
 OK, FOUND, UNKNOWN = "ok", "found", "unknown"
 # who acts on a finding
-THIS_RUN, CONSENT, OPERATOR, BIOS = "this run", "with --p2p-cmdline", "operator", "BIOS"
+# BOOT: the kernel command line, which this suite never edits (the operator's boot configuration)
+THIS_RUN, BOOT, OPERATOR, BIOS = "this run", "operator (boot configuration, reboot)", "operator", "BIOS"
 
 UVM_CONF = "/etc/modprobe.d/gpuhost-nvidia-uvm.conf"
 UVM_CONF_TEXT = (
@@ -473,7 +474,7 @@ def diagnose(
             + (", ".join(p for p in ("pcie_port_pm=off", "pcie_aspm=off") if p not in missing) or "neither")
             + (f"; missing {', '.join(missing)}" if missing else ""),
             f"add {' '.join(missing)} to the kernel command line, then reboot" if missing else "",
-            CONSENT if missing else "",
+            BOOT if missing else "",
         )
     )
     seen: set[str] = set()
@@ -501,7 +502,7 @@ def diagnose(
                     "pcie_port_pm=off on the kernel command line (or echo on > power/control until the next boot)"
                     if auto
                     else "",
-                    CONSENT if auto else "",
+                    BOOT if auto else "",
                 )
             )
 
@@ -522,7 +523,7 @@ def diagnose(
                 "pcie_aspm=off; reseat or replace the riser/cable if it recurs with them"
                 if n
                 else "",
-                CONSENT if n else "",
+                BOOT if n else "",
             )
         )
 
