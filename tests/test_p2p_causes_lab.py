@@ -63,6 +63,7 @@ def test_all_causes_check_only_lists_each_and_writes_nothing(all_causes: Any, tm
     fix, writes nothing, and never judges the VM's GPUs."""
     host = all_causes
     host.reset()
+    sh(host, f"rm -f {p2p_causes.UVM_CONF}")
     set_faults(host, {"gpus": {"0000:16:00.0": {"aer": {"surprise_down": 2}}}})
     try:
         run = run_suite(host, tmp_path, "--check-only")
@@ -70,6 +71,7 @@ def test_all_causes_check_only_lists_each_and_writes_nothing(all_causes: Any, tm
         set_faults(host, {})
     assert run.rc != 0
     assert run.record == [], run.record
+    assert sh(host, f"test -e {p2p_causes.UVM_CONF} && echo there") == ""  # named, not written
     checked = {r["cause"] for r in table(run)}
     assert set(CAUSES) <= checked, checked
     assert {r["where"] for r in rows(run, "IOMMU mode", "found")} == set(NVIDIA)
