@@ -4,7 +4,7 @@ Boots `gpulab.profiles.p2p_variants.rtx6000_all_causes()` (the seed's Proxmox ho
 translated, BAR1 256 MiB, nvidia_uvm with HMM and port runtime PM on) and, per round:
 
 * the diagnosis's reads alone, in a round trip of their own over SSH: the agent's `p2p_causes`
-  fact and the four nvidia-smi reads (`topo -p2p r`, `topo -p2p w`, memory, `-q -d MEMORY`). In
+  fact and the three nvidia-smi reads (`topo -p2p r`, `topo -p2p w`, `-q -d MEMORY`). In
   the suite they ride in step 1's existing batch, so this is an upper bound of their cost;
 * the judging (`modules/p2p_causes.diagnose`, pure) on what was read, 100 times, the median;
 * a whole repair run (`pytest suites/p2p` from a pristine host), for scale.

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpuhost.modules import parsers
-from pytest_gpuhost.modules.p2p_reports import norm_bus, show
+from pytest_gpuhost.modules.p2p_reports import show
 
 __all__ = [
     "EXPECTATIONS",
@@ -47,7 +47,6 @@ __all__ = [
     "diagnose",
     "expectation",
     "modprobe_uvm_value",
-    "memory_mib",
     "outputs",
     "p2p_rw",
     "placement",
@@ -89,14 +88,9 @@ EXPECTATIONS: dict[str, tuple[float, str]] = {
 READS: tuple[dict[str, Any], ...] = (
     {"op": "run", "argv": ["nvidia-smi", "topo", "-p2p", "r"], "timeout": 30},
     {"op": "run", "argv": ["nvidia-smi", "topo", "-p2p", "w"], "timeout": 30},
-    {
-        "op": "run",
-        "argv": ["nvidia-smi", "--query-gpu=pci.bus_id,memory.total", "--format=csv,noheader,nounits"],
-        "timeout": 30,
-    },
     {"op": "run", "argv": ["nvidia-smi", "-q", "-d", "MEMORY"], "timeout": 30, "max_output": 1 << 20},
 )
-READ_NAMES = ("topo_r", "topo_w", "memory", "smi_q")
+READ_NAMES = ("topo_r", "topo_w", "smi_q")  # -q -d MEMORY: FB (the memory) and BAR1 per GPU
 
 
 def outputs(replies: list[Any]) -> dict[str, str]:
@@ -128,16 +122,6 @@ def p2p_rw(outs: dict[str, str], index: dict[int, str]) -> dict[tuple[str, str],
                 cell = out.setdefault((a, b) if a < b else (b, a), {})
                 if cell.get(mode) in (None, "OK"):
                     cell[mode] = status
-    return out
-
-
-def memory_mib(text: str) -> dict[str, int]:
-    """`nvidia-smi --query-gpu=pci.bus_id,memory.total --format=csv,noheader,nounits` -> {PCI address: MiB}."""
-    out = {}
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) == 2 and cells[1].isdigit():
-            out[norm_bus(cells[0])] = int(cells[1])
     return out
 
 

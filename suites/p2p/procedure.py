@@ -305,7 +305,6 @@ class P2PProcedure(Procedure):
             redirects=plan.redirects,
             p2p_rw=p2p_causes.p2p_rw(raw, self.smi_index() or {}),
             smi_bar1=smi,
-            memory_mib=p2p_causes.memory_mib(raw.get("memory") or ""),
             loaded_links=loaded or None,
             overrides=self.opts.expect or None,
             excluded=plan.excluded,

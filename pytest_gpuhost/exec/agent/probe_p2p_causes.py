@@ -4,12 +4,13 @@ Runs on the target (stdlib only, Python 3.6 syntax; see exec/agent/__init__.py).
 few hundred small sysfs and /etc reads. suites/p2p reads it in step 1's one round trip and
 judges it in modules/p2p_causes.py:
 
-- per NVIDIA display/3D function: the size of BAR1 (line 2 of sysfs `resource`: start, end,
+- per NVIDIA display/3D function not on vfio-pci (a VM's GPU is never judged: only its driver is
+  recorded): the size of BAR1 (line 2 of sysfs `resource`: start, end,
   flags per region; NVIDIA GPUs map their framebuffer aperture at region 1), its NUMA node,
   its link as trained now and its maximum, and its AER counters;
 - per PCI bridge above a GPU: runtime power management (`power/control`: `auto` lets the port
   suspend, `on` keeps it active; Documentation/ABI/testing/sysfs-devices-power), its runtime
-  status, its link, and its AER counters (aer_dev_fatal / aer_dev_nonfatal, where the kernel
+  status and its AER counters (aer_dev_fatal / aer_dev_nonfatal, where the kernel
   counts "Surprise Down" as SDES: drivers/pci/pcie/aer.c aer_uncorrectable_error_string);
 - the kernel command line, nvidia_uvm's `uvm_disable_hmm` as loaded
   (/sys/module/nvidia_uvm/parameters/), and every modprobe.d file that sets nvidia_uvm options
@@ -94,8 +95,6 @@ def _port(bdf):
     return {
         "power_control": read_str(base + "/power/control"),
         "runtime_status": read_str(base + "/power/runtime_status"),
-        "power_state": read_str(base + "/power_state"),
-        "link": _link(base),
         "aer": {n: aer_counts(_text(os.path.join(base, n))) for n in AER},
     }
 
@@ -131,6 +130,10 @@ def p2p_causes_fact(params):
             ("0x0300", "0x0302")
         ):
             continue
+        driver = link_name(base + "/driver")
+        if driver == "vfio-pci":  # a VM's GPU: never judged, so not read further
+            gpus[b] = {"driver": driver}
+            continue
         chain = []
         for up in pci_upstream(SYS_PCI, b, _bridges, ranges):
             if up not in ports:
@@ -138,7 +141,7 @@ def p2p_causes_fact(params):
             chain.append(up)
         numa = read_str(base + "/numa_node")
         gpus[b] = {
-            "driver": link_name(base + "/driver"),
+            "driver": driver,
             "bar1": bar1_bytes(_text(base + "/resource")),
             "numa_node": int(numa) if numa and numa.lstrip("-").isdigit() else None,
             "link": _link(base),
