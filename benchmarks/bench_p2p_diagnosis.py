@@ -5,7 +5,9 @@ translated, BAR1 256 MiB, nvidia_uvm with HMM and port runtime PM on) and, per r
 
 * the diagnosis's reads alone, in a round trip of their own over SSH: the agent's `p2p_causes`
   fact and the three nvidia-smi reads (`topo -p2p r`, `topo -p2p w`, `-q -d MEMORY`). In
-  the suite they ride in step 1's existing batch, so this is an upper bound of their cost;
+  the suite they ride in step 1's existing batch, so this is an upper bound of their cost; and
+  the read of each GPU's link right after the "before" copies (a round trip of its own, in the
+  suite too);
 * the judging (`modules/p2p_causes.diagnose`, pure) on what was read, 100 times, the median;
 * a whole repair run (`pytest suites/p2p` from a pristine host), for scale.
 
@@ -35,6 +37,11 @@ from pytest_gpuhost.modules import p2p_causes, p2p_reports  # noqa: E402
 from tests.test_p2p_suite import NVIDIA, run_suite  # noqa: E402
 
 BUDGET_S = 1.0
+LINKS = [
+    f"/sys/bus/pci/devices/{b}/{n}"
+    for b in NVIDIA
+    for n in ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
+]
 
 
 def main() -> int:
@@ -65,6 +72,7 @@ def main() -> int:
                     [{"op": "facts", "names": ["p2p_causes"], "params": {}, "timeout": 60}]
                     + [dict(r) for r in p2p_causes.READS]
                 )
+                conn.call("read_files", paths=LINKS, reply_timeout=10)  # the links under load, its own trip
                 reads.append(time.perf_counter() - t0)
                 fact = replies[0]["p2p_causes"]
                 outs = p2p_causes.outputs(replies[1:])
