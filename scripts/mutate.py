@@ -395,6 +395,17 @@ MUTATIONS = (
         ("tests/test_backup_metadata_put_back.py",),
     ),
     Mutation(
+        "p2p-foreign-holder",
+        "a GPU held by a process the p2p run did not start fails 'gpus released': nothing is unbound",
+        "suites/p2p/prepare.py",
+        '        if holders:\n            parts.append("held by "',
+        '        if False:\n            parts.append("held by "',
+        (
+            "tests/test_p2p_causes_lab.py::"
+            "test_a_holder_the_run_did_not_start_fails_gpus_released_and_nothing_is_unbound",
+        ),
+    ),
+    Mutation(
         "reset-foreign-holder",
         "a GPU held by a process outside the inventory's services is never reset, nothing stopped",
         "suites/health/holders.py",

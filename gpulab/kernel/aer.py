@@ -66,8 +66,14 @@ def _count(state_dir: Path | None, bdf: str, key: str) -> int:
 
 
 def aer_text(state_dir: Path | None, bdf: str, name: str) -> str:
-    """Return what ``/sys/bus/pci/devices/BDF/NAME`` reads for one of the three AER files."""
+    """Return what ``/sys/bus/pci/devices/BDF/NAME`` reads for one of the three AER files.
+
+    ``surprise_down: N`` in the device's fault counts N fatal Surprise Down errors (SDES, bit 5 of
+    the uncorrectable status: ``aer_uncor_status: 0x00000020``; fatal by the default severity).
+    """
     key, names, total, where = FILES[name]
     n = _count(state_dir, bdf, key)
-    lines = [f"{e} {n if e == where else 0}" for e in names]
-    return "\n".join(lines) + f"\nTOTAL_{total} {n}\n"
+    sd = _count(state_dir, bdf, "surprise_down") if name == "aer_dev_fatal" else 0
+    counts = {e: (n if e == where else 0) + (sd if e == "SDES" else 0) for e in names}
+    lines = [f"{e} {c}" for e, c in counts.items()]
+    return "\n".join(lines) + f"\nTOTAL_{total} {n + sd}\n"

@@ -263,6 +263,8 @@ class SysfsTree:
     def _device(self, bdf: str, p: list[str]) -> Node | None:
         if not p:
             return _dir(lambda: sorted(self._device_names(bdf)))
+        if p[0] == "power" and self._is_bridge(bdf):
+            return self._power(bdf, p[1:])
         if len(p) == 1:
             return self._device_attr(bdf, p[0])
         if p[0] != "drm" or len(p) > 3:
@@ -293,6 +295,8 @@ class SysfsTree:
             return _ro(lambda: "0xa1\n")
         if name == "numa_node":
             return _ro(lambda: f"{f.numa_node}\n")
+        if name == "resource" and f.is_gpu:
+            return _ro(lambda: self._resource(bdf))
         if name == "enable":
             return _ro(lambda: "1\n" if m.driver[bdf] else "0\n")
         if name == "modalias":
@@ -350,6 +354,42 @@ class SysfsTree:
             return _dir(lambda: drm) if drm else None
         return None
 
+    def _is_bridge(self, bdf: str) -> bool:
+        return self.model.functions[bdf].klass.startswith("0x0604")
+
+    def _power(self, bdf: str, rest: list[str]) -> Node | None:
+        """A port's runtime PM (Documentation/ABI/testing/sysfs-devices-power): ``control`` auto lets it
+        suspend, on keeps it active (profile ``port_power_control``; default on)."""
+        control = str((self.model.profile.raw.get("port_power_control") or {}).get(bdf) or "on")
+        if not rest:
+            return _dir(lambda: ["control", "runtime_status"])
+        if rest == ["control"]:
+            return _ro(lambda: control + "\n")
+        if rest == ["runtime_status"]:
+            return _ro(lambda: "active\n")
+        return None
+
+    def _resource(self, bdf: str) -> str:
+        """sysfs ``resource`` of a GPU: start, end, flags per region (drivers/pci/pci-sysfs.c
+        resource_show); region 1 is BAR1, the framebuffer aperture, sized by the profile's
+        ``bar1_mib`` (default the power of two at or above the GPU's memory: Resizable BAR on)."""
+        prof = self.model.profile
+        mem = next((g.memory_mib for g in prof.gpus if g.bdf == bdf), 0)
+        full = 1 << max(mem - 1, 1).bit_length() if mem else 256
+        bar1 = int((prof.raw.get("bar1_mib") or {}).get(bdf) or full) << 20
+        bus = int(bdf[5:7], 16)
+        base0, base1 = 0xF0000000 - (bus << 24), (0x200000000000 + (bus << 40)) & 0xFFFFFFFFFFFF
+        regions = [
+            (base0, base0 + (16 << 20) - 1, 0x40200),  # BAR0: registers, 32-bit
+            (base1, base1 + bar1 - 1, 0x14220C),  # BAR1: 64-bit prefetchable
+            (0, 0, 0),
+            (base1 + bar1, base1 + bar1 + (32 << 20) - 1, 0x14220C),  # BAR3
+            (0, 0, 0),
+            (0x5000, 0x507F, 0x40101),  # BAR5: I/O
+            (0, 0, 0),
+        ]
+        return "".join(f"0x{a:016x} 0x{b:016x} 0x{f:016x}\n" for a, b, f in regions + [(0, 0, 0)] * 6)
+
     def _drm_nodes(self, bdf: str) -> list[str]:
         """Return ``cardN``/``renderD(128+N)`` of a GPU that nvidia-drm registered (modeset=Y)."""
         m = self.model
@@ -380,7 +420,9 @@ class SysfsTree:
         ]
         f = self.model.functions[bdf]
         if f.klass.startswith("0x0604"):
-            node_names += ["secondary_bus_number", "subordinate_bus_number"]
+            node_names += ["secondary_bus_number", "subordinate_bus_number", "power"]
+        if f.is_gpu:
+            node_names.append("resource")
         if f.link is not None:
             node_names += ["current_link_speed", "current_link_width", "max_link_speed", "max_link_width"]
         if self._has_aer(bdf):
@@ -394,9 +436,11 @@ class SysfsTree:
         return node_names
 
     def _has_aer(self, bdf: str) -> bool:
-        """NVIDIA GPUs (display/3D controllers) have the AER capability: the kernel shows aer_dev_*."""
+        """NVIDIA GPUs (display/3D controllers) and PCIe ports have the AER capability: the kernel shows aer_dev_*."""
         f = self.model.functions[bdf]
-        return f.vendor == "0x10de" and f.klass.startswith("0x03")
+        return (f.vendor == "0x10de" and f.klass.startswith("0x03")) or (
+            f.klass.startswith("0x0604") and f.link is not None
+        )
 
     def _uevent(self, bdf: str) -> str:
         f = self.model.functions[bdf]

@@ -19,6 +19,20 @@ and a root complex that routes them back down (``rc_routes_redirected_p2p``): pe
 while NCCL collectives over those hops hang, as operators of AMD hosts report
 (noonghunna/club-3090 PR #902; vllm-project/vllm#51513, root ports ``ReqRedir+ CmpltRedir+``).
 
+One variant per cause of slow or broken P2P besides the IOMMU (modules/p2p_causes.py; each
+behaviour is cited in docs/LAB-SOURCES.md):
+
+``rtx6000_small_bar1()``: Resizable BAR off, BAR1 256 MiB on every in-scope GPU (sysfs
+``resource`` region 1).
+``rtx6000_hmm_on()``: nvidia_uvm loaded with ``uvm_disable_hmm=N`` and NCCL's P2P collectives
+hanging while it is (``hmm_hangs_p2p``: the lab's all_reduce_perf).
+``rtx6000_port_pm()``: the ports above the in-scope GPUs with runtime PM ``auto`` (the kernel
+command line lacks ``pcie_port_pm=off``); a test adds the AER history (faults.json
+``surprise_down``).
+``rtx6000_cross_socket()``: GPUs 9a:00.0 and 9b:00.0 (NUMA node 1, the other socket) on nvidia
+too, so the in-scope pairs include cross-socket ones with their lower link model (30 GB/s).
+``rtx6000_all_causes()``: all of them at once on the seed's host.
+
 The profile loader checks the group numbers against what the kernel builds from the ACS bits
 (``gpulab.kernel.acs.check_groups``), so the variant cannot claim an isolation its ports lack.
 """
@@ -33,7 +47,18 @@ import yaml
 from gpulab.profiles.load import PROFILE_DIR, load_profile
 from gpulab.profiles.types import Profile
 
-__all__ = ["NO_ACS_PORT", "SHARED_GROUP", "rtx6000_acs_redirect_routed", "rtx6000_root_port_without_acs"]
+__all__ = [
+    "IN_SCOPE_PORTS",
+    "NO_ACS_PORT",
+    "SHARED_GROUP",
+    "rtx6000_acs_redirect_routed",
+    "rtx6000_all_causes",
+    "rtx6000_cross_socket",
+    "rtx6000_hmm_on",
+    "rtx6000_port_pm",
+    "rtx6000_root_port_without_acs",
+    "rtx6000_small_bar1",
+]
 
 BASE = "proxmox-rtx6000"
 NO_ACS_PORT = "0000:37:01.0"
@@ -98,3 +123,65 @@ def rtx6000_acs_redirect_routed() -> Profile:
         BASE,
         {"name": "rtx6000-acs-routed", "kernel_enables_acs": True, "rc_routes_redirected_p2p": True},
     )
+
+
+IN_SCOPE = ("0000:17:00.0", "0000:18:00.0", "0000:3a:00.0", "0000:3b:00.0")
+# the bridges above the four in-scope GPUs: root ports, switch up- and downstream ports
+IN_SCOPE_PORTS = (
+    "0000:14:01.0", "0000:15:00.0", "0000:16:00.0", "0000:16:01.0",
+    "0000:37:01.0", "0000:38:00.0", "0000:39:00.0", "0000:39:01.0",
+)  # fmt: skip
+CROSS = ("0000:9a:00", "0000:9b:00")  # GPUs 4 and 5 (NUMA node 1) taken from the VM
+
+
+def _small_bar1() -> dict[str, Any]:
+    return {"bar1_mib": dict.fromkeys(IN_SCOPE, 256)}
+
+
+def _hmm_on() -> dict[str, Any]:
+    return {"module_params": {"nvidia_uvm": {"uvm_disable_hmm": False}}, "hmm_hangs_p2p": True}
+
+
+def _port_pm() -> dict[str, Any]:
+    return {"port_power_control": dict.fromkeys(IN_SCOPE_PORTS, "auto")}
+
+
+def _cross_socket(data: dict[str, Any]) -> dict[str, Any]:
+    pci = copy.deepcopy(data["pci"])
+    for f in pci:
+        if f["bdf"][:-2] in CROSS:
+            f["driver"] = "nvidia" if f["bdf"].endswith(".0") else "snd_hda_intel"
+    services = copy.deepcopy(data["services"])
+    for sv in services:
+        if sv.get("kind") == "sglang":
+            sv["gpus"] = [*sv["gpus"], *(c + ".0" for c in CROSS)]
+    return {"pci": pci, "services": services}
+
+
+def rtx6000_small_bar1() -> Profile:
+    """The seed's host with Resizable BAR off: BAR1 256 MiB on the in-scope GPUs (96 GiB of memory)."""
+    return load_profile(BASE, {"name": "rtx6000-small-bar1", **_small_bar1()})
+
+
+def rtx6000_hmm_on() -> Profile:
+    """The seed's host with nvidia_uvm loaded with HMM (uvm_disable_hmm=N): P2P collectives hang."""
+    return load_profile(BASE, {"name": "rtx6000-hmm-on", **_hmm_on()})
+
+
+def rtx6000_port_pm() -> Profile:
+    """The seed's host with runtime PM on (auto) at every port above the in-scope GPUs."""
+    return load_profile(BASE, {"name": "rtx6000-port-pm", **_port_pm()})
+
+
+def rtx6000_cross_socket() -> Profile:
+    """The seed's host with GPUs 9a:00.0 and 9b:00.0 (the other socket) on nvidia: cross-socket pairs."""
+    data = yaml.safe_load((PROFILE_DIR / f"{BASE}.yaml").read_text())
+    return load_profile(BASE, {"name": "rtx6000-cross-socket", **_cross_socket(data)})
+
+
+def rtx6000_all_causes() -> Profile:
+    """The seed's host with every cause at once: IOMMU translated, small BAR1, HMM on, port PM on
+    (the collective does not hang here: the HMM hang is ``rtx6000_hmm_on``'s, so that a repair
+    run can show the rest converge)."""
+    over = {**_small_bar1(), **_hmm_on(), **_port_pm(), "hmm_hangs_p2p": False}
+    return load_profile(BASE, {"name": "rtx6000-all-causes", **over})

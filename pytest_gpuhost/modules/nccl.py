@@ -318,6 +318,7 @@ class Arm:
     tail: str = ""
     tool: str = ""  # what ran: all_reduce_perf, or torch.distributed and its interpreter (nccl_run.Tool)
     marker: str = ""  # GPUHOST_NCCL_RUN=TOKEN in the environment of this arm's processes
+    diag: list[str] = field(default_factory=list)  # NCCL's own "NCCL DIAG" report lines (NCCL >= 2.31)
 
     @property
     def transports(self) -> dict[str, int]:

@@ -223,6 +223,8 @@ def run_arm(tool: Tool, name: str, gpus: list[str], extra_env: dict[str, str], b
     arm.tail = (r.stdout + "\n" + r.stderr).strip()[-4000:]
     arm.result = nccl.parse_perf(r.stdout)
     arm.channels = nccl.parse_channels(r.stdout + "\n" + r.stderr)
+    # NCCL_RUN_DIAGNOSTICS=1 (NCCL 2.31+): the report is on rank 0's stdout, prefixed "NCCL DIAG"
+    arm.diag = [line for line in (r.stdout + "\n" + r.stderr).splitlines() if "NCCL DIAG" in line][:64]
     left = leftovers(tool, token)
     if left:
         conn.run(["kill", "-9", *map(str, left)], timeout=15)
@@ -233,7 +235,9 @@ def run_arm(tool: Tool, name: str, gpus: list[str], extra_env: dict[str, str], b
 
 def run_both(tool: Tool, gpus: list[str], bound: float) -> tuple[nccl.Arm, nccl.Arm]:
     """The P2P arm (NCCL as it chooses), then the control arm (NCCL_P2P_DISABLE=1), on ``gpus``."""
-    first = run_arm(tool, nccl.ARMS[0], gpus, {"NCCL_P2P_DISABLE": "0"}, bound)
+    # NCCL 2.31+ checks every P2P path it will use at communicator init and names a failing pair
+    # (NCCL user guide, Troubleshooting: Diagnostics); older releases ignore the variable
+    first = run_arm(tool, nccl.ARMS[0], gpus, {"NCCL_P2P_DISABLE": "0", "NCCL_RUN_DIAGNOSTICS": "1"}, bound)
     control = run_arm(tool, nccl.ARMS[1], gpus, dict(nccl.CONTROL_ENV), bound)
     return first, control
 

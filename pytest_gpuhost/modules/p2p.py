@@ -420,14 +420,24 @@ def judge(
     fraction: float = DEFAULT_FRACTION,
     topo: dict[tuple[str, str], str] | None = None,
     model: str = "",
+    placed: dict[frozenset[str], float] | None = None,
 ) -> list[PairVerdict]:
-    """Judge every ordered pair: threshold = min_gbps, else fraction x expected for that pair."""
+    """Judge every ordered pair: threshold = min_gbps, else fraction x expected for that pair.
+
+    `placed`: what a PCIe pair should reach from where it sits (modules/p2p_causes.py
+    `expectation`: same switch, same NUMA node, across NUMA nodes), which replaces the link's raw
+    rate as the expectation; NVLink pairs keep theirs.
+    """
     out = []
     for a in matrix.bdfs:
         for b in matrix.bdfs:
             if a == b:
                 continue
-            expected = expected_gbps(links.get(a, {}), links.get(b, {}), (topo or {}).get((a, b)), model)
+            link = (topo or {}).get((a, b))
+            expected = expected_gbps(links.get(a, {}), links.get(b, {}), link, model)
+            by_place = (placed or {}).get(frozenset((a, b)))
+            if by_place and not (link and link.startswith("NV")):
+                expected = by_place
             threshold = (
                 min_gbps if min_gbps is not None else (round(expected * fraction, 1) if expected else None)
             )

@@ -103,8 +103,17 @@ def parse_nvbandwidth_text(text: str) -> dict[str, BandwidthMatrix]:
             matrix = None
         elif _NVB_WAIVED.match(stripped):
             current_name, matrix = None, None
-        elif stripped.startswith(("memcpy ", "memory latency")) and "(" in stripped:
-            unit = "us" if "(us)" in stripped or "latency" in stripped else "GB/s"
+        elif (
+            stripped.startswith(("memcpy ", "memory latency", "Device to Device Latency")) and "(" in stripped
+        ):
+            # v0.8+ latency titles: "Device to Device Latency SM GPU(row) <-> GPU(column) (ns)"
+            unit = (
+                "ns"
+                if "(ns)" in stripped
+                else "us"
+                if "(us)" in stripped or "latency" in stripped
+                else "GB/s"
+            )
             header = lines[i + 1].split() if i + 1 < len(lines) else []
             if not header or not all(h.isdigit() for h in header):
                 raise ParseError(f"matrix header expected after {stripped!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_gpuhost.modules import nccl
+from pytest_gpuhost.modules import nccl, p2p_reports
 from pytest_gpuhost.modules.nccl_run import ARGS, NO_TOOL, TOOL, TORCH, find_tool, run_both, side
 from pytest_gpuhost.modules.service_env import ServiceEnv
 from pytest_gpuhost.run import evidence
@@ -27,7 +27,7 @@ from .service_env import (
     wants_unset,
 )
 
-__all__ = ["service_pythons", "step_p2p_collective"]
+__all__ = ["nccl_diagnostics", "service_pythons", "step_p2p_collective"]
 
 
 def service_pythons(run: P2PProcedure) -> list[tuple[Any, str, str]]:
@@ -36,6 +36,29 @@ def service_pythons(run: P2PProcedure) -> list[tuple[Any, str, str]]:
     if env is None:
         return []
     return [(run.svc_conn, path, f"the service's Python ({where})") for path, where in env.pythons]
+
+
+def nccl_diagnostics(arm: nccl.Arm) -> str:
+    """NCCL's own P2P check of the P2P arm (NCCL_RUN_DIAGNOSTICS=1), failing pairs named by PCI address.
+
+    Informational, as NCCL makes it: it does not fail the step (the collective's own verdict does).
+    A pair named by CUDA device or rank is mapped to the arm's GPUs: one process, `-g N`, so
+    rank i is the i-th GPU of CUDA_VISIBLE_DEVICES (PCI order).
+    """
+    d = p2p_reports.parse_nccl_diag("\n".join(arm.diag))
+    gpus = list(arm.gpus)
+
+    def name(x: str) -> str:
+        kind, _, n = x.partition(" ")
+        if kind in ("rank", "GPU") and n.isdigit() and int(n) < len(gpus):
+            return f"{gpus[int(n)]} ({x})"
+        return x
+
+    d.pairs = [(name(a), name(b)) for a, b in d.pairs]
+    version = arm.result.nccl_version or "unknown"
+    if not d.present:
+        return f"NCCL diagnostics: no report (NCCL {version}; the report needs NCCL 2.31 or later)"
+    return d.describe()
 
 
 def step_p2p_collective(run: P2PProcedure) -> Step:
@@ -75,13 +98,16 @@ def step_p2p_collective(run: P2PProcedure) -> Step:
                 ev.state(arm.name, side(arm), target=tool.conn.name)
             run.collective = (first, control)
             v = nccl.verdict(first, control)
+            diag = nccl_diagnostics(first)
             state: dict[str, Any] = {
                 "tool": tool.describe(),
                 "arms": [first.to_dict(), control.to_dict()],
                 "margin": nccl.P2P_OVER_CONTROL,
                 "verdict": v.summary,
+                "nccl_diagnostics": diag,
             }
-            base = Check(v.ok, v.summary, state)
+            ev.note(diag)
+            base = Check(v.ok, v.summary + ("; " + diag if "failing" in diag else ""), state)
         proven[:] = [base]
         return judged(env, base)
 

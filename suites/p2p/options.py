@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from pytest_gpuhost.modules import p2p_causes
 from pytest_gpuhost.run.options import BadValue, Option, number, read, register
 
 from .plan import parse_gpus_option
@@ -45,6 +46,31 @@ def _service(raw: Any) -> str:
     if unit.startswith("-"):  # it would reach systemctl as an option (-Hhost: --host=host)
         raise BadValue("a unit name does not start with '-'; give the unit, e.g. --service=sglang-qwen")
     return unit
+
+
+def _expect(raw: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in str(raw).split(","):
+        if not item.strip():
+            continue
+        place, _, frac = item.partition("=")
+        names = {k.lower(): k for k in p2p_causes.EXPECTATIONS}
+        place = names.get(place.strip().replace("-", " ").lower(), place.strip())
+        if place not in p2p_causes.EXPECTATIONS:
+            raise BadValue(
+                f"{place!r} is not a placement; give PLACE=FRACTION with PLACE one of "
+                + ", ".join(p.replace(" ", "-") for p in p2p_causes.EXPECTATIONS)
+            )
+        try:
+            value = float(frac)
+        except ValueError:
+            raise BadValue(
+                f"{item.strip()!r}: the fraction must be a number, e.g. same-numa-node=0.8"
+            ) from None
+        if not 0.01 <= value <= 1.0:
+            raise BadValue(f"{item.strip()!r}: the fraction must be between 0.01 and 1")
+        out[place] = value
+    return out
 
 
 def _opt(name: str, flag: str, metavar: str | None, help: str, **kw: Any) -> Option:
@@ -149,6 +175,16 @@ UNSET_SERVICE_ENV = _opt(
     default=_D.unset_service_env,
 )
 
+EXPECT = _opt(
+    "expect",
+    "--p2p-expect",
+    "PLACE=FRACTION,...",
+    "override the diagnosis's expected P2P per pair placement, as a fraction of the slower link's rate "
+    "(same-switch, same-root-port, same-NUMA-node, across-NUMA-nodes; defaults and their sources in "
+    "pytest_gpuhost/modules/p2p_causes.py EXPECTATIONS)",
+    parse=_expect,
+)
+
 OPTIONS: tuple[Option, ...] = (
     GPUS,
     STOP_TIMEOUT,
@@ -162,6 +198,7 @@ OPTIONS: tuple[Option, ...] = (
     LOCK_WAIT,
     NCCL_TIMEOUT,
     UNSET_SERVICE_ENV,
+    EXPECT,
 )
 
 
@@ -189,6 +226,7 @@ def validate(config: pytest.Config) -> None:
         unbind_timeout=value(UNBIND_TIMEOUT),
         nccl_timeout=value(NCCL_TIMEOUT),
         unset_service_env=bool(value(UNSET_SERVICE_ENV)),
+        expect=value(EXPECT) or {},
     )
 
 

@@ -18,6 +18,7 @@ from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
 from . import actions
+from .diagnosis import diagnosis_actions, uvm_problem, write_uvm_conf
 from .procedure import P2PProcedure
 from .service_env import adopt_env_journal
 
@@ -40,13 +41,18 @@ def planned_actions(run: P2PProcedure) -> list[Action]:
         Action("take the run lock", f"mkdir {run.journal.lock_path}", t, False),
         Action("write the journal", f"write {run.journal.path}", t, False),
     ]
+    # what the diagnosis found: nvidia_uvm's file written with the plan (before the collective
+    # it would hang), and what only the operator can do, named
+    diag = diagnosis_actions(run, run.diagnosis) if run.diagnosis is not None else []
+    if run.plan is not None and not run.plan.needs_repair:
+        return acts + diag
     acts += actions.stop_actions(run)
     acts += actions.release_actions(run)
     acts += actions.group_actions(run)
     acts += actions.bind_actions(run, all_functions=True)
     acts += actions.persist_actions(run)
     acts.append(actions.start_action(run))
-    return acts
+    return acts + diag
 
 
 def step_plan(run: P2PProcedure) -> Step:
@@ -64,11 +70,20 @@ def step_plan(run: P2PProcedure) -> Step:
         p2p_note = ""
         if run.before_ok is not None:
             p2p_note = "; P2P " + ("above" if run.before_ok else "below") + " threshold"
+        if run.diagnosis is not None:
+            p2p_note += "; " + run.diagnosis.summary()
+        uvm = uvm_problem(run)
         if not plan.needs_repair:
+            if uvm:
+                return Check(
+                    False, f"nvidia_uvm runs with HMM: {uvm}" + p2p_note, plan.to_dict() | {"uvm": uvm}
+                )
             return Check(
                 True, "nothing to repair: every in-scope group is identity" + p2p_note, plan.to_dict()
             )
-        if run.journal.held and run.journal.data.get("run_id") == run.journal.run_id:
+        if uvm:
+            p2p_note += f"; {uvm}"
+        elif run.journal.held and run.journal.data.get("run_id") == run.journal.run_id:
             return Check(
                 True, "repair planned; lock held; journal written: " + plan.summary(), plan.to_dict()
             )
@@ -84,6 +99,10 @@ def step_plan(run: P2PProcedure) -> Step:
         plan = run.make_plan()
         run.adopt_old_journal()
         if not plan.needs_repair:
+            if uvm_problem(run):  # HMM off for the next load of nvidia_uvm; nothing else to do
+                run.journal.data = {"procedure": "suites/p2p", "started": time.time(), "plan": plan.to_dict()}
+                run.journal.write(phase="planned")
+                write_uvm_conf(run)
             run.journal.release()
             return
         run.journal.data = {
@@ -106,6 +125,8 @@ def step_plan(run: P2PProcedure) -> Step:
             run.push_persistenced_undo()
         if any(f.current != f.driver for g in plan.groups for f in g.functions):
             run.push_rebind_undo()
+        if uvm_problem(run):
+            write_uvm_conf(run)
 
     return run.step("plan", check, lambda before: planned_actions(run), fix)
 

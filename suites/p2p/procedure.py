@@ -18,11 +18,11 @@ driver, whatever happened in between.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpuhost.errors import Unreachable
-from pytest_gpuhost.modules import acs, gpu, iommu, p2p, pci, service_env
+from pytest_gpuhost.modules import acs, gpu, iommu, p2p, p2p_causes, p2p_reports, pci, service_env
 from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
@@ -34,7 +34,8 @@ from .plan import P2PPlan, make_plan, redirect_advice
 __all__ = ["HOST_FACTS", "P2POptions", "P2PProcedure"]
 
 # pci_paths: the ports above each GPU with their ACS bits (why a group is shared; ACS redirect)
-HOST_FACTS = ("gpus", "gpu_holders", "persistence", "host_info", "nvidia_smi_gpus", "pci_paths")
+# p2p_causes: BAR1, NUMA, links, ports' power management and AER, nvidia_uvm's HMM (the diagnosis)
+HOST_FACTS = ("gpus", "gpu_holders", "persistence", "host_info", "nvidia_smi_gpus", "pci_paths", "p2p_causes")
 QUICK = 10.0  # seconds to wait for a reply to a small metadata op (readlink, journal, lock)
 
 
@@ -62,6 +63,8 @@ class P2POptions:
     nccl_timeout: float = 120.0
     # the service's own NCCL_P2P_DISABLE / NCCL_P2P_LEVEL: reported; unset only when asked
     unset_service_env: bool = False
+    # the operator's expectation per pair placement (modules/p2p_causes.py EXPECTATIONS), as fractions
+    expect: dict[str, float] = field(default_factory=dict)
 
 
 def _texts(reply: Any) -> dict[str, str | None]:
@@ -104,6 +107,10 @@ class P2PProcedure(Procedure):
         self.module_files: dict[str, str | None] = {}  # nvidia_drm/nvidia_uvm files (kernel-side holders)
         self.service_env: service_env.ServiceEnv | None = None  # what the service set, read in step 1
         self.unset_names: list[str] = []  # what this run's drop-in unsets (suites/p2p/service_env.py)
+        self.diag_raw: dict[
+            str, str
+        ] = {}  # the diagnosis's command outputs from step 1 (suites/p2p/diagnosis.py)
+        self.diagnosis: p2p_causes.Diagnosis | None = None
 
     # ------------------------------------------------------------------ facts and plan
 
@@ -120,6 +127,7 @@ class P2PProcedure(Procedure):
                 {"op": "read_files", "paths": [iommu.SNP_PARAM, *gpu.MODULE_FILES], "timeout": 5},
                 {"op": "run", "argv": ["dmesg"], "timeout": 20, "max_output": 4 << 20},
                 {"op": "glob", "pattern": "/sys/class/iommu/*", "timeout": 5},
+                *[dict(r) for r in p2p_causes.READS],
             ]
         replies = self.conn.batch(requests)
         if isinstance(replies[0], Exception):
@@ -130,6 +138,7 @@ class P2PProcedure(Procedure):
         self.boot_record = persist.recorded_functions(script.get("data", "")) if "data" in script else {}
         if kernel_side:
             self._kernel_facts(*replies[3:6])
+            self.diag_raw = p2p_causes.outputs(replies[6:])
         return self.facts
 
     def _kernel_facts(self, files: Any, dmesg: Any, classes: Any) -> None:
@@ -252,6 +261,8 @@ class P2PProcedure(Procedure):
                 )
         if plan.redirects:
             ev.note("ACS redirect: " + redirect_advice(plan.redirects))
+        if plan.gpus:
+            self.diagnose()  # before the measurement: its expectations are step 6's thresholds
         try:
             self.service_state = self.service.state()
         except (ServiceError, ProcedureError) as exc:
@@ -267,9 +278,57 @@ class P2PProcedure(Procedure):
             index = self.smi_index()
             self.topo = p2p.topology(self.conn, plan.gpus, index)
             self.before = p2p.measure_anywhere(self.measure_conns(), plan.gpus, index=index)
+            if self.diagnosis is not None:
+                self.diagnose(self.links_under_load())  # right after the copies: the links as trained
             self.before_ok = all(v.ok for v in self.judge(self.before))
             self.record_matrix("P2P bandwidth before", self.before)
+        if self.diagnosis is not None:
+            self.record_diagnosis()
         return plan
+
+    def links_under_load(self) -> dict[str, dict[str, Any]]:
+        """Each in-scope GPU's link read right after a measurement loaded it (one read)."""
+        assert self.plan is not None
+        names = ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
+        paths = [f"{pci.DEVICES}/{b}/{n}" for b in self.plan.gpus for n in names]
+        try:
+            text = _texts(self.conn.call("read_files", paths=paths, reply_timeout=QUICK))
+        except Unreachable:
+            return {}
+        out = {}
+        for b in self.plan.gpus:
+            link = {n: (text.get(f"{pci.DEVICES}/{b}/{n}") or "").strip() for n in names}
+            if link["current_link_speed"] and link["current_link_width"]:
+                out[b] = link
+        return out
+
+    def diagnose(self, loaded: dict[str, dict[str, Any]] | None = None) -> p2p_causes.Diagnosis:
+        """Every cause of slow or broken P2P, judged from step 1's facts (and the links under load)."""
+        assert self.plan is not None
+        plan, raw = self.plan, self.diag_raw
+        smi = {k: v for k, v in p2p_reports.parse_smi_bar1(raw.get("smi_q") or "").items() if ":" in k}
+        self.diagnosis = p2p_causes.diagnose(
+            self.facts.get("p2p_causes"),
+            list(plan.gpus),
+            group_types={g.bdf: g.group_type for g in self.gpus() if g.bdf in plan.gpus},
+            redirects=plan.redirects,
+            p2p_rw=p2p_causes.p2p_rw(raw, self.smi_index() or {}),
+            smi_bar1=smi,
+            loaded_links=loaded or None,
+            overrides=self.opts.expect or None,
+            excluded=plan.excluded,
+        )
+        return self.diagnosis
+
+    def record_diagnosis(self) -> None:
+        """The diagnosis table in step 1's evidence, its summary, one note per cause found."""
+        d = self.diagnosis
+        assert d is not None
+        ev = evidence.current()
+        ev.state("P2P diagnosis", d.table(), target=self.conn.name)
+        ev.note(d.summary())
+        for c in d.found:
+            ev.note(f"{c.cause} ({c.where}): {c.fact}; fix: {c.fix} [{c.who}]")
 
     def read_service_env(self) -> service_env.ServiceEnv | None:
         """What the service and its processes set that keeps NCCL off P2P (None: its side did not answer)."""
@@ -307,6 +366,9 @@ class P2PProcedure(Procedure):
             fraction=self.opts.fraction,
             topo=self.topo,
             model=self.plan.model,
+            placed={frozenset((e.a, e.b)): e.gbps for e in self.diagnosis.pairs if e.gbps}
+            if self.diagnosis
+            else None,
         )
 
     def record_matrix(self, name: str, matrix: p2p.P2PMatrix) -> None:

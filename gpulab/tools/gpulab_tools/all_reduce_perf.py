@@ -30,6 +30,9 @@ How it behaves, and the reports each behaviour stands for:
   where the driver advertises peer access but the fabric drops the writes (translated IOMMU,
   ACS): NVIDIA/nccl#257 (fixed by ``intel_iommu=off``), NVIDIA/nccl-tests#117 (output stops after
   the column header), NVIDIA/nccl#1999, vllm-project/vllm#51513.
+- Profile ``hmm_hangs_p2p``: a run with a P2P hop hangs as above while nvidia_uvm runs with HMM
+  (``/sys/module/nvidia_uvm/parameters/uvm_disable_hmm`` not Y): "without this, NCCL P2P
+  operations lock up" (voipmonitor/rtx6kpro ``hardware/pcie-bandwidth.md``, RTX PRO 6000 hosts).
 - Fault ``nccl_wrong`` (a number of elements, default 1024 when true): a run with a P2P hop
   completes but every line from 1 MiB up has that many wrong elements out of place, ``Out of
   bounds values`` counts them FAILED and the tool exits 1 (NVIDIA/nccl-tests#131, 2 GPUs behind a
@@ -53,7 +56,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))
 
-from gpulab_tools import GpuView, Host  # noqa: E402
+from gpulab_tools import GpuView, Host, path, read  # noqa: E402
 
 TESTS_VERSION = "2.19.6"
 NCCL_CODE = 22809  # NCCL 2.28.9: SHM lines are still "SHM/direct/direct" (changed in 2.30.7)
@@ -214,7 +217,7 @@ def main(argv: list[str]) -> int:
     out.flush()
     faults = host.faults
     via_p2p = any(h[2].startswith("P2P") for h in hops)
-    if via_p2p and (redirected or fault_gpus(faults.get("nccl_hang"), ranks)):
+    if via_p2p and (redirected or fault_gpus(faults.get("nccl_hang"), ranks) or hmm_hangs(host)):
         while True:  # the kernels wait for peer writes that never arrive
             time.sleep(3600)
     wrong_fault = faults.get("nccl_wrong") if via_p2p else None
@@ -250,6 +253,16 @@ def main(argv: list[str]) -> int:
     out.write("# Collective test concluded: all_reduce_perf\n#\n")
     out.flush()
     return 1 if errors else 0
+
+
+def hmm_hangs(host: Host) -> bool:
+    """HMM in nvidia_uvm locks up NCCL P2P on multi-GPU RTX PRO 6000 hosts (voipmonitor/rtx6kpro
+    hardware/pcie-bandwidth.md: ``uvm_disable_hmm=1`` "required on virtually all RTX PRO 6000
+    multi-GPU setups"): profile ``hmm_hangs_p2p``, while the loaded module's parameter is not Y."""
+    if not host.profile.get("hmm_hangs_p2p"):
+        return False
+    value = (read(path("sys/module/nvidia_uvm/parameters/uvm_disable_hmm")) or "").strip()
+    return value not in ("Y", "1")
 
 
 def fmt(value: float, width: int) -> str:

@@ -501,6 +501,15 @@ def query_all(host: Host, ids: str | None) -> None:
         kv("Total", f"{g.memory_total} MiB", 8)
         kv("Used", f"{g.memory_used} MiB", 8)
         kv("Free", f"{g.memory_total - g.memory_used} MiB", 8)
+        # BAR1: as the lab's sysfs `resource` region 1 (profile bar1_mib; default the power of two
+        # at or above the memory, Resizable BAR on); nvidia-smi(1) "BAR1 Memory Usage"
+        bar1 = int(
+            (host.profile.get("bar1_mib") or {}).get(g.bdf) or 1 << max(g.memory_total - 1, 1).bit_length()
+        )
+        o.append("    BAR1 Memory Usage")
+        kv("Total", f"{bar1} MiB", 8)
+        kv("Used", "1 MiB", 8)
+        kv("Free", f"{bar1 - 1} MiB", 8)
         o.append("    ECC Errors")
         o.append("        Volatile")
         kv("DRAM Correctable", h.get("ecc_corrected", 0), 12)
@@ -668,6 +677,8 @@ def main(argv: list[str]) -> int:
             mode = "list"
         elif a in ("-q", "--query"):
             mode = "query"
+        elif a in ("-d", "--display") and nxt:  # -q -d MEMORY: the lab prints the whole -q (a superset)
+            i += 1
         elif a.startswith("--query-gpu="):
             qgpu = a.split("=", 1)[1]
         elif a == "--query-gpu" and nxt:
