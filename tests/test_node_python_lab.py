@@ -137,8 +137,9 @@ def test_a_node_without_python_is_one_line_in_the_evidence(lab: Any, tmp_path: P
     assert "node_python" not in conn, conn
     assert "Traceback" not in proc.stdout and "During handling" not in proc.stdout
     # what the operator reads: the line, whole, once per host in each part of the output (the
-    # errors, the fleet summary, the answer), never once per check: the other checks refer to it
-    assert 1 <= proc.stdout.count(NONE) <= 3, proc.stdout
+    # errors, pytest's short summary, which CI=true leaves untruncated, the fleet summary, the
+    # answer), never once per check: the other checks refer to it
+    assert 1 <= proc.stdout.count(NONE) <= 4, proc.stdout
     assert proc.stdout.count(f"{h.address}: facts not read (AgentError, said at its first check)") >= 26
     page = (tmp_path / "py.html").read_text()
     assert "no usable Python: python3 absent" in page
