@@ -8,9 +8,14 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 MOTO_PID=
+# What the check-only health run keeps between runs (modules/health/controller_state.py) is about
+# lab hosts that are gone when the demo ends: kept in a folder of the demo's own, removed at exit.
+GPUHOST_CONTROLLER_STATE_DIR=$(mktemp -d /tmp/gpuhost-demo-state.XXXXXX)
+export GPUHOST_CONTROLLER_STATE_DIR
 cleanup() {
   [[ -n $MOTO_PID ]] && kill "$MOTO_PID" 2>/dev/null || true
   $PY -m gpulab down --all --match demo- >/dev/null 2>&1 || true
+  rm -rf "$GPUHOST_CONTROLLER_STATE_DIR"
 }
 trap cleanup EXIT
 $PY -m gpulab down --all --match demo- >/dev/null 2>&1 || true   # a crashed demo's leftovers
