@@ -40,7 +40,7 @@ PYEOF
 $PY -m gpulab up b200-nvl8 --name demo-b200
 read -r -a B200_ARGS <<<"$($PY -m gpulab pytest-args demo-b200)"
 $PY -m pytest suites/decommission "${B200_ARGS[@]}" --manifest=fixtures/manifests/b200-node-backup.yaml \
-  --backup-dir="backups/demo-b200" --backup-to="s3://node-handback/demo-b200" \
+  --backup-dir="backups/demo-b200-$STAMP" --backup-to="s3://node-handback/demo-b200" \
   --s3-endpoint="http://127.0.0.1:$PORT" --report-name="decommission-demo-b200-$STAMP" -p no:cacheprovider || DEC_RC=$?
 
 echo "== 3/3 Fleet health check of both hosts (suites/health, check only, two workers)"
@@ -54,5 +54,5 @@ rm -f "$KH"
 echo
 echo "Reports:"
 ls -1 reports/*"$STAMP"*.html 2>/dev/null | sed 's/^/  /'
-echo "Backup: backups/demo-b200"
+echo "Backup: backups/demo-b200-$STAMP"
 exit $(( ${P2P_RC:-0} || ${DEC_RC:-0} ))
