@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from .accept import options as accept_options
 from .decommission import options as decommission_options
 from .health import options as health_options
 from .p2p import options as p2p_options
 
-_SUITES = (p2p_options, decommission_options, health_options)
+_SUITES = (p2p_options, decommission_options, health_options, accept_options)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
