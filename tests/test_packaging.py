@@ -80,7 +80,12 @@ def test_imports_come_from_the_venv_not_the_checkout(installed: Installed) -> No
 
 def test_pyargs_registers_the_suites_options(installed: Installed) -> None:
     """`--pyargs gpuhost_suites.NAME` knows the suites' options and ini values, and checks them."""
-    for suite, option in (("health", "--fix"), ("p2p", "--gpus"), ("decommission", "--manifest"), ("accept", "--order")):
+    for suite, option in (
+        ("health", "--fix"),
+        ("p2p", "--gpus"),
+        ("decommission", "--manifest"),
+        ("accept", "--order"),
+    ):
         r = installed.run("pytest", "--pyargs", f"gpuhost_suites.{suite}", "--help")
         assert r.returncode == 0 and option in r.stdout, (suite, r.stdout[-2000:], r.stderr)
     r = installed.run("pytest", "--pyargs", "gpuhost_suites.health", "--host=local://", "--fix=bogus", "--co")
