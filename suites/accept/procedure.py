@@ -56,6 +56,7 @@ class AcceptProcedure:
         self.items: list[Item] = []
         self.outcomes: dict[str, str] = {}  # step -> passed / failed / skipped / cannot see
         self.summaries: dict[str, str] = {}  # step -> its one line, for the verdict
+        self.notes: list[str] = []  # said with the verdict, not reasons to reject
         self._facts: dict[str, Any] | None = None
 
     def health_facts(self) -> dict[str, Any]:
@@ -98,6 +99,7 @@ class AcceptProcedure:
             "order": {f.name: _plain(getattr(self.order, f.name)) for f in fields(self.order)},
             "items": [asdict(i) for i in self.items],
             "steps": dict(self.outcomes),
+            "notes": list(self.notes),
         }
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=1) + "\n")

@@ -109,15 +109,16 @@ def step_health(proc: AcceptProcedure) -> Remediation:
             evidence.current().state(f"health {c.name}", v.as_dict(), target=proc.name)
             if v.cannot_see:
                 unseen.append(f"{c.name} ({v.cannot_see})")
+            elif not v.ok and v.skip is None and c.fix:
+                # a setting the renter can make safely (the check's declared fix): said, not a rejection
+                proc.notes.append(f"{c.name}: {v.summary} (yours to fix: pytest suites/health --fix={c.fix})")
             elif not v.ok and v.skip is None:
                 failed.append(f"{c.name}: {v.summary}")
                 for r in v.reasons[:5]:
                     evidence.current().note(f"{c.name}: {r}")
             elif v.ok and v.skip is None:
                 passed += 1
-        found = (
-            "; ".join(failed) if failed else f"{passed} of {len(hm.DECLARED)} passed, the rest not applicable"
-        )
+        found = "; ".join(failed) or f"{passed} of {len(hm.DECLARED)} passed, the rest not applicable"
         items = [proc.promise("health", "health checks", "every check passes", found, not failed)]
         if unseen:
             evidence.current().note("health: cannot see " + "; ".join(unseen))
@@ -207,10 +208,7 @@ def step_data_volume(proc: AcceptProcedure) -> Remediation:
             items.append(p("data_volume", "free space", f">= {o.free_gib:g} GiB", f"{r.free / GIB:.1f} GiB",
                            r.free >= o.free_gib * GIB))  # fmt: skip
         if o.write_mb_s is not None and proc.check_only:
-            evidence.current().note("data volume: write throughput not measured: --check-only writes nothing")
-            proc.summaries["data_volume_write"] = (
-                "write throughput not measured (--check-only writes nothing)"
-            )
+            proc.notes.append("write throughput not measured (--check-only writes nothing)")
         elif o.write_mb_s is not None:
             got = (
                 f"{r.write_mb_s:.0f} MB/s ({r.written >> 20} MiB, fsync'd)"

@@ -44,8 +44,7 @@ def step_verdict(proc: AcceptProcedure) -> Remediation:
             [i.item, i.promised, i.found, "yes" if i.ok else "NO"] for i in proc.items
         ]
         details = reasons(proc) or [f"{len(proc.items)} promises kept"]
-        if proc.check_only and "data_volume_write" in proc.summaries:
-            details.append(proc.summaries["data_volume_write"])
+        details += proc.notes
         evidence.current().answer(proc.name, ok, line, details, table)
         path = proc.write_evidence(Path(proc.root), line)
         evidence.current().note(f"promised vs found: {path}")
