@@ -7,10 +7,14 @@ reads the verdict from the answer on the terminal and from the promised-vs-found
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +134,56 @@ def test_check_only_writes_nothing_on_the_node(b200, tmp_path):
     assert "write throughput not measured (--check-only writes nothing)" in out, out[-3000:]
     assert "write throughput" not in {i["item"] for i in data["items"]}
     assert diff(before, host_snapshot(b200)) == []
+
+
+@contextlib.contextmanager
+def slow_volume(h: Any, at: str, write_bps: int) -> Iterator[None]:
+    """Mount a volume at `at` on the host that takes `write_bps` bytes/s (gpulab/kernel/slowfs.py).
+
+    The FUSE daemon runs in the host's mount namespace (nsenter; the lab's own Python is under
+    the host's root, gpulab/host/lab.py: the overlay's lower layer is this machine's /), with
+    /dev/fuse made in the host's /dev for the time of the block.
+    """
+    fuse = h.dir / "dev" / "fuse"
+    os.mknod(fuse, 0o600 | stat.S_IFCHR, os.makedev(10, 229))  # /dev/fuse: misc 229 (devices.txt)
+    assert h.ssh(["mkdir", "-p", at, "/var/tmp/slow-backing"]).returncode == 0
+    ns = ["nsenter", "-t", str(h.init_pid()), "-m", "--"]
+    argv = [
+        *ns,
+        sys.executable,
+        "-m",
+        "gpulab.kernel.slowfs",
+        "--backing=/var/tmp/slow-backing",
+        f"--mount={at}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([*argv, f"--write-bps={write_bps}"], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 20
+        while (
+            h.ssh(["stat", "-f", "-c", "%T", at]).stdout.strip() != "fuseblk"
+            and not h.ssh(["sh", "-c", f"stat -f -c %T {at} | grep -q fuse"]).returncode == 0
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, "slowfs did not mount"
+            time.sleep(0.2)
+        yield
+    finally:
+        subprocess.run([*ns, "umount", at], check=False)
+        proc.wait(timeout=20)
+        fuse.unlink()
+
+
+def test_a_really_slow_data_volume_is_rejected_naming_the_throughput(b200, tmp_path):
+    """A data volume that takes 4 MiB/s (a FUSE volume that paces writes); the order asks 50 MB/s."""
+    b200.reset()
+    with slow_volume(b200, "/srv/slow", 4 << 20):
+        r, data = accept(b200, tmp_path, order(tmp_path, disk={"path": "/srv/slow"}))
+        left = b200.ssh(["ls", "-A", "/srv/slow"]).stdout.split()
+    out = r.stdout + r.stderr
+    it = _item(data, "write throughput")
+    assert r.returncode == 1, (it, out[-5000:])
+    assert not it["ok"], it
+    mb_s = float(it["found"].split()[0])
+    assert 2 < mb_s < 5, it  # 4 MiB/s = 4.2 MB/s, not the page cache's speed
+    assert f"write throughput: promised >= 50 MB/s, found {it['found']}" in data["verdict"], data
+    assert left == []  # the scratch file was removed
