@@ -128,12 +128,16 @@ def test_a_slow_disk_is_rejected_naming_the_throughput(b200, tmp_path):
 def test_check_only_writes_nothing_on_the_node(b200, tmp_path):
     b200.reset()
     before = settled_snapshot(b200)
+    # a file made and removed again leaves no file behind, but the directory's change time moves
+    times = ["stat", "-c", "%.9Y %.9Z", "/data"]
+    stamp = b200.ssh(times).stdout
     r, data = accept(b200, tmp_path, order(tmp_path), "--check-only")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     assert "write throughput not measured (--check-only writes nothing)" in out, out[-3000:]
     assert "write throughput" not in {i["item"] for i in data["items"]}
     assert diff(before, host_snapshot(b200)) == []
+    assert b200.ssh(times).stdout == stamp
 
 
 @contextlib.contextmanager
