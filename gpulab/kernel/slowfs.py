@@ -3,9 +3,9 @@
 Run: ``python -m gpulab.kernel.slowfs --backing DIR --mount DIR --write-bps N`` (foreground).
 Every file operation passes through to ``DIR``; each write is held until the volume's rate
 allows it (one token bucket for the whole volume, what a throttled or failing device gives),
-so a writer measures ``N`` bytes/s whatever the page cache would have given: FUSE without
-``writeback_cache`` sends every write(2) to the daemon before it returns (libfuse, "direct_io"
-and "writeback_cache" in fuse(4) and libfuse's fuse_common.h). Used by tests/test_accept_lab.py
+so a writer measures ``N`` bytes/s whatever the page cache would have given: mounted with
+``direct_io``, "the page cache is completely bypassed for reads and writes" (the kernel's
+Documentation/filesystems/fuse-io.rst), each write(2) waits for the daemon. Used by tests/test_accept_lab.py
 ("a really slow data volume"), mounted under a lab host's root so the host sees it (docs/accept.md).
 """
 
