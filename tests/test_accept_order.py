@@ -90,3 +90,24 @@ def test_a_bad_order_refuses_the_run_with_exit_4_before_any_node(tmp_path: Path)
         argv[:5] + argv[6:], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
     )
     assert r.returncode == 4 and "gpuhost: no order: pass --order=PATH" in r.stderr, r.stderr
+
+
+def test_the_verdict_names_every_broken_promise_and_every_step_that_proved_nothing() -> None:
+    from types import SimpleNamespace
+
+    from suites.accept.options import AcceptOptions
+    from suites.accept.procedure import AcceptProcedure
+    from suites.accept.verdict import verdict_line
+
+    node = SimpleNamespace(name="n1", conn=None, vars={})
+    proc = AcceptProcedure(node, load_order(EXAMPLE), AcceptOptions(), check_only=False)
+    proc.promise("gpus", "GPU count", 8, 8, True)
+    proc.outcomes.update(gpus="passed", s3="skipped")
+    assert verdict_line(proc) == "ACCEPT"
+    proc.promise("data_volume", "write throughput", ">= 50 MB/s", "4 MB/s", False)
+    proc.outcomes.update(data_volume="failed", interconnect="cannot see", health="failed")
+    proc.summaries.update(interconnect="no P2P bandwidth tool", health="Unreachable: n1: connection refused")
+    assert verdict_line(proc) == (
+        "REJECT: write throughput: promised >= 50 MB/s, found 4 MB/s; "
+        "interconnect: cannot see: no P2P bandwidth tool; health: failed: Unreachable: n1: connection refused"
+    )

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuhost.redact import printable
+from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run.remediation import Remediation, WouldFix
 from pytest_gpuhost.run.targets_stash import targets_key
 
 from . import options
 from .order import Order, OrderError, load_order
-from .procedure import AcceptProcedure
+from .procedure import AcceptProcedure, Observation
 
 _ORDER = pytest.StashKey[Order]()
 
@@ -68,13 +68,20 @@ def step(accept: AcceptProcedure, remediate: Any) -> Any:
         try:
             out = remediate(rem)
         except pytest.skip.Exception:
-            accept.outcomes[name] = "skipped"
+            seen = rem.seen if isinstance(rem, Observation) else None
+            if seen is not None and seen.cannot_see:  # nothing proved: the verdict cannot accept
+                accept.outcomes[name] = "cannot see"
+                accept.summaries.setdefault(name, seen.cannot_see)
+            else:
+                accept.outcomes[name] = "skipped"
             raise
         except WouldFix:
             accept.outcomes[name] = "would fix"
             raise
-        except BaseException:
+        except BaseException as exc:
             accept.outcomes[name] = "failed"
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            accept.summaries.setdefault(name, printable(redact(first))[:300])
             raise
         accept.outcomes[name] = out.outcome
         return out

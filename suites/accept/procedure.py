@@ -123,6 +123,11 @@ class Observation(Remediation):
         self._read = read
         self._seen: Check | None = None
 
+    @property
+    def seen(self) -> Check | None:
+        """The check's result once it ran."""
+        return self._seen
+
     def check(self) -> Check:
         if self._seen is None:
             self._seen = self._read()
