@@ -58,16 +58,27 @@ class AcceptProcedure:
         self.summaries: dict[str, str] = {}  # step -> its one line, for the verdict
         self.notes: list[str] = []  # said with the verdict, not reasons to reject
         self._facts: dict[str, Any] | None = None
+        self._facts_error: Exception | None = None
 
     def health_facts(self) -> dict[str, Any]:
-        """The node's health facts, read in one agent request on first use (as suites/health does)."""
+        """The node's health facts, read in one agent request on first use (as suites/health does).
+
+        A node that cannot be read fails every step that asks with the same error, at once,
+        instead of another connect timeout each.
+        """
+        if self._facts_error is not None:
+            raise self._facts_error
         if self._facts is None:
             names = health_facts.fact_names(None)
             timeout = float(self.thresholds["probe_timeout"])
             bound = timeout * 3 + 10 + (timeout * 4 + 10) * (len(names) - 1)
-            reply = self.conn.call(
-                "facts", names=names, params=hm.probe_params(self.thresholds), reply_timeout=bound
-            )
+            try:
+                reply = self.conn.call(
+                    "facts", names=names, params=hm.probe_params(self.thresholds), reply_timeout=bound
+                )
+            except Exception as exc:
+                self._facts_error = exc
+                raise
             self._facts = health_facts.merge(reply)
         return self._facts
 
