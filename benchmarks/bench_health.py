@@ -46,7 +46,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import health_pdsh  # noqa: E402  (beside this file)
 from health_cpu import CGROUP_ROOTS, CpuAccount, cpu_now, cpu_since  # noqa: E402  (beside this file)
+from health_phases import phases  # noqa: E402  (beside this file)
 from proc_acct import Accounting, cgroup_pids, summary  # noqa: E402  (beside this file)
 
 from gpulab.host.lab import CLIENT_KEY, Lab, LabError, LabHost  # noqa: E402
@@ -242,7 +244,7 @@ def run(
     took = time.monotonic() - t0
     if acct and ACCT is not None:
         ACCT[:] = summary(acct.records, {"pytest": {os.getpid()}, "lab hosts": lab_pids})
-        name = "ours" if "suites/health" in argv else "testinfra"
+        name = "ours" if "suites/health" in argv else argv[0] if argv[0] == "pdsh" else "testinfra"
         print(
             f"    exited processes ({name}, {len(hosts or [])} hosts, {took:.2f} s), CPU-s/count:", flush=True
         )
@@ -256,14 +258,21 @@ def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: b
     write_inventory(inv, hosts)
     summary = tmp / f"ours-{len(hosts)}-{reports}.json"
     report_dir = str(tmp) if reports else "none"
+    record = tmp / f"phases-{len(hosts)}-{reports}-{workers}.jsonl"
+    record.unlink(missing_ok=True)
+    # health_phases (beside this file, a -p plugin) stamps each pytest process's phases into `record`
+    env = dict(os.environ, GPUHOST_PHASES=str(record), PYTHONPATH=str(Path(__file__).parent))
+    t0 = time.time()
     took, out, rc, cpu = run(
         [
-            sys.executable, "-m", "pytest", "suites/health", "-q", *UNRELATED, "-o", "addopts=",
+            sys.executable, "-m", "pytest", "suites/health", "-q", *UNRELATED, "-o", "addopts=", "-p", "health_phases",
             f"--inventory={inv}", f"--ssh-identity={CLIENT_KEY}", f"--known-hosts={known}", "--check-only",
             "-n", str(workers), f"--report-dir={report_dir}", f"--fleet-json={summary}",
         ],
+        env=env,
         hosts=[e.host for e in hosts],
     )  # fmt: skip
+    t_end = time.time()
     data = json.loads(summary.read_text())
     bad = {h: v["status"] for h, v in data["hosts"].items() if v["status"] != "ok"}
     if rc != 0 or bad:
@@ -271,7 +280,9 @@ def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: b
         raise SystemExit(f"suites/health did not pass on healthy lab hosts: rc={rc} {bad}")
     facts = [v["round_trips"] for v in data["hosts"].values()]
     conn = [v["conn_round_trips"] for v in data["hosts"].values()]
-    return {"wall": took, "facts_rt": max(facts), "conn_rt": max(conn), "cpu": cpu}
+    return {
+        "wall": took, "facts_rt": max(facts), "conn_rt": max(conn), "cpu": cpu, "phases": phases(record, t0, t_end)
+    }  # fmt: skip
 
 
 def baseline(tmp: Path, hosts: list[Endpoint], workers: int) -> dict[str, Any]:
@@ -327,8 +338,9 @@ def main() -> int:
     )
     ap.add_argument(
         "--suites",
-        default="ours,reports,testinfra",
-        help="which runs to time: ours (no reports), reports (ours with reports), testinfra (default all three)",
+        default="ours,reports,testinfra,pdsh",
+        help="which runs to time: ours (no reports), reports (ours with reports), testinfra, pdsh, inproc "
+        "(ours with reports, -n 0: no xdist workers); default all but inproc; pdsh is left out where it is not installed",
     )
     ap.add_argument(
         "--acct",
@@ -338,13 +350,16 @@ def main() -> int:
     args = ap.parse_args()
     global ACCT
     ACCT = [] if args.acct else None
-    wanted = {"ours": "o", "reports": "r", "testinfra": "b"}
+    wanted = {"ours": "o", "reports": "r", "testinfra": "b", "pdsh": "p", "inproc": "i"}
     try:
         kinds = {wanted[k.strip()] for k in args.suites.split(",")}
     except KeyError as exc:
         raise SystemExit(
-            f"bench_health: --suites {args.suites!r}: unknown {exc}; use ours, reports, testinfra"
+            f"bench_health: --suites {args.suites!r}: unknown {exc}; use ours, reports, testinfra, pdsh"
         ) from None
+    if "p" in kinds and health_pdsh.available() is None:
+        print("bench_health: pdsh not installed (Debian package pdsh; scripts/setup.sh): no pdsh baseline")
+        kinds.discard("p")
     sizes = [1, 2] if args.smoke else sorted({int(s) for s in args.sizes.split(",")})
     workers = 2 if args.smoke else args.workers
     lab = Lab()
@@ -409,25 +424,41 @@ def main() -> int:
                 f"first night (no gpuhost state on the hosts yet), {len(eps)} hosts: {first_night['wall']:.2f} s"
             )
             rows = []
+            pdsh_goals: list[tuple[str, bool]] = []
             for n in sizes:
                 # Like for like first (the testinfra suite writes no report), then with ours'
                 # pytest-html report, JSON evidence and JUnit, as a nightly run writes them.
                 # --repeat N: N rounds of the three, alternating which suite goes first; medians
-                runs: dict[str, list[dict[str, Any]]] = {"o": [], "r": [], "b": []}
+                runs: dict[str, list[dict[str, Any]]] = {k: [] for k in "orbpi"}
                 loads: list[float] = []
                 for rnd in range(args.repeat):
                     loads.append(os.getloadavg()[0])
-                    order = ("o", "r", "b") if rnd % 2 == 0 else ("b", "o", "r")
+                    order = ("o", "r", "i", "p", "b") if rnd % 2 == 0 else ("b", "p", "i", "o", "r")
                     for k in (k for k in order if k in kinds):
-                        if k == "b":
+                        if k == "p":
+                            runs[k].append(health_pdsh.sweep(tmp, eps[:n], CLIENT_KEY, known, run))
+                        elif k == "i":
+                            runs[k].append(ours(tmp, eps[:n], known, 0, reports=True))
+                        elif k == "b":
                             runs[k].append(baseline(tmp, eps[:n], workers))
                         else:
                             runs[k].append(ours(tmp, eps[:n], known, workers, reports=k == "r"))
-                if len(kinds) < 3:  # a partial run (--suites): each median on its own, no ratios
-                    for k in sorted(kinds):
+                medians = {k: median_run(runs[k]) for k in kinds}
+                for k in ("o", "r", "i"):
+                    if k in medians:
+                        how = {"o": "no reports", "r": "with reports", "i": "with reports, -n 0"}[k]
+                        print(f"hosts={n:<3} where the time went ({how}, median run):")
+                        for what, secs in medians[k]["phases"]:
+                            print(f"          {secs:6.3f} s  {what}")
+                if "p" in kinds:
+                    health_pdsh.compare(n, medians, pdsh_goals)
+                if (
+                    not {"o", "r", "b"} <= kinds
+                ):  # a partial run (--suites): each median on its own, no ratios
+                    for k in sorted(kinds - {"p", "i"}):
                         m = median_run(runs[k])
                         walls = ", ".join(f"{w:.2f}" for w in m["walls"])
-                        label = {"o": "ours", "r": "ours with reports", "b": "testinfra"}[k]
+                        label = {"o": "ours", "r": "ours with reports", "b": "testinfra", "p": "pdsh"}[k]
                         rt = f"; {m['facts_rt']} round trips/host for the facts" if "facts_rt" in m else ""
                         print(
                             f"hosts={n:<3} {label} {m['wall']:6.2f} s (runs {walls}){rt}; CPU s {m['cpu'].line()}"
@@ -465,7 +496,9 @@ def main() -> int:
                         + ", ".join(f"{x:.1f}" for x in loads),
                         flush=True,
                     )
-        if len(kinds) < 3:
+        for text, ok in pdsh_goals:
+            print(f"  [{'met' if ok else 'MISSED'}] {text}")
+        if not {"o", "r", "b"} <= kinds:
             return 0
         print()
         print(
