@@ -253,12 +253,14 @@ def run(
     return took, p.stdout + p.stderr, p.returncode, cpu_since(before, hosts or [])
 
 
-def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: bool) -> dict[str, Any]:
+def ours(
+    tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: bool, *extra: str
+) -> dict[str, Any]:
     inv = tmp / f"fleet-{len(hosts)}.yaml"
     write_inventory(inv, hosts)
     summary = tmp / f"ours-{len(hosts)}-{reports}.json"
     report_dir = str(tmp) if reports else "none"
-    record = tmp / f"phases-{len(hosts)}-{reports}-{workers}.jsonl"
+    record = tmp / f"phases-{len(hosts)}-{reports}-{len(extra)}.jsonl"
     record.unlink(missing_ok=True)
     # health_phases (beside this file, a -p plugin) stamps each pytest process's phases into `record`
     env = dict(os.environ, GPUHOST_PHASES=str(record), PYTHONPATH=str(Path(__file__).parent))
@@ -267,7 +269,7 @@ def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: b
         [
             sys.executable, "-m", "pytest", "suites/health", "-q", *UNRELATED, "-o", "addopts=", "-p", "health_phases",
             f"--inventory={inv}", f"--ssh-identity={CLIENT_KEY}", f"--known-hosts={known}", "--check-only",
-            "-n", str(workers), f"--report-dir={report_dir}", f"--fleet-json={summary}",
+            "-n", str(workers), f"--report-dir={report_dir}", f"--fleet-json={summary}", *extra,
         ],
         env=env,
         hosts=[e.host for e in hosts],
@@ -339,8 +341,8 @@ def main() -> int:
     ap.add_argument(
         "--suites",
         default="ours,reports,testinfra,pdsh",
-        help="which runs to time: ours (no reports), reports (ours with reports), testinfra, pdsh, inproc "
-        "(ours with reports, -n 0: no xdist workers); default all but inproc; pdsh is left out where it is not installed",
+        help="which runs to time: ours (no reports), reports (ours with reports), testinfra, pdsh, workers "
+        "(ours with reports on -n workers even where it would check in process); default all but workers; pdsh is left out where it is not installed",
     )
     ap.add_argument(
         "--acct",
@@ -350,7 +352,7 @@ def main() -> int:
     args = ap.parse_args()
     global ACCT
     ACCT = [] if args.acct else None
-    wanted = {"ours": "o", "reports": "r", "testinfra": "b", "pdsh": "p", "inproc": "i"}
+    wanted = {"ours": "o", "reports": "r", "testinfra": "b", "pdsh": "p", "workers": "i"}
     try:
         kinds = {wanted[k.strip()] for k in args.suites.split(",")}
     except KeyError as exc:
@@ -438,7 +440,9 @@ def main() -> int:
                         if k == "p":
                             runs[k].append(health_pdsh.sweep(tmp, eps[:n], CLIENT_KEY, known, run))
                         elif k == "i":
-                            runs[k].append(ours(tmp, eps[:n], known, 0, reports=True))
+                            runs[k].append(
+                                ours(tmp, eps[:n], known, workers, True, "--gpuhost-scheduling=workers")
+                            )
                         elif k == "b":
                             runs[k].append(baseline(tmp, eps[:n], workers))
                         else:
@@ -446,7 +450,7 @@ def main() -> int:
                 medians = {k: median_run(runs[k]) for k in kinds}
                 for k in ("o", "r", "i"):
                     if k in medians:
-                        how = {"o": "no reports", "r": "with reports", "i": "with reports, -n 0"}[k]
+                        how = {"o": "no reports", "r": "with reports", "i": "with reports, on workers"}[k]
                         print(f"hosts={n:<3} where the time went ({how}, median run):")
                         for what, secs in medians[k]["phases"]:
                             print(f"          {secs:6.3f} s  {what}")

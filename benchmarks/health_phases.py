@@ -7,7 +7,8 @@ end of collection, its first test's setup and call (the setup waits for the fact
 last test, the start of `pytest_sessionfinish` (where pytest-html, JUnit and the fleet summary are
 written) and its unconfigure; and each connection's hidden timing record (`Connection.timings`:
 the SSH login with the agent's start, then each request). `phases()` turns the lines of one run
-into the breakdown bench_health.py prints.
+into the breakdown bench_health.py prints. GPUHOST_PROFILE=PATH also profiles the controller
+(cProfile) from the end of collection to its unconfigure.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,6 +49,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     _stamp("collected")
+    if os.environ.get("GPUHOST_PROFILE") and not hasattr(session.config, "workerinput"):
+        import cProfile
+
+        _PROFILE.append(cProfile.Profile())
+        _PROFILE[0].enable()
+
+
+_PROFILE: list[Any] = []  # GPUHOST_PROFILE=PATH: the controller's profile, collection end to unconfigure
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -85,6 +95,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if not out:
         return
     _stamp("unconfigure")
+    if _PROFILE:
+        _PROFILE[0].disable()
+        _PROFILE[0].dump_stats(os.environ["GPUHOST_PROFILE"])
     wi = getattr(config, "workerinput", None)
     line = {"who": wi["workerid"] if wi else "controller", "stamps": _STAMPS, "conns": _CONNS}
     with open(out, "a", encoding="utf-8") as f:  # one short write per process: lines do not interleave
