@@ -1,4 +1,4 @@
-"""Fleet health check speed: suites/health vs a straightforward testinfra suite, on lab hosts.
+"""Fleet health check speed: suites/health vs testinfra and pdsh, on lab hosts.
 
 Boots up to 16 lab hosts (profile health-ok: 4 GPUs, SGLang, no container) with 25 ms netem
 delay on each link, then for 1, 4 and 16 hosts runs, one run each, the same -n:
@@ -7,6 +7,10 @@ delay on each link, then for 1, 4 and 16 hosts runs, one run each, the same -n:
              every fact in one request, plus the kernel-log cursor commit)
 * testinfra: pytest benchmarks/testinfra_health -p no:gpuhost --hosts=paramiko://... -n N
              (the same 19 checks, one host.run each: a new SSH channel per command)
+* pdsh:      pdsh -R ssh -w HOSTS ONE_SHOT (health_pdsh.py publishes the script: the same four
+             nvidia-smi runs, dmesg and systemctl; one login per host, all at once, no verdicts)
+* workers:   ours with reports, --gpuhost-scheduling=workers (xdist workers even where the plugin
+             would check in its own process; only with --suites ...,workers)
 
 and prints wall time (ours twice: without reports, like the testinfra suite, and with the
 pytest-html/JSON/JUnit reports a nightly run writes; both after one untimed "previous night" run
@@ -14,6 +18,12 @@ of ours, whose time is printed too, since a nightly run finds the state the last
 round trips per host for our facts (and for the connection as a whole, agent start included)
 and commands per host for testinfra. Goals: <= 2 round trips
 per host for the facts; 16 hosts >= 5x faster than testinfra; 16 hosts <= 3x the time of 1.
+
+Each run of ours also prints where its time went, per phase (health_phases.py, a -p plugin:
+process starts, collection, SSH login + agent start and the facts request per host from the
+connections' timing record, the checks, the reports). Beside pdsh it prints wall time and CPU per
+host, controller (this script's children: pytest, or pdsh and its ssh clients) and node (the lab
+host's cgroup, cpu.stat), and the goals: 16 hosts within 1.5x of pdsh, 1 within 2x, CPU within 2x.
 
 Every run also gets a CPU account (the machine has few cores, so CPU decides the wall time of a
 large run): CPU seconds of the pytest processes (controller and workers), of the lab hosts (their
@@ -30,13 +40,11 @@ PYTHONDONTWRITEBYTECODE (`--no-bytecode-cache` keeps the environment's setting).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -47,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import health_pdsh  # noqa: E402  (beside this file)
+from delay_proxy import DelayProxy  # noqa: E402  (beside this file)
 from health_cpu import CGROUP_ROOTS, CpuAccount, cpu_now, cpu_since  # noqa: E402  (beside this file)
 from health_phases import phases  # noqa: E402  (beside this file)
 from proc_acct import Accounting, cgroup_pids, summary  # noqa: E402  (beside this file)
@@ -69,100 +78,6 @@ def netem_available() -> bool:
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, check=False)
         return True
     return False
-
-
-class DelayProxy:
-    """A TCP proxy that delays every chunk by `delay` seconds each way: netem's effect, in user space.
-
-    Used when the kernel has no netem. Each direction keeps its order; a connection's first
-    bytes also wait one round trip, as a TCP handshake over the delayed link would.
-    """
-
-    def __init__(self, delay_s: float) -> None:
-        self.delay = delay_s
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.servers: list[asyncio.base_events.Server] = []
-        self.writers: set[asyncio.StreamWriter] = set()
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-        async def pump() -> None:
-            while True:
-                data = await reader.read(65536)
-                queue.put_nowait((self.loop.time() + self.delay, data))
-                if not data:
-                    return
-
-        async def deliver() -> None:
-            while True:
-                due, data = await queue.get()
-                wait = due - self.loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                if not data:
-                    if writer.can_write_eof():
-                        writer.write_eof()
-                    return
-                writer.write(data)
-                await writer.drain()
-
-        try:
-            await asyncio.gather(pump(), deliver())
-        except (ConnectionError, OSError):
-            pass
-
-    async def _handle(
-        self, target: tuple[str, int], cr: asyncio.StreamReader, cw: asyncio.StreamWriter
-    ) -> None:
-        self.writers.add(cw)
-        await asyncio.sleep(2 * self.delay)  # the handshake's round trip
-        try:
-            sr, sw = await asyncio.wait_for(asyncio.open_connection(*target), 10)
-        except (OSError, asyncio.TimeoutError):
-            cw.close()
-            return
-        self.writers.add(sw)
-        try:
-            await asyncio.gather(self._pipe(cr, sw), self._pipe(sr, cw))
-        except asyncio.CancelledError:
-            pass  # shutting down: end quietly (asyncio logs a cancelled connection callback)
-        for w in (sw, cw):
-            w.close()
-            self.writers.discard(w)
-
-    def add(self, host: str, port: int) -> int:
-        """Listen on 127.0.0.1:<free port> for host:port; return the port."""
-
-        async def start() -> int:
-            srv = await asyncio.start_server(lambda r, w: self._handle((host, port), r, w), "127.0.0.1", 0)
-            self.servers.append(srv)
-            return int(srv.sockets[0].getsockname()[1])
-
-        return asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-
-    def close(self) -> None:
-        """Stop listening, cancel the open connections, stop the loop's thread."""
-
-        async def shutdown() -> None:
-            for srv in self.servers:
-                srv.close()
-            for w in list(self.writers):
-                w.close()  # the other side reads EOF: every pipe ends on its own
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            if tasks:
-                _, pending = await asyncio.wait(tasks, timeout=1)
-                for t in pending:
-                    t.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-
-        try:
-            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(5)
 
 
 INOTIFY = Path("/proc/sys/fs/inotify/max_user_instances")
