@@ -158,10 +158,12 @@ def test_p(i):
         (2, [], {"gw0", "gw1"}, "gpuhost: -n 4 with 2 targets: starting 2 workers (*"),
         (
             2,
-            ["--check-only"],
+            ["--check-only", "UP_FRONT"],
             {"main"},
             "gpuhost: -n 4 with 2 targets (--check-only): checking in this process, no workers (*",
         ),
+        # A suite that reads its hosts in its tests keeps its workers, --check-only or not.
+        (2, ["--check-only"], {"gw0", "gw1"}, "gpuhost: -n 4 with 2 targets: starting 2 workers (*"),
         (1, ["--gpuhost-scheduling=xdist"], None, None),
     ],
 )
@@ -180,6 +182,9 @@ def test_no_more_workers_than_targets(
         ".ini", fleet="[all]\n" + "".join(f"h{i} ansible_connection=local\n" for i in range(hosts))
     )
     pytester.makepyfile(test_steps=STEPS)
+    if "UP_FRONT" in extra:  # the suite says it reads every target at the end of collection
+        pytester.makeconftest("def pytest_gpuhost_reads_up_front(config):\n    return True\n")
+        extra = [x for x in extra if x != "UP_FRONT"]
     result = pytester.runpytest_subprocess(
         "--inventory=fleet.ini", "-n", "4", "-p", "no:cacheprovider", "--report-dir=none", *extra
     )

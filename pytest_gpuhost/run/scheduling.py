@@ -199,11 +199,11 @@ def fit_workers(config: pytest.Config, n_targets: int) -> None:
 
     The host scheduler gives each target's tests to one worker, in order; with `-n 4` and one
     target, three workers would start (a Python process, a collection, plugins) for nothing.
-    N targets start N workers. One target, or a --check-only run of at most `IN_PROCESS_HOSTS`,
-    runs in this process with no worker at all: a suite that reads its hosts' facts at the end of
-    collection reads them all at once in threads (suites/health), and what is left per test is
-    pytest's own CPU, which a worker only moves to another process, at the cost of the worker's
-    start (0.5-0.75 CPU-s measured) and of sending every report through execnet. Measured with
+    N targets start N workers. One target, or a --check-only run of at most `IN_PROCESS_HOSTS` by a
+    suite that reads its targets up front (`pytest_gpuhost_reads_up_front`: suites/health reads
+    every host's facts at the end of collection, in threads), runs in this process with no worker
+    at all: what is left per test is pytest's own CPU, which a worker only moves to another
+    process, at the cost of the worker's start (0.5-0.75 CPU-s measured) and of sending every report through execnet. Measured with
     bench_health.py (docs/health-speed.md): 16 hosts 13.2 s in process vs 20.9 s with -n 2, one
     host 3.9 vs 7.2 s. A run with fixes keeps its workers past one target: a fix waits on its
     host, and workers let other hosts' tests run meanwhile. Called at configure time, before
@@ -218,7 +218,12 @@ def fit_workers(config: pytest.Config, n_targets: int) -> None:
     asked = len(tx)
     plural = "s" if n_targets > 1 else ""
     s = settings.read(config)
-    if s.scheduling == "host" and (n_targets == 1 or (s.check_only and n_targets <= IN_PROCESS_HOSTS)):
+    few = (
+        s.check_only
+        and n_targets <= IN_PROCESS_HOSTS
+        and config.hook.pytest_gpuhost_reads_up_front(config=config)
+    )
+    if s.scheduling == "host" and (n_targets == 1 or few):
         config.option.numprocesses = 0
         config.option.tx = []
         config.option.dist = "no"

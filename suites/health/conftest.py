@@ -260,6 +260,11 @@ class HostHealth:
         ]
 
 
+def pytest_gpuhost_reads_up_front(config: pytest.Config) -> bool:
+    """Every host's facts are read at the end of collection, at once (`pytest_collection_finish`)."""
+    return True
+
+
 def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
     """Collect the drain and reset steps (test_health_drain.py, _reset.py) only with their --fix,
     and the NCCL collective (test_health_nccl.py) only with --health-nccl."""
