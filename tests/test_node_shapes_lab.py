@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from gpulab.profiles import shape_variants
+from gpulab.host import pythons as labpy
+from gpulab.profiles import python_variants, shape_variants
 from tests.helpers.snapshot import diff, host_snapshot, settled_snapshot
 from tests.test_decommission_lab import check_local, check_s3, node_hashes, processes, run_suite, suite_argv
 from tests.test_health_lab_gpus import run_suite as run_health_suite
@@ -198,15 +199,23 @@ def test_a_host_without_the_driver_is_one_line_and_p2p_refuses_at_its_plan(lab: 
         ("rented_container:supervisord", ("health", "p2p", "decommission")),
         ("idle_gpus", ("health", "p2p")),
         ("no_driver", ("health", "p2p")),
+        *[(f"node_python:{py}", ("health", "p2p")) for py in python_variants.SHAPES if py != "system"],
     ],
 )
 def test_check_only_writes_nothing_on_any_shape(
     lab: Any, s3_endpoint: Any, tmp_path: Path, shape: str, suites: tuple[str, ...]
 ) -> None:
     """Every suite's --check-only leaves each shape's node as it was (tests/helpers/snapshot.py)."""
-    make, _, init = shape.partition(":")
-    profile = getattr(shape_variants, make)(**({"init": init} if init else {}))
-    h = lab.host(profile, name=_name("co" + make.replace("_", "")[:5] + init[:3]), data_scale="small")
+    make, _, arg = shape.partition(":")
+    if make == "node_python":  # the node's Python: the agent's, or the channel-per-command fallback
+        why = labpy.missing(arg)
+        if why:
+            pytest.skip(why)
+        profile = python_variants.node_python_profile(arg)
+    else:
+        profile = getattr(shape_variants, make)(**({"init": arg} if arg else {}))
+    short = "".join(c for c in arg if c.isalnum())[:5]
+    h = lab.host(profile, name=_name("co" + make.replace("_", "")[:5] + short), data_scale="small")
     env = {**os.environ, **s3_endpoint.env, "GPUHOST_CONTROLLER_STATE_DIR": str(tmp_path / "state")}
     bucket = s3_endpoint.make_bucket("coshape")
     extra = {
@@ -227,5 +236,6 @@ def test_check_only_writes_nothing_on_any_shape(
         ]  # fmt: skip
         r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert "Traceback" not in r.stdout + r.stderr, (suite, (r.stdout + r.stderr)[-3000:])
-        assert diff(before, host_snapshot(h)) == [], (suite, r.stdout[-3000:])
+        changed = diff(before, host_snapshot(h))
+        assert changed == [], (suite, "\n".join(changed[:60]), r.stdout[-2000:])
     assert not (tmp_path / "backup").exists() or not any((tmp_path / "backup").rglob("*.jsonl"))
