@@ -20,7 +20,7 @@ from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.report import answer
 from pytest_gpuhost.report import html as html_report
 from pytest_gpuhost.report.outputs import configure_outputs
-from pytest_gpuhost.run import evidence, fixtures, remediation, settings, targets_stash
+from pytest_gpuhost.run import evidence, fixtures, remediation, settings, targets_stash, unreachable
 from pytest_gpuhost.run.settings import Settings, settings_key
 from pytest_gpuhost.run.targets_stash import (
     NO_TARGET_REASON,
@@ -141,6 +141,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
     report = yield
     remediation.annotate_report(item, call, report)
+    unreachable.mark(item, call, report)
     if call.excinfo is not None and isinstance(call.excinfo.value, GpuhostError):
         report.longrepr = redact.printable(f"{type(call.excinfo.value).__name__}: {call.excinfo.value}")
     evidence.attach(item, report)
@@ -155,7 +156,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
-    return remediation.report_teststatus(report)
+    return unreachable.teststatus(report) or remediation.report_teststatus(report)
 
 
 @pytest.hookimpl(trylast=True)  # last: the answer in words ends the output, above pytest's counts

@@ -653,18 +653,18 @@ def test_state_dir_comes_from_the_agents_environment(tmp_path, monkeypatch) -> N
 
 
 # ----------------------------------------------------------------------
-# How the agent is started: `sh -c PROBE_SH` execs the node's Python as `-S -u -c PRELUDE+BOOTSTRAP`
+# How the agent is started: `sh -c PROBE_SH` execs the node's Python as `-S -u -B -c PRELUDE+BOOTSTRAP`
 
 
 def test_agent_runs_without_site_initialisation() -> None:
-    """-S: the target's .pth files are not run (the agent needs the standard library only)."""
-    assert PYTHON_FLAGS == ("-S", "-u")
+    """-S: the target's .pth files are not run (the agent needs the standard library only); -B: no .pyc written."""
+    assert PYTHON_FLAGS == ("-S", "-u", "-B")
     conn = open_connection(parse_host_url("local://"))
     try:
         pid = conn.call("hello")["pid"]
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
-        assert argv[1:3] == [b"-S", b"-u"] and argv[3] == b"-c", argv[:4]
+        assert argv[1:4] == [b"-S", b"-u", b"-B"] and argv[4] == b"-c", argv[:5]
         # ...and it still does its work: a command, a read, a fact
         assert conn.run(["true"]).ok
         assert conn.call("facts", names=["kernel"])["kernel"]["release"] == os.uname().release

@@ -1,6 +1,6 @@
 """Each suite's verdict on the node shapes of gpulab/profiles/shape_variants.py, over real SSH.
 
-A rented container (PID 1 `sleep infinity`, no systemd, dmesg EPERM, read-only /sys, 4 of the
+A rented container (PID 1 `sleep infinity`, tini or supervisord, no systemd, dmesg EPERM, read-only /sys, 4 of the
 host's 8 GPUs), a node whose idle GPUs train their links down, and a host without the NVIDIA
 driver: the decommission is safe and byte-exact on the container, health says what it cannot
 see instead of failing the node, idle links pass while a degraded one fails, and a host without
@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from gpulab.profiles import shape_variants
+from gpulab.host import pythons as labpy
+from gpulab.profiles import python_variants, shape_variants
 from tests.helpers.snapshot import diff, host_snapshot, settled_snapshot
 from tests.test_decommission_lab import check_local, check_s3, node_hashes, processes, run_suite, suite_argv
 from tests.test_health_lab_gpus import run_suite as run_health_suite
@@ -58,8 +59,39 @@ def test_rented_container_shape_is_what_a_rented_node_shows(lab: Any) -> None:
     assert sum("-m sglang.launch_server" in p and p.startswith("python3") for p in processes(h)) == 4
 
 
-def test_rented_container_health_has_no_failure_of_its_own_blindness(lab: Any, tmp_path: Path) -> None:
-    h = lab.host(shape_variants.rented_container(), name=_name("cth"), data_scale="small")
+#: PID 1 of a rented container: `sleep infinity`, tini (Docker's --init, a tini ENTRYPOINT), supervisord
+INITS = ("sleep", "tini", "supervisord")
+
+
+@pytest.mark.parametrize("init", INITS[1:])
+def test_rented_container_under_tini_or_supervisord(lab: Any, init: str) -> None:
+    """PID 1 is tini (its one child `sleep infinity`) or supervisord (sshd its program); no systemd."""
+    h = lab.host(
+        shape_variants.rented_container(init=init), name=_name(f"pid1{init[:3]}"), data_scale="small"
+    )
+    r = h.ssh(
+        "cat /proc/1/comm; tr '\\0' ' ' </proc/1/cmdline; echo; command -v systemctl; ps -o args= --ppid 1"
+    )
+    comm, cmdline, *children = r.stdout.splitlines()
+    assert comm == init, r.stdout
+    if init == "tini":
+        assert cmdline.endswith("/usr/bin/tini -- sleep infinity "), cmdline
+        assert "sleep infinity" in children
+    else:
+        assert cmdline.endswith("/usr/bin/supervisord -n -c /etc/supervisor/supervisord.conf "), cmdline
+        assert any(c.startswith("sshd: /usr/sbin/sshd -D -f /etc/ssh/sshd_config") for c in children), (
+            children
+        )
+    assert not any("systemctl" in c for c in children)
+    # the servers started by hand with nohup were reparented to PID 1
+    assert sum("-m sglang.launch_server" in c and c.startswith("python3") for c in children) == 4, children
+
+
+@pytest.mark.parametrize("init", INITS)
+def test_rented_container_health_has_no_failure_of_its_own_blindness(
+    lab: Any, tmp_path: Path, init: str
+) -> None:
+    h = lab.host(shape_variants.rented_container(init=init), name=_name(f"cth{init[:3]}"), data_scale="small")
     assert _state_dir(h) == ""
     summary = run_health_suite(h, tmp_path)
     cells = summary["hosts"][h.name]["checks"]
@@ -80,10 +112,11 @@ def test_rented_container_health_has_no_failure_of_its_own_blindness(lab: Any, t
     assert _state_dir(h) == ""  # --check-only wrote nothing on the node
 
 
+@pytest.mark.parametrize("init", INITS)
 def test_rented_container_decommission_is_safe_and_byte_exact(
-    lab: Any, s3_endpoint: Any, tmp_path: Path
+    lab: Any, s3_endpoint: Any, tmp_path: Path, init: str
 ) -> None:
-    h = lab.host(shape_variants.rented_container(), name=_name("ctd"), data_scale="small")
+    h = lab.host(shape_variants.rented_container(init=init), name=_name(f"ctd{init[:3]}"), data_scale="small")
     bucket = s3_endpoint.make_bucket("ctdecom")
     dest = tmp_path / "backup"
     env = {**os.environ, **s3_endpoint.env}
@@ -92,7 +125,12 @@ def test_rented_container_decommission_is_safe_and_byte_exact(
     assert rc == 0 and counts.get("failed", 0) == 0, out
     after = processes(h)
     assert not any("sglang.launch_server" in p and p.startswith("python3") for p in after), after
-    assert "sleep infinity" in after  # PID 1 of the container, never the run's to stop
+    assert "sleep infinity" in after or init == "supervisord"  # PID 1 (or tini's child): never the run's
+    if init != "sleep":  # PID 1 reaps what it was given: the stopped servers are gone, not zombies
+        assert h.ssh("cat /proc/1/comm").stdout.strip() == init
+        assert not any("<defunct>" in p for p in after), after
+    if init == "supervisord":  # its program is left running
+        assert any(p.startswith("sshd: /usr/sbin/sshd -D -f /etc/ssh/sshd_config") for p in after), after
     assert "vim /data/sglang_notes.md" in after
     hashes = node_hashes(h)
     check_local(dest, hashes, complete=True)
@@ -157,17 +195,27 @@ def test_a_host_without_the_driver_is_one_line_and_p2p_refuses_at_its_plan(lab: 
     ("shape", "suites"),
     [
         ("rented_container", ("health", "p2p", "decommission")),
+        ("rented_container:tini", ("health", "p2p", "decommission")),
+        ("rented_container:supervisord", ("health", "p2p", "decommission")),
         ("idle_gpus", ("health", "p2p")),
         ("no_driver", ("health", "p2p")),
+        *[(f"node_python:{py}", ("health", "p2p")) for py in python_variants.SHAPES if py != "system"],
     ],
 )
 def test_check_only_writes_nothing_on_any_shape(
     lab: Any, s3_endpoint: Any, tmp_path: Path, shape: str, suites: tuple[str, ...]
 ) -> None:
     """Every suite's --check-only leaves each shape's node as it was (tests/helpers/snapshot.py)."""
-    h = lab.host(
-        getattr(shape_variants, shape)(), name=_name("co" + shape.replace("_", "")[:5]), data_scale="small"
-    )
+    make, _, arg = shape.partition(":")
+    if make == "node_python":  # the node's Python: the agent's, or the channel-per-command fallback
+        why = labpy.missing(arg)
+        if why:
+            pytest.skip(why)
+        profile = python_variants.node_python_profile(arg)
+    else:
+        profile = getattr(shape_variants, make)(**({"init": arg} if arg else {}))
+    short = "".join(c for c in arg if c.isalnum())[:5]
+    h = lab.host(profile, name=_name("co" + make.replace("_", "")[:5] + short), data_scale="small")
     env = {**os.environ, **s3_endpoint.env, "GPUHOST_CONTROLLER_STATE_DIR": str(tmp_path / "state")}
     bucket = s3_endpoint.make_bucket("coshape")
     extra = {
@@ -188,5 +236,6 @@ def test_check_only_writes_nothing_on_any_shape(
         ]  # fmt: skip
         r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert "Traceback" not in r.stdout + r.stderr, (suite, (r.stdout + r.stderr)[-3000:])
-        assert diff(before, host_snapshot(h)) == [], (suite, r.stdout[-3000:])
+        changed = diff(before, host_snapshot(h))
+        assert changed == [], (suite, "\n".join(changed[:60]), r.stdout[-2000:])
     assert not (tmp_path / "backup").exists() or not any((tmp_path / "backup").rglob("*.jsonl"))

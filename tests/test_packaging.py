@@ -204,3 +204,37 @@ def test_installed_decommission_suite_empties_a_lab_host(
     assert len(backups) == 1 and (backups[0] / "NOTES.md").is_file()
     procs = b200.ssh(["ps", "-eo", "args="]).stdout.splitlines()
     assert not any("sglang.launch_server" in p and p.startswith("python3") for p in procs)
+
+
+@pytest.mark.lab
+def test_installed_suites_on_a_rented_container(installed: Installed, lab: Any, s3_endpoint: Any) -> None:
+    """From the wheel: a rented container (tini as PID 1, no systemd, dmesg denied) is judged, then emptied."""
+    from gpulab.profiles import shape_variants
+
+    node = lab.host(
+        shape_variants.rented_container(init="tini"), name=f"pkg-ct-{os.getpid()}", data_scale="small"
+    )
+    r = installed.run(
+        "pytest", "--pyargs", "gpuhost_suites.health", *node.pytest_args(), "--check-only",
+        "--report-name=ct-health", "-p", "no:cacheprovider", "-q",
+    )  # fmt: skip
+    fleet = json.loads((installed.work / "reports" / "fleet-summary.json").read_text())
+    ((_, host),) = fleet["hosts"].items()
+    cells = host["checks"]
+    blind = {c for c, cell in cells.items() if cell["outcome"] == "cannot see"}
+    assert blind == {"xid", "sxid", "fabric"}, r.stdout[-3000:] + r.stderr[-2000:]
+    assert not any(cell["outcome"] == "error" for cell in cells.values()), cells
+    assert "sglang-qwen" not in r.stdout  # no lab name from the checkout's defaults
+    manifest = installed.run("python", "-m", "gpuhost_suites", "manifest", "b200-node-backup").stdout.strip()
+    bucket = s3_endpoint.make_bucket("pkgct")
+    r = installed.run(
+        "pytest", "--pyargs", "gpuhost_suites.decommission", *node.pytest_args(), f"--manifest={manifest}",
+        "--backup-dir=ct-backups/{host}", f"--backup-to=s3://{bucket}/node", f"--s3-endpoint={s3_endpoint.url}",
+        "--report-name=ct-decommission", "-p", "no:cacheprovider", "-q",
+        env=s3_endpoint.env,
+    )  # fmt: skip
+    counts = _counts(r.stdout)
+    assert r.returncode == 0 and counts.get("fixed", 0) >= 3, r.stdout[-3000:] + r.stderr[-2000:]
+    procs = node.ssh(["ps", "-eo", "args="]).stdout.splitlines()
+    assert not any("sglang.launch_server" in p and p.startswith("python3") for p in procs), procs
+    assert not any("<defunct>" in p for p in procs), procs  # tini reaped the stopped servers

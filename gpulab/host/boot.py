@@ -164,6 +164,8 @@ DROPPED_CAPS = {
     "CAP_SYSLOG": 34,
 }
 PR_CAPBSET_DROP = 24
+#: PID 1 of a lab machine (NodeShape.init): systemd, or a rented container's entry point.
+INITS = ("systemd", "sleep", "tini", "supervisord")
 
 DEV_NODES = {
     "null": (1, 3),
@@ -397,10 +399,16 @@ def _inner(ns: argparse.Namespace) -> None:
         libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
     path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     if ns.init != "systemd":
-        # A rented container: the image's entry point starts sshd, then PID 1 is `sleep infinity`.
+        # A rented container: the image's entry point starts sshd, then PID 1 is `sleep infinity`
+        # (or `tini -- sleep infinity`); under supervisord, sshd is one of its programs.
         env = {"PATH": path, "HOME": "/root", "LANG": "C.UTF-8", **dict(kv.split("=", 1) for kv in ns.env)}
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        if ns.init == "supervisord":
+            conf = "/etc/supervisor/supervisord.conf"
+            os.execve("/usr/bin/supervisord", ["/usr/bin/supervisord", "-n", "-c", conf], env)
         subprocess.run(["/usr/sbin/sshd", "-f", "/etc/ssh/sshd_config"], check=True, timeout=10, env=env)
+        if ns.init == "tini":
+            os.execve("/usr/bin/tini", ["/usr/bin/tini", "--", "sleep", "infinity"], env)
         os.execve("/usr/bin/sleep", ["sleep", "infinity"], env)
     env = {"container": "gpulab", "PATH": path}
     os.execve("/lib/systemd/systemd", ["/lib/systemd/systemd", "--system"], env)
@@ -415,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--state", default="")
     ap.add_argument("--cgroupns", action="store_true", help="the launcher unshared the cgroup namespace")
     ap.add_argument("--procfiles", default="", help="dir with cmdline, version, sys_kernel_osrelease")
-    ap.add_argument("--init", default="systemd", choices=("systemd", "sleep"), help="PID 1 (NodeShape.init)")
+    ap.add_argument("--init", default="systemd", choices=INITS, help="PID 1 (NodeShape.init)")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for PID 1 without systemd")
     ns = ap.parse_args(argv)
     if os.getpid() != 1:

@@ -78,6 +78,17 @@ def _whiteout(p: Path) -> None:
     os.mknod(p, stat.S_IFCHR | 0o000, os.makedev(0, 0))
 
 
+#: A container image's supervisord.conf with sshd as its program (supervisord.org, "Configuration").
+SUPERVISORD_CONF = """\
+[supervisord]
+nodaemon=true
+user=root
+
+[program:sshd]
+command=/usr/sbin/sshd -D -f /etc/ssh/sshd_config
+autorestart=true
+"""
+
 #: Files by which a container runtime marks its containers: the machine that runs the lab may be
 #: a container itself, and a lab host sees its `/` through the overlay.
 CONTAINER_MARKERS = (".dockerenv", "run/.containerenv")
@@ -95,6 +106,15 @@ def shape_node(root: Path, shape: NodeShape) -> None:
     for rel in CONTAINER_MARKERS:
         if Path("/", rel).exists():
             _whiteout(root / rel)
+    if shape.init in ("tini", "supervisord"):  # the entry point PID 1 runs (gpulab/hosttools)
+        dst = root / "usr/bin" / shape.init
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(PKG / "hosttools" / shape.init, dst)
+        dst.chmod(0o755)
+    if shape.init == "supervisord":
+        conf = root / "etc/supervisor/supervisord.conf"
+        conf.parent.mkdir(parents=True, exist_ok=True)
+        conf.write_text(SUPERVISORD_CONF)
     if shape.container == "docker":
         dockerenv = root / ".dockerenv"
         dockerenv.unlink(missing_ok=True)  # the whiteout, where there is one

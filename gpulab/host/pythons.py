@@ -79,7 +79,8 @@ def minimal_stdlib(home: Path) -> Path:
     finds its standard library from where the binary is, following links); `home/lib/python3.11`
     holds a link to each file of ``libpython3.11-minimal`` and nothing else, so CPython's
     landmark search (``lib/python3.11/os.py`` above the binary) makes `home` its prefix.  The
-    links are absolute: a lab host sees this machine's /usr through its overlay root.
+    links are absolute: a lab host sees this machine's /usr through its overlay root. The
+    modules are byte-compiled there, as Debian's install does.
     """
     binary = home / "bin/python3.11"
     binary.parent.mkdir(parents=True, exist_ok=True)
@@ -91,6 +92,12 @@ def minimal_stdlib(home: Path) -> Path:
         if not dst.is_symlink():
             dst.symlink_to(path)
     (lib / "lib-dynload").mkdir(parents=True, exist_ok=True)
+    # Debian byte-compiles the standard library when the package is installed (the postinst's
+    # py3compile; the .pyc are in no package's file list): without them a node's first import
+    # would write __pycache__, a write no real node of this shape sees.
+    subprocess.run(
+        [str(SYSTEM_PYTHON), "-m", "compileall", "-q", "-j", "0", str(lib)], check=True, timeout=300
+    )
     return binary
 
 

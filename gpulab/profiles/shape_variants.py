@@ -1,12 +1,13 @@
 """Lab machines of the node shapes real fleets have and the lab's usual hosts are not.
 
-``rented_container(visible=4)``: the HGX node (`b200-nvl8`) as a rented GPU container reached as
+``rented_container(visible=4, init="sleep")``: the HGX node (`b200-nvl8`) as a rented GPU container reached as
 ``ssh -p PORT root@IP``: PID 1 is ``sleep infinity``, ``/.dockerenv`` exists, systemctl and
 journalctl are not installed, dmesg fails with EPERM (the container has no CAP_SYSLOG), /sys is
 read-only, and only the first ``visible`` GPUs are the node's (their /dev/nvidiaN, as
 ``NVIDIA_VISIBLE_DEVICES`` makes the NVIDIA container toolkit create; sysfs shows all eight
 functions). Its SGLang servers on those GPUs were started with nohup; Fabric Manager runs on the
-host, not here. docs/LAB-SOURCES.md, "Node shapes", cites each behaviour.
+host, not here. ``init="tini"`` or ``"supervisord"``: the same container under those PID 1s.
+docs/LAB-SOURCES.md, "Node shapes", cites each behaviour.
 
 ``idle_gpus()``: the small inference node (`health-ok`) whose links train down to Gen1 while a
 GPU idles (P8) and run at Gen5 under load (P0); its SGLang server holds GPUs 0 and 1 only, so
@@ -30,8 +31,13 @@ __all__ = ["IDLE_SPEED", "idle_gpus", "no_driver", "rented_container"]
 IDLE_SPEED = "2.5 GT/s PCIe"
 
 
-def rented_container(visible: int = 4) -> Profile:
-    """`b200-nvl8` as a rented container given its first ``visible`` GPUs."""
+def rented_container(visible: int = 4, init: str = "sleep") -> Profile:
+    """`b200-nvl8` as a rented container given its first ``visible`` GPUs, PID 1 ``init``.
+
+    ``init``: ``sleep`` (`sleep infinity`), ``tini`` (`tini -- sleep infinity`, as Docker's
+    `--init` and images with tini as their ENTRYPOINT run) or ``supervisord`` (`supervisord -n`
+    with sshd as its program, as images with several programs run).
+    """
     base = load_profile("b200-nvl8")
     given = sorted(g["bdf"] for g in base.raw["gpus"])[:visible]
     services: list[dict[str, Any]] = []
@@ -44,11 +50,11 @@ def rented_container(visible: int = 4) -> Profile:
     return load_profile(
         "b200-nvl8",
         overrides={
-            "name": f"rented-container-{visible}",
+            "name": f"rented-container-{visible}" + ("" if init == "sleep" else f"-{init}"),
             "hostname": "c-4f7a21",
             "services": services,
             "node": {
-                "init": "sleep",
+                "init": init,
                 "container": "docker",
                 "kernel_log": "denied",
                 "visible_gpus": given,

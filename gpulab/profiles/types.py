@@ -188,6 +188,8 @@ class NodeShape:
     journalctl, `kernel_log: denied` (dmesg fails with EPERM), a read-only /sys and the GPUs in
     `visible_gpus` only (their /dev/nvidiaN; sysfs still shows every function). `nvidia_driver:
     false` is a host without the driver: no nvidia-smi, no /dev/nvidia*, no nvidia module.
+    `init: tini` and `init: supervisord` are the same container under those entry points (PID 1
+    reaps the orphans reparented to it; supervisord runs sshd as its program).
     """
 
     init: str = "systemd"

@@ -236,7 +236,7 @@ def check_health(conn: _Conn, url: str, *, bound: float, interval: float = 1.0) 
     t0 = time.monotonic()
     curl = ["curl", "-s", "-o", "/dev/null", "-m", "3", "-w", "%{http_code}\n", url]
     python = str(getattr(conn, "python", "") or "")
-    probe = [python, "-c", _HEALTH, url, "3"] if python else curl
+    probe = [python, "-B", "-c", _HEALTH, url, "3"] if python else curl  # -B: no .pyc written there
     while True:
         r = conn.run(probe, timeout=10)
         if probe is not curl and r.rc != 0 and not r.stdout.strip():

@@ -42,6 +42,13 @@ ANSWER_CSS = """
 def _generic(target: str, records: list[Any]) -> dict[str, Any]:
     """The answer for a target whose suite gave none, from its tests' results."""
     bad = [t for t in records if t.result in BAD]
+    if bad and all(t.unreachable for t in bad):  # one cause, said once
+        return {
+            "target": target,
+            "ok": False,
+            "headline": f"UNREACHABLE: {bad[0].unreachable}; {len(bad)} of {len(records)} checks not run",
+            "details": [],
+        }
     if bad:
         details = [
             f"{t.check}: {t.result}: {t.summary}" if t.summary else f"{t.check}: {t.result}" for t in bad

@@ -2,7 +2,7 @@
 
 Format `pytest-gpuhost/fleet-summary/1` (docs/fleet.md): `run` (when, where, argv), `checks`
 (names in order, from `record.check_name`), `hosts -> {status, checks -> {outcome, summary,
-reasons, state, nodeid, duration}, cannot_see, round_trips, conn_round_trips}`, `fleet` (judgements
+reasons, state, nodeid, duration, unreachable}, cannot_see, round_trips, conn_round_trips}`, `fleet` (judgements
 no single host can make) and, with a previous summary, `comparison`. A cell `cannot see` (a check
 whose input the node does not give) is neither healthy nor not: counted apart, per host in
 `cannot_see`, and a host's status only with `run.cannot_see: fail` (`--cannot-see=fail`). Pure functions of dicts, so the merge
@@ -32,6 +32,7 @@ __all__ = [
     "iter_cells",
     "name_list",
     "summary_lines",
+    "unreachable_line",
 ]
 
 FORMAT = "pytest-gpuhost/fleet-summary/1"
@@ -153,7 +154,11 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     lines.append(count_line(summary))
     bad_hosts = by_status.get("failed", []) + by_status.get("error", [])
     for host in bad_hosts[:HOSTS_LISTED]:
-        # one line per distinct error: an unreachable host fails every check with the same words
+        down = unreachable_line(host, hosts[host].get("checks") or {})
+        if down:
+            lines.append(f"  {down}")
+            continue
+        # one line per distinct error: the same words said once, with the checks that said them
         said: dict[tuple[str, str], list[str]] = {}
         for c, cell in hosts[host]["checks"].items():
             if cell.get("outcome") in BAD:
@@ -178,6 +183,14 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     lines += _uniformity_lines(summary.get("fleet") or {})
     lines += _comparison_lines(summary.get("comparison"))
     return lines
+
+
+def unreachable_line(host: str, cells: Mapping[str, Mapping[str, Any]]) -> str:
+    """`gpu-07: unreachable: WHY; 27 checks not run` when every bad cell is the host not answering."""
+    bad = [c for c in cells.values() if c.get("outcome") in BAD]
+    if not bad or not all(c.get("unreachable") for c in bad):
+        return ""
+    return f"{host}: unreachable: {bad[0]['unreachable']}; {_n(len(bad), 'check')} not run"
 
 
 def _n(count: int, noun: str) -> str:

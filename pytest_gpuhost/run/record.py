@@ -205,6 +205,8 @@ class TestRecord:
     #: What a check said beyond pass or fail (`gpuhost_verdict`: summary, reasons, state).
     verdict: dict[str, Any] = field(default_factory=dict)
     round_trips: dict[str, int] = field(default_factory=dict)
+    #: Why the target could not be reached ("" while it answered): the check did not run.
+    unreachable: str = ""
 
     def observe(self, report: pytest.TestReport, known: Sequence[str]) -> None:
         """Fold one phase's report into the record."""
@@ -231,6 +233,9 @@ class TestRecord:
                 self.gpuhost_outcome = gpuhost_outcome or report.outcome
         if report.failed or report.skipped:
             self.message = _remediation_line(report, gpuhost_outcome) or one_line(report)
+        down: Any = getattr(report, "gpuhost_unreachable", None)
+        if report.failed and down:
+            self.unreachable = redact(str(down))
         result = combine(self.result, report)
         if result != self.result:
             self.result, self.result_phase = result, report.when
@@ -264,7 +269,7 @@ class TestRecord:
             "evidence": self.evidence,
             "remediations": self.remediations,
             "message": self.message,
-        }
+        } | ({"unreachable": self.unreachable} if self.unreachable else {})
 
     def as_cell(self) -> dict[str, Any]:
         """Return the cell of the fleet summary (see docs/fleet.md for the format)."""
@@ -274,6 +279,8 @@ class TestRecord:
                 d["reasons"] = list(self.verdict["reasons"])
             if self.verdict.get("state") is not None:
                 d["state"] = self.verdict["state"]
+        if self.unreachable:
+            d["unreachable"] = self.unreachable
         d["duration"] = round(self.duration, 3)
         return d
 

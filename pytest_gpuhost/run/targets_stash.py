@@ -23,7 +23,7 @@ from pytest_gpuhost.exec.targets import (
     parse_host_url,
 )
 from pytest_gpuhost.redact import printable
-from pytest_gpuhost.run import evidence
+from pytest_gpuhost.run import evidence, unreachable
 from pytest_gpuhost.run.record import target_name
 from pytest_gpuhost.run.remediation import TARGET_PARAM
 from pytest_gpuhost.run.settings import Settings, settings_key
@@ -115,7 +115,7 @@ class Target:
     def _open(self, which: str, opener: Any) -> Any:
         first = self._failed.get(which)
         if first is not None:
-            again = type(first)(f"{first} (first connect of this run failed; not retried)")
+            again = type(first)(f"{first}{unreachable.NOT_RETRIED}")
             raise again from None
         try:
             conn = opener()

@@ -21,7 +21,7 @@ from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.modules.health import checks as hm
 from pytest_gpuhost.modules.health import controller_state
 from pytest_gpuhost.modules.health import facts as health_facts
-from pytest_gpuhost.run import evidence, scheduling
+from pytest_gpuhost.run import evidence, scheduling, unreachable
 from pytest_gpuhost.run.remediation import Action, Check
 
 from . import options
@@ -414,6 +414,7 @@ def health(target: Any, request: pytest.FixtureRequest) -> HostHealth:
     except GpuhostError as exc:
         failed = exc
     if failed is not None:
+        unreachable.note(request.node, failed)  # said once per host on the terminal, not per check
         # One line, no traceback and no chained exception (raised outside the `except`): for a
         # host that cannot be read this runs once per check, and formatting the connection
         # code's frames each time costs more than the connect timeout itself.  The whole line

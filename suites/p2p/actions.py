@@ -23,7 +23,9 @@ __all__ = [
 
 
 def stop_actions(run: P2PProcedure) -> list[Action]:
-    """Stopping the service, as its commands."""
+    """Stopping the service, as its commands (none when no unit holds the GPUs)."""
+    if not run.has_service:
+        return []
     return [
         Action(f"stop {run.service.unit}", cmd, run.svc_conn.name)
         for cmd in run.service.commands(run.opts.stop_timeout)

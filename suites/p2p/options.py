@@ -42,9 +42,11 @@ def _health_url(raw: Any) -> str:
 def _service(raw: Any) -> str:
     unit = str(raw).strip()
     if not unit:
-        raise BadValue("give a systemd unit name, e.g. sglang-qwen")
+        raise BadValue("give a systemd unit name, e.g. my-inference.service")
     if unit.startswith("-"):  # it would reach systemctl as an option (-Hhost: --host=host)
-        raise BadValue("a unit name does not start with '-'; give the unit, e.g. --service=sglang-qwen")
+        raise BadValue(
+            "a unit name does not start with '-'; give the unit, e.g. --service=my-inference.service"
+        )
     return unit
 
 
@@ -113,7 +115,8 @@ SERVICE = _opt(
     "--service",
     "UNIT",
     "systemd unit that holds the GPUs, in the container when --container is given "
-    f"(default: inventory var p2p_service, else {_D.service})",
+    "(default: inventory var p2p_service, else the unit whose processes hold the in-scope GPUs; "
+    "none: nothing stopped)",
     parse=_service,
 )
 HEALTH_URL = _opt(
@@ -234,7 +237,7 @@ def options(config: pytest.Config, target_vars: dict[str, Any] | None = None) ->
     """Return the validated options, with per-host inventory variables filling what was not given."""
     base = config.stash.get(_stash_key, None) or P2POptions()
     hv = dict(target_vars or {})
-    service = base.service or str(hv.get("p2p_service") or hv.get("service") or _D.service)
+    service = base.service or str(hv.get("p2p_service") or hv.get("service") or "")
     min_gbps = base.min_gbps
     if min_gbps is None and "p2p_min_gbps" in hv:
         min_gbps = float(hv["p2p_min_gbps"])

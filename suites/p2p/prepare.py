@@ -51,7 +51,8 @@ def planned_actions(run: P2PProcedure) -> list[Action]:
     acts += actions.group_actions(run)
     acts += actions.bind_actions(run, all_functions=True)
     acts += actions.persist_actions(run)
-    acts.append(actions.start_action(run))
+    if run.has_service:
+        acts.append(actions.start_action(run))
     return acts + diag
 
 
@@ -111,7 +112,7 @@ def step_plan(run: P2PProcedure) -> Step:
             "controller": owner["controller"],
             "resumed_from": plan.resumed_from,
             "plan": plan.to_dict(),
-            "service": {"unit": run.service.unit, "where": run.service.where},
+            "service": {"unit": run.service.unit, "where": run.service.where} if run.has_service else None,
             "service_stopped": run.stopped_service,
             "persistenced_stopped": run.stopped_persistenced,
             "steps": list((run.old_journal or {}).get("steps", []))[-50:],
@@ -136,6 +137,9 @@ def step_service_stopped(run: P2PProcedure) -> Step:
 
     def check() -> Check:
         assert run.plan is not None
+        if not run.has_service:  # step 1's evidence says why (holder.py)
+            why = f"no service to stop: {run.service_origin}"
+            return Check(True, why, skip=why)
         if not run.plan.needs_repair:
             seen = run.service_state
             if seen is not None and not seen.exists:  # say only what was seen: no unit, nothing left running
@@ -221,7 +225,8 @@ def step_gpus_released(run: P2PProcedure) -> Step:
         for h in others:
             acts.append(
                 Action(
-                    f"pid {h['pid']} ({h['comm']}) must let go (goes with {run.service.unit} if it is the service's)",
+                    f"pid {h['pid']} ({h['comm']}) must let go"
+                    + (f" (goes with {run.service.unit} if it is the service's)" if run.has_service else ""),
                     "none: this procedure never kills processes outside the service's unit",
                     run.conn.name,
                     False,

@@ -28,7 +28,7 @@ from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import Procedure, ProcedureError
 
-from . import persist
+from . import holder, persist
 from .plan import P2PPlan, make_plan, redirect_advice
 
 __all__ = ["HOST_FACTS", "P2POptions", "P2PProcedure"]
@@ -47,7 +47,8 @@ class P2POptions:
     stop_timeout: float = 20.0
     min_gbps: float | None = None
     fraction: float = p2p.DEFAULT_FRACTION
-    service: str = "sglang-qwen"
+    # the unit that holds the GPUs: "" finds it at step 1 from the in-scope GPUs' holders (holder.py)
+    service: str = ""
     health_url: str | None = None
     health_port: int = 30000
     health_timeout: float = 120.0
@@ -85,7 +86,11 @@ class P2PProcedure(Procedure):
         self.opts = opts
         self.conn = host
         self.svc_conn = container or host  # where the service runs
-        self.service = Service(self.svc_conn, opts.service, where=self.svc_conn.name)
+        # None until step 1 finds the unit holding the GPUs (or there is none: nothing to stop)
+        self._service = (
+            Service(self.svc_conn, opts.service, where=self.svc_conn.name) if opts.service else None
+        )
+        self.service_origin = "--service or the inventory" if opts.service else ""
         self.persistenced = Service(self.conn, "nvidia-persistenced", where=self.conn.name)
         self.journal: Journal = journal
         self.facts: dict[str, Any] = {}
@@ -107,10 +112,20 @@ class P2PProcedure(Procedure):
         self.module_files: dict[str, str | None] = {}  # nvidia_drm/nvidia_uvm files (kernel-side holders)
         self.service_env: service_env.ServiceEnv | None = None  # what the service set, read in step 1
         self.unset_names: list[str] = []  # what this run's drop-in unsets (suites/p2p/service_env.py)
-        self.diag_raw: dict[
-            str, str
-        ] = {}  # the diagnosis's command outputs from step 1 (suites/p2p/diagnosis.py)
+        self.diag_raw: dict[str, str] = {}  # step 1's diagnosis command outputs (diagnosis.py)
         self.diagnosis: p2p_causes.Diagnosis | None = None
+
+    @property
+    def has_service(self) -> bool:
+        """True when a unit was given or found holding the in-scope GPUs."""
+        return self._service is not None
+
+    @property
+    def service(self) -> Service:
+        """The unit that holds the GPUs; only on paths where there is one (`has_service`)."""
+        if self._service is None:
+            raise ProcedureError("no service holds the in-scope GPUs and none was given")
+        return self._service
 
     # ------------------------------------------------------------------ facts and plan
 
@@ -263,8 +278,9 @@ class P2PProcedure(Procedure):
             ev.note("ACS redirect: " + redirect_advice(plan.redirects))
         if plan.gpus:
             self.diagnose()  # before the measurement: its expectations are step 6's thresholds
+        self.find_service(plan)
         try:
-            self.service_state = self.service.state()
+            self.service_state = self.service.state() if self.has_service else None
         except (ServiceError, ProcedureError) as exc:
             self.service_state = None
             ev.note(f"service {self.service.unit}: {exc}")
@@ -330,8 +346,20 @@ class P2PProcedure(Procedure):
         for c in d.found:
             ev.note(f"{c.cause} ({c.where}): {c.fact}; fix: {c.fix} [{c.who}]")
 
+    def find_service(self, plan: P2PPlan) -> None:
+        """Without --service: the unit holding the in-scope GPUs (or the journal's), said in the evidence."""
+        if self._service is not None:
+            return
+        found = holder.service_of(self.facts.get("gpu_holders"), plan.minors.values(), self.old_journal)
+        if found.unit:
+            self._service = Service(self.svc_conn, found.unit, where=self.svc_conn.name)
+        self.service_origin = found.why
+        evidence.current().note(f"service: {found.why}")
+
     def read_service_env(self) -> service_env.ServiceEnv | None:
         """What the service and its processes set that keeps NCCL off P2P (None: its side did not answer)."""
+        if self._service is None:
+            return None
         try:
             return service_env.read(self.svc_conn, self.service.unit)
         except Unreachable:
@@ -454,7 +482,7 @@ class P2PProcedure(Procedure):
             self.journal.write(persistenced_stopped=False)
 
     def _undo_service(self) -> None:
-        if self.stopped_service:
+        if self.stopped_service and self.has_service:
             self.refuse_start_while_blocked(self.service.unit)
             self.service.start()
             self.stopped_service = False

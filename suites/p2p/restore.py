@@ -249,7 +249,8 @@ def health_url(run: P2PProcedure) -> str:
 
 def log_text(run: P2PProcedure) -> str:
     """The service's log files and its last journal lines, read where it runs."""
-    paths = list(run.opts.log_paths) or [f"/var/log/sglang/{run.opts.service}.log"]
+    stem = run.service.unit.removesuffix(".service")
+    paths = list(run.opts.log_paths) or [f"/var/log/sglang/{stem}.log"]
     files = run.svc_conn.read_files(paths)
     text = "\n".join(v for v in files.values() if isinstance(v, str))
     r = run.svc_conn.run(
@@ -265,6 +266,9 @@ def step_service_restored(run: P2PProcedure) -> Step:
 
     def check() -> Check:
         assert run.plan is not None
+        if not run.has_service:
+            why = f"no service to restore: {run.service_origin}"
+            return Check(True, why, skip=why)
         if run.check_only and run.plan.needs_repair:
             return Check(False, f"{run.service.unit} would be stopped in step 2 and started again here")
         state = run.service.state()
@@ -319,5 +323,9 @@ def step_service_restored(run: P2PProcedure) -> Step:
         env_started(run)
 
     return run.step(
-        "service restored", check, lambda before: [actions.start_action(run, False)], fix, on=run.svc_conn
+        "service restored",
+        check,
+        lambda before: [actions.start_action(run, False)] if run.has_service else [],
+        fix,
+        on=run.svc_conn,
     )

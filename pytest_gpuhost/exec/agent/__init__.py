@@ -103,7 +103,10 @@ CORE_FILES = ("registry.py", "runner.py", "files.py", "facts.py", "agent.py", "c
 # the agent uses the standard library only, and `site` runs every .pth file of the target's
 # site-packages (distutils hooks, certifi, namespace packages): on the lab machine 13.9 ms of
 # CPU per start against 7.6 ms with -S (median of 20, python3 3.11), paid once per host and run.
-PYTHON_FLAGS = ("-S", "-u")
+# -B: no bytecode written on the target. A node whose standard library has no .pyc (a
+# python3-minimal laid out without Debian's py3compile, a virtualenv never compiled) would
+# otherwise get __pycache__ directories from the first import: a write `--check-only` forbids.
+PYTHON_FLAGS = ("-S", "-u", "-B")
 
 # Reads with os.read (unbuffered) so no protocol byte is swallowed by a buffer before main()
 # takes fd 0 over.  Kept short: it travels on the command line of every agent start.
