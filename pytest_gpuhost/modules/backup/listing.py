@@ -252,4 +252,9 @@ def listing_from(manifest: Manifest, res: dict[str, Any]) -> Listing:
         if f.key not in seen:
             seen.add(f.key)
             unique.append(f)
+    del seen, files
+    for f in unique:
+        # each key is made again on first use, then shared with the state's (plan): a million
+        # files never hold two strings of each key at once while the state is read
+        object.__setattr__(f, "_key", None)
     return Listing(unique, skipped, errors, float(res.get("duration", 0.0)), roots)

@@ -144,10 +144,10 @@ class Backup:
         """Compare the node's listing with the verified state and what is on disk here."""
         plan = BackupPlan(listing)
         for f in listing.files:
-            local = self._local(f)
             rec = self.state.items.get(f.key)
             if rec is not None:
                 f.share_key(self.state.items.own_key(f.key))
+            local = self._local(f)
             try:
                 lst: os.stat_result | None = os.lstat(local)
             except OSError:

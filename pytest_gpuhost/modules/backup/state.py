@@ -145,13 +145,31 @@ class StateFile:
     def __init__(self, directory: Path, name: str) -> None:
         self.path = directory / f"{name}.json"
         self.journal = directory / f"{name}.journal.jsonl"
-        self.items = Records()
+        self._items: Records | None = None
         self._fh: IO[str] | None = None
         self._last_flush = 0.0
         self._append_lock = threading.Lock()  # records come from several upload threads
-        self._load()
 
-    def _load(self) -> None:
+    @property
+    def items(self) -> Records:
+        """The verified items, read from disk on first use: a backup lists the node first, so the
+        listing's reply and a large state are never both in memory at their largest."""
+        if self._items is None:
+            with self._append_lock:
+                if self._items is None:
+                    self._items = self._load()
+        return self._items
+
+    def _load(self) -> Records:
+        self._items = items = Records()
+        try:
+            self._read()
+        except BaseException:
+            self._items = None
+            raise
+        return items
+
+    def _read(self) -> None:
         if self.path.exists():
             with open(self.path, "rb") as f:
                 head = f.readline()
