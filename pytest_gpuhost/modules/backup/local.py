@@ -103,6 +103,7 @@ class Backup:
         self.op_timeout = op_timeout
         self.manifest = manifest
         self.dest = Path(dest)
+        self._dest_s = os.fspath(self.dest)
         self.meta = self.dest / META
         self.progress = progress
         self.progress_interval = progress_interval
@@ -147,7 +148,7 @@ class Backup:
             rec = self.state.items.get(f.key)
             if rec is not None:
                 f.share_key(self.state.items.own_key(f.key))
-            local = self._local(f)
+            local = os.path.join(self._dest_s, f.key)  # a str: a Path per file costs more than the lstat
             try:
                 lst: os.stat_result | None = os.lstat(local)
             except OSError:

@@ -28,10 +28,8 @@ __all__ = [
 
 
 _I64 = (-(1 << 63), 1 << 63)
-# (keys, kinds) -> (keys, kinds, Struct): one per shape of record, shared by every record of it
-_SHAPES: dict[
-    tuple[tuple[str, ...], tuple[int, ...]], tuple[tuple[str, ...], tuple[int, ...], struct.Struct]
-] = {}
+# (keys, kinds) -> _shape(): one per shape of record, shared by every record of it
+_SHAPES: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[Any, ...]] = {}
 _INT, _HEX, _ANY = 0, 1, 2  # how a field is held: packed int64, SHA-256 hex as 32 bytes, as is
 
 
@@ -66,23 +64,31 @@ def pack(rec: dict[str, Any]) -> tuple[Any, ...]:
     sig = (tuple(rec), tuple(kinds))
     shape = _SHAPES.get(sig)
     if shape is None:
-        shape = _SHAPES.setdefault(sig, (sig[0], sig[1], struct.Struct(f"<{len(ints)}q")))
-    return (shape, shape[2].pack(*ints), *rest)
+        shape = _SHAPES.setdefault(sig, _shape(sig[0], sig[1], len(ints)))
+    return (shape, shape[0].pack(*ints), *rest)
+
+
+def _shape(keys: tuple[str, ...], kinds: tuple[int, ...], n_ints: int) -> tuple[Any, ...]:
+    """(Struct of the ints, keys, where each key's value lies in ints + rest, the hex keys)."""
+    where, i, r = [], 0, n_ints
+    for kind in kinds:
+        if kind == _INT:
+            where.append(i)
+            i += 1
+        else:
+            where.append(r)
+            r += 1
+    hexes = tuple(k for k, kind in zip(keys, kinds, strict=True) if kind == _HEX)
+    return (struct.Struct(f"<{n_ints}q"), keys, tuple(where), hexes)
 
 
 def unpack(held: tuple[Any, ...], at: int = 0) -> dict[str, Any]:
     """The record as a dict again; `at`: where pack()'s tuple starts in held."""
-    keys, kinds, st = held[at]
-    ints = iter(st.unpack(held[at + 1]))
-    rest = iter(held[at + 2 :])
-    out: dict[str, Any] = {}
-    for k, kind in zip(keys, kinds, strict=True):
-        if kind == _INT:
-            out[k] = next(ints)
-        elif kind == _HEX:
-            out[k] = next(rest).hex()
-        else:
-            out[k] = next(rest)
+    st, keys, where, hexes = held[at]
+    values = st.unpack(held[at + 1]) + held[at + 2 :]
+    out = dict(zip(keys, [values[w] for w in where], strict=True))
+    for k in hexes:
+        out[k] = out[k].hex()
     return out
 
 
