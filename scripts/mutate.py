@@ -293,7 +293,7 @@ MUTATIONS = (
         "a torn last line of a cut run is dropped, so the next record is not glued onto it and lost",
         "pytest_gpuhost/modules/backup/state.py",
         "        if good != size:",
-        "            if False:",
+        "        if False:",
         ("tests/test_backup_state_journal.py",),
     ),
     Mutation(
