@@ -3,6 +3,7 @@
     python benchmarks/bench_backup.py            # b200-nvl8 lab host, --data-scale bench (~850 MB)
     python benchmarks/bench_backup.py --smoke    # CI: small scale (~35 MB), no S3 part, seconds
     python benchmarks/bench_backup.py --host NAME  # reuse a running lab host (`python -m gpulab up ...`)
+    python benchmarks/bench_backup.py --files 1000000 --host NAME  # scale in files (backup_scale.py)
 
 Measured, each from a cold destination: our local backup (walk, bulk stream, SHA-256 on both
 ends, verify, SHA256SUMS) vs `rsync -a -e ssh`; the no-op rerun of each; our backup plus S3
@@ -41,7 +42,7 @@ import boto3  # noqa: E402
 
 from gpulab.host.lab import CLIENT_KEY, Lab, LabHost  # noqa: E402
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url  # noqa: E402
-from pytest_gpuhost.modules.backup.local import Backup, load_manifest  # noqa: E402
+from pytest_gpuhost.modules.backup.local import Backup, Manifest, load_manifest  # noqa: E402
 from pytest_gpuhost.modules.backup.s3 import S3Upload, item_for, items_from_backup, parse_s3_url  # noqa: E402
 from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto  # noqa: E402
 
@@ -125,8 +126,16 @@ class Cpu:
         return {k: round(v, 2) for k, v in out.items()}
 
 
-def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One full run of our backup, connection included: walk, plan, stream, verify, checksums (+ S3)."""
+def our_backup(
+    h: LabHost,
+    dest: Path,
+    s3: dict[str, Any] | None = None,
+    *,
+    manifest: Manifest | None = None,
+) -> dict[str, Any]:
+    """One full run of our backup, connection included: walk, plan, stream, verify, checksums (+ S3).
+
+    manifest: the lab node's manifest, every category to S3, unless given."""
     opts = TargetOptions(
         identity=str(CLIENT_KEY),
         known_hosts=str(h.known_hosts),
@@ -134,13 +143,14 @@ def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict
         command_timeout=600,
         connect_timeout=10,
     )
-    manifest = load_manifest(MANIFEST)
-    # every category to S3, so that aws s3 sync of the whole tree is a like-for-like comparison
-    manifest = replace(manifest, categories=tuple(replace(c, s3=True) for c in manifest.categories))
+    if manifest is None:
+        manifest = load_manifest(MANIFEST)
+        # every category to S3, so that aws s3 sync of the whole tree is a like-for-like comparison
+        manifest = replace(manifest, categories=tuple(replace(c, s3=True) for c in manifest.categories))
     conn = open_connection(parse_host_url(f"ssh://root@{h.address}"), opts)
     out: dict[str, Any] = {}
     try:
-        b = Backup(conn, manifest, dest, stall_timeout=120)
+        b = Backup(conn, manifest, dest, stall_timeout=120, op_timeout=1800)
         session = up = None
         if s3 is not None:
             # as the suite does: upload while the local copy runs, then catch up on anything left
@@ -187,10 +197,10 @@ def our_backup(h: LabHost, dest: Path, s3: dict[str, Any] | None = None) -> dict
         conn.close()
 
 
-def rsync(h: LabHost, dest: Path) -> subprocess.CompletedProcess[bytes]:
+def rsync(h: LabHost, dest: Path, src: str = "/data/") -> subprocess.CompletedProcess[bytes]:
     ssh = f"ssh -i {CLIENT_KEY} -o UserKnownHostsFile={h.known_hosts} -o StrictHostKeyChecking=yes -o BatchMode=yes"
     return subprocess.run(
-        ["rsync", "-a", "-e", ssh, f"root@{h.address}:/data/", f"{dest}/"], capture_output=True, timeout=1800
+        ["rsync", "-a", "-e", ssh, f"root@{h.address}:{src}", f"{dest}/"], capture_output=True, timeout=3600
     )
 
 
@@ -220,6 +230,21 @@ def median_cpu(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r.get(k, 0.0) for r in rounds), 2) for k in sorted(keys)}
 
 
+def scale_main(args: argparse.Namespace) -> int:
+    """--files N: the backup of N small files against rsync (see backup_scale.py)."""
+    from benchmarks.backup_scale import run_scale
+
+    lab = Lab()
+    if args.host:
+        return run_scale(args, lab.get(args.host), our_backup, rsync)
+    h = lab.up("b200-nvl8", name=f"bench-bkn-{os.getpid()}", data_scale="small")
+    try:
+        return run_scale(args, h, our_backup, rsync)
+    finally:
+        if not args.keep:
+            h.down()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="small data scale, for CI")
@@ -230,7 +255,16 @@ def main() -> int:
         "--rounds", type=int, default=0, help="rounds of the local comparison (default 3; smoke 1)"
     )
     ap.add_argument("--s3-rounds", type=int, default=3, help="rounds of the S3 comparison (default 3)")
+    ap.add_argument(
+        "--files",
+        type=int,
+        default=0,
+        help="scale in files: N small files (backup_scale.py), ours and rsync, cold and no-op, peak RSS",
+    )
+    ap.add_argument("--keep", action="store_true", help="with --files and no --host: leave the host up")
     args = ap.parse_args()
+    if args.files:
+        return scale_main(args)
     scale = "small" if args.smoke else "bench"
     args.rounds = args.rounds or (1 if args.smoke else 3)
     if args.smoke and not args.s3:

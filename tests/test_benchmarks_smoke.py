@@ -56,3 +56,19 @@ def test_bench_reset_smoke() -> None:
 def test_bench_nccl_smoke() -> None:
     """bench_nccl.py at smoke size: one repair run of the seed's Proxmox host with the collective."""
     test_benchmark_smoke("bench_nccl.py", True, "collective step measured")
+
+
+def test_bench_backup_files_smoke() -> None:
+    """bench_backup.py --files at smoke size: 2,000 small files, ours and rsync, peak RSS printed."""
+    if not LAB:
+        pytest.skip("needs root and /dev/fuse (sshd and lab hosts)")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_backup.py"), "--files", "2000"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "peak RSS under 1 GiB: yes" in out, out[-3000:]

@@ -6,10 +6,15 @@ checked to be the directory that was listed, and listed through its fd, so a pat
 PATH_MAX is listed like any other and a directory swapped for a symlink is never entered.  Every
 path in scope that cannot be listed is returned as an error (path and reason), never dropped.
 
-Each entry: the name ({"p": str} when valid UTF-8, else {"pb": base64}), "t" (f file, l link,
-x other), "s" size, "m" mtime_ns, "o" mode bits, "b" bytes allocated, "a" the length of the
-anchor (the root the operator named, or the parent of a root that is a file), "l"/"lb" a link's
-target.  The reading side (probe_backup.py) opens each file below its anchor the same way.
+Each file or link listed is one line of text ("packed": a list of blocks of up to BLOCK lines
+joined by newlines; a dict per entry would cost a million files some 600 MB on each side):
+`t s m o b c i a L N`, space-separated: t (f file, l link), s size, m mtime_ns, o mode bits,
+b bytes allocated, c ctime_ns, i inode, a the length of the anchor (the root the operator named,
+or the parent of a root that is a file), L a link's target as "=" + base64 ("-" for a file),
+and last N the path: as is when it is valid UTF-8, starts with "/" and holds no newline, else
+"=" + base64.  Left out entries ("skipped") are dicts: the name ({"p": str} when valid UTF-8,
+else {"pb": base64}), "t" (x other), and the same fields by their letters.  The reading side
+(probe_backup.py) opens each file below its anchor the same way.
 
 Each category also reports its roots ("roots": one record per root named): what the root is
 ("dir", "file", "link" with "to" its target, "missing", "error"), "n" the entries it gave, "k"
@@ -149,6 +154,28 @@ def _entry(path, st, kind, anchor):
     entry["i"] = st.st_ino
     entry["a"] = len(anchor)
     return entry
+
+
+BLOCK = 4096  # lines per block of "packed": the reader frees each block once it has read it
+
+
+def _b64(raw):
+    return "=" + base64.b64encode(raw).decode("ascii")
+
+
+def _packed(path, st, kind, anchor, link=None):
+    """One listed file or link as a line of `packed` (see the module's docstring)."""
+    try:
+        name = path.decode("utf-8")
+    except UnicodeDecodeError:
+        name = None
+    if name is None or "\n" in name or not name.startswith("/"):
+        name = _b64(path)
+    target = "-" if link is None else _b64(link)
+    return (
+        f"{kind} {st.st_size} {st.st_mtime_ns} {stat.S_IMODE(st.st_mode)} {st.st_blocks * 512} "
+        f"{st.st_ctime_ns} {st.st_ino} {len(anchor)} {target} {name}"
+    )
 
 
 def _error(path, exc, doing):
@@ -291,20 +318,17 @@ class _Walk:
             self.excluded += 1
             return
         if stat.S_ISLNK(st.st_mode):
-            entry = _entry(path, st, "l", anchor)
             try:
                 target = os.readlink(name, dir_fd=dfd) if dfd is not None else os.readlink(path)
             except OSError as exc:
                 self.errors.append(_error(path, exc, "cannot read the link"))
                 return
-            tgt = _name(os.fsencode(target))
-            entry["l" if "p" in tgt else "lb"] = tgt.get("p", tgt.get("pb"))
-            self.entries.append(entry)
+            self.entries.append(_packed(path, st, "l", anchor, os.fsencode(target)))
         elif stat.S_ISREG(st.st_mode):
             if self.max_size is not None and st.st_size > self.max_size:
                 self.skipped.append(dict(_entry(path, st, "f", anchor), why="larger than max_size"))
                 return
-            self.entries.append(_entry(path, st, "f", anchor))
+            self.entries.append(_packed(path, st, "f", anchor))
         else:
             self.skipped.append(dict(_entry(path, st, "x", anchor), why="not a regular file or link"))
 
@@ -319,7 +343,7 @@ def backup_walk(params):
         for root in cat["roots"]:
             walk.root(root)
         result[cat["name"]] = {
-            "entries": walk.entries,
+            "packed": ["\n".join(walk.entries[i : i + BLOCK]) for i in range(0, len(walk.entries), BLOCK)],
             "skipped": walk.skipped,
             "errors": walk.errors,
             "roots": walk.roots,

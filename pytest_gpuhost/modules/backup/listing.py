@@ -6,7 +6,6 @@ import base64
 import errno
 import os
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, NamedTuple
 
 from pytest_gpuhost.exec.agent import probe_backup as wire
@@ -55,9 +54,9 @@ def reason(code: int) -> str:
     return _REASONS.get(code) or (os.strerror(code) if code > 0 else f"failed (code {code})")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RemoteFile:
-    """One file or symlink on the node, as listed by backup_walk."""
+    """One file or symlink on the node, as listed by backup_walk (slots: one of these per file)."""
 
     category: str
     path: bytes  # absolute path on the node, raw bytes
@@ -70,20 +69,30 @@ class RemoteFile:
     allocated: int | None = None  # bytes allocated on the node (less than size when sparse)
     ctime_ns: int | None = None  # the inode's change time: moves with any write, never set back
     ino: int | None = None
+    _key: str | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def identity(self) -> tuple[int, int] | None:
         """(ctime_ns, inode) as listed, or None where the listing did not say."""
         return (self.ctime_ns, self.ino) if self.ctime_ns is not None and self.ino is not None else None
 
-    @cached_property
+    @property
     def key(self) -> str:
         """Path inside the backup directory (str with surrogateescape for non-UTF-8 bytes)."""
+        if self._key is not None:
+            return self._key
         rel = self.path.lstrip(b"/")
         parts = rel.split(b"/")
         if not rel or any(part in (b"", b".", b"..") for part in parts):
             raise BackupError(f"refusing unsafe node path {self.path!r}")
-        return self.category + "/" + os.fsdecode(rel)
+        key = self.category + "/" + os.fsdecode(rel)
+        object.__setattr__(self, "_key", key)  # computed once (frozen: set as a cache)
+        return key
+
+    def share_key(self, key: str | None) -> None:
+        """Hold this equal key string instead of an own one (the state's: one string, not two)."""
+        if key is not None and key == self.key:
+            object.__setattr__(self, "_key", key)
 
     @property
     def display(self) -> str:
@@ -123,15 +132,64 @@ class Listing:
         return [Item(e["path"], str(e.get("error") or "cannot list")) for e in self.errors]
 
 
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text[1:], validate=True)
+
+
+def _packed_files(category: str, blocks: list[str], files: list[RemoteFile]) -> None:
+    """Read the walk's packed lines (probe_backup_walk.py), freeing each block once it is read.
+
+    Numbers of up to five digits (sizes, modes, allocations of small files) are shared objects:
+    a million small files hold a few thousand distinct ones, not three million.
+    """
+    nums: dict[str, int] = {}
+
+    def num(tok: str) -> int:
+        n = nums.get(tok)
+        if n is None:
+            n = int(tok)
+            if len(tok) < 6:
+                nums[tok] = n
+        return n
+
+    blocks.reverse()
+    while blocks:
+        block = blocks.pop()
+        for line in block.split("\n"):
+            t, s, m, o, b, c, i, a, lk, name = line.split(" ", 9)
+            if t not in ("f", "l"):
+                raise BackupError(f"the node's listing is not understood (kind {t[:10]!r})")
+            files.append(
+                RemoteFile(
+                    category,
+                    name.encode("utf-8") if name.startswith("/") else _unb64(name),
+                    "f" if t == "f" else "l",
+                    num(s),
+                    int(m),
+                    num(o),
+                    None if lk == "-" else _unb64(lk),
+                    num(a),
+                    num(b),
+                    int(c),
+                    int(i),
+                )
+            )
+        del block
+
+
 def listing_from(manifest: Manifest, res: dict[str, Any]) -> Listing:
-    """Turn a backup_walk result into a Listing (a path listed twice in one category: once)."""
+    """Turn a backup_walk result into a Listing (a path listed twice in one category: once).
+
+    The result's listed entries are consumed (each block freed as it is read).
+    """
     files: list[RemoteFile] = []
     skipped: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     roots: list[dict[str, Any]] = []
     for cat in manifest.categories:
         part = res["categories"].get(cat.name, {})
-        for e in part.get("entries", []):
+        _packed_files(cat.name, part.get("packed") or [], files)
+        for e in part.get("entries", []):  # an entry as a dict (the listing's older form)
             link = None
             if e["t"] == "l":
                 link = base64.b64decode(e["lb"]) if "lb" in e else str(e["l"]).encode("utf-8")
@@ -194,4 +252,9 @@ def listing_from(manifest: Manifest, res: dict[str, Any]) -> Listing:
         if f.key not in seen:
             seen.add(f.key)
             unique.append(f)
+    del seen, files
+    for f in unique:
+        # each key is made again on first use, then shared with the state's (plan): a million
+        # files never hold two strings of each key at once while the state is read
+        object.__setattr__(f, "_key", None)
     return Listing(unique, skipped, errors, float(res.get("duration", 0.0)), roots)

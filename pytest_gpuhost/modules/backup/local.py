@@ -103,6 +103,7 @@ class Backup:
         self.op_timeout = op_timeout
         self.manifest = manifest
         self.dest = Path(dest)
+        self._dest_s = os.fspath(self.dest)
         self.meta = self.dest / META
         self.progress = progress
         self.progress_interval = progress_interval
@@ -114,9 +115,10 @@ class Backup:
         # called with (file, state record) for each file or link verified into place: the S3
         # side uses it to upload while the transfer runs
         self.on_placed: Callable[[RemoteFile, dict[str, Any]], None] | None = None
-        # files plan() found verified and unchanged, with the state record it saw: verify() can
-        # trust its own stat from moments ago instead of stat-ing them all again
-        self._seen_current: dict[str, tuple[dict[str, Any], int, int]] = {}
+        # files plan() found verified and unchanged, with the (packed) state record it saw: verify()
+        # can trust its own stat from moments ago instead of stat-ing them all again, while that
+        # very record is still the state's
+        self._seen_current: dict[str, Any] = {}
         # why each file of this object's last runs failed (key -> reason), for verify()'s items
         self.failures: dict[str, str] = {}
         self._failures_lock = threading.Lock()
@@ -143,8 +145,10 @@ class Backup:
         """Compare the node's listing with the verified state and what is on disk here."""
         plan = BackupPlan(listing)
         for f in listing.files:
-            local = self._local(f)
             rec = self.state.items.get(f.key)
+            if rec is not None:
+                f.share_key(self.state.items.own_key(f.key))
+            local = os.path.join(self._dest_s, f.key)  # a str: a Path per file costs more than the lstat
             try:
                 lst: os.stat_result | None = os.lstat(local)
             except OSError:
@@ -177,7 +181,7 @@ class Backup:
                 and same_node(rec, f)
             ):
                 plan.current.append(f)
-                self._seen_current[f.key] = (rec, f.size, f.mtime_ns)
+                self._seen_current[f.key] = self.state.items.held(f.key)
             else:
                 plan.rehash.append(f)  # same size, mtime moved: the node's hash decides
         return plan

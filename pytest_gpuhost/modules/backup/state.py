@@ -4,57 +4,223 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from pytest_gpuhost.modules.backup.listing import Listing, RemoteFile
 
-__all__ = ["BackupPlan", "Progress", "StateFile", "TransferResult", "stderr_progress"]
+__all__ = [
+    "BackupPlan",
+    "Progress",
+    "Records",
+    "StateFile",
+    "TransferResult",
+    "pack",
+    "stderr_progress",
+    "unpack",
+]
+
+
+_I64 = (-(1 << 63), 1 << 63)
+# (keys, kinds) -> _shape(): one per shape of record, shared by every record of it
+_SHAPES: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[Any, ...]] = {}
+_INT, _HEX, _ANY = 0, 1, 2  # how a field is held: packed int64, SHA-256 hex as 32 bytes, as is
+
+
+def _is_hex64(v: str) -> bool:
+    if len(v) != 64:
+        return False
+    try:
+        return bytes.fromhex(v).hex() == v
+    except ValueError:
+        return False
+
+
+def pack(rec: dict[str, Any]) -> tuple[Any, ...]:
+    """Hold a record compactly: its int fields packed into one bytes, a SHA-256 hex as 32 bytes.
+
+    A record as a dict costs about 700 bytes (the dict, ten int objects, a 64-character hex
+    string); packed, about 250. unpack() gives back an equal dict, the same keys in the same order.
+    """
+    kinds: list[int] = []
+    ints: list[int] = []
+    rest: list[Any] = []
+    for k, v in rec.items():
+        if type(v) is int and _I64[0] <= v < _I64[1]:
+            kinds.append(_INT)
+            ints.append(v)
+        elif k == "sha256" and type(v) is str and _is_hex64(v):
+            kinds.append(_HEX)
+            rest.append(bytes.fromhex(v))
+        else:
+            kinds.append(_ANY)
+            rest.append(v)
+    sig = (tuple(rec), tuple(kinds))
+    shape = _SHAPES.get(sig)
+    if shape is None:
+        shape = _SHAPES.setdefault(sig, _shape(sig[0], sig[1], len(ints)))
+    return (shape, shape[0].pack(*ints), *rest)
+
+
+def _shape(keys: tuple[str, ...], kinds: tuple[int, ...], n_ints: int) -> tuple[Any, ...]:
+    """(Struct of the ints, keys, where each key's value lies in ints + rest, the hex keys)."""
+    where, i, r = [], 0, n_ints
+    for kind in kinds:
+        if kind == _INT:
+            where.append(i)
+            i += 1
+        else:
+            where.append(r)
+            r += 1
+    hexes = tuple(k for k, kind in zip(keys, kinds, strict=True) if kind == _HEX)
+    return (struct.Struct(f"<{n_ints}q"), keys, tuple(where), hexes)
+
+
+def unpack(held: tuple[Any, ...], at: int = 0) -> dict[str, Any]:
+    """The record as a dict again; `at`: where pack()'s tuple starts in held."""
+    st, keys, where, hexes = held[at]
+    values = st.unpack(held[at + 1]) + held[at + 2 :]
+    out = dict(zip(keys, [values[w] for w in where], strict=True))
+    for k in hexes:
+        out[k] = out[k].hex()
+    return out
+
+
+class Records(MutableMapping[str, dict[str, Any]]):
+    """The verified state's items, each held packed (see pack); read as dicts.
+
+    A dict read from it is a copy: a change is kept only through `state[key] = record`. Each
+    held record starts with its own key, so a listing can share that string (own_key) instead
+    of holding an equal one of its own.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[Any, ...]] = {}
+
+    def __getitem__(self, key: str) -> dict[str, Any]:
+        return unpack(self._held[key], 1)
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        held = self._held.get(key)
+        return default if held is None else unpack(held, 1)
+
+    def held(self, key: str) -> tuple[Any, ...] | None:
+        """The packed record itself: the same object until the record is replaced or removed."""
+        return self._held.get(key)
+
+    def own_key(self, key: str) -> str | None:
+        """The key string this map holds for `key` (equal to it), or None."""
+        held = self._held.get(key)
+        return None if held is None else held[0]
+
+    def __setitem__(self, key: str, value: dict[str, Any]) -> None:
+        self._held[key] = (key, *pack(value))
+
+    def __delitem__(self, key: str) -> None:
+        del self._held[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._held
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def pop(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        held = self._held.pop(key, None)
+        return default if held is None else unpack(held, 1)
 
 
 class StateFile:
-    """A JSON map plus an append-only journal, so that every verified item survives a crash."""
+    """A map file plus an append-only journal, so that every verified item survives a crash.
+
+    Both are read a line at a time and the items are held packed (Records), so a state of a
+    million files never sits in memory as JSON text or as a million dicts. The map file is JSON
+    lines, a header `{"version": 2}` then one `{"k": key, "v": record}` per item; a version 1
+    file (one JSON object) is still read.
+    """
 
     def __init__(self, directory: Path, name: str) -> None:
         self.path = directory / f"{name}.json"
         self.journal = directory / f"{name}.journal.jsonl"
-        self.items: dict[str, dict[str, Any]] = {}
+        self._items: Records | None = None
         self._fh: IO[str] | None = None
         self._last_flush = 0.0
         self._append_lock = threading.Lock()  # records come from several upload threads
-        self._load()
 
-    def _load(self) -> None:
+    @property
+    def items(self) -> Records:
+        """The verified items, read from disk on first use: a backup lists the node first, so the
+        listing's reply and a large state are never both in memory at their largest."""
+        if self._items is None:
+            with self._append_lock:
+                if self._items is None:
+                    self._items = self._load()
+        return self._items
+
+    def _load(self) -> Records:
+        self._items = items = Records()
+        try:
+            self._read()
+        except BaseException:
+            self._items = None
+            raise
+        return items
+
+    def _read(self) -> None:
         if self.path.exists():
-            self.items = json.loads(self.path.read_text()).get("items", {})
+            with open(self.path, "rb") as f:
+                head = f.readline()
+                try:
+                    first = json.loads(head)
+                except ValueError:
+                    first = None
+                if isinstance(first, dict) and first.get("version") == 2 and "items" not in first:
+                    for line in f:
+                        rec = json.loads(line)
+                        self.items[rec["k"]] = rec["v"]
+                else:  # version 1: one JSON object
+                    old = json.loads(head + f.read()).get("items", {})
+                    for k in list(old):
+                        self.items[k] = old.pop(k)
         if self.journal.exists():
-            text = self.journal.read_text()
-            if text and not text.endswith("\n"):
-                # a run cut mid-line: drop the torn tail, or the next record appended would be
-                # glued onto it and lost on replay (a delete among them: a forgotten item back)
-                keep = text.rfind("\n") + 1
-                with open(self.journal, "r+") as f:
-                    f.truncate(len(text[:keep].encode()))
-                text = text[:keep]
-            for line in text.splitlines():
+            self._replay()
+
+    def _replay(self) -> None:
+        size = self.journal.stat().st_size
+        with open(self.journal, "rb") as f:
+            good = 0  # bytes up to the end of the last whole line
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # a run cut mid-line: a torn tail, dropped below
+                good += len(line)
                 try:
                     rec = json.loads(line)
                 except ValueError:
-                    continue  # a torn last line from a killed run
+                    continue  # a torn line from a killed run
                 if rec.get("del"):
                     self.items.pop(rec["k"], None)
                 else:
                     self.items[rec["k"]] = rec["v"]
+        if good != size:
+            # drop the torn tail, or the next record appended would be glued onto it and lost on
+            # replay (a delete among them: a forgotten item back)
+            with open(self.journal, "r+b") as f:
+                f.truncate(good)
 
     @staticmethod
-    def peek(directory: Path, name: str) -> dict[str, dict[str, Any]]:
+    def peek(directory: Path, name: str) -> Records:
         """The items of a state without opening it for writing ({} when there is none)."""
         if not (directory / f"{name}.json").exists() and not (directory / f"{name}.journal.jsonl").exists():
-            return {}
+            return Records()
         return StateFile(directory, name).items
 
     def record(self, key: str, value: dict[str, Any]) -> None:
@@ -92,7 +258,10 @@ class StateFile:
         if not self.journal.exists() and (self.path.exists() or not self.items):
             return  # nothing recorded since the last compaction (or ever)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": 1, "items": self.items}))
+        with open(tmp, "w") as f:  # a line per item, written as it goes: never the whole text at once
+            f.write('{"version": 2}\n')
+            for k in self.items:
+                f.write(json.dumps({"k": k, "v": self.items[k]}) + "\n")
         os.replace(tmp, self.path)
         self.journal.unlink(missing_ok=True)
 

@@ -8,23 +8,34 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pytest_gpuhost.exec.agent import probe_backup as wire
 from pytest_gpuhost.exec.agent import probe_program
 from pytest_gpuhost.modules.backup.listing import RemoteFile
 
-__all__ = ["ChannelIO", "StreamReader", "request", "sender_argv"]
+__all__ = ["ChannelIO", "StreamReader", "request", "request_chunks", "sender_argv"]
+
+
+def request_chunks(files: Sequence[RemoteFile], chunk: int = 1 << 20) -> Iterator[bytes]:
+    """Yield the sender's request in pieces of about `chunk` bytes, never the whole at once: a
+    million names would otherwise be held twice (the pieces and their join) while it is sent."""
+    req = [wire.MAGIC]
+    held = 4
+    for f in files:
+        req += (wire.U32.pack(len(f.path)), f.path, wire.U32.pack(f.anchor_len))
+        held += len(f.path) + 8
+        if held >= chunk:
+            yield b"".join(req)
+            req, held = [], 0
+    req.append(wire.U32.pack(0))
+    yield b"".join(req)
 
 
 def request(files: Sequence[RemoteFile]) -> bytes:
     """Return the sender's request: which files, each with the length of its anchor."""
-    req = [wire.MAGIC]
-    for f in files:
-        req += (wire.U32.pack(len(f.path)), f.path, wire.U32.pack(f.anchor_len))
-    req.append(wire.U32.pack(0))
-    return b"".join(req)
+    return b"".join(request_chunks(files))
 
 
 def sender_argv(stall_timeout: float = 120.0, python: str = "python3") -> list[str]:

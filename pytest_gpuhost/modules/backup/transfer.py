@@ -21,7 +21,7 @@ from pytest_gpuhost.exec.agent import probe_backup as wire
 from pytest_gpuhost.modules.backup.listing import RemoteFile
 from pytest_gpuhost.modules.backup.manifest import BackupError
 from pytest_gpuhost.modules.backup.state import Progress, TransferResult
-from pytest_gpuhost.modules.backup.stream import ChannelIO, StreamReader, request, sender_argv
+from pytest_gpuhost.modules.backup.stream import ChannelIO, StreamReader, request_chunks, sender_argv
 from pytest_gpuhost.modules.backup.writer import LocalWriter, Piece, hash_zeros, write_all
 
 __all__ = ["SMALL", "transfer"]
@@ -96,7 +96,7 @@ def transfer(
 
     try:
         # the request goes from a thread: a long list must not deadlock against a full pipe
-        threading.Thread(target=chan.write, args=(request(files),), daemon=True).start()
+        threading.Thread(target=_send_request, args=(chan, files), daemon=True).start()
         if reader.exact(4) != wire.MAGIC:
             raise BackupError(f"bulk sender did not start under {python} on the node")
         while True:
@@ -146,6 +146,15 @@ def transfer(
         result.copied_bytes += done[1]
         if result.error is None:
             report()
+
+
+def _send_request(chan: ChannelIO, files: list[RemoteFile]) -> None:
+    """Send the request piece by piece; a channel closed under it ends the stream, not this thread."""
+    try:
+        for piece in request_chunks(files):
+            chan.write(piece)
+    except OSError:
+        pass  # the reader sees the stream end and says why
 
 
 class _Sink:

@@ -6,7 +6,7 @@ import errno
 import hashlib
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,19 +43,21 @@ def sha256_file(path: Path) -> str:
 
 def unverified(
     listing: Listing,
-    items: dict[str, dict[str, Any]],
+    items: Mapping[str, dict[str, Any]],
     local: Callable[[RemoteFile], Path],
     *,
-    seen_current: dict[str, tuple[dict[str, Any], int, int]],
+    seen_current: dict[str, Any],
     failures: dict[str, str],
     rehash_local: bool = False,
 ) -> list[Item]:
     """Return an Item for each path in scope that is not verified: unlisted, failed, or differing.
 
-    items: the verified state; seen_current: what plan() found current moments ago (trusted
-    without another stat); failures: the last transfer's reason per key, said instead of "never
-    copied".
+    items: the verified state; seen_current: the record (as items holds it, Records.held) of each
+    file plan() found current moments ago, trusted without another stat while items still holds
+    that very record and the listing the same size and mtime; failures: the last transfer's
+    reason per key, said instead of "never copied".
     """
+    held = getattr(items, "held", items.get)
     missing = listing.unlisted()
     for f in listing.files:
         rec = items.get(f.key)
@@ -64,7 +66,13 @@ def unverified(
             missing.append(Item(f.display, f"not copied: {why}" if why else "never copied"))
             continue
         seen = seen_current.get(f.key)
-        if not rehash_local and seen is not None and seen == (rec, f.size, f.mtime_ns):
+        if (
+            not rehash_local
+            and seen is not None
+            and seen is held(f.key)
+            and rec.get("s") == f.size
+            and rec.get("m") == f.mtime_ns
+        ):
             continue
         path = local(f)
         try:
@@ -94,21 +102,22 @@ def unverified(
     return missing
 
 
-def write_checksums(dest: Path, listing: Listing, items: dict[str, dict[str, Any]]) -> Path:
+def write_checksums(dest: Path, listing: Listing, items: Mapping[str, dict[str, Any]]) -> Path:
     """Write DEST/SHA256SUMS (sha256sum -c compatible, node hashes) for the listed files."""
     out = dest / "SHA256SUMS"
-    lines = []
-    for f in sorted(listing.files, key=lambda f: f.key):
-        rec = items.get(f.key)
-        if rec is None or f.kind != "f" or "sha256" not in rec:
-            continue
-        name = os.fsencode(f.key)
-        if b"\\" in name or b"\n" in name or b"\r" in name:
-            esc = name.replace(b"\\", b"\\\\").replace(b"\n", b"\\n").replace(b"\r", b"\\r")
-            lines.append(b"\\" + rec["sha256"].encode() + b"  " + esc + b"\n")
-        else:
-            lines.append(rec["sha256"].encode() + b"  " + name + b"\n")
     tmp = out.with_name(".SHA256SUMS.tmp")
-    tmp.write_bytes(b"".join(lines))
+    # written line by line (a buffered file), in the order of the keys: a million lines are never
+    # held at once; only the order is (one reference per file)
+    with open(tmp, "wb") as fh:
+        for f in sorted(listing.files, key=lambda f: f.key):
+            rec = items.get(f.key)
+            if rec is None or f.kind != "f" or "sha256" not in rec:
+                continue
+            name = os.fsencode(f.key)
+            if b"\\" in name or b"\n" in name or b"\r" in name:
+                esc = name.replace(b"\\", b"\\\\").replace(b"\n", b"\\n").replace(b"\r", b"\\r")
+                fh.write(b"\\" + rec["sha256"].encode() + b"  " + esc + b"\n")
+            else:
+                fh.write(rec["sha256"].encode() + b"  " + name + b"\n")
     os.replace(tmp, out)
     return out
