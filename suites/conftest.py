@@ -1,14 +1,17 @@
-"""Options of every suite, registered whichever suite (or all of them) pytest is pointed at."""
+"""Options of every suite, registered whichever suite (or all of them) pytest is pointed at.
+
+The suites are those of the `gpuhost.suites` entry points (pyproject.toml), read in one place:
+`pytest_gpuhost.run.suite.registered`. Each is a `Suite` (run/suite.py) or, until it is declared
+as one, a module with `addoption(parser)` and `configure(config)`.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from .decommission import options as decommission_options
-from .health import options as health_options
-from .p2p import options as p2p_options
+from pytest_gpuhost.run.suite import registered
 
-_SUITES = (p2p_options, decommission_options, health_options)
+_SUITES = registered(__package__ or "suites")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -16,7 +19,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         suite.addoption(parser)
 
 
+@pytest.hookimpl(trylast=True)  # after the plugin's configure has loaded the run's targets
 def pytest_configure(config: pytest.Config) -> None:
-    # Every value is checked before collection, so a typo fails the run at once, not at step 5.
+    # Every value is read and checked before collection, so a typo fails the run at once, not at
+    # step 5; then each suite's preconditions, before any target is reached.
     for suite in _SUITES:
-        suite.validate(config)
+        suite.configure(config)
+    for suite in _SUITES:
+        check = getattr(suite, "check", None)
+        if check is not None:
+            check(config)

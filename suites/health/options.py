@@ -156,3 +156,7 @@ def validate(config: pytest.Config) -> None:
         gpu_source()  # GPUHOST_HEALTH_SOURCE, read where the facts are asked for
     except ValueError as exc:
         raise pytest.UsageError(f"gpuhost: {exc}") from None
+
+
+#: The suite contract's name for `validate` (suites/conftest.py calls it at configure).
+configure = validate
