@@ -1,8 +1,7 @@
 """Options of every suite, registered whichever suite (or all of them) pytest is pointed at.
 
 The suites are those of the `gpuhost.suites` entry points (pyproject.toml), read in one place:
-`pytest_gpuhost.run.suite.registered`. Each is a `Suite` (run/suite.py) or, until it is declared
-as one, a module with `addoption(parser)` and `configure(config)`.
+`pytest_gpuhost.run.suite.registered`. Each is a `Suite` (run/suite.py).
 """
 
 from __future__ import annotations
@@ -26,6 +25,4 @@ def pytest_configure(config: pytest.Config) -> None:
     for suite in _SUITES:
         suite.configure(config)
     for suite in _SUITES:
-        check = getattr(suite, "check", None)
-        if check is not None:
-            check(config)
+        suite.check(config)

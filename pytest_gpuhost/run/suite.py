@@ -11,11 +11,13 @@ A suite (suites/p2p, ...) declares one `Suite`:
   (`Suite.configure`), and stashed in `config.stash`; `Suite.settings(config, vars)` returns
   them, with the target's inventory variables applied by the suite's `per_target`.
   A field declared with a plain default (no `option()`) is a setting with no flag.
+- `label`: the help texts' prefix ("suites/<name>" unless given).
 - `procedure`: a factory `(target, options, check_only, config) -> SuiteProcedure` (it may
   `pytest.fail` after `finish()` when the procedure cannot start: every step then errors). `SuiteProcedure`
   (a `Procedure`) owns the links, the run lock, the journal (`journal_name`) and reading what
   an interrupted run left (`old_journal`); a suite adds its own state and facts.
-- `steps`: ordered `StepSpec`s (name, one-line "holds" sentence, `make(procedure) ->
+- `steps`: ordered `StepSpec`s (none for a suite of checks, health, whose tests come from the
+  checks' declaration: it declares its options and preconditions only) (name, one-line "holds" sentence, `make(procedure) ->
   Remediation`, flags `final` and `first`). `Suite.tests(globals())` in the suite's test module
   makes one `test_<name>` per step (spaces become `_`), in order, with `holds` as its docstring,
   each running `remediate(spec.make(procedure))` through `run_step`. A step is added to
@@ -107,8 +109,11 @@ def option(
     return dataclasses.field(default=default, metadata=meta)
 
 
-def table_of(cls: type, suite: str) -> tuple[Option, ...]:
-    """Return the `Option` table of an options dataclass, in field order, defaults from its fields."""
+def table_of(cls: type, suite: str, *, label: str = "") -> tuple[Option, ...]:
+    """Return the `Option` table of an options dataclass, in field order, defaults from its fields.
+
+    Each help text starts with `label` ("suites/<suite>" unless given) and a colon.
+    """
     out = []
     for f in dataclasses.fields(cls):
         d = f.metadata.get(_META)
@@ -119,7 +124,7 @@ def table_of(cls: type, suite: str) -> tuple[Option, ...]:
             Option(
                 d.ini or f"{suite}_{f.name}",
                 d.flag,
-                f"suites/{suite}: {d.help}",
+                f"{label or 'suites/' + suite}: {d.help}",
                 parse=d.parse,
                 default=default,
                 kind=d.kind,
@@ -231,22 +236,22 @@ class Suite(Generic[O, P]):
 
     name: str
     options: type[O]
-    procedure: Callable[[Any, O, bool, pytest.Config], P]
-    steps: tuple[StepSpec[P], ...]
+    procedure: Callable[[Any, O, bool, pytest.Config], P] | None = None
+    steps: tuple[StepSpec[P], ...] = ()
+    label: str = ""  # the help texts' prefix, "suites/<name>" unless given
     per_target: Callable[[O, dict[str, Any]], O] | None = None
     settle: Callable[[Configured[O]], O] | None = None
     preconditions: Callable[[Configured[O]], list[str]] | None = None
     refusals: Callable[[P], list[str]] | None = None
     verdict: Callable[[P], tuple[bool, str, list[str]] | None] | None = None
-    extra_options: tuple[Option, ...] = ()  # options read by the suite itself (shared flags)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_key", pytest.StashKey[Any]())
 
     @property
     def table(self) -> tuple[Option, ...]:
-        """The suite's options, as registered (from the dataclass, then `extra_options`)."""
-        return table_of(self.options, self.name) + self.extra_options
+        """The suite's options, as registered (made from the options dataclass)."""
+        return table_of(self.options, self.name, label=self.label)
 
     def addoption(self, parser: pytest.Parser) -> None:
         """Register the suite's options in the gpuhost group, each with its ini twin."""
@@ -255,13 +260,11 @@ class Suite(Generic[O, P]):
     def configure(self, config: pytest.Config) -> None:
         """Read every option once (a bad value is a usage error naming it) and stash the values."""
         values, sources = {}, {}
-        for name, opt in zip(_fields_of(self.options), table_of(self.options, self.name), strict=True):
+        for name, opt in zip(_fields_of(self.options), self.table, strict=True):
             value, source = read(config, opt)
             sources[name] = source
             if source.origin != "default":  # a default is the field's own (or its factory's)
                 values[name] = value
-        for opt in self.extra_options:
-            read(config, opt)
         config.stash[self._key] = Configured(config, self.options(**values), sources, [])  # type: ignore[attr-defined]
 
     def check(self, config: pytest.Config) -> None:
@@ -293,9 +296,12 @@ class Suite(Generic[O, P]):
     def fixture(self) -> Any:
         """The suite's `procedure` fixture: one procedure per target, finished and judged at the end."""
 
+        make = self.procedure
+        assert make is not None, f"{self.name}: a suite with steps declares its procedure"
+
         def procedure(target: Any, check_only: bool, pytestconfig: pytest.Config) -> Iterator[P]:
             opts = self.settings(pytestconfig, getattr(target, "vars", None))
-            proc = self.procedure(target, opts, check_only, pytestconfig)
+            proc = make(target, opts, check_only, pytestconfig)
             yield proc
             problems = proc.finish()
             said = self.verdict(proc) if self.verdict is not None else None
