@@ -167,8 +167,7 @@ class SuiteProcedure(Procedure):
 
     def interrupted(self) -> dict[str, Any] | None:
         """The journal another (interrupted) run left, None when there is none or it is this run's."""
-        old, run_id = self.old_journal, self.journal.run_id if self.journal is not None else None
-        return old if old and old.get("run_id") != run_id else None
+        return self.journal.cut_run(self.old_journal) if self.journal is not None else None
 
 
 # ------------------------------------------------------------------ steps
