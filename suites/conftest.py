@@ -1,7 +1,10 @@
 """Options of every suite, registered whichever suite (or all of them) pytest is pointed at.
 
 The suites are those of the `gpuhost.suites` entry points (pyproject.toml), read in one place:
-`pytest_gpuhost.run.suite.registered`. Each is a `Suite` (run/suite.py).
+`pytest_gpuhost.run.suite.registered`. Each suite's values are read at configure before the
+plugin's own configure, as a typo must fail the run at once, not at step 5; its preconditions
+are checked last in configure (`_Checks`), once the plugin has loaded the run's targets and
+before any target is reached.
 """
 
 from __future__ import annotations
@@ -13,16 +16,22 @@ from pytest_gpuhost.run.suite import registered
 _SUITES = registered(__package__ or "suites")
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
+class _Checks:
+    """The suites' settle and preconditions, after every other configure (the targets are loaded)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_configure(self, config: pytest.Config) -> None:
+        for suite in _SUITES:
+            suite.check(config)
+
+
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
     for suite in _SUITES:
         suite.addoption(parser)
+    if not pluginmanager.has_plugin("gpuhost-suites-checks"):
+        pluginmanager.register(_Checks(), "gpuhost-suites-checks")
 
 
-@pytest.hookimpl(trylast=True)  # after the plugin's configure has loaded the run's targets
 def pytest_configure(config: pytest.Config) -> None:
-    # Every value is read and checked before collection, so a typo fails the run at once, not at
-    # step 5; then each suite's preconditions, before any target is reached.
     for suite in _SUITES:
         suite.configure(config)
-    for suite in _SUITES:
-        suite.check(config)

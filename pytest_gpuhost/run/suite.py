@@ -40,7 +40,7 @@ reads the entry point group.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from importlib import import_module
 from importlib.metadata import entry_points
@@ -60,6 +60,7 @@ __all__ = [
     "StepSpec",
     "Suite",
     "SuiteProcedure",
+    "Unported",
     "option",
     "registered",
     "run_step",
@@ -336,7 +337,7 @@ class Suite(Generic[O, P]):
 # ------------------------------------------------------------------ registration
 
 
-def registered(package: str) -> list[Any]:
+def registered(package: str) -> list[Suite[Any, Any] | Unported]:
     """Every suite of the `gpuhost.suites` entry points, in name order, imported from `package`.
 
     The entry points name the installed package (`gpuhost_suites.p2p.suite:SUITE`); a checkout
@@ -344,17 +345,35 @@ def registered(package: str) -> list[Any]:
     the caller's `package`, so that the suite's tests and its conftest share one module object
     (one StashKey) whichever name pytest imported the conftest by.
     """
-    out = []
+    out: list[Suite[Any, Any] | Unported] = []
     for ep in sorted(entry_points(group=ENTRY_POINTS), key=lambda e: e.name):
         module, _, attr = ep.value.partition(":")
         head, _, rest = module.partition(".")
         obj: Any = import_module(f"{package}.{rest}" if head == "gpuhost_suites" and rest else module)
         for part in attr.split(".") if attr else ():
             obj = getattr(obj, part)
-        out.append(obj)
+        out.append(obj if isinstance(obj, Suite) else Unported(ep.name, obj))
     return out
 
 
-def names(suites: Sequence[Any]) -> list[str]:
-    """The registered suites' names (for messages)."""
-    return [str(getattr(s, "name", getattr(s, "__name__", s))) for s in suites]
+class Unported:
+    """A registered suite not declared as a `Suite` yet: a module with addoption and validate.
+
+    Its options are added and read as a `Suite`'s are; it has no settle or preconditions of the
+    contract's (its own conftest checks what it needs).
+    """
+
+    def __init__(self, name: str, module: Any) -> None:
+        self.name = name
+        self.module = module
+
+    def addoption(self, parser: pytest.Parser) -> None:
+        """Register the module's options."""
+        self.module.addoption(parser)
+
+    def configure(self, config: pytest.Config) -> None:
+        """Read and check the module's option values."""
+        self.module.validate(config)
+
+    def check(self, config: pytest.Config) -> None:
+        """Nothing: the module's conftest checks its own preconditions."""
