@@ -1,4 +1,4 @@
-"""Fleet health check speed: suites/health vs a straightforward testinfra suite, on lab hosts.
+"""Fleet health check speed: suites/health vs testinfra and pdsh, on lab hosts.
 
 Boots up to 16 lab hosts (profile health-ok: 4 GPUs, SGLang, no container) with 25 ms netem
 delay on each link, then for 1, 4 and 16 hosts runs, one run each, the same -n:
@@ -7,6 +7,10 @@ delay on each link, then for 1, 4 and 16 hosts runs, one run each, the same -n:
              every fact in one request, plus the kernel-log cursor commit)
 * testinfra: pytest benchmarks/testinfra_health -p no:gpuhost --hosts=paramiko://... -n N
              (the same 19 checks, one host.run each: a new SSH channel per command)
+* pdsh:      pdsh -R ssh -w HOSTS ONE_SHOT (health_pdsh.py publishes the script: the same four
+             nvidia-smi runs, dmesg and systemctl; one login per host, all at once, no verdicts)
+* workers:   ours with reports, --gpuhost-scheduling=workers (xdist workers even where the plugin
+             would check in its own process; only with --suites ...,workers)
 
 and prints wall time (ours twice: without reports, like the testinfra suite, and with the
 pytest-html/JSON/JUnit reports a nightly run writes; both after one untimed "previous night" run
@@ -14,6 +18,12 @@ of ours, whose time is printed too, since a nightly run finds the state the last
 round trips per host for our facts (and for the connection as a whole, agent start included)
 and commands per host for testinfra. Goals: <= 2 round trips
 per host for the facts; 16 hosts >= 5x faster than testinfra; 16 hosts <= 3x the time of 1.
+
+Each run of ours also prints where its time went, per phase (health_phases.py, a -p plugin:
+process starts, collection, SSH login + agent start and the facts request per host from the
+connections' timing record, the checks, the reports). Beside pdsh it prints wall time and CPU per
+host, controller (this script's children: pytest, or pdsh and its ssh clients) and node (the lab
+host's cgroup, cpu.stat), and the goals: 16 hosts within 1.5x of pdsh, 1 within 2x, CPU within 2x.
 
 Every run also gets a CPU account (the machine has few cores, so CPU decides the wall time of a
 large run): CPU seconds of the pytest processes (controller and workers), of the lab hosts (their
@@ -30,13 +40,11 @@ PYTHONDONTWRITEBYTECODE (`--no-bytecode-cache` keeps the environment's setting).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -46,7 +54,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import health_pdsh  # noqa: E402  (beside this file)
+from delay_proxy import DelayProxy  # noqa: E402  (beside this file)
 from health_cpu import CGROUP_ROOTS, CpuAccount, cpu_now, cpu_since  # noqa: E402  (beside this file)
+from health_phases import phases  # noqa: E402  (beside this file)
 from proc_acct import Accounting, cgroup_pids, summary  # noqa: E402  (beside this file)
 
 from gpulab.host.lab import CLIENT_KEY, Lab, LabError, LabHost  # noqa: E402
@@ -67,100 +78,6 @@ def netem_available() -> bool:
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, check=False)
         return True
     return False
-
-
-class DelayProxy:
-    """A TCP proxy that delays every chunk by `delay` seconds each way: netem's effect, in user space.
-
-    Used when the kernel has no netem. Each direction keeps its order; a connection's first
-    bytes also wait one round trip, as a TCP handshake over the delayed link would.
-    """
-
-    def __init__(self, delay_s: float) -> None:
-        self.delay = delay_s
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.servers: list[asyncio.base_events.Server] = []
-        self.writers: set[asyncio.StreamWriter] = set()
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-        async def pump() -> None:
-            while True:
-                data = await reader.read(65536)
-                queue.put_nowait((self.loop.time() + self.delay, data))
-                if not data:
-                    return
-
-        async def deliver() -> None:
-            while True:
-                due, data = await queue.get()
-                wait = due - self.loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                if not data:
-                    if writer.can_write_eof():
-                        writer.write_eof()
-                    return
-                writer.write(data)
-                await writer.drain()
-
-        try:
-            await asyncio.gather(pump(), deliver())
-        except (ConnectionError, OSError):
-            pass
-
-    async def _handle(
-        self, target: tuple[str, int], cr: asyncio.StreamReader, cw: asyncio.StreamWriter
-    ) -> None:
-        self.writers.add(cw)
-        await asyncio.sleep(2 * self.delay)  # the handshake's round trip
-        try:
-            sr, sw = await asyncio.wait_for(asyncio.open_connection(*target), 10)
-        except (OSError, asyncio.TimeoutError):
-            cw.close()
-            return
-        self.writers.add(sw)
-        try:
-            await asyncio.gather(self._pipe(cr, sw), self._pipe(sr, cw))
-        except asyncio.CancelledError:
-            pass  # shutting down: end quietly (asyncio logs a cancelled connection callback)
-        for w in (sw, cw):
-            w.close()
-            self.writers.discard(w)
-
-    def add(self, host: str, port: int) -> int:
-        """Listen on 127.0.0.1:<free port> for host:port; return the port."""
-
-        async def start() -> int:
-            srv = await asyncio.start_server(lambda r, w: self._handle((host, port), r, w), "127.0.0.1", 0)
-            self.servers.append(srv)
-            return int(srv.sockets[0].getsockname()[1])
-
-        return asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-
-    def close(self) -> None:
-        """Stop listening, cancel the open connections, stop the loop's thread."""
-
-        async def shutdown() -> None:
-            for srv in self.servers:
-                srv.close()
-            for w in list(self.writers):
-                w.close()  # the other side reads EOF: every pipe ends on its own
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            if tasks:
-                _, pending = await asyncio.wait(tasks, timeout=1)
-                for t in pending:
-                    t.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-
-        try:
-            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(5)
 
 
 INOTIFY = Path("/proc/sys/fs/inotify/max_user_instances")
@@ -242,7 +159,7 @@ def run(
     took = time.monotonic() - t0
     if acct and ACCT is not None:
         ACCT[:] = summary(acct.records, {"pytest": {os.getpid()}, "lab hosts": lab_pids})
-        name = "ours" if "suites/health" in argv else "testinfra"
+        name = "ours" if "suites/health" in argv else argv[0] if argv[0] == "pdsh" else "testinfra"
         print(
             f"    exited processes ({name}, {len(hosts or [])} hosts, {took:.2f} s), CPU-s/count:", flush=True
         )
@@ -251,19 +168,28 @@ def run(
     return took, p.stdout + p.stderr, p.returncode, cpu_since(before, hosts or [])
 
 
-def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: bool) -> dict[str, Any]:
+def ours(
+    tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: bool, *extra: str
+) -> dict[str, Any]:
     inv = tmp / f"fleet-{len(hosts)}.yaml"
     write_inventory(inv, hosts)
     summary = tmp / f"ours-{len(hosts)}-{reports}.json"
     report_dir = str(tmp) if reports else "none"
+    record = tmp / f"phases-{len(hosts)}-{reports}-{len(extra)}.jsonl"
+    record.unlink(missing_ok=True)
+    # health_phases (beside this file, a -p plugin) stamps each pytest process's phases into `record`
+    env = dict(os.environ, GPUHOST_PHASES=str(record), PYTHONPATH=str(Path(__file__).parent))
+    t0 = time.time()
     took, out, rc, cpu = run(
         [
-            sys.executable, "-m", "pytest", "suites/health", "-q", *UNRELATED, "-o", "addopts=",
+            sys.executable, "-m", "pytest", "suites/health", "-q", *UNRELATED, "-o", "addopts=", "-p", "health_phases",
             f"--inventory={inv}", f"--ssh-identity={CLIENT_KEY}", f"--known-hosts={known}", "--check-only",
-            "-n", str(workers), f"--report-dir={report_dir}", f"--fleet-json={summary}",
+            "-n", str(workers), f"--report-dir={report_dir}", f"--fleet-json={summary}", *extra,
         ],
+        env=env,
         hosts=[e.host for e in hosts],
     )  # fmt: skip
+    t_end = time.time()
     data = json.loads(summary.read_text())
     bad = {h: v["status"] for h, v in data["hosts"].items() if v["status"] != "ok"}
     if rc != 0 or bad:
@@ -271,7 +197,9 @@ def ours(tmp: Path, hosts: list[Endpoint], known: Path, workers: int, reports: b
         raise SystemExit(f"suites/health did not pass on healthy lab hosts: rc={rc} {bad}")
     facts = [v["round_trips"] for v in data["hosts"].values()]
     conn = [v["conn_round_trips"] for v in data["hosts"].values()]
-    return {"wall": took, "facts_rt": max(facts), "conn_rt": max(conn), "cpu": cpu}
+    return {
+        "wall": took, "facts_rt": max(facts), "conn_rt": max(conn), "cpu": cpu, "phases": phases(record, t0, t_end)
+    }  # fmt: skip
 
 
 def baseline(tmp: Path, hosts: list[Endpoint], workers: int) -> dict[str, Any]:
@@ -327,8 +255,9 @@ def main() -> int:
     )
     ap.add_argument(
         "--suites",
-        default="ours,reports,testinfra",
-        help="which runs to time: ours (no reports), reports (ours with reports), testinfra (default all three)",
+        default="ours,reports,testinfra,pdsh",
+        help="which runs to time: ours (no reports), reports (ours with reports), testinfra, pdsh, workers "
+        "(ours with reports on -n workers even where it would check in process); default all but workers; pdsh is left out where it is not installed",
     )
     ap.add_argument(
         "--acct",
@@ -338,13 +267,16 @@ def main() -> int:
     args = ap.parse_args()
     global ACCT
     ACCT = [] if args.acct else None
-    wanted = {"ours": "o", "reports": "r", "testinfra": "b"}
+    wanted = {"ours": "o", "reports": "r", "testinfra": "b", "pdsh": "p", "workers": "i"}
     try:
         kinds = {wanted[k.strip()] for k in args.suites.split(",")}
     except KeyError as exc:
         raise SystemExit(
-            f"bench_health: --suites {args.suites!r}: unknown {exc}; use ours, reports, testinfra"
+            f"bench_health: --suites {args.suites!r}: unknown {exc}; use ours, reports, testinfra, pdsh"
         ) from None
+    if "p" in kinds and health_pdsh.available() is None:
+        print("bench_health: pdsh not installed (Debian package pdsh; scripts/setup.sh): no pdsh baseline")
+        kinds.discard("p")
     sizes = [1, 2] if args.smoke else sorted({int(s) for s in args.sizes.split(",")})
     workers = 2 if args.smoke else args.workers
     lab = Lab()
@@ -409,25 +341,43 @@ def main() -> int:
                 f"first night (no gpuhost state on the hosts yet), {len(eps)} hosts: {first_night['wall']:.2f} s"
             )
             rows = []
+            pdsh_goals: list[tuple[str, bool]] = []
             for n in sizes:
                 # Like for like first (the testinfra suite writes no report), then with ours'
                 # pytest-html report, JSON evidence and JUnit, as a nightly run writes them.
                 # --repeat N: N rounds of the three, alternating which suite goes first; medians
-                runs: dict[str, list[dict[str, Any]]] = {"o": [], "r": [], "b": []}
+                runs: dict[str, list[dict[str, Any]]] = {k: [] for k in "orbpi"}
                 loads: list[float] = []
                 for rnd in range(args.repeat):
                     loads.append(os.getloadavg()[0])
-                    order = ("o", "r", "b") if rnd % 2 == 0 else ("b", "o", "r")
+                    order = ("o", "r", "i", "p", "b") if rnd % 2 == 0 else ("b", "p", "i", "o", "r")
                     for k in (k for k in order if k in kinds):
-                        if k == "b":
+                        if k == "p":
+                            runs[k].append(health_pdsh.sweep(tmp, eps[:n], CLIENT_KEY, known, run))
+                        elif k == "i":
+                            runs[k].append(
+                                ours(tmp, eps[:n], known, workers, True, "--gpuhost-scheduling=workers")
+                            )
+                        elif k == "b":
                             runs[k].append(baseline(tmp, eps[:n], workers))
                         else:
                             runs[k].append(ours(tmp, eps[:n], known, workers, reports=k == "r"))
-                if len(kinds) < 3:  # a partial run (--suites): each median on its own, no ratios
-                    for k in sorted(kinds):
+                medians = {k: median_run(runs[k]) for k in kinds}
+                for k in ("o", "r", "i"):
+                    if k in medians:
+                        how = {"o": "no reports", "r": "with reports", "i": "with reports, on workers"}[k]
+                        print(f"hosts={n:<3} where the time went ({how}, median run):")
+                        for what, secs in medians[k]["phases"]:
+                            print(f"          {secs:6.3f} s  {what}")
+                if "p" in kinds:
+                    health_pdsh.compare(n, medians, pdsh_goals)
+                if (
+                    not {"o", "r", "b"} <= kinds
+                ):  # a partial run (--suites): each median on its own, no ratios
+                    for k in sorted(kinds - {"p", "i"}):
                         m = median_run(runs[k])
                         walls = ", ".join(f"{w:.2f}" for w in m["walls"])
-                        label = {"o": "ours", "r": "ours with reports", "b": "testinfra"}[k]
+                        label = {"o": "ours", "r": "ours with reports", "b": "testinfra", "p": "pdsh"}[k]
                         rt = f"; {m['facts_rt']} round trips/host for the facts" if "facts_rt" in m else ""
                         print(
                             f"hosts={n:<3} {label} {m['wall']:6.2f} s (runs {walls}){rt}; CPU s {m['cpu'].line()}"
@@ -465,7 +415,9 @@ def main() -> int:
                         + ", ".join(f"{x:.1f}" for x in loads),
                         flush=True,
                     )
-        if len(kinds) < 3:
+        for text, ok in pdsh_goals:
+            print(f"  [{'met' if ok else 'MISSED'}] {text}")
+        if not {"o", "r", "b"} <= kinds:
             return 0
         print()
         print(

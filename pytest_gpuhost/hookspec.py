@@ -32,6 +32,19 @@ def pytest_gpuhost_targets(config: pytest.Config, targets: list[Any]) -> None:
 
 
 @hookspec(firstresult=True)
+def pytest_gpuhost_reads_up_front(config: pytest.Config) -> bool | None:
+    """Say whether the suite reads every target it checks at the end of collection, all at once.
+
+    Called once, in the controller, from `pytest_configure` (so a suite's top conftest can answer:
+    suites/health does). True lets a `--check-only` run of a few targets (at most
+    `run.scheduling.IN_PROCESS_HOSTS`) run in the controller without xdist workers: its tests
+    only judge what was read, and a worker would cost a Python start. None (no answer) keeps the
+    workers for more than one target, since a suite that reads each host in its tests needs
+    them to check hosts side by side.
+    """
+
+
+@hookspec(firstresult=True)
 def pytest_gpuhost_before_fix(
     item: pytest.Item, target: Any, remediation: Remediation, actions: list[Action], check_only: bool
 ) -> str | None:

@@ -559,6 +559,22 @@ MUTATIONS = (
         "        if False:",
         ("tests/test_decommission_credentials_lab.py::test_scrub_waits_for_a_safe_node",),
     ),
+    Mutation(
+        "accept-check-only-writes-nothing",
+        "suites/accept under --check-only writes no scratch file on the node",
+        "suites/accept/steps.py",
+        "        write = o.write_mb_s is not None and not proc.check_only",
+        "        write = o.write_mb_s is not None",
+        ("tests/test_accept_lab.py::test_check_only_writes_nothing_on_the_node",),
+    ),
+    Mutation(
+        "accept-scratch-removed",
+        "the data volume's scratch file is removed after its measurement",
+        "suites/accept/disk.py",
+        "        os.unlink(name)",
+        "        pass",
+        ("tests/test_accept_lab.py::test_a_really_slow_data_volume_is_rejected_naming_the_throughput",),
+    ),
 )
 
 

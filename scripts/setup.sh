@@ -3,9 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# pdsh: the fleet-sweep baseline of benchmarks/bench_health.py (pdsh -R ssh, one login per host).
 need_apt=()
 for pkg in ca-certificates python3 python3-venv python3-dev openssh-server openssh-client fuse3 libfuse3-3 rsync \
-           iproute2 psmisc lsof procps util-linux systemd dbus vim curl chromium awscli git python3-setproctitle gcc; do
+           iproute2 psmisc lsof procps util-linux systemd dbus vim curl chromium awscli git python3-setproctitle gcc \
+           pdsh; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

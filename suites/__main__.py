@@ -15,6 +15,7 @@ SUITES = {
     "health": "--host=ssh://root@gpu-node --check-only",
     "p2p": "--host=ssh://root@gpu-host --container=pct:101 --check-only",
     "decommission": "--host=ssh://root@node --manifest=node.yaml --backup-dir=backups/node --check-only",
+    "accept": "--host=ssh://root@node --order=order.yaml",
 }
 
 

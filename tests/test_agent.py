@@ -670,3 +670,15 @@ def test_agent_runs_without_site_initialisation() -> None:
         assert conn.call("facts", names=["kernel"])["kernel"]["release"] == os.uname().release
     finally:
         conn.close()
+
+
+def test_timings_record_the_start_and_each_request():
+    """The hidden timing record bench_health.py's phases read: the agent's start, then each request."""
+    before = time.time()
+    with open_connection(parse_host_url("local://")) as c:
+        c.run(["true"])
+        c.run(["true"])
+        record = list(c.timings)
+    assert [what for what, _, _ in record][:1] == ["start"]
+    assert len(record) == 3 and all(before <= s <= e <= time.time() for _, s, e in record), record
+    assert record[0][2] <= record[1][1]  # the start ended before the first request was sent

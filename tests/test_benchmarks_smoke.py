@@ -30,6 +30,7 @@ LAB = os.geteuid() == 0 and os.path.exists("/dev/fuse")
         ("bench_nodecheck.py", True, "within budget: yes"),
         ("bench_decommission_credentials.py", True, "credentials step measured"),
         ("bench_p2p_diagnosis.py", True, "within 1 s: yes"),
+        ("bench_accept.py", True, "accept measured"),
     ],
 )
 def test_benchmark_smoke(script: str, needs_lab: bool, expect: str) -> None:

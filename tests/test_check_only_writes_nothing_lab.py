@@ -1,4 +1,4 @@
-"""`--check-only` writes nothing, on any target or destination, in each of the three suites.
+"""`--check-only` writes nothing, on any target or destination, in each of the suites.
 
 Each suite runs as an operator runs it (a subprocess over real SSH) against a lab host. Before
 and after, a snapshot of everything the run could write: the host's overlay upper directory (every
@@ -20,6 +20,7 @@ from tests.helpers.snapshot import bucket_snapshot, diff, host_snapshot, settled
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "fixtures" / "manifests" / "b200-node-backup.yaml"
+ORDER = ROOT / "fixtures" / "orders" / "b200-order.yaml"
 
 
 def _pytest(h: Any, suite: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Any:
@@ -77,3 +78,20 @@ def test_health_check_only_leaves_host_as_it_was_and_remembers_on_the_controller
     assert diff(before, host_snapshot(h)) == []
     # the kernel-log cursor a nightly check-only sweep needs is kept where the run was made
     assert list(state.rglob("*.json")), sorted(str(p) for p in state.rglob("*"))
+
+
+def test_accept_check_only_leaves_the_node_and_the_bucket_as_they_were(lab, s3_endpoint, tmp_path):
+    h = lab.host("b200-nvl8", data_scale="small")
+    h.reset()
+    env = {**os.environ, **s3_endpoint.env}
+    bucket = s3_endpoint.make_bucket("co")
+    client = s3_endpoint.client()
+    order = tmp_path / "order.yaml"
+    order.write_text(ORDER.read_text() + f"s3: {{bucket: {bucket}, endpoint: '{s3_endpoint.url}'}}\n")
+    node0, bucket0 = settled_snapshot(h), bucket_snapshot(client, bucket)
+    r = _pytest(h, "accept", tmp_path, f"--order={order}", env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]  # a healthy node: ACCEPT, its write throughput not measured
+    assert "write throughput not measured (--check-only writes nothing)" in out, out[-4000:]
+    assert diff(node0, host_snapshot(h)) == []
+    assert diff(bucket0, bucket_snapshot(client, bucket)) == []

@@ -10,6 +10,7 @@ import pytest
 from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.exec.targets import TargetOptions
 from pytest_gpuhost.run import options, settings
+from suites.accept import options as accept_options
 from suites.decommission import options as decommission_options
 from suites.health import options as health_options
 from suites.p2p import options as p2p_options
@@ -24,6 +25,7 @@ TABLES = {
     + decommission_options.TUNING
     + decommission_options.INI_ONLY,
     "health": health_options.OPTIONS,
+    "accept": accept_options.OPTIONS,
 }
 ALL = [opt for table in TABLES.values() for opt in table]
 
@@ -58,6 +60,9 @@ def test_defaults_come_from_the_dataclasses_that_use_them() -> None:
     assert by_flag["--p2p-min-fraction"].default == p2p.fraction
     assert by_flag["--health-port"].default == p2p.health_port
     assert by_flag["--health-timeout"].default == p2p.health_timeout
+    accept = accept_options.AcceptOptions()
+    for opt in accept_options.OPTIONS:  # every default written once, in the dataclass
+        assert opt.default == getattr(accept, opt.name.removeprefix("accept_")), opt.name
     assert by_flag["--p2p-unbind-timeout"].default == p2p.unbind_timeout
     assert by_flag["--p2p-lock-wait"].default == p2p.lock_wait
 
@@ -111,6 +116,7 @@ def test_given_nothing_every_value_is_its_tables_default(pytester: pytest.Pytest
         """
         from dataclasses import replace
         from pytest_gpuhost.run import settings
+        from suites.accept import options as accept_options
         from suites.decommission import options as decommission_options
         from suites.health import options as health_options
         from suites.decommission.suite import SUITE as DECOMMISSION
@@ -132,6 +138,7 @@ def test_given_nothing_every_value_is_its_tables_default(pytester: pytest.Pytest
                 assert getattr(decom, opt.name.removeprefix("decommission_")) == opt.default
             assert decom.backup_dir == "backups/{host}" and decom.fixes == ()
             assert health_options.fixes(pytestconfig) == []
+            assert accept_options.options(pytestconfig) == accept_options.AcceptOptions()
         """
     )
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)

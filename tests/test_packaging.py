@@ -80,7 +80,12 @@ def test_imports_come_from_the_venv_not_the_checkout(installed: Installed) -> No
 
 def test_pyargs_registers_the_suites_options(installed: Installed) -> None:
     """`--pyargs gpuhost_suites.NAME` knows the suites' options and ini values, and checks them."""
-    for suite, option in (("health", "--fix"), ("p2p", "--gpus"), ("decommission", "--manifest")):
+    for suite, option in (
+        ("health", "--fix"),
+        ("p2p", "--gpus"),
+        ("decommission", "--manifest"),
+        ("accept", "--order"),
+    ):
         r = installed.run("pytest", "--pyargs", f"gpuhost_suites.{suite}", "--help")
         assert r.returncode == 0 and option in r.stdout, (suite, r.stdout[-2000:], r.stderr)
     r = installed.run("pytest", "--pyargs", "gpuhost_suites.health", "--host=local://", "--fix=bogus", "--co")
@@ -104,7 +109,7 @@ def test_pyargs_registers_the_suites_options(installed: Installed) -> None:
 def test_module_lists_the_suites_and_the_example_manifest(installed: Installed) -> None:
     r = installed.run("python", "-m", "gpuhost_suites")
     assert r.returncode == 0, r.stderr
-    for suite in ("health", "p2p", "decommission"):
+    for suite in ("health", "p2p", "decommission", "accept"):
         assert f"pytest --pyargs gpuhost_suites.{suite} " in r.stdout
     r = installed.run("python", "-m", "gpuhost_suites", "manifest", "b200-node-backup")
     assert r.returncode == 0 and Path(r.stdout.strip()).is_relative_to(installed.venv), r.stdout + r.stderr
@@ -174,7 +179,7 @@ def test_readme_commands_are_the_installed_suites(installed: Installed) -> None:
             suites[suite] = r.stdout
         for flag in re.findall(r"(?<!\S)(--[a-z][\w-]*)", line):
             assert re.search(rf"(?<![\w-]){re.escape(flag)}\b", suites[suite]), (suite, flag)
-    assert set(suites) == {"p2p", "decommission", "health"}
+    assert set(suites) == {"p2p", "decommission", "health", "accept"}
     (cp,) = [ln for ln in commands if ln.startswith("cp ")]
     r = installed.run("bash", "-c", f"{cp} && python -c 'from pytest_gpuhost.modules.backup.manifest import load_manifest as m; "
                       "print(m(\"node.yaml\").name)'")  # fmt: skip

@@ -74,7 +74,7 @@ def test_each_host_runs_on_one_worker_in_collection_order(
 def test_xdist_choice_leaves_the_scheduling_to_xdist(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_x="def test_x(): pass")
     result = pytester.runpytest("--gpuhost-scheduling=nope", "--report-dir=none")
-    result.stderr.fnmatch_lines(["*--gpuhost-scheduling='nope': choose one of host, xdist*"])
+    result.stderr.fnmatch_lines(["*--gpuhost-scheduling='nope': choose one of host, workers, xdist*"])
     assert result.ret == pytest.ExitCode.USAGE_ERROR
 
 
@@ -154,8 +154,16 @@ def test_p(i):
 @pytest.mark.parametrize(
     ("hosts", "extra", "workers", "header"),
     [
-        (1, [], {"gw0"}, "gpuhost: -n 4 with 1 target: starting 1 worker (*"),
+        (1, [], {"main"}, "gpuhost: -n 4 with 1 target: checking in this process, no workers (*"),
         (2, [], {"gw0", "gw1"}, "gpuhost: -n 4 with 2 targets: starting 2 workers (*"),
+        (
+            2,
+            ["--check-only", "UP_FRONT"],
+            {"main"},
+            "gpuhost: -n 4 with 2 targets (--check-only): checking in this process, no workers (*",
+        ),
+        # A suite that reads its hosts in its tests keeps its workers, --check-only or not.
+        (2, ["--check-only"], {"gw0", "gw1"}, "gpuhost: -n 4 with 2 targets: starting 2 workers (*"),
         (1, ["--gpuhost-scheduling=xdist"], None, None),
     ],
 )
@@ -169,10 +177,14 @@ def test_no_more_workers_than_targets(
 ) -> None:
     log = pytester.path / "sched.log"
     monkeypatch.setenv("SCHED_LOG", str(log))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # this test's own worker's, under -n
     pytester.makefile(
         ".ini", fleet="[all]\n" + "".join(f"h{i} ansible_connection=local\n" for i in range(hosts))
     )
     pytester.makepyfile(test_steps=STEPS)
+    if "UP_FRONT" in extra:  # the suite says it reads every target at the end of collection
+        pytester.makeconftest("def pytest_gpuhost_reads_up_front(config):\n    return True\n")
+        extra = [x for x in extra if x != "UP_FRONT"]
     result = pytester.runpytest_subprocess(
         "--inventory=fleet.ini", "-n", "4", "-p", "no:cacheprovider", "--report-dir=none", *extra
     )
@@ -181,6 +193,10 @@ def test_no_more_workers_than_targets(
         result.stdout.no_fnmatch_line("gpuhost: -n *")
         result.stdout.fnmatch_lines(["created: 4/4 workers"])
         return
-    result.stdout.fnmatch_lines([header, f"created: {len(workers or ())}/{len(workers or ())} worker*"])
+    if workers == {"main"}:  # no xdist at all: no "created:" line, every test in this process
+        result.stdout.fnmatch_lines([header])
+        result.stdout.no_fnmatch_line("created: *")
+    else:
+        result.stdout.fnmatch_lines([header, f"created: {len(workers or ())}/{len(workers or ())} worker*"])
     used = {line.split()[0] for line in log.read_text().splitlines()}
     assert used == workers

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuhost.run import options
-from pytest_gpuhost.run.suite import Suite, option, registered, table_of
+from pytest_gpuhost.run.suite import Suite, Unported, option, registered, table_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = [s for s in registered("suites") if isinstance(s, Suite)]
@@ -20,7 +20,8 @@ LONG = {"suites/health/reset.py:remediation": 321}
 
 def test_every_registered_suite_is_declared_with_the_contract() -> None:
     assert sorted(s.name for s in SUITES) == ["decommission", "health", "p2p"]
-    assert len(registered("suites")) == len(SUITES)
+    # suites/accept is registered through its options module until it is declared as a Suite
+    assert sorted(s.name for s in registered("suites") if isinstance(s, Unported)) == ["accept"]
 
 
 @pytest.mark.parametrize("suite", SUITES, ids=lambda s: s.name)

@@ -226,6 +226,7 @@ class AgentConnection(Connection):
         if self._session is not None:  # it died: one fresh start, then give up
             self._session.kill()
             self._session = None
+        started = time.time()
         try:
             session = self._start_agent()
         except ConnectError as exc:
@@ -234,6 +235,7 @@ class AgentConnection(Connection):
             raise
         self._session = session
         self._had_agent = True
+        self._timed("start", started)
         return session
 
     def _request(
@@ -244,7 +246,10 @@ class AgentConnection(Connection):
             req = {"id": next(self._ids), "op": op}
             req.update(params)
             self.round_trips += 1
-            return dict(session.request(req, timeout, on_chunk))
+            started = time.time()
+            reply = dict(session.request(req, timeout, on_chunk))
+            self._timed(op, started)
+            return reply
 
     # ------------------------------------------------------------ the protocol
 

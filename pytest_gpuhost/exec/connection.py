@@ -64,6 +64,9 @@ class ConnectionOptions:
     connect_timeout: float = 10.0
 
 
+TIMINGS_KEPT = 64  # a health run makes 2-4 requests per host; a backup's thousands are not kept
+
+
 class Connection(abc.ABC):
     """One per target; see the module docstring for the two kinds and docs/INTERNALS.md section 1."""
 
@@ -88,7 +91,15 @@ class Connection(abc.ABC):
         self.children: list[Connection] = []
         #: Why the agent could not start (one line; set on a fallback connection), else "".
         self.no_python = ""
+        #: (what, wall-clock start, end) of the agent's start ("start") and of each request (its op),
+        #: the first `TIMINGS_KEPT` only: a hidden record for benchmarks (bench_health.py's phases).
+        self.timings: list[tuple[str, float, float]] = []
         self._closed = False
+
+    def _timed(self, what: str, started: float) -> None:
+        """Record that `what` ran from `started` (time.time()) to now, while the record has room."""
+        if len(self.timings) < TIMINGS_KEPT:
+            self.timings.append((what, started, time.time()))
 
     @property
     def python(self) -> str:

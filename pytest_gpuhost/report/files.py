@@ -47,7 +47,7 @@ def write_summary(summary: Mapping[str, Any], dest: str, store: S3Store | None =
     An s3:// prefix ending in `/` gets `<node name>.json`, so the nodes of one job can share it:
     `object_name(summary)`, one safe path component.
     """
-    text = json.dumps(redact_obj(summary), indent=1, sort_keys=False, default=str)
+    text = json.dumps(redact_obj(summary), default=str)  # one line: the C encoder (see jsonfile.py)
     if dest.startswith("s3://"):
         if dest.endswith("/"):
             dest = dest + object_name(summary) + ".json"

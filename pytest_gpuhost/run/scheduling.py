@@ -13,7 +13,8 @@ on recent pytest; grouping by the node id needs nothing from the workers but the
 The known target names come from `pytest_gpuhost_targets` (recorded by `pytest_gpuhost.report.fleet`
 in every process, the controller included); without them the whole `[...]` id is the host.
 `--gpuhost-scheduling=xdist` (ini `gpuhost_scheduling`, declared with the plugin's options in
-`run/settings.py`) leaves xdist's choice alone.
+`run/settings.py`) leaves xdist's choice alone; `workers` uses the host scheduler even where
+`fit_workers` would check in this process.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def static_assignment(config: pytest.Config) -> bool:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         return bool(workerinput.get("gpuhost_host_scheduling"))
-    return _choice(config) == "host" and getattr(config.option, "dist", "no") == "load"
+    return _choice(config) in ("host", "workers") and getattr(config.option, "dist", "no") == "load"
 
 
 class HostScheduling(LoadScopeScheduling):
@@ -189,26 +190,56 @@ class HostScheduling(LoadScopeScheduling):
 _FIT_NOTE = pytest.StashKey[str]()
 
 
+#: At most this many targets of a --check-only run are checked in this process, without workers.
+IN_PROCESS_HOSTS = 32
+
+
 def fit_workers(config: pytest.Config, n_targets: int) -> None:
-    """Start no more xdist workers than there are targets when the host scheduler is used.
+    """Start no more xdist workers than pay for themselves when the host scheduler is used.
 
     The host scheduler gives each target's tests to one worker, in order; with `-n 4` and one
     target, three workers would start (a Python process, a collection, plugins) for nothing.
-    N targets start N workers (one target: one worker, the same path as -n 1). Called at configure
-    time, before xdist starts its workers; `--gpuhost-scheduling=xdist` leaves `-n` alone. Said
-    in the report header.
+    N targets start N workers. One target, or a --check-only run of at most `IN_PROCESS_HOSTS` by a
+    suite that reads its targets up front (`pytest_gpuhost_reads_up_front`: suites/health reads
+    every host's facts at the end of collection, in threads), runs in this process with no worker
+    at all: what is left per test is pytest's own CPU, which a worker only moves to another
+    process, at the cost of the worker's start (0.5-0.75 CPU-s measured) and of sending every report through execnet. Measured with
+    bench_health.py (docs/health-speed.md): 16 hosts 13.2 s in process vs 20.9 s with -n 2, one
+    host 3.9 vs 7.2 s. A run with fixes keeps its workers past one target: a fix waits on its
+    host, and workers let other hosts' tests run meanwhile. Called at configure time, before
+    xdist starts its workers; `--gpuhost-scheduling=workers` never checks in process, `xdist`
+    leaves `-n` alone. Said in the report header.
     """
     if hasattr(config, "workerinput") or n_targets < 1 or config.option.collectonly:
         return
     tx = list(getattr(config.option, "tx", None) or [])
-    if not static_assignment(config) or len(tx) <= n_targets or any(spec != "popen" for spec in tx):
+    if not static_assignment(config) or not tx or any(spec != "popen" for spec in tx):
         return  # remote or special workers (--tx ssh=...) are the user's explicit choice
     asked = len(tx)
+    plural = "s" if n_targets > 1 else ""
+    s = settings.read(config)
+    few = (
+        s.check_only
+        and n_targets <= IN_PROCESS_HOSTS
+        and config.hook.pytest_gpuhost_reads_up_front(config=config)
+    )
+    if s.scheduling == "host" and (n_targets == 1 or few):
+        config.option.numprocesses = 0
+        config.option.tx = []
+        config.option.dist = "no"
+        config.stash[_FIT_NOTE] = (
+            f"gpuhost: -n {asked} with {n_targets} target{plural}"
+            f"{' (--check-only)' if n_targets > 1 else ''}: checking in this process, no workers "
+            "(each would cost a Python start; --gpuhost-scheduling=workers keeps them)"
+        )
+        return
+    if asked <= n_targets:
+        return
     config.option.numprocesses = n_targets
     config.option.tx = tx[:n_targets]
     config.stash[_FIT_NOTE] = (
-        f"gpuhost: -n {asked} with {n_targets} target{'s' if n_targets > 1 else ''}: "
-        f"starting {n_targets} worker{'s' if n_targets > 1 else ''} (the host scheduler runs each "
+        f"gpuhost: -n {asked} with {n_targets} target{plural}: "
+        f"starting {n_targets} worker{plural} (the host scheduler runs each "
         "target's tests in order on one worker; --gpuhost-scheduling=xdist keeps -n)"
     )
 
@@ -236,6 +267,6 @@ def pytest_configure_node(node: Any) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> HostScheduling | None:
     """Group by target under xdist's default `--dist load`; leave explicit other modes alone."""
-    if _choice(config) != "host" or getattr(config.option, "dist", "no") != "load":
+    if _choice(config) not in ("host", "workers") or getattr(config.option, "dist", "no") != "load":
         return None
     return HostScheduling(config, log)

@@ -56,7 +56,7 @@ __all__ = [
     "settings_key",
 ]
 
-SCHEDULING_CHOICES = ("host", "xdist")
+SCHEDULING_CHOICES = ("host", "workers", "xdist")
 CANNOT_SEE_CHOICES = ("report", "fail")
 
 
@@ -215,11 +215,12 @@ OPTIONS: tuple[Option, ...] = (
     _opt(
         "scheduling",
         "--gpuhost-scheduling",
-        "with -n: 'host' keeps each target's tests on one worker in order, "
+        "with -n: 'host' keeps each target's tests on one worker in order, or checks in this process "
+        "where workers cost more (one target; --check-only of a few); 'workers' always uses the workers; "
         "'xdist' leaves xdist's --dist choice alone (default {default})",
         parse=choice(*SCHEDULING_CHOICES),
         default=SCHEDULING_CHOICES[0],
-        metavar="host|xdist",
+        metavar="host|workers|xdist",
     ),
     _opt(
         "limit",

@@ -28,6 +28,7 @@ from . import options
 
 _HOSTS = pytest.StashKey[dict[str, "HostHealth"]]()
 _PREFETCHED = pytest.StashKey[threading.Thread]()
+_READ = pytest.StashKey[dict[str, threading.Event]]()  # set when that host's background read ended
 _LAST = pytest.StashKey[dict[str, str]]()
 PREFETCH_THREADS = 32
 VERIFY_TIMEOUT = 30.0  # seconds a fix has to show on the host (a restarted service to answer /health)
@@ -259,6 +260,11 @@ class HostHealth:
         ]
 
 
+def pytest_gpuhost_reads_up_front(config: pytest.Config) -> bool:
+    """Every host's facts are read at the end of collection, at once (`pytest_collection_finish`)."""
+    return True
+
+
 def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
     """Collect the drain and reset steps (test_health_drain.py, _reset.py) only with their --fix,
     and the NCCL collective (test_health_nccl.py) only with --health-nccl."""
@@ -357,20 +363,34 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         todo.append(hh)
     if not todo:
         return
+    done = config.stash[_READ] = {hh.name: threading.Event() for hh in todo}
+
+    def read_one(hh: HostHealth) -> None:
+        try:
+            _read_quietly(hh)
+        finally:
+            done[hh.name].set()
 
     def read_all() -> None:
         with ThreadPoolExecutor(
             max_workers=min(PREFETCH_THREADS, len(todo)), thread_name_prefix="health-facts"
         ) as pool:
-            list(pool.map(_read_quietly, todo))
+            list(pool.map(read_one, todo))
 
     reader = threading.Thread(target=read_all, name="health-prefetch", daemon=True)
     config.stash[_PREFETCHED] = reader
     reader.start()
 
 
-def _prefetch(request: pytest.FixtureRequest) -> None:
-    """Wait for the background reads started at the end of collection (each read is bounded)."""
+def _prefetch(request: pytest.FixtureRequest, name: str) -> None:
+    """Wait for this host's background read started at the end of collection (each read is bounded).
+
+    Only this host's: a host's checks run while the other hosts' reads are still on their way.
+    """
+    done = request.config.stash.get(_READ, {}).get(name)
+    if done is not None:
+        done.wait()
+        return
     reader = request.config.stash.get(_PREFETCHED, None)
     if reader is not None:
         reader.join()
@@ -379,7 +399,7 @@ def _prefetch(request: pytest.FixtureRequest) -> None:
 @pytest.fixture
 def health(target: Any, request: pytest.FixtureRequest) -> HostHealth:
     """The HostHealth of this test's target; its facts are read once per host and worker."""
-    _prefetch(request)
+    _prefetch(request, target.name)
     hosts = _hosts(request.config)
     hh = hosts.get(target.name)
     if hh is None:
