@@ -239,7 +239,7 @@ MUTATIONS = (
     Mutation(
         "places-overlap-refused",
         "a run whose --backup-to lies inside an in_s3 location is refused before the first step",
-        "suites/decommission/conftest.py",
+        "suites/decommission/suite.py",
         "    if overlaps:",
         "    if False:",
         (

@@ -14,7 +14,7 @@ from suites.accept import options as accept_options
 from suites.decommission import options as decommission_options
 from suites.health import options as health_options
 from suites.p2p import options as p2p_options
-from suites.p2p.procedure import P2POptions
+from suites.p2p.options import P2POptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,18 +106,7 @@ def test_an_error_names_the_option_the_value_its_source_and_the_fix() -> None:
 
 
 SUITES_CONFTEST = """
-from suites.accept import options as accept_options
-from suites.decommission import options as decommission_options
-from suites.health import options as health_options
-from suites.p2p import options as p2p_options
-
-def pytest_addoption(parser):
-    for suite in (p2p_options, decommission_options, health_options, accept_options):
-        suite.addoption(parser)
-
-def pytest_configure(config):
-    for suite in (p2p_options, decommission_options, health_options, accept_options):
-        suite.validate(config)
+from suites.conftest import pytest_addoption, pytest_configure
 """
 
 
@@ -130,8 +119,9 @@ def test_given_nothing_every_value_is_its_tables_default(pytester: pytest.Pytest
         from suites.accept import options as accept_options
         from suites.decommission import options as decommission_options
         from suites.health import options as health_options
-        from suites.p2p import options as p2p_options
-        from suites.p2p.procedure import P2POptions
+        from suites.decommission.suite import SUITE as DECOMMISSION
+        from suites.p2p.options import P2POptions
+        from suites.p2p.suite import SUITE as P2P
 
         def test_defaults(pytestconfig):
             s = settings.read(pytestconfig)
@@ -142,10 +132,11 @@ def test_given_nothing_every_value_is_its_tables_default(pytester: pytest.Pytest
                     continue  # filled with the run's default name at configure time
                 assert getattr(s, key) == want, key
                 assert s.sources[key].origin == "default"
-            assert p2p_options.options(pytestconfig) == P2POptions()
+            assert P2P.settings(pytestconfig) == P2P.per_target(P2POptions(), {})
+            decom = DECOMMISSION.settings(pytestconfig)
             for opt in decommission_options.TUNING:
-                assert decommission_options.tuning(pytestconfig, opt.name) == opt.default
-            assert decommission_options.get(pytestconfig, "backup_dir") == ("backups/{host}", "")
+                assert getattr(decom, opt.name.removeprefix("decommission_")) == opt.default
+            assert decom.backup_dir == "backups/{host}" and decom.fixes == ()
             assert health_options.fixes(pytestconfig) == []
             assert accept_options.options(pytestconfig) == accept_options.AcceptOptions()
         """
@@ -164,16 +155,18 @@ def test_command_line_wins_over_ini_over_default_and_says_so(pytester: pytest.Py
         from pytest_gpuhost.run import options, settings
         from suites.health import options as health_options
         from suites.p2p import options as p2p_options
+        from suites.p2p.suite import SUITE as P2P
 
         def test_sources(pytestconfig):
             s = settings.read(pytestconfig)
             assert s.command_timeout == 3.0 and str(s.sources["command_timeout"]) == "--command-timeout"
             assert str(s.sources["connect_timeout"]) == "default --connect-timeout"
-            value, source = options.read(pytestconfig, p2p_options.STOP_TIMEOUT)
+            (stop,) = [o for o in p2p_options.OPTIONS if o.flag == "--stop-timeout"]
+            value, source = options.read(pytestconfig, stop)
             assert value == 7.0 and str(source) == "ini p2p_stop_timeout"
             assert source.file.endswith("tox.ini")
             assert health_options.fixes(pytestconfig) == ["service"]
-            assert p2p_options.options(pytestconfig).stop_timeout == 7.0
+            assert P2P.settings(pytestconfig).stop_timeout == 7.0
         """
     )
     pytester.runpytest("-p", "no:cacheprovider", "--command-timeout=3").assert_outcomes(passed=1)

@@ -4,8 +4,10 @@ Layout on the target, under the agent's state directory (`hello`'s `state_dir`:
 $GPUHOST_STATE_DIR on the target, else /var/lib/gpuhost): `journal/NAME.json` (the journal,
 written atomically and fsynced by the agent before each destructive step) and `lock/NAME/` (the lock:
 made with mkdir, holding the owner's agent pid, its start time, the boot id and a heartbeat).
-A run that finds a journal left by another run reads it before anything else; a run that finds
-the lock held by a live run waits up to a bound, then stops with a message naming the holder.
+A run that finds a journal left by another run (`cut_run`) reads it before anything else and
+completes what it did; a run that finds the lock held by a live run waits up to a bound, then
+stops with a message naming the holder. Suites reach both through `SuiteProcedure`
+(run/suite.py: `take_lock`, `old_journal`, `interrupted()`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,14 @@ class Journal:
             raise GpuhostError(f"journal is corrupt: {result['corrupt']}")
         journal = result.get("journal")
         return journal if isinstance(journal, dict) else None
+
+    def cut_run(self, data: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Return `data` (a journal read from the target) when another run left it, else None.
+
+        A journal of another run means that run was cut before it finished: this run reads what
+        it did and completes it (resume after a cut). This run's own journal, or none, is None.
+        """
+        return data if data and data.get("run_id") != self.run_id else None
 
     def acquire(
         self, *, wait: float, stale_s: float = 600.0, owner: dict[str, Any] | None = None

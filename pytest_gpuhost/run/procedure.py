@@ -13,21 +13,22 @@ A suite that changes a host in several ordered steps (suites/p2p, suites/decommi
   fixture's teardown) runs what is still pending in reverse, as pytest's monkeypatch does; an
   undo on a lost link is reported and left to the next run, which reads the journal.
 - Steps. `step()` makes a Remediation from callables whose `Unreachable` errors are charged to
-  the link they came from.
+  the link they came from; a long step is a `ProcedureStep` subclass instead, its check, plan,
+  fix and verify named methods sharing what the check found as attributes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pytest_gpuhost.errors import AgentError, GpuhostError, Unreachable
 from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Action, Check, Remediation
 
-__all__ = ["Link", "LinkLost", "Procedure", "ProcedureError", "Step", "Undo"]
+__all__ = ["Link", "LinkLost", "Procedure", "ProcedureError", "ProcedureStep", "Step", "Undo"]
 
 
 class ProcedureError(GpuhostError):
@@ -331,3 +332,46 @@ class Procedure:
         for p in problems:
             ev.note(f"finish: {p}")
         return problems
+
+
+P = TypeVar("P", bound=Procedure)
+
+
+class ProcedureStep(Step, Generic[P]):
+    """A step written as a class: `check_state`, `plan_actions`, `fix_actions`, `verify_state`.
+
+    `name` (a class attribute) is the condition that holds once it passes; `run` is the
+    procedure. What the check found and the plan and fix use is kept on the instance. Errors
+    are charged to the link `on` as for any `Step`; `verify_state` is the check again unless
+    overridden.
+    """
+
+    name = ""
+
+    def __init__(self, run: P, *, on: Link | None = None) -> None:
+        super().__init__(
+            run,
+            type(self).name,
+            self.check_state,
+            self.plan_actions,
+            self.fix_actions,
+            self.verify_state,
+            on=on,
+        )
+        self.run: P = run
+
+    def check_state(self) -> Check:
+        """Read the target: does the condition hold now?"""
+        raise NotImplementedError(f"{type(self).__name__}.check_state")
+
+    def plan_actions(self, before: Check) -> list[Action]:
+        """The actions the fix would take, from what the check found (none by default)."""
+        return []
+
+    def fix_actions(self, actions: list[Action], before: Check) -> None:
+        """Take the planned actions."""
+        raise ProcedureError(f"{self.name}: no fix is known")
+
+    def verify_state(self) -> Check:
+        """Read the target again after the fix."""
+        return self.check_state()

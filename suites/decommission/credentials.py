@@ -29,7 +29,7 @@ from pytest_gpuhost.run.remediation import Action, Check
 
 from .node import Decommission
 
-__all__ = ["BEFORE", "scrub_refusal", "scrubbed", "step_credentials_left"]
+__all__ = ["BEFORE", "scrub_actions", "scrub_refusal", "scrubbed", "step_credentials_left"]
 
 #: The steps that must have passed (or been fixed) before anything is scrubbed.
 BEFORE = ("inventory", "servers stopped", "gpus idle", "artifacts backed up", "data in s3")
@@ -60,6 +60,46 @@ def _headline(scan: credentials.Scan) -> str:
     return f"{len(left)} credentials left on the node in {places} places ({rotate} to rotate)"
 
 
+def _tell(run: Decommission, scan: credentials.Scan) -> None:
+    """List the findings on the terminal: kind, place, fingerprint, never a value."""
+    if run.say is None:
+        return
+    found = [*scan.remaining, *run.environ_findings]
+    if not found:
+        return
+    run.say(f"credentials: {_headline(scan)}; {len(run.environ_findings)} in stopped processes' environments")
+    for f in found[:50]:
+        run.say(f"  - {f.describe()}")
+    if len(found) > 50:
+        run.say(f"  ... and {len(found) - 50} more (NOTES.md lists them all)")
+
+
+def scrub_actions(run: Decommission) -> list[Action]:
+    """What --fix=scrub would do to each file the credentials step found."""
+    if run.credentials is None:
+        return []
+    actions = []
+    for item in credentials.scrub_items(run.credentials):
+        kinds = sorted({f.what for f in run.credentials.findings if f.path == item["path"]})
+        if item["action"] == "remove":
+            desc = f"remove {item['path']} ({', '.join(kinds)})"
+            how = "unlinkat, no link followed, only if its SHA-256 is still the one read"
+        else:
+            desc = f"drop {len(item['lines'])} lines from {item['path']} ({', '.join(kinds)})"
+            how = "rewrite without those lines (temp name, fsync, rename; mode and owner kept), only if unchanged"
+        actions.append(Action(desc, how))
+    return actions
+
+
+def _env_line(run: Decommission) -> str:
+    if not run.environ_findings:
+        return ""
+    return (
+        f"; {len(run.environ_findings)} in the environments of the processes stopped "
+        "(gone with them; rotate them)"
+    )
+
+
 def step_credentials_left(run: Decommission) -> Step:
     """Step 6: no credential is left on the node (or they are listed, and removed with --fix=scrub)."""
     scrub = "scrub" in run.fixes
@@ -74,44 +114,21 @@ def step_credentials_left(run: Decommission) -> Step:
         run._measure("credentials scan", round(scan.seconds, 3), "s")
         return scan, state
 
-    def env_line() -> str:
-        if not run.environ_findings:
-            return ""
-        return (
-            f"; {len(run.environ_findings)} in the environments of the processes stopped "
-            "(gone with them; rotate them)"
-        )
-
-    def tell(scan: credentials.Scan) -> None:
-        """List the findings on the terminal: kind, place, fingerprint, never a value."""
-        if run.say is None:
-            return
-        found = [*scan.remaining, *run.environ_findings]
-        if not found:
-            return
-        run.say(
-            f"credentials: {_headline(scan)}; {len(run.environ_findings)} in stopped processes' environments"
-        )
-        for f in found[:50]:
-            run.say(f"  - {f.describe()}")
-        if len(found) > 50:
-            run.say(f"  ... and {len(found) - 50} more (NOTES.md lists them all)")
-
     def check() -> Check:
         scan, state = look()
-        tell(scan)
+        _tell(run, scan)
         left = scan.remaining
         if not left:
             return Check(
                 True,
                 f"no credential left in {scan.files_read} files read under {len(scan.homes)} homes and the "
-                f"manifest's roots{env_line()}",
+                f"manifest's roots{_env_line(run)}",
                 state,
             )
         head = "; ".join(f.describe() for f in left[:12]) + (
             f"; ... and {len(left) - 12} more" if len(left) > 12 else ""
         )
-        summary = f"{_headline(scan)}: {head}{env_line()}"
+        summary = f"{_headline(scan)}: {head}{_env_line(run)}"
         if scrub and credentials.scrub_items(scan):
             return Check(False, summary, state)
         if run.credentials_left == "unsafe":
@@ -119,19 +136,7 @@ def step_credentials_left(run: Decommission) -> Step:
         return Check(True, summary + " (left in place: --fix=scrub removes them)", state)
 
     def plan(before: Check) -> list[Action]:
-        if not scrub or run.credentials is None:
-            return []
-        actions = []
-        for item in credentials.scrub_items(run.credentials):
-            kinds = sorted({f.what for f in run.credentials.findings if f.path == item["path"]})
-            if item["action"] == "remove":
-                desc = f"remove {item['path']} ({', '.join(kinds)})"
-                how = "unlinkat, no link followed, only if its SHA-256 is still the one read"
-            else:
-                desc = f"drop {len(item['lines'])} lines from {item['path']} ({', '.join(kinds)})"
-                how = "rewrite without those lines (temp name, fsync, rename; mode and owner kept), only if unchanged"
-            actions.append(Action(desc, how))
-        return actions
+        return scrub_actions(run) if scrub else []
 
     def fix(actions: list[Action], before: Check) -> None:
         if not scrub:
@@ -184,7 +189,7 @@ def step_credentials_left(run: Decommission) -> Step:
             )
         tail = f"; {len(kept)} kept: " + "; ".join(f.describe() for f in kept[:12]) if kept else ""
         return Check(
-            True, f"credentials removed from the node (rotate them all the same){tail}{env_line()}", state
+            True, f"credentials removed from the node (rotate them all the same){tail}{_env_line(run)}", state
         )
 
     return run.step("credentials left", check, plan, fix, verify)

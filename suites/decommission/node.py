@@ -55,9 +55,10 @@ from pytest_gpuhost.modules.backup.s3 import (
 )
 from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.redact import redact
-from pytest_gpuhost.run.procedure import Procedure
+from pytest_gpuhost.run.suite import SuiteProcedure
 
 from . import in_s3
+from .options import DecommissionOptions
 
 __all__ = ["APPS_QUERY", "GPU_QUERY", "Decommission", "csv_rows", "mb"]
 
@@ -83,58 +84,53 @@ def mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-class Decommission(Procedure):
-    """One node being emptied: its link, manifest, destinations and what happened so far."""
+class Decommission(SuiteProcedure):
+    """One node being emptied: its link, manifest, destinations and what happened so far.
+
+    The settings come from the suite's options (`opts`, suites/decommission/options.py); the
+    manifest's own `gpu_idle_mib` and `gpu_idle_timeout` bound the GPUs-idle step.
+    """
 
     def __init__(
         self,
         target: Any,
+        opts: DecommissionOptions,
         *,
         manifest: Manifest,
         dest: Path,
         check_only: bool = False,
         s3: S3Location | None = None,
-        endpoint: str | None = None,
-        gpu_idle_mib: int = 256,
-        gpu_idle_timeout: float = 30.0,
-        stall_timeout: float = 60.0,
-        part_size: int | None = None,
-        in_s3_send_to: str = "location",
-        fixes: tuple[str, ...] = (),
-        credentials_left: str = "report",
         node_name: str = "",
-        in_s3_min_proof: str = "crc64",
         progress: Callable[[Progress], None] | None = None,
         say: Callable[[str], None] | None = None,
         record: Callable[[str, Any], None] | None = None,
         measure: Callable[..., None] | None = None,
     ) -> None:
-        host, _ = Procedure.links_of(target)
-        super().__init__(host, check_only=check_only)
-        self.conn = host
+        super().__init__(target, check_only=check_only, journal_name=None)
+        self.conn = self.host
         self.target = str(target.name)
+        self.opts = opts
         self.manifest = manifest
         self.dest = dest
         self.s3 = s3
-        self.endpoint = endpoint
-        self.gpu_idle_mib = gpu_idle_mib
-        self.gpu_idle_timeout = gpu_idle_timeout
-        self.stall_timeout = stall_timeout
-        self.part_size = part_size
-        self.in_s3_send_to = in_s3_send_to  # "location" or "backup-to" (--in-s3-send-to)
-        self.fixes = tuple(fixes)  # --fix=scrub
-        self.credentials_left = credentials_left  # report or unsafe (--credentials-left)
+        self.endpoint = opts.s3_endpoint
+        self.gpu_idle_mib = int(manifest.options.get("gpu_idle_mib", 256))
+        self.gpu_idle_timeout = float(manifest.options.get("gpu_idle_timeout", 30))
+        self.stall_timeout = opts.stall_timeout
+        self.part_size = int(opts.s3_part_mib * 1024 * 1024)
+        self.in_s3_send_to = opts.in_s3_send_to  # "location" or "backup-to" (--in-s3-send-to)
+        self.fixes = tuple(opts.fixes)  # --fix=scrub
+        self.credentials_left = opts.credentials_left  # report or unsafe (--credentials-left)
         self.credentials: credentials.Scan | None = None  # the credentials step's latest look
         self.environ_findings: list[credentials.Finding] = []  # stopped processes' environments
         self.environ_error: str | None = None
         self._environ_pending: list[credentials.Finding] = []
         self.node_name = node_name  # the operator's name of the node, part of its identity
-        self.in_s3_min_proof = in_s3_min_proof  # the weakest proof in place that counts (--in-s3-min-proof)
+        self.in_s3_min_proof = opts.in_s3_min_proof  # the weakest proof in place that counts
         self.progress = progress
         self.say = say  # one line on the operator's terminal
         self.record_state = record  # evidence.state
         self.record_measure = measure  # evidence.measure
-        self.outcomes: dict[str, str] = {}  # step name -> outcome, for the verdict
         self.refused: list[str] = []  # what step 1 found the run cannot do: nothing is changed then
         self._stake: tuple[Any, ...] | None = None  # owner records to write once step 1 passed
         self._events: list[dict[str, str]] = []  # the timeline of a --check-only run, kept in memory

@@ -1,7 +1,7 @@
 """What a decommission needs, checked before its first change: one line per problem, all at once.
 
-Two halves. `run_problems` is asked once per run, on the controller, before any test (the
-suite's `pytest_configure`): the options the manifest implies (`--backup-to` for categories
+Two halves. The suite's preconditions (suite.py) are asked once per run, on the controller,
+before any test (at configure): the options the manifest implies (`--backup-to` for categories
 marked s3, or for in_s3 files sent there), each backup directory (a folder this user can make
 or write), and each S3 location (the bucket answers with the credentials given). A problem
 there is a usage error: pytest exits 4 and nothing has connected to a node. `node_problems`
@@ -18,9 +18,19 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pytest_gpuhost.exec.s3io import location_problem
 from pytest_gpuhost.modules.backup.local import Listing, Manifest
+from pytest_gpuhost.redact import printable, redact
 
-__all__ = ["backup_dir_problem", "bytes_to_copy", "node_problems", "options_problems", "space_problem"]
+__all__ = [
+    "backup_dir_problem",
+    "bytes_to_copy",
+    "node_problems",
+    "options_problems",
+    "s3_destinations",
+    "s3_problems",
+    "space_problem",
+]
 
 
 def options_problems(manifest: Manifest, *, backup_to: str | None, send_to: str | None) -> list[str]:
@@ -108,4 +118,38 @@ def node_problems(
     why = space_problem(dest, bytes_to_copy(listing, held, [c.name for c in manifest.categories if c.in_s3]))
     if why:
         problems.append(why)
+    return problems
+
+
+def s3_destinations(
+    manifest: Manifest, backup_to: list[str], *, in_s3_to_backup_to: bool = False
+) -> list[tuple[str, str]]:
+    """Return (s3:// URL, how the operator named it) of every S3 location the run will use, once each.
+
+    `--backup-to` (each target's URL) when a category is marked s3, or when in_s3 files not
+    proved in place go there (`--in-s3-send-to=backup-to`) ("--backup-to s3://B/P"), and each
+    category's `in_s3` locations ("in_s3 s3://B/P of category data").
+    """
+    out: list[tuple[str, str]] = []
+    if any(c.s3 or (in_s3_to_backup_to and c.in_s3) for c in manifest.categories):
+        out += [(url, f"--backup-to {url}") for url in dict.fromkeys(backup_to)]
+    for cat in manifest.categories:
+        out += [
+            (url, f"in_s3 {url} of category {cat.name}") for url in dict.fromkeys(u for _, u in cat.in_s3)
+        ]
+    return out
+
+
+def s3_problems(dests: list[tuple[str, str]], endpoint: str | None) -> list[str]:
+    """Check that every destination can be read, before anything is stopped; one line per one that cannot.
+
+    Each is asked what the run asks first (`location_problem`: HeadBucket, then a listing of one
+    key under the prefix); nothing is written, so a bucket that lists but refuses writes is
+    still found only by the upload itself.
+    """
+    problems = []
+    for url, named in dests:
+        why = location_problem(url, endpoint=endpoint)
+        if why is not None:
+            problems.append(printable(redact(f"{named}: {why}")).replace("\n", "\\n"))
     return problems

@@ -1,4 +1,4 @@
-"""Command-line options and ini values of suites/health (registered by suites/conftest.py).
+"""The options of suites/health, declared once: `HealthOptions`, and the suite's `SUITE` (run/suite.py).
 
 `--fix=NAME` (repeatable, or comma separated; ini `health_fix`, one name a line) turns on a safe
 fix: `persistence` (persistence mode on), `service` (restart a failed inference service) or
@@ -14,19 +14,23 @@ Without it every check only reports. The fleet options the health suite is run w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from pytest_gpuhost.modules.health.checks import FIXES
 from pytest_gpuhost.modules.health.facts import gpu_source
-from pytest_gpuhost.run.options import BadValue, Option, lines, read, register, seconds
+from pytest_gpuhost.run.options import BadValue, Option, lines, seconds
+from pytest_gpuhost.run.suite import Configured, Suite, option, table_of
 
 from ..decommission.options import FIXES as DECOMMISSION_FIXES
 from . import reboot, reset
 
 __all__ = [
     "OPTIONS",
+    "SUITE",
+    "HealthOptions",
     "addoption",
     "fixes",
     "nccl",
@@ -60,99 +64,105 @@ def _fixes(raw: Any) -> list[str]:
     return names
 
 
-FIX = Option(
-    "health_fix",
-    "--fix",
-    f"health: allow a safe fix ({', '.join(CHOICES)}; reset,reboot: reboot when a reset does not "
-    f"clear the GPU); decommission: {', '.join(DECOMMISSION_FIXES)} (remove the credentials found); "
-    "repeat for several. Off by default",
-    parse=_fixes,
-    default=(),
-    kind="list",
-    metavar="NAME",
-)
+@dataclass
+class HealthOptions:
+    """The suite's settings, each an `option()` field: its default written here only."""
 
-#: Ini only: a real GPU server takes minutes to POST and boot (hundreds of DIMMs, eight GPUs, the
-#: NICs' option ROMs); ten minutes is the bound, a tighter one for a fleet that boots faster.
-REBOOT_TIMEOUT = Option(
-    "health_reboot_timeout",
-    None,
-    "health: with --fix=reset,reboot, seconds a rebooted node has to answer SSH with a new boot id "
-    "(default {default})",
-    parse=seconds,
-    default=reboot.REBOOT_TIMEOUT,
-)
-#: Ini only: how long a reset GPU's signals have to clear before the reset counts as failed (and,
-#: with --fix=reset,reboot, before the node is rebooted).
-RESET_VERIFY_TIMEOUT = Option(
-    "health_reset_verify_timeout",
-    None,
-    "health: with --fix=reset, seconds a reset GPU's own signals have to stop asking for a reset "
-    "(default {default})",
-    parse=seconds,
-    default=reset.VERIFY_TIMEOUT,
-)
+    fix: tuple[str, ...] = option(
+        (),
+        flag="--fix",
+        metavar="NAME",
+        kind="list",
+        help=f"allow a safe fix ({', '.join(CHOICES)}; reset,reboot: reboot when a reset does not "
+        f"clear the GPU); decommission: {', '.join(DECOMMISSION_FIXES)} (remove the credentials found); "
+        "repeat for several. Off by default",
+        parse=_fixes,
+    )
+    #: Ini only: a real GPU server takes minutes to POST and boot (hundreds of DIMMs, eight GPUs,
+    #: the NICs' option ROMs); ten minutes is the bound, a tighter one for a fleet that boots faster.
+    reboot_timeout: float = option(
+        reboot.REBOOT_TIMEOUT,
+        flag=None,
+        help="with --fix=reset,reboot, seconds a rebooted node has to answer SSH with a new boot id "
+        "(default {default})",
+        parse=seconds,
+    )
+    #: Ini only: how long a reset GPU's signals have to clear before the reset counts as failed
+    #: (and, with --fix=reset,reboot, before the node is rebooted).
+    reset_verify_timeout: float = option(
+        reset.VERIFY_TIMEOUT,
+        flag=None,
+        help="with --fix=reset, seconds a reset GPU's own signals have to stop asking for a reset "
+        "(default {default})",
+        parse=seconds,
+    )
+    #: Opt-in: an NCCL all-reduce on every GPU of each host, against its NCCL_P2P_DISABLE=1 control
+    #: (suites/health/test_health_nccl.py); it loads the GPUs for seconds, so never on by default.
+    nccl: bool = option(
+        False,
+        flag="--health-nccl",
+        kind="flag",
+        help="also run an NCCL all-reduce (nccl-tests all_reduce_perf -c 1, else the torch program "
+        "with python3) on every GPU of each host, with a NCCL_P2P_DISABLE=1 control arm, each bounded "
+        "on the host; report only",
+    )
+    nccl_timeout: float = option(
+        120.0,
+        flag=None,
+        help="with --health-nccl, the bound on each arm (all_reduce_perf or the torch program), "
+        "enforced on the host (default {default})",
+        parse=seconds,
+    )
 
-#: Opt-in: an NCCL all-reduce on every GPU of each host, against its NCCL_P2P_DISABLE=1 control
-#: (suites/health/test_health_nccl.py); it loads the GPUs for seconds, so it is never on by default.
-NCCL = Option(
-    "health_nccl",
-    "--health-nccl",
-    "health: also run an NCCL all-reduce (nccl-tests all_reduce_perf -c 1, else the torch program "
-    "with python3) on every GPU of each host, with a NCCL_P2P_DISABLE=1 control arm, each bounded "
-    "on the host; report only",
-    kind="flag",
-    default=False,
-)
-NCCL_TIMEOUT = Option(
-    "health_nccl_timeout",
-    None,
-    "health: with --health-nccl, the bound on each arm (all_reduce_perf or the torch program), "
-    "enforced on the host (default {default})",
-    parse=seconds,
-    default=120.0,
-)
 
-OPTIONS: tuple[Option, ...] = (FIX, REBOOT_TIMEOUT, RESET_VERIFY_TIMEOUT, NCCL, NCCL_TIMEOUT)
+def _preconditions(ctx: Configured[HealthOptions]) -> list[str]:
+    try:
+        gpu_source()  # GPUHOST_HEALTH_SOURCE, read where the facts are asked for
+    except ValueError as exc:
+        return [str(exc)]
+    return []
+
+
+#: suites/health on the suite contract: its options and preconditions. Its tests are made from
+#: the health checks' declaration (test_health.py), its per-host state is conftest.py's.
+SUITE: Suite[HealthOptions, Any] = Suite(
+    name="health", options=HealthOptions, label="health", preconditions=_preconditions
+)
+OPTIONS: tuple[Option, ...] = table_of(HealthOptions, "health", label="health")
+FIX, REBOOT_TIMEOUT, RESET_VERIFY_TIMEOUT, NCCL, NCCL_TIMEOUT = OPTIONS
 
 
 def addoption(parser: pytest.Parser) -> None:
-    """Register this suite's options in the gpuhost group."""
-    register(parser, OPTIONS)
+    """Register this suite's options in the gpuhost group (suites/conftest.py does it for every suite)."""
+    SUITE.addoption(parser)
+
+
+def validate(config: pytest.Config) -> None:
+    """Read and check this suite's options, as suites/conftest.py does for every suite."""
+    SUITE.configure(config)
+    SUITE.check(config)
 
 
 def fixes(config: pytest.Config) -> list[str]:
     """Return the health fixes allowed for this run (command line, else the ini value)."""
-    return [n for n in read(config, FIX)[0] if n not in DECOMMISSION_FIXES]
+    return [n for n in SUITE.settings(config).fix if n not in DECOMMISSION_FIXES]
 
 
 def nccl(config: pytest.Config) -> bool:
     """Whether the opt-in NCCL collective check runs (--health-nccl, ini health_nccl)."""
-    return bool(read(config, NCCL)[0])
+    return SUITE.settings(config).nccl
 
 
 def nccl_timeout(config: pytest.Config) -> float:
     """Return the bound on each arm of the NCCL collective check."""
-    return float(read(config, NCCL_TIMEOUT)[0])
+    return SUITE.settings(config).nccl_timeout
 
 
 def reboot_timeout(config: pytest.Config) -> float:
     """Return the seconds a node rebooted by --fix=reset,reboot has to come back."""
-    return float(read(config, REBOOT_TIMEOUT)[0])
+    return SUITE.settings(config).reboot_timeout
 
 
 def reset_verify_timeout(config: pytest.Config) -> float:
     """Return the seconds a reset GPU's signals have to clear."""
-    return float(read(config, RESET_VERIFY_TIMEOUT)[0])
-
-
-def validate(config: pytest.Config) -> None:
-    """Check this suite's option values; raise pytest.UsageError naming the bad value."""
-    fixes(config)
-    reboot_timeout(config)
-    reset_verify_timeout(config)
-    nccl_timeout(config)
-    try:
-        gpu_source()  # GPUHOST_HEALTH_SOURCE, read where the facts are asked for
-    except ValueError as exc:
-        raise pytest.UsageError(f"gpuhost: {exc}") from None
+    return SUITE.settings(config).reset_verify_timeout

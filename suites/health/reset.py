@@ -112,7 +112,7 @@ def remediation(
     def check() -> Check:
         facts = hh.gather()
         old = journal.read()
-        theirs = old if old and old.get("run_id") != journal.run_id else None
+        theirs = journal.cut_run(old)
         units_left, gpus_left = cutrun.leftover(theirs)
         box["leftover"] = (units_left, gpus_left)
         box["leftover_by_gpu"] = cutrun.by_gpu(theirs)

@@ -186,6 +186,28 @@ def _journal_types(journal: dict[str, Any] | None) -> dict[int, str | None]:
     }
 
 
+def _wanted(
+    gpus: list[GpuInfo], selected: list[str], recorded: dict[str, dict[str, Any]], errors: list[str]
+) -> set[str]:
+    """The PCI addresses --gpus names (a minor found in a journal too); what it cannot name, in `errors`."""
+    by_minor = {g.minor: g for g in gpus if g.minor is not None}
+    wanted: set[str] = set()
+    for item in selected:
+        if item.isdigit():
+            g = by_minor.get(int(item)) or next(
+                (x for x in gpus if recorded.get(x.bdf, {}).get("minor") == int(item)), None
+            )
+            if g is None:
+                errors.append(f"--gpus names minor {item}, but no GPU on nvidia has /dev/nvidia{item}")
+                continue
+            wanted.add(g.bdf)
+        elif not any(g.bdf == item for g in gpus):
+            errors.append(f"--gpus names {item}, which is not an NVIDIA GPU on this host")
+        else:
+            wanted.add(item)
+    return wanted
+
+
 def make_plan(
     gpus: list[GpuInfo],
     *,
@@ -204,22 +226,7 @@ def make_plan(
     errors: list[str] = []
     shared: dict[int, str] = {}
     chosen: list[GpuInfo] = []
-    by_minor = {g.minor: g for g in gpus if g.minor is not None}
-    wanted: set[str] = set()
-    for item in selected or []:
-        if item.isdigit():
-            g = by_minor.get(int(item)) or next(
-                (x for x in gpus if recorded.get(x.bdf, {}).get("minor") == int(item)), None
-            )
-            if g is None:
-                errors.append(f"--gpus names minor {item}, but no GPU on nvidia has /dev/nvidia{item}")
-                continue
-            wanted.add(g.bdf)
-        else:
-            if not any(g.bdf == item for g in gpus):
-                errors.append(f"--gpus names {item}, which is not an NVIDIA GPU on this host")
-                continue
-            wanted.add(item)
+    wanted = _wanted(gpus, selected or [], recorded, errors)
     for g in gpus:
         original = recorded.get(g.bdf, {}).get("driver") or g.driver
         if g.on_vfio or original == "vfio-pci":

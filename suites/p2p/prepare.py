@@ -92,9 +92,7 @@ def step_plan(run: P2PProcedure) -> Step:
 
     def fix(actions: list[Action], before: Check) -> None:
         owner = {"controller": socket.gethostname(), "procedure": "suites/p2p"}
-        got = run.journal.acquire(wait=run.opts.lock_wait, stale_s=run.opts.lock_stale, owner=owner)
-        if got.get("took_over"):
-            evidence.current().note(f"took over a stale lock: {got['took_over'].get('why')}")
+        run.take_lock(wait=run.opts.lock_wait, stale_s=run.opts.lock_stale, owner=owner)
         # another run may have repaired the host while this one waited: read again
         run.read_facts(("gpus", "nvidia_smi_gpus", "host_info"))
         plan = run.make_plan()

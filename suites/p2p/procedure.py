@@ -18,7 +18,6 @@ driver, whatever happened in between.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_gpuhost.errors import Unreachable
@@ -26,46 +25,19 @@ from pytest_gpuhost.modules import acs, gpu, iommu, p2p, p2p_causes, p2p_reports
 from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
-from pytest_gpuhost.run.procedure import Procedure, ProcedureError
+from pytest_gpuhost.run.procedure import ProcedureError
+from pytest_gpuhost.run.suite import SuiteProcedure
 
 from . import holder, persist
+from .options import P2POptions
 from .plan import P2PPlan, make_plan, redirect_advice
 
-__all__ = ["HOST_FACTS", "P2POptions", "P2PProcedure"]
+__all__ = ["HOST_FACTS", "P2PProcedure"]
 
 # pci_paths: the ports above each GPU with their ACS bits (why a group is shared; ACS redirect)
 # p2p_causes: BAR1, NUMA, links, ports' power management and AER, nvidia_uvm's HMM (the diagnosis)
 HOST_FACTS = ("gpus", "gpu_holders", "persistence", "host_info", "nvidia_smi_gpus", "pci_paths", "p2p_causes")
 QUICK = 10.0  # seconds to wait for a reply to a small metadata op (readlink, journal, lock)
-
-
-@dataclass
-class P2POptions:
-    """The suite's settings (suites/p2p/options.py fills them from the command line and ini)."""
-
-    gpus: list[str] | None = None
-    stop_timeout: float = 20.0
-    min_gbps: float | None = None
-    fraction: float = p2p.DEFAULT_FRACTION
-    # the unit that holds the GPUs: "" finds it at step 1 from the in-scope GPUs' holders (holder.py)
-    service: str = ""
-    health_url: str | None = None
-    health_port: int = 30000
-    health_timeout: float = 120.0
-    lock_wait: float = 60.0
-    lock_stale: float = 600.0
-    unbind_timeout: float = 15.0
-    # after a rebind the first open boots each GPU's firmware (GSP) before nvidia-smi lists it;
-    # real figures are not measured (the lab's AMD profile: 3 s per GPU): wait this long at most
-    gsp_wait: float = 90.0
-    log_paths: tuple[str, ...] = ()
-    # each arm of the NCCL collective check, enforced on the target (timeout -k 5): a healthy
-    # 8-128 MiB all_reduce on a few GPUs takes seconds; NCCL's init alone can take tens
-    nccl_timeout: float = 120.0
-    # the service's own NCCL_P2P_DISABLE / NCCL_P2P_LEVEL: reported; unset only when asked
-    unset_service_env: bool = False
-    # the operator's expectation per pair placement (modules/p2p_causes.py EXPECTATIONS), as fractions
-    expect: dict[str, float] = field(default_factory=dict)
 
 
 def _texts(reply: Any) -> dict[str, str | None]:
@@ -75,27 +47,26 @@ def _texts(reply: Any) -> dict[str, str | None]:
     return {p: (e.get("data") if isinstance(e, dict) else None) for p, e in reply.items()}
 
 
-class P2PProcedure(Procedure):
+class P2PProcedure(SuiteProcedure):
     """One suites/p2p run against one target (the host, and the service's container)."""
 
     def __init__(self, target: Any, opts: P2POptions, *, check_only: bool) -> None:
-        host, container = Procedure.links_of(target)
-        journal = Journal(host, "p2p")
-        super().__init__(host, check_only=check_only, container=container, journal=journal)
+        super().__init__(target, check_only=check_only, journal_name="p2p")
+        journal = self.journal
+        assert journal is not None  # journal_name given
+        self.journal: Journal = journal
         self.target = target
         self.opts = opts
-        self.conn = host
-        self.svc_conn = container or host  # where the service runs
+        self.conn = self.host
+        self.svc_conn = self.container or self.host  # where the service runs
         # None until step 1 finds the unit holding the GPUs (or there is none: nothing to stop)
         self._service = (
             Service(self.svc_conn, opts.service, where=self.svc_conn.name) if opts.service else None
         )
         self.service_origin = "--service or the inventory" if opts.service else ""
         self.persistenced = Service(self.conn, "nvidia-persistenced", where=self.conn.name)
-        self.journal: Journal = journal
         self.facts: dict[str, Any] = {}
         self.plan: P2PPlan | None = None
-        self.old_journal: dict[str, Any] | None = None
         self.before: p2p.P2PMatrix | None = None
         self.after: p2p.P2PMatrix | None = None  # step 6's measurement, when it measured again
         self.collective: tuple[Any, Any] | None = None  # step 7's two arms (P2P on, P2P off)
@@ -191,11 +162,7 @@ class P2PProcedure(Procedure):
 
     def make_plan(self) -> P2PPlan:
         """(Re)plan from the last facts read and any journal found."""
-        journal = (
-            self.old_journal
-            if self.old_journal and self.old_journal.get("run_id") != self.journal.run_id
-            else None
-        )
+        journal = self.interrupted()
         gpus = self.gpus()
         if journal is None:
             journal = self._boot_record_journal(gpus)
