@@ -1,6 +1,6 @@
 """Command-line options and ini values of suites/p2p (registered by suites/conftest.py).
 
-Every default is `P2POptions`'s (suites/p2p/state.py); the table takes it from there, and help
+Every default is `P2POptions`'s (suites/p2p/procedure.py); the table takes it from there, and help
 texts show it through `{default}`.
 """
 
