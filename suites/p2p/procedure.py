@@ -23,12 +23,12 @@ from typing import Any
 
 from pytest_gpuhost.errors import Unreachable
 from pytest_gpuhost.modules import acs, gpu, iommu, p2p, p2p_causes, p2p_reports, pci, service_env
+from pytest_gpuhost.modules import p2p_boot as persist
 from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import Procedure, ProcedureError
 
-from . import persist
 from .plan import P2PPlan, make_plan, redirect_advice
 
 __all__ = ["HOST_FACTS", "P2POptions", "P2PProcedure"]
