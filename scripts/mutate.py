@@ -39,6 +39,12 @@ class Mutation:
     tests: tuple[str, ...]
 
 
+ROOM_TEST = (
+    "tests/test_decommission_preflight_lab.py::"
+    "test_a_backup_dir_without_room_for_the_node_refuses_at_step_one_with_servers_running"
+)
+CHECK_ONLY_TEST = "tests/test_check_only_writes_nothing_lab.py::"
+
 MUTATIONS = (
     Mutation(
         "arrival-sha256",
@@ -559,6 +565,49 @@ MUTATIONS = (
         "        if False:",
         ("tests/test_decommission_credentials_lab.py::test_scrub_waits_for_a_safe_node",),
     ),
+    Mutation(
+        "decommission-room-preflight",
+        "step 1 refuses a backup directory without room for the node's bytes, before the first stop",
+        "suites/decommission/preflight.py",
+        "    if needed * (1 + margin) > free:",
+        "    if False:",
+        (
+            "tests/test_decommission_preflight.py::"
+            "test_room_at_the_backup_dir_is_the_bytes_to_copy_against_its_filesystems_free_space",
+        ),
+    ),
+    Mutation(
+        "decommission-owner-record-deferred",
+        "the destinations' owner records wait until step 1's preflight passed: a refused run leaves none",
+        "suites/decommission/node.py",
+        "        self._stake = (me, None if local.exists() else local, client, s3_key)",
+        "        self._stake = (me, None if local.exists() else local, client, s3_key)\n        self.stake()",
+        (ROOM_TEST,),
+    ),
+    Mutation(
+        "decommission-timeline-deferred",
+        "a timeline line before step 1's preflight passed waits in memory: a refused run writes none",
+        "suites/decommission/node.py",
+        "        if self.check_only or self._stake is not None:",
+        "        if self.check_only:",
+        (ROOM_TEST,),
+    ),
+    Mutation(
+        "decommission-check-only-meta",
+        "--check-only makes no .gpuhost folder in the backup directory",
+        "suites/decommission/node.py",
+        "        if not self.check_only:\n            path.mkdir(parents=True, exist_ok=True)",
+        "        if True:\n            path.mkdir(parents=True, exist_ok=True)",
+        (CHECK_ONLY_TEST + "test_decommission_check_only_leaves_node_backup_dir_and_buckets_as_they_were",),
+    ),
+    Mutation(
+        "health-check-only-controller-state",
+        "a --check-only health run keeps its kernel-log cursor on the controller, never on the node",
+        "suites/health/conftest.py",
+        "                if self.check_only:  # writes nothing on the node: the controller keeps it",
+        "                if False:",
+        (CHECK_ONLY_TEST + "test_health_check_only_leaves_host_as_it_was_and_remembers_on_the_controller",),
+    ),
 )
 
 
@@ -635,7 +684,10 @@ def run_one(m: Mutation, python: str) -> tuple[str, float]:
         r = _pytest(work, python, m.tests, stop_first=True)
         took = time.monotonic() - t0
         if r.returncode == 1:
-            return "killed", took
+            by = next(
+                (ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith(("FAILED ", "ERROR "))), ""
+            )
+            return f"killed by {by}" if by else "killed", took
         if r.returncode == 0:
             return "survived", took
         tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
@@ -669,7 +721,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(m: Mutation) -> tuple[bool, str]:
         verdict, took = run_one(m, sys.executable)
-        return verdict == "killed", f"{m.name:24} {verdict:10} {took:5.1f} s  {m.why}"
+        killed = verdict.startswith("killed")
+        return killed, f"{m.name:24} {verdict.split()[0]:10} {took:5.1f} s  {m.why}" + (
+            f"\n{'':24} {verdict}" if killed and verdict != "killed" else ""
+        )
 
     # each mutation runs in a copy of its own, so they can run side by side (one per core); the
     # control (the guarding tests, unmutated, in one session) runs beside them and is judged at the end
