@@ -651,6 +651,11 @@ def guarding_tests(chosen: Sequence[Mutation]) -> list[str]:
     return [t for t in ids if t in files or t.split("::", 1)[0] not in files]
 
 
+def expected_cost(m: Mutation) -> int:
+    """Rank a mutant by what its guarding tests cost: a lab host to boot, a whole file, one test."""
+    return max(2 if "_lab" in t or "realkernel" in t else 1 if "::" not in t else 0 for t in m.tests)
+
+
 def run_control(chosen: Sequence[Mutation], python: str) -> tuple[str, float]:
     """Run every guarding test once, in one session of an unmutated copy: ("passed"|"failed: ...", seconds).
 
@@ -730,7 +735,10 @@ def main(argv: list[str] | None = None) -> int:
     # control (the guarding tests, unmutated, in one session) runs beside them and is judged at the end
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         control_job = None if args.no_control else pool.submit(run_control, chosen, sys.executable)
-        results = list(pool.map(one, chosen))
+        # the longest first (a lab boot, then a whole file): a long mutant started last would run
+        # on alone while the other worker sits idle
+        jobs = {m.name: pool.submit(one, m) for m in sorted(chosen, key=expected_cost, reverse=True)}
+        results = [jobs[m.name].result() for m in chosen]
         control, took = control_job.result() if control_job else ("passed", 0.0)
     if control_job:
         print(f"{'control':24} {control.split(':')[0]:10} {took:5.1f} s  the guarding tests pass unmutated")
