@@ -99,7 +99,7 @@ def test_fixtures_per_target(pytester: pytest.Pytester) -> None:
         ["*test_target?local? PASSED*", "*test_remediate_names_the_target?local? FIXED*"]
     )
     result.stdout.fnmatch_lines(["*local: no container: pass --container=*"])
-    assert outcome_counts(result.outlines) == {"passed": 3, "skipped": 1, "fixed": 1}
+    assert outcome_counts(result.outlines) == {"passed": 4, "skipped": 1, "fixed": 1}
     import json
 
     data = json.loads((pytester.path / "reports" / "fx.json").read_text())
