@@ -20,7 +20,15 @@ from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.report import answer
 from pytest_gpuhost.report import html as html_report
 from pytest_gpuhost.report.outputs import configure_outputs
-from pytest_gpuhost.run import evidence, fixtures, remediation, settings, targets_stash, unreachable
+from pytest_gpuhost.run import (
+    evidence,
+    fixtures,
+    outcome_terminal,
+    remediation,
+    settings,
+    targets_stash,
+    unreachable,
+)
 from pytest_gpuhost.run.settings import Settings, settings_key
 from pytest_gpuhost.run.targets_stash import (
     NO_TARGET_REASON,
@@ -156,10 +164,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
-    return unreachable.teststatus(report) or remediation.report_teststatus(report)
+    return unreachable.teststatus(report) or outcome_terminal.report_teststatus(report)
 
 
 @pytest.hookimpl(trylast=True)  # last: the answer in words ends the output, above pytest's counts
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    remediation.terminal_summary(terminalreporter)
+    outcome_terminal.terminal_summary(terminalreporter)
     answer.terminal_summary(terminalreporter)

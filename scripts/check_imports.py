@@ -20,6 +20,10 @@ gpulab/ has layers of its own, lowest first (no module of the plugin or the suit
     kernel    gpulab.kernel.*                  (the emulated kernel, served over FUSE)
     host      gpulab.host.*, gpulab.nvml       (lab hosts as machines)
     lab       gpulab.slurm.*, gpulab.vm, gpulab.pytest_fixtures, gpulab.__main__, gpulab
+
+Inside exec, `pytest_gpuhost.exec.inventory` sits above the rest of exec. The lab may use the
+plugin's modules (it drives hosts as the plugin does) but never a suite: what a suite and the lab
+share lives in `pytest_gpuhost.modules`.
 Exit 1 when a problem is found, so CI can run it. A module over `--max-lines N` (default 500) is a
 warning only: a module grows until it holds two ideas, and then splits along them.
 """
@@ -36,6 +40,13 @@ PACKAGES = ("pytest_gpuhost", "suites", "gpulab")
 LAYERS = ("base", "exec", "modules", "run", "report", "plugin")
 LAB_LAYERS = ("lab-base", "profiles", "kernel", "host", "lab")
 NO_PYTEST = ("exec", "modules", "base")
+# Inside exec, the inventory (which hosts, from files and ranges) is built on the rest (targets,
+# host names, transports); nothing else in exec imports it.
+UPPER_EXEC = "pytest_gpuhost.exec.inventory"
+
+
+def in_package(mod: str, package: str) -> bool:
+    return mod == package or mod.startswith(package + ".")
 
 
 def module_name(path: Path) -> str:
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     for mod, deps in sorted(graph.items()):
         mine = LAYERS.index(layer(mod))
         for dep in sorted(deps):
-            if mod.startswith("pytest_gpuhost") and dep.startswith("suites"):
+            if mod.startswith(("pytest_gpuhost", "gpulab")) and dep.startswith("suites"):
                 problems.append(f"layer: {mod} imports the suite module {dep}")
             elif mod.startswith(("pytest_gpuhost", "suites")) and dep.startswith("gpulab"):
                 problems.append(f"layer: {mod} imports the lab module {dep} (the plugin knows no lab)")
@@ -173,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                     problems.append(f"layer: {mod} ({lab_layer(mod)}) imports {dep} ({lab_layer(dep)})")
             elif LAYERS.index(layer(dep)) > mine:
                 problems.append(f"layer: {mod} ({layer(mod)}) imports {dep} ({layer(dep)})")
+            elif in_package(dep, UPPER_EXEC) and layer(mod) == "exec" and not in_package(mod, UPPER_EXEC):
+                problems.append(f"layer: {mod} (exec) imports {dep} ({UPPER_EXEC}, above the rest of exec)")
         if layer(mod) in NO_PYTEST and uses_pytest(paths[mod]):
             problems.append(f"layer: {mod} ({layer(mod)}) imports pytest")
     warnings = []

@@ -39,6 +39,12 @@ class Mutation:
     tests: tuple[str, ...]
 
 
+ROOM_TEST = (
+    "tests/test_decommission_preflight_lab.py::"
+    "test_a_backup_dir_without_room_for_the_node_refuses_at_step_one_with_servers_running"
+)
+CHECK_ONLY_TEST = "tests/test_check_only_writes_nothing_lab.py::"
+
 MUTATIONS = (
     Mutation(
         "arrival-sha256",
@@ -575,6 +581,49 @@ MUTATIONS = (
         "        pass",
         ("tests/test_accept_lab.py::test_a_really_slow_data_volume_is_rejected_naming_the_throughput",),
     ),
+    Mutation(
+        "decommission-room-preflight",
+        "step 1 refuses a backup directory without room for the node's bytes, before the first stop",
+        "suites/decommission/preflight.py",
+        "    if needed * (1 + margin) > free:",
+        "    if False:",
+        (
+            "tests/test_decommission_preflight.py::"
+            "test_room_at_the_backup_dir_is_the_bytes_to_copy_against_its_filesystems_free_space",
+        ),
+    ),
+    Mutation(
+        "decommission-owner-record-deferred",
+        "the destinations' owner records wait until step 1's preflight passed: a refused run leaves none",
+        "suites/decommission/node.py",
+        "        self._stake = (me, None if local.exists() else local, client, s3_key)",
+        "        self._stake = (me, None if local.exists() else local, client, s3_key)\n        self.stake()",
+        (ROOM_TEST,),
+    ),
+    Mutation(
+        "decommission-timeline-deferred",
+        "a timeline line before step 1's preflight passed waits in memory: a refused run writes none",
+        "suites/decommission/node.py",
+        "        if self.check_only or self._stake is not None:",
+        "        if self.check_only:",
+        (ROOM_TEST,),
+    ),
+    Mutation(
+        "decommission-check-only-meta",
+        "--check-only makes no .gpuhost folder in the backup directory",
+        "suites/decommission/node.py",
+        "        if not self.check_only:\n            path.mkdir(parents=True, exist_ok=True)",
+        "        if True:\n            path.mkdir(parents=True, exist_ok=True)",
+        (CHECK_ONLY_TEST + "test_decommission_check_only_leaves_node_backup_dir_and_buckets_as_they_were",),
+    ),
+    Mutation(
+        "health-check-only-controller-state",
+        "a --check-only health run keeps its kernel-log cursor on the controller, never on the node",
+        "suites/health/conftest.py",
+        "                if self.check_only:  # writes nothing on the node: the controller keeps it",
+        "                if False:",
+        (CHECK_ONLY_TEST + "test_health_check_only_leaves_host_as_it_was_and_remembers_on_the_controller",),
+    ),
 )
 
 
@@ -618,6 +667,11 @@ def guarding_tests(chosen: Sequence[Mutation]) -> list[str]:
     return [t for t in ids if t in files or t.split("::", 1)[0] not in files]
 
 
+def expected_cost(m: Mutation) -> int:
+    """Rank a mutant by what its guarding tests cost: a lab host to boot, a whole file, one test."""
+    return max(2 if "_lab" in t or "realkernel" in t else 1 if "::" not in t else 0 for t in m.tests)
+
+
 def run_control(chosen: Sequence[Mutation], python: str) -> tuple[str, float]:
     """Run every guarding test once, in one session of an unmutated copy: ("passed"|"failed: ...", seconds).
 
@@ -651,7 +705,10 @@ def run_one(m: Mutation, python: str) -> tuple[str, float]:
         r = _pytest(work, python, m.tests, stop_first=True)
         took = time.monotonic() - t0
         if r.returncode == 1:
-            return "killed", took
+            by = next(
+                (ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith(("FAILED ", "ERROR "))), ""
+            )
+            return f"killed by {by}" if by else "killed", took
         if r.returncode == 0:
             return "survived", took
         tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
@@ -685,13 +742,19 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(m: Mutation) -> tuple[bool, str]:
         verdict, took = run_one(m, sys.executable)
-        return verdict == "killed", f"{m.name:24} {verdict:10} {took:5.1f} s  {m.why}"
+        killed = verdict.startswith("killed")
+        return killed, f"{m.name:24} {verdict.split()[0]:10} {took:5.1f} s  {m.why}" + (
+            f"\n{'':24} {verdict}" if killed and verdict != "killed" else ""
+        )
 
     # each mutation runs in a copy of its own, so they can run side by side (one per core); the
     # control (the guarding tests, unmutated, in one session) runs beside them and is judged at the end
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         control_job = None if args.no_control else pool.submit(run_control, chosen, sys.executable)
-        results = list(pool.map(one, chosen))
+        # the longest first (a lab boot, then a whole file): a long mutant started last would run
+        # on alone while the other worker sits idle
+        jobs = {m.name: pool.submit(one, m) for m in sorted(chosen, key=expected_cost, reverse=True)}
+        results = [jobs[m.name].result() for m in chosen]
         control, took = control_job.result() if control_job else ("passed", 0.0)
     if control_job:
         print(f"{'control':24} {control.split(':')[0]:10} {took:5.1f} s  the guarding tests pass unmutated")

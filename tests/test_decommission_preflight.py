@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from botocore.stub import Stubber
 
 from pytest_gpuhost.exec.s3io import location_problem, s3_problem
 from suites.decommission.notes import STEPS, verdict
+from suites.decommission.preflight import space_problem
 from tests.helpers.s3server import FAKE_ENV, start_moto, stop_moto
 from tests.test_decommission_notes import NVIDIA_SMI_OK, _node
 
@@ -132,6 +134,17 @@ def test_every_problem_is_one_line() -> None:
 
     assert s3_problem(Odd()) == "refused (SlowDown): Please"
     assert s3_problem(ValueError("a\nb")) == "ValueError: a"
+
+
+def test_room_at_the_backup_dir_is_the_bytes_to_copy_against_its_filesystems_free_space(tmp_path) -> None:
+    """Step 1's room check: more bytes than the filesystem has free is one line; what fits is none."""
+    dest = tmp_path / "not-made-yet" / "node"  # asked of the nearest folder that exists
+    free = shutil.disk_usage(tmp_path).free
+    why = space_problem(dest, free * 2)
+    assert why is not None and "GB free on its filesystem" in why and str(dest) in why, why
+    assert "\n" not in why
+    assert space_problem(dest, 1) is None
+    assert space_problem(dest, 0) is None
 
 
 def test_the_verdict_lists_an_unreadable_destination_as_one_problem() -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,25 @@ def conn():
     c.close()
 
 
+def _wait_started(p: subprocess.Popen[bytes], ignores_term: bool, timeout: float = 20) -> None:
+    """Wait until `p` runs its own program (and, for STUBBORN, ignores SIGTERM): a sleep only hopes so."""
+    own = Path("/proc/self/cmdline").read_bytes()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes()
+            status = Path(f"/proc/{p.pid}/status").read_text()
+        except OSError:
+            cmdline, status = own, ""
+        sig_ign = int(
+            next((ln.split()[1] for ln in status.splitlines() if ln.startswith("SigIgn:")), "0"), 16
+        )
+        if cmdline != own and (not ignores_term or sig_ign & (1 << (signal.SIGTERM - 1))):
+            return
+        assert p.poll() is None and time.monotonic() < deadline, f"{p.args} did not start"
+        time.sleep(0.02)
+
+
 @pytest.fixture
 def procs():
     started: list[subprocess.Popen[bytes]] = []
@@ -32,6 +52,7 @@ def procs():
     def start(*argv: str) -> subprocess.Popen[bytes]:
         p = subprocess.Popen(list(argv), start_new_session=True)
         started.append(p)
+        _wait_started(p, ignores_term=STUBBORN in argv)
         return p
 
     yield start
@@ -48,7 +69,6 @@ def test_matchers_select_servers_not_decoys_and_stop_them(conn, procs):
     stubborn = procs(sys.executable, "-c", STUBBORN, "-m", mod)
     decoy_arg = procs(sys.executable, "-c", SERVER, f"notes-about-{mod}.md")
     decoy_sh = procs("sh", "-c", "sleep 60", "-m", mod)
-    time.sleep(0.3)
     sel = parse_selection(
         {
             "match": [{"argv0": r"python3?(\.[0-9]+)?|" + py, "module": mod}],
@@ -84,7 +104,6 @@ def test_never_the_run_itself_and_never_a_reused_pid(conn, procs):
     assert os.getpid() not in pids and table.own_pid not in pids and 1 not in pids
     assert os.getpid() in table.own_ancestors
     victim = procs(sys.executable, "-c", SERVER)
-    time.sleep(0.2)
     me = next(p for p in ProcessTable.read(conn).procs if p.pid == victim.pid)
     # a PID whose start time differs is another process: never signalled
     res = conn.call("proc_signal", targets=[{"pid": me.pid, "starttime": me.starttime + 1}], signal=9)

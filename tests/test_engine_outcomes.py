@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.outcomes import outcome_counts
+
 # A remediation against a file: check "content is ok", fix writes "ok" (and logs each fix).
 ENGINE_TESTS = """
 import pathlib
@@ -50,11 +52,6 @@ def engine(pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
-def _summary(result: pytest.RunResult) -> str:
-    """Return pytest's final counts line (report paths may follow it)."""
-    return next(line for line in reversed(result.outlines) if line.startswith("=") and " in " in line)
-
-
 def test_outcomes_and_terminal_summary(engine: pytest.Pytester) -> None:
     result = engine.runpytest("-v", "--report-dir=none")
     result.stdout.fnmatch_lines(
@@ -72,7 +69,7 @@ def test_outcomes_and_terminal_summary(engine: pytest.Pytester) -> None:
             "*after:  c.txt is 'still wrong'",
         ]
     )
-    assert "1 failed, 1 passed, 1 skipped, 1 fixed" in _summary(result)
+    assert outcome_counts(result.outlines) == {"failed": 1, "passed": 1, "skipped": 1, "fixed": 1}
     assert result.ret == 1
     assert (engine.path / "b.txt").read_text() == "ok"
 
@@ -83,7 +80,7 @@ def test_check_only_changes_nothing_and_shows_actions(engine: pytest.Pytester) -
     result.stdout.fnmatch_lines(
         ["*= would fix (check-only) =*", "*test_broken*", "*write ok to b.txt: echo ok > b.txt"]
     )
-    assert "1 passed, 1 skipped, 2 would fix" in _summary(result)
+    assert outcome_counts(result.outlines) == {"passed": 1, "skipped": 1, "would fix": 2}
     assert result.ret == 1, "would fix must fail the run (CI gating)"
     assert (engine.path / "b.txt").read_text() == "broken"
     assert not (engine.path / "fixes.log").exists(), "check-only called a fix"
@@ -93,7 +90,7 @@ def test_second_run_passes_everywhere(engine: pytest.Pytester) -> None:
     engine.runpytest("--report-dir=none", "--deselect=test_engine.py::test_unfixable")
     assert (engine.path / "fixes.log").read_text() == "b.txt\n"
     result = engine.runpytest("--report-dir=none", "--deselect=test_engine.py::test_unfixable")
-    assert "2 passed, 1 skipped, 1 deselected" in _summary(result)
+    assert outcome_counts(result.outlines) == {"passed": 2, "skipped": 1, "deselected": 1}
     assert (engine.path / "fixes.log").read_text() == "b.txt\n", "a second run fixed again"
 
 
@@ -171,7 +168,7 @@ def test_hooks_veto_extend_and_observe(pytester: pytest.Pytester) -> None:
     )
     result = pytester.runpytest("--report-dir=none")
     result.stdout.fnmatch_lines(["*failed: vfio: vetoed: GPU belongs to a VM*"])
-    assert "1 failed, 1 fixed" in _summary(result)
+    assert outcome_counts(result.outlines) == {"failed": 1, "fixed": 1}
     seen = json.loads((pytester.path / "seen.json").read_text())
     assert seen == [
         ["outcome", "vfio", "failed"],
@@ -202,7 +199,7 @@ def test_procedure_blocks_after_failed_step_not_after_would_fix(pytester: pytest
     result.stdout.fnmatch_lines(["*blocked: step test_one failed*"])
     result.assert_outcomes(failed=1, skipped=2)
     result = pytester.runpytest("--check-only", "--report-dir=none")
-    assert "2 passed, 1 would fix" in _summary(result)
+    assert outcome_counts(result.outlines) == {"passed": 2, "would fix": 1}
 
 
 def test_worst_outcome_of_several_and_report_attributes(pytester: pytest.Pytester) -> None:
@@ -219,7 +216,7 @@ def test_worst_outcome_of_several_and_report_attributes(pytester: pytest.Pyteste
         """
     )
     result = pytester.runpytest("-n", "2", "--report-name=run1", "--host=local://")
-    assert "1 fixed" in _summary(result)
+    assert outcome_counts(result.outlines) == {"fixed": 1}
     data = json.loads(Path(pytester.path / "reports" / "run1.json").read_text())
     (test,) = data["tests"]
     assert test["gpuhost_outcome"] == "fixed" and test["outcome"] == "passed"

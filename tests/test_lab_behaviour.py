@@ -143,6 +143,7 @@ def test_nvidia_unbind_blocks_until_the_service_is_killed(host):
     holders = host.ssh("fuser /dev/nvidia0").stdout.split()
     assert len(holders) == 1  # sglang-qwen, seen from the host
     t0 = time.monotonic()
+    n = len(host.record())
     unbinding = subprocess.Popen(
         [*host.ssh_argv(), f"echo {GPU0} > /sys/bus/pci/drivers/nvidia/unbind"],
         stdout=subprocess.PIPE,
@@ -150,7 +151,12 @@ def test_nvidia_unbind_blocks_until_the_service_is_killed(host):
         text=True,
     )
     try:
-        time.sleep(2)
+        # the lab records the write as it starts to wait in the kernel: from then on it is held
+        wait_for(
+            lambda: any(r.get("value") == GPU0 and r.get("result") == "blocked" for r in host.record()[n:]),
+            30,
+            "the unbind to block",
+        )
         assert unbinding.poll() is None, "unbind returned while the GPU was held"
         assert host.ssh(f"readlink /sys/bus/pci/devices/{GPU0}/driver").stdout.strip().endswith("/nvidia")
         assert ct(host, "systemctl kill -s KILL --kill-whom=all sglang-qwen").returncode == 0

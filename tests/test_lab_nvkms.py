@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from gpulab.profiles.load import PROFILE_DIR, load_profile
+from tests.helpers.gate import wait_blocked
 
 StandaloneMount = pytest.importorskip(
     "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
@@ -72,7 +72,7 @@ def test_modeset_holds_the_gpu_with_refcnt_zero_on_570(tmp_path: Path, fbdev: bo
         assert rd(Path(m.mnt) / "module/nvidia_drm/parameters/modeset") == "Y"
         assert rd(Path(m.mnt) / "module/nvidia/version") == "570.133.07"
         th, out = unbind_in_thread(m, GPU0)
-        time.sleep(0.4)
+        wait_blocked(m.state, GPU0)
         assert th.is_alive(), f"unbind returned ({out}) while nvkms_open_gpu() held the GPU"
         Path(m.mnt, "ctl/reset").write_text("1")  # a reboot ends the wait
         th.join(3)

@@ -21,6 +21,7 @@ import yaml
 from gpulab.kernel import acs
 from gpulab.kernel.model import find_holders
 from gpulab.profiles.load import PROFILE_DIR, ProfileError, load_profile, parse_profile
+from tests.helpers.gate import wait_blocked
 
 StandaloneMount = pytest.importorskip(
     "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
@@ -205,7 +206,7 @@ def test_kernel_holder_blocks_unbind_without_an_open_file(a: StandaloneMount) ->
     dev1 = Path(a.dev) / "nvidia1"
     assert find_holders([dev1]) == {str(dev1): []}  # nothing for a /proc scan to find
     th, out = _unbind_in_thread(P(a, "pci/drivers/nvidia/unbind"), GPU1)
-    time.sleep(0.4)
+    wait_blocked(a.state, GPU1)
     assert th.is_alive(), "unbind returned while nvidia_drm held the GPU"
     assert f"NVRM: Attempting to remove device {GPU1} with non-zero usage count!" in kmsg(a)
     sysw(P(a, f"ctl/kernel_holders/{GPU1}"), "-nvidia_drm")

@@ -17,6 +17,7 @@ import pytest
 
 from gpulab.kernel.model import HostModel
 from gpulab.profiles.load import ProfileError, default_domain_for, load_profile, parse_profile
+from tests.helpers.gate import wait_blocked
 
 StandaloneMount = pytest.importorskip(
     "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
@@ -274,7 +275,8 @@ def test_nvidia_unbind_blocks_while_a_process_holds_the_gpu(m: StandaloneMount) 
     held = open(Path(m.dev) / "nvidia0", "rb")  # noqa: SIM115
     try:
         th, out = _unbind_in_thread(P(m, "pci/drivers/nvidia/unbind"), GPU0)
-        time.sleep(0.4)
+        wait_blocked(m.state, GPU0, start)
+        time.sleep(0.4)  # held this long after it blocked: blocked_s below is at least that
         assert th.is_alive(), "unbind returned while /dev/nvidia0 was held"
         assert os.path.islink(P(m, f"pci/devices/{GPU0}/driver"))
         # other devices stay usable meanwhile
@@ -306,8 +308,9 @@ def test_legacy_persistence_does_not_block_unbind(m: StandaloneMount) -> None:
 def test_reset_releases_a_pending_unbind(m: StandaloneMount) -> None:
     held = open(Path(m.dev) / "nvidia3", "rb")  # noqa: SIM115
     try:
+        start = len(records(m))
         th, out = _unbind_in_thread(P(m, "pci/drivers/nvidia/unbind"), "0000:3b:00.0")
-        time.sleep(0.3)
+        wait_blocked(m.state, "0000:3b:00.0", start)
         assert th.is_alive()
         sysw(P(m, "ctl/reset"), "1")
         th.join(3)
@@ -371,7 +374,7 @@ def test_sigterm_ends_a_blocked_daemon_and_unmounts(tmp_path: Path) -> None:
         held = open(Path(m.dev) / "nvidia0", "rb")  # noqa: SIM115
         try:
             th, out = _unbind_in_thread(P(m, "pci/drivers/nvidia/unbind"), GPU0)
-            time.sleep(0.3)
+            wait_blocked(m.state, GPU0)
             t0 = time.monotonic()
             rc = m.stop(timeout=5)
             assert rc == 0 and time.monotonic() - t0 < 4

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from suites.p2p import persist
+from pytest_gpuhost.modules import p2p_boot as persist
 from tests.test_p2p_suite import GROUPS, NVIDIA, VFIO_GROUPS, assert_repaired, host_state, run_suite, sh
 
 # What a stand-in writes to /root/seen-NAME when systemd starts it: groups and drivers at that moment.

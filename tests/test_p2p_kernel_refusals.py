@@ -1,8 +1,8 @@
 """What the kernel will refuse or never finish, decided from step 1's facts (the suite side).
 
 Pure functions of pytest_gpuhost.modules.{iommu,gpu}; the lab tests in test_p2p_real_host.py run
-the suite end to end on the AMD SEV-SNP profile. Kernel-side holders are tested here because a lab
-host does not serve /sys/module at its real path yet (docs/LAB-SOURCES.md, "Changes the lab needs").
+the suite end to end on the AMD SEV-SNP profile. Kernel-side holders are tested here as well, one
+fact set per case, without booting a lab host.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuhost.modules import gpu, iommu, p2p
-from suites.p2p import persist
+from pytest_gpuhost.modules import p2p_boot as persist
 from suites.p2p.plan import make_plan, parse_gpus_option
 
 ROOT = Path(__file__).resolve().parent.parent

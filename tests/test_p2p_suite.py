@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.gate import GATE_WAIT, Gate
+
 ROOT = Path(__file__).resolve().parent.parent
 NVIDIA = ["0000:17:00.0", "0000:18:00.0", "0000:3a:00.0", "0000:3b:00.0"]
 GROUPS = [30, 31, 32, 33]
@@ -258,24 +260,47 @@ def test_check_only_on_broken_host(host: Any, tmp_path: Path) -> None:
     assert host_state(host)["service"] == "active"
 
 
+# The first fix of a repairing run is the plan step's, which takes the run lock: right after it,
+# the run stops at a gate until the test lets it go, so the lock is held while the second run tries.
+LOCK_GATE_PLUGIN = (
+    GATE_WAIT
+    + """
+import os
+
+_gated = []
+
+
+def pytest_gpuhost_after_fix(item, target, remediation, actions, outcome, after):
+    if not _gated:
+        _gated.append(remediation.name)
+        gate_wait(os.environ["GPUHOST_TEST_GATE_REACHED"], os.environ["GPUHOST_TEST_GATE_OPEN"], remediation.name)
+"""
+)
+
+
 def test_concurrent_run_stops_with_a_clear_message(host: Any, tmp_path: Path) -> None:
     """A second run while one repairs: it waits up to --p2p-lock-wait, then stops naming the holder."""
     host.reset()
     results: dict[str, Run] = {}
-    first = threading.Thread(target=lambda: results.setdefault("a", run_suite(host, tmp_path / "a")))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
+    gate = Gate(tmp_path)
+    first = threading.Thread(
+        target=lambda: results.setdefault(
+            "a", run_suite(host, tmp_path / "a", plugin=LOCK_GATE_PLUGIN, env=gate.env(), timeout=300)
+        )
+    )
     first.start()
-    deadline = time.monotonic() + 30
-    while (
-        "owner.json" not in sh(host, "ls /var/lib/gpuhost/lock/p2p 2>/dev/null")
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.2)
-    second = run_suite(host, tmp_path / "b", "--p2p-lock-wait=1")
-    first.join(120)
+    try:
+        assert gate.wait_reached(150, first.is_alive) == "plan"  # the plan step took the lock
+        assert "owner.json" in sh(host, "ls /var/lib/gpuhost/lock/p2p 2>/dev/null")
+        second = run_suite(host, tmp_path / "b", "--p2p-lock-wait=1")
+    finally:
+        gate.open()
+        first.join(300)
     assert second.rc != 0
     assert "another p2p run holds /var/lib/gpuhost/lock/p2p" in second.output
+    assert not second.writes(), second.writes()  # the first run was held: every write is the second's
     assert results["a"].rc == 0, results["a"].output[-3000:]
     assert_repaired(host)
 

@@ -28,7 +28,7 @@ import pytest
 
 from gpulab import vm
 from gpulab.vm import guest
-from suites.p2p import persist
+from pytest_gpuhost.modules import p2p_boot as persist
 
 pytestmark = pytest.mark.realkernel
 KERNEL, IOMMU = "6.12", "intel"

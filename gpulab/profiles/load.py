@@ -217,7 +217,7 @@ def _fail(source: str, where: str, msg: str) -> ProfileError:
 def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Profile:
     """Validate a profile dict and build the dataclasses; errors name ``source`` and the field.
 
-    The schema (fixtures/profiles/schema.yaml, checked by jsonschema) says what each key may hold
+    The schema (gpulab/profiles/schema.yaml, checked by jsonschema) says what each key may hold
     and its default; what follows checks what no single key can: references between lists, unique
     numbers, and what the kernel and the IOMMU allow together.
     """

@@ -301,7 +301,7 @@ def _plan(conn: Connection, topo: dict[str, dict[str, Any]], kernel: str) -> Any
     the suite runs: the script then records only the first, and at boot the second is bound again
     by its driver, so that group's identity write fails on the real kernel.
     """
-    from suites.p2p.plan import FunctionPlan, GroupPlan, P2PPlan
+    from pytest_gpuhost.modules.p2p_plan import FunctionPlan, GroupPlan, P2PPlan
 
     role = roles(topo)
     pci.unbind(conn, role["bridged_1"], "e1000", timeout=10)
@@ -323,7 +323,7 @@ def _plan(conn: Connection, topo: dict[str, dict[str, Any]], kernel: str) -> Any
 
 def _install(conn: Connection, plan: Any, say: Callable[[str], None]) -> None:
     """Install the boot unit as suites/p2p's step 8 does (suites/p2p/restore.py, step_persisted's fix)."""
-    from suites.p2p import persist
+    from pytest_gpuhost.modules import p2p_boot as persist
 
     for path, text in ((persist.SCRIPT, persist.script_text(plan)), (persist.UNIT, persist.unit_text())):
         w = conn.write_file(path, text, timeout=15)
@@ -366,7 +366,7 @@ def boot_unit() -> str:
     ``bootN KEY VALUE``. Returns the action ("reboot", "poweroff") for ``main`` to start once the
     agent is closed: a driver still running when the reboot stops units would be killed.
     """
-    from suites.p2p import persist
+    from pytest_gpuhost.modules import p2p_boot as persist
 
     out = open("/dev/ttyS1", "w")  # noqa: SIM115 (held until the guest goes down)
     phase = _read(STATE / "phase") or "1"

@@ -2,7 +2,7 @@
 
 A `RawChannel` is one program running on a target: its stdin, its stdout, a stderr tail and its
 exit status.  `ProcessChannel` is a child process of this one (local targets, `docker exec`, and
-the OpenSSH client that carries bulk channels); the SSH exec channel is in `ssh.py`.
+the OpenSSH client that carries bulk channels); the paramiko exec channel is in `ssh/paramiko_channel.py`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `LocalLauncher` runs it on this machine, `PrefixLauncher` wraps another launcher's argv
 (`sudo -n`, `docker exec -i NAME`, `pct exec ID --`, `lxc-attach -n NAME --`); the SSH launcher
-is in `ssh.py`.
+are in `ssh/openssh.py` and `ssh/paramiko.py`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ variable from the downward API's `spec.nodeName`).
 
 The host name is a string from the node, so hostile: it becomes a test id, a file name, an HTML
 cell and a Prometheus label. A host name that passes the inventory's rule for names
-(`inventory.names.valid_host_name`: labels of letters, digits, `_` and `-`, or an IP address) is
+(`exec/hostnames.valid_host_name`: labels of letters, digits, `_` and `-`, or an IP address) is
 used as it is; any other (markup, spaces, control characters, non-ASCII, too long) becomes a
 readable host name plus `-` and 8 hex digits of the SHA-256 of the exact bytes, so two different
 raw names never end up with the same target name and the result always passes the rule. An
@@ -27,7 +27,7 @@ import socket
 import unicodedata
 
 from pytest_gpuhost.errors import TargetError
-from pytest_gpuhost.exec.inventory.names import valid_host_name
+from pytest_gpuhost.exec.hostnames import valid_host_name
 
 __all__ = ["ENV", "check_node_name", "local_node_name", "safe_host_name"]
 

@@ -94,7 +94,7 @@ class TargetOptions:
     """Connection settings shared by every target of a run (the plugin fills it from options).
 
     SSH targets go through the system's OpenSSH client where `ssh` is on PATH (ssh/openssh.py),
-    else through paramiko (ssh.py); both read `ssh_config` (None: the user's and the system's).
+    else through paramiko (ssh/paramiko.py); both read `ssh_config` (None: the user's and the system's).
     """
 
     command_timeout: float = 60.0

@@ -94,6 +94,11 @@ def fingerprint(value: str) -> str:
     return hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()[:8]
 
 
+def fingerprinted(kind: object, fingerprint: object) -> str:
+    """How a credential is named wherever it is written: `kind (sha256 0123abcd...)`, never its value."""
+    return f"{kind} (sha256 {fingerprint}...)"
+
+
 @dataclass(frozen=True)
 class Finding:
     """One credential on the node: what it is, where, its fingerprint; never its value."""
@@ -115,7 +120,7 @@ class Finding:
     def describe(self) -> str:
         """One line: kind, place, fingerprint, and "rotate this" where it outlives the node."""
         where = f"{self.path}:{self.line}" if self.line else self.path
-        text = f"{self.what} in {where} (sha256 {self.fingerprint}...)"
+        text = fingerprinted(f"{self.what} in {where}", self.fingerprint)
         if self.why_kept:
             text += f"; kept: {self.why_kept}"
         return text + ("; rotate this" if self.rotate else "")

@@ -79,7 +79,7 @@ def _xid_actions(hosts: Mapping[str, Any]) -> list[str]:
     """`gpuhost_xid_action{host,action}`: the Xids asking each action of NVIDIA's catalogue.
 
     Counted from the xid check's state: this run's Xids by their action, plus the resets and
-    reboots still owed from earlier nights (health_xid.settle). Every action has a sample per
+    reboots still owed from earlier nights (modules/health/xid.settle). Every action has a sample per
     host that ran the check (0 when none), so an alert on `action="reset_gpu"` or `"reboot"`
     sees a series that exists, and `gpuhost_xid_action_owed{host}` names the strongest action
     the host owes or was asked for (`none` when nothing), as a label with value 1.

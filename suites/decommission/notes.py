@@ -230,7 +230,12 @@ def credentials_notes(run: Decommission) -> list[str]:
         out += ["", f"## Credentials removed from the node ({len(removed)} files)", ""]
         for r in removed[:200]:
             kinds = ", ".join(
-                sorted({f"{f.get('kind')} (sha256 {f.get('fingerprint')}...)" for f in r.get("found", [])})
+                sorted(
+                    {
+                        credentials.fingerprinted(f.get("kind"), f.get("fingerprint"))
+                        for f in r.get("found", [])
+                    }
+                )
             )
             out.append(f"- {md(r.get('action'))} {md(r.get('path'))}: {md(kinds)}; rotate them")
         out.append(

@@ -266,7 +266,7 @@ def pytest_gpuhost_reads_up_front(config: pytest.Config) -> bool:
 
 
 def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
-    """Collect the drain and reset steps (test_health_drain.py, _reset.py) only with their --fix,
+    """Collect the drain and reset steps (test_health_drain.py, test_health_reset.py) only with their --fix,
     and the NCCL collective (test_health_nccl.py) only with --health-nccl."""
     for name, fix in (("test_health_drain.py", "drain"), ("test_health_reset.py", "reset")):
         if collection_path.name == name and fix not in options.fixes(config):

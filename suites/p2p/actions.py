@@ -7,9 +7,9 @@ runs the same commands. Each function reads the one `P2PProcedure` of the target
 from __future__ import annotations
 
 from pytest_gpuhost.modules import iommu, pci
+from pytest_gpuhost.modules import p2p_boot as persist
 from pytest_gpuhost.run.remediation import Action
 
-from . import persist
 from .procedure import P2PProcedure
 
 __all__ = [

@@ -22,13 +22,14 @@ from typing import Any
 
 from pytest_gpuhost.errors import Unreachable
 from pytest_gpuhost.modules import acs, gpu, iommu, p2p, p2p_causes, p2p_reports, pci, service_env
+from pytest_gpuhost.modules import p2p_boot as persist
 from pytest_gpuhost.modules.journal import Journal
 from pytest_gpuhost.modules.service import Service, ServiceError
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError
 from pytest_gpuhost.run.suite import SuiteProcedure
 
-from . import holder, persist
+from . import holder
 from .options import P2POptions
 from .plan import P2PPlan, make_plan, redirect_advice
 

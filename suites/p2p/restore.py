@@ -7,12 +7,13 @@ import time
 from typing import Any
 
 from pytest_gpuhost.modules import nccl, p2p, pci
+from pytest_gpuhost.modules import p2p_boot as persist
 from pytest_gpuhost.modules.service import check_health
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError, Step
 from pytest_gpuhost.run.remediation import Action, Check
 
-from . import actions, persist
+from . import actions
 from .procedure import P2PProcedure
 from .service_env import env_hint, env_left_after_start, env_started
 

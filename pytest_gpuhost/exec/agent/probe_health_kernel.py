@@ -243,7 +243,7 @@ def fact_health_kernel_log(params):
         "sxid": sxid,
         # what earlier runs found the node owes (a GPU reset, a reboot): judged with this boot's id
         "pending": list(state.get("pending") or []) if state is not None else [],
-        # the counters the last run recorded (health_counters compares this run's with them)
+        # the counters the last run recorded (modules/health/counters compares this run's with them)
         "previous_counters": state.get("counters") if state is not None else None,
         "cursor": {
             "version": 1,

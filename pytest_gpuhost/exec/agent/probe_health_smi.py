@@ -41,7 +41,7 @@ QUERY_FIELDS = (
     "pcie.link.width.current",
     "pcie.link.width.max",
     # Yes while the GPU needs a reset (the driver's reset-required bit, cleared only by a reset):
-    # health_xid settles an owed reset by it; R5xx drivers without it drop it (no retry after).
+    # modules/health/xid.settle settles an owed reset by it; R5xx drivers without it drop it (no retry after).
     # Drivers from 590 have no such field (--help-query-gpu of 590.48.01, 595.71.05, 610.57.04)
     # but gpu_recovery_action, NVML's recovery action (None, Reset, Reboot, Drain P2P, Drain and
     # Reset): asked for in its place (FIELD_SUCCESSOR), under its own name

@@ -19,11 +19,10 @@ judges it in modules/p2p_causes.py:
 
 import glob
 import os
-import re
 
 from pytest_gpuhost.exec.agent.core import fact, link_name, pci_upstream, read_str, read_text
+from pytest_gpuhost.exec.agent.probe_pci_path import SYS_PCI, bridges, is_nvidia_gpu
 
-SYS_PCI = "/sys/bus/pci/devices"
 UVM_PARAM = "/sys/module/nvidia_uvm/parameters/uvm_disable_hmm"
 # modprobe.d(5): these directories, later ones overridden by earlier ones of the same file name
 MODPROBE_DIRS = (
@@ -36,7 +35,6 @@ MODPROBE_DIRS = (
 MAX_CONF = 64  # files read at most
 MAX_CONF_BYTES = 64 * 1024
 AER = ("aer_dev_fatal", "aer_dev_nonfatal")
-_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
 
 def bar1_bytes(resource_text):
@@ -78,18 +76,6 @@ def _link(base):
     }
 
 
-def _bridges():
-    out = []  # type: list
-    try:
-        names = os.listdir(SYS_PCI)
-    except OSError:
-        return out
-    for b in names:
-        if _BDF.match(b) and (read_str(os.path.join(SYS_PCI, b, "class")) or "").startswith("0x0604"):
-            out.append(b)
-    return out
-
-
 def _port(bdf):
     base = os.path.join(SYS_PCI, bdf)
     return {
@@ -126,16 +112,14 @@ def p2p_causes_fact(params):
         return {"error": f"{SYS_PCI}: {exc.strerror}"}
     for b in names:
         base = os.path.join(SYS_PCI, b)
-        if read_str(base + "/vendor") != "0x10de" or not (read_str(base + "/class") or "").startswith(
-            ("0x0300", "0x0302")
-        ):
+        if not is_nvidia_gpu(base):
             continue
         driver = link_name(base + "/driver")
         if driver == "vfio-pci":  # a VM's GPU: never judged, so not read further
             gpus[b] = {"driver": driver}
             continue
         chain = []
-        for up in pci_upstream(SYS_PCI, b, _bridges, ranges):
+        for up in pci_upstream(SYS_PCI, b, bridges, ranges):
             if up not in ports:
                 ports[up] = _port(up)
             chain.append(up)

@@ -81,7 +81,8 @@ def port(bdf):
     }
 
 
-def _bridges():
+def bridges():
+    """Every PCI bridge's BDF (class 0x0604): where `pci_upstream` looks in a flat sysfs."""
     out = []  # type: list
     try:
         names = os.listdir(SYS_PCI)
@@ -91,6 +92,13 @@ def _bridges():
         if _BDF.match(b) and (read_str(os.path.join(SYS_PCI, b, "class")) or "").startswith("0x0604"):
             out.append(b)
     return out
+
+
+def is_nvidia_gpu(base):
+    """Whether the function at sysfs folder `base` is an NVIDIA display or 3D controller."""
+    return read_str(base + "/vendor") == "0x10de" and (read_str(base + "/class") or "").startswith(
+        ("0x0300", "0x0302")
+    )
 
 
 @fact("pci_paths")
@@ -105,12 +113,10 @@ def pci_paths_fact(params):
         return {"error": f"{SYS_PCI}: {exc.strerror}"}
     for b in names:
         base = os.path.join(SYS_PCI, b)
-        if read_str(base + "/vendor") != "0x10de" or not (read_str(base + "/class") or "").startswith(
-            ("0x0300", "0x0302")
-        ):
+        if not is_nvidia_gpu(base):
             continue
         chain = []
-        for up in pci_upstream(SYS_PCI, b, _bridges, ranges):
+        for up in pci_upstream(SYS_PCI, b, bridges, ranges):
             if up not in ports:
                 ports[up] = port(up)
             chain.append(ports[up])

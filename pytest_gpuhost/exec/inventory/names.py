@@ -12,12 +12,12 @@ anything else (markup, spaces, control characters, a leading `-`) is refused wit
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import string
 from collections.abc import Iterator, Sequence
 
 from pytest_gpuhost.errors import TargetError
+from pytest_gpuhost.exec.hostnames import valid_host_name
 
 __all__ = ["MAX_HOSTS", "expand_host_key", "valid_host_name", "valid_group_name"]
 
@@ -26,29 +26,9 @@ __all__ = ["MAX_HOSTS", "expand_host_key", "valid_host_name", "valid_group_name"
 MAX_HOSTS = 100_000
 
 _RANGE = re.compile(r"\[([^\[\]]*:[^\[\]]*)\]")
-_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
-_HOSTNAME = re.compile(rf"^(?:{_LABEL}\.)*{_LABEL}\.?\Z")
-_ADDRESS_CHARS = re.compile(r"[0-9A-Za-z:.%_-]+\Z")
 _GROUP = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 _IPV6_PORT = re.compile(r"^\[([0-9A-Fa-f:.]+)\](?::([0-9]+))?\Z")
 _LETTERS = string.ascii_letters
-
-
-def valid_host_name(name: str) -> bool:
-    """Return whether `name` is a host name or an IP address (the rule `ssh://` URLs follow)."""
-    if not name or len(name) > 253:
-        return False
-    if _HOSTNAME.match(
-        name
-    ):  # one regex first: names are mostly host names, and a failed ip_address costs 10x
-        return True
-    if not _ADDRESS_CHARS.match(name):  # an IPv6 scope (`fe80::1%eth0`) may otherwise hold anything
-        return False
-    try:
-        ipaddress.ip_address(name)
-        return True
-    except ValueError:
-        return False
 
 
 def valid_group_name(name: str) -> bool:

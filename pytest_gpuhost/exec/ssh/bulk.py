@@ -7,7 +7,7 @@ is installed, with the same identity, the same known_hosts file under StrictHost
 and no user config: OpenSSH's C transport moved 839 MB in about 2 s here (AES-GCM), where
 paramiko took about 7 s.  A bulk channel on which the client cannot log in (ssh exits 255 before
 the program printed a byte) is replaced, transparently, by a paramiko channel that gets the same
-stdin; the SSH transport (ssh.py) then keeps later bulk channels on paramiko and says why.
+stdin; the paramiko transport (ssh/paramiko.py) then keeps later bulk channels on paramiko and says why.
 """
 
 from __future__ import annotations

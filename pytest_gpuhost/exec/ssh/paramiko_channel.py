@@ -1,4 +1,4 @@
-"""One exec channel on a paramiko SSH transport, as a `RawChannel` (ssh.py opens them)."""
+"""One exec channel on a paramiko SSH transport, as a `RawChannel` (ssh/paramiko.py opens them)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Pure logic, no I/O. nvidia-smi reports, per GPU, the time in microseconds since 
 that each clock-event (formerly "throttle") reason held the clocks down
 (`--query-gpu=clocks_event_reasons_counters.*`, R550+, "[us]" in the csv header). A snapshot of
 `clocks_event_reasons.active` at night, with the GPUs idle, says nothing of the day; the counters
-do. `counters_state` is what the health state keeps of this run (health_facts.commit_state); the
+do. `counters_state` is what the health state keeps of this run (modules/health/facts.commit_state); the
 next run gets it back in the kernel-log part (`previous_counters`) and `check_clock_events`
 judges the difference.
 

@@ -4,7 +4,7 @@ Pure logic, no I/O: the `health_diag` fact (exec/agent/probe_health_diag.py) ran
 
 - `nvbandwidth`: host-to-device and device-to-host CE copies per GPU (NVIDIA/nvbandwidth,
   `-j`), each GPU's GB/s against `h2d_bandwidth_min_gbps`, else its model's
-  (`health_thresholds.MODELS.h2d_gbps_min`: 48 GB/s for H100/H200, the figure Azure's HPC health
+  (`h2d_gbps_min` in `modules/health/models.MODELS`: 48 GB/s for H100/H200, the figure Azure's HPC health
   checks use for those nodes); a model with no figure is measured and reported, not judged.
 - `dcgm`: `dcgmi diag -r N -j`, every test's result per GPU; FAIL fails, WARN is reported. The
   JSON is walked by shape: DCGM 3.x nests tests under "DCGM GPU Diagnostic" > "test_categories"

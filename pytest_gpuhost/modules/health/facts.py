@@ -112,7 +112,7 @@ def commit_state(facts: Mapping[str, Any], xid_ignore: Sequence[int] = ()) -> di
     """Return what `health_commit` records after this run, None when there is nothing to record.
 
     The kernel-log cursor (the next run reads only later lines), the resets and reboots the node
-    still owes for its Xids (health_xid.settle: a later run fails until the host shows them
+    still owes for its Xids (modules/health/xid.settle: a later run fails until the host shows them
     done: a new boot id, or the GPU's reset seen in its reset signals) and the CUDA version for this driver (the next run skips the nvidia-smi start
     that reads it while the driver is the same).
     """

@@ -3,7 +3,7 @@
 What `gpuhost-nodecheck` (pytest_gpuhost/nodecheck.py) runs as Slurm's HealthCheckProgram, Prolog
 or Epilog (docs/nodecheck.md). The facts are the health suite's (the agent's `health`,
 `health_kernel_log` and `health_pci` facts, exec/agent/probe_health*.py) and so are the verdicts
-(modules/health.evaluate); nothing is re-implemented here. What differs is time:
+(modules/health/checks.evaluate); nothing is re-implemented here. What differs is time:
 
 - the whole check has a budget (default 10 s) that ends it whatever a probe does: each fact is
   asked for on a connection of its own, in a thread, with the reply bounded by the time left (a

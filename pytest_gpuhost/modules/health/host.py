@@ -80,7 +80,7 @@ def check_xid(facts: Facts, t: Thresholds) -> Verdict:
     """Judge the Xids since the last run by NVIDIA's catalogue, and the resets/reboots still owed.
 
     An Xid whose action is a GPU reset or a reboot fails this run and every later one until the
-    host shows the action happened (health_xid.settle: a new boot id, or for a reset the GPU's
+    host shows the action happened (modules/health/xid.settle: a new boot id, or for a reset the GPU's
     reset signals cleared); one that asks only to restart the application passes, reported.
     """
     blind = kernel_log_blind("xid", facts)

@@ -5,7 +5,7 @@ where `nvidia-smi nvlink -s` printed links (`nvlink.errors`: per GPU index the n
 counters read, and per link the non-zero ones as printed). The counters count since the driver
 loaded (or since `nvidia-smi nvlink -r` reset them), so a count says nothing of last night by itself: `nvlink_state` is what the health
 state keeps of this run (`counters.nvlink` in health-state.json, written by
-health_facts.commit_state through health_counters.counters_state), and `judge_nvlink_errors`
+modules/health/facts.commit_state through modules/health/counters.counters_state), and `judge_nvlink_errors`
 compares this run's counters with the last run's, which come back in the kernel-log part
 (`previous_counters`), as the clock-event, AER and InfiniBand counters do.
 
@@ -20,7 +20,7 @@ NVLink 5 (Blackwell) prints `Link recovery successful events` / `Link recovery f
 (recovery; `Total link recovery events` is their sum, kept but not judged twice) and packet and
 link errors (`Malformed packet Errors`, `Rx Errors`, `Symbol Errors`, ...: link_errors). A counter
 name this table does not know is judged as link_errors, never dropped. The limits: the inventory's
-`nvlink_<class>_max`, else the GPU model's `nvlink_errors_max` (health_thresholds.MODELS), else 0.
+`nvlink_<class>_max`, else the GPU model's `nvlink_errors_max` (modules/health/models.MODELS), else 0.
 """
 
 from __future__ import annotations

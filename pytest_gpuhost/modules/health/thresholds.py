@@ -117,7 +117,7 @@ THRESHOLDS: tuple[Threshold, ...] = (
         "xid_ignore",
         [13, 31, 43, 45],
         list,
-        "Xid codes that never fail the host (others: by NVIDIA's catalogue, health_xid)",
+        "Xid codes that never fail the host (others: by NVIDIA's catalogue, modules/health/xid)",
     ),
     Threshold("sxid_ignore", [], list, "SXid codes that do not fail the host"),
     Threshold("pcie_gen_min", None, int, "lowest PCIe generation allowed; unset: the GPU's maximum"),

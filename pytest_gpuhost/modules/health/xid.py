@@ -6,7 +6,7 @@ RESET_GPU, RESTART_BM, IGNORE, ...), generated into xid_catalogue.py by
 scripts/gen_xid_catalogue.py (its BUCKET_ACTIONS maps each bucket to one of `ACTIONS`), with a few
 codes decided here instead (`OVERRIDES`). An Xid in no catalogue is "unknown" and fails the node.
 An Xid asking for a GPU reset or a reboot leaves the node *owing* that action: `settle` keeps it
-in the health state (health_facts.commit_state) across nights until the host shows the action
+in the health state (modules/health/facts.commit_state) across nights until the host shows the action
 happened:
 
 - a reboot: the host's boot id (/proc/sys/kernel/random/boot_id, drawn anew at each boot) differs

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from .plan import P2PPlan
+from pytest_gpuhost.modules.p2p_plan import P2PPlan
 
 __all__ = [
     "GPU_USERS",
