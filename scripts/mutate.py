@@ -435,7 +435,7 @@ MUTATIONS = (
         "reset-reboot-only-when-allowed",
         "a node is rebooted after a reset that did not clear the GPU only under --fix=reset,reboot",
         "suites/health/reset.py",
-        "        if left and allow_reboot:",
+        "        if left and self.allow_reboot:",
         "        if left:",
         (
             "tests/test_health_reset_lab.py::test_a_reset_that_returns_0_but_leaves_the_gpu_in_error_is_not_counted",
@@ -455,8 +455,8 @@ MUTATIONS = (
         "reboot-owed-only-when-allowed",
         "a node that owes a reboot (Xid 79) is rebooted only under --fix=reset,reboot",
         "suites/health/reset.py",
-        '            if box["reboots"] and allow_reboot and not refused:\n',
-        '            if box["reboots"] and not refused:\n',
+        "            if self.reboots and self.allow_reboot and not refused:\n",
+        "            if self.reboots and not refused:\n",
         (
             "tests/test_health_reboot_lab.py::test_xid_79_on_gpu_3_reboots_the_node_with_its_servers_stopped_and_started",
         ),

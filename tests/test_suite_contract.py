@@ -15,7 +15,7 @@ from pytest_gpuhost.run.suite import Suite, Unported, option, registered, table_
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = [s for s in registered("suites") if isinstance(s, Suite)]
 #: Functions in suites/ still over the limit, with their length now: each may only shrink.
-LONG = {"suites/health/reset.py:remediation": 321}
+LONG: dict[str, int] = {}
 
 
 def test_every_registered_suite_is_declared_with_the_contract() -> None:

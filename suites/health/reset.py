@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pytest_gpuhost.modules.health import checks as hm
@@ -48,12 +48,12 @@ from pytest_gpuhost.modules.process import ProcessTable
 from pytest_gpuhost.modules.service import Service
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.procedure import ProcedureError
-from pytest_gpuhost.run.remediation import Action, Check
+from pytest_gpuhost.run.remediation import Action, Check, Remediation
 
 from . import compute, cutrun, drain, reboot
 from .holders import GpuReset, NodeHolders, gpu_rows, key, plan_node, plan_resets, units
 
-__all__ = ["RESET_TIMEOUT", "GpuReset", "owed_resets", "remediation"]
+__all__ = ["RESET_TIMEOUT", "GpuReset", "ResetRemediation", "owed_resets"]
 
 RESET_TIMEOUT = 60.0  # nvidia-smi -r on one GPU; a reset that hangs is a failure, not a stuck run
 STOP_TIMEOUT = cutrun.STOP_TIMEOUT  # the units the reset stops: the stop ladder
@@ -92,44 +92,62 @@ def owed_resets(facts: Mapping[str, Any], thresholds: Any) -> dict[str, list[str
     return {k: list(dict.fromkeys(v)) for k, v in out.items()}
 
 
-def remediation(
-    hh: Any,
-    on_check: Any = None,
-    reboot_timeout: float = reboot.REBOOT_TIMEOUT,
-    verify_timeout: float = VERIFY_TIMEOUT,
-) -> dict[str, Any]:
-    """Return the reset remediation of one host, as `remediate(**...)` takes it.
+class ResetRemediation(Remediation):
+    """The reset remediation of one host: GPUs that owe a reset reset, or the node rebooted.
 
     The GPUs' signals have `verify_timeout` seconds to clear after the reset. With `reboot` in
     the host's fixes (`--fix=reset,reboot`), a reset they do not confirm is followed by a reboot
-    of the node, waited for up to `reboot_timeout` seconds.
+    of the node, waited for up to `reboot_timeout` seconds. What `check` finds (the plans, the
+    debts, what a cut run left) is kept on the object for `plan`, `fix` and `verify`.
     """
-    conn = hh.target.conn
-    box: dict[str, Any] = {}
-    allow_reboot = "reboot" in hh.fixes
-    journal = Journal(conn, JOURNAL)
 
-    def check() -> Check:
-        facts = hh.gather()
-        old = journal.read()
-        theirs = journal.cut_run(old)
+    name = "reset"
+
+    def __init__(
+        self,
+        hh: Any,
+        on_check: Callable[[Check], None] | None = None,
+        reboot_timeout: float = reboot.REBOOT_TIMEOUT,
+        verify_timeout: float = VERIFY_TIMEOUT,
+    ) -> None:
+        self.hh = hh
+        self.conn = hh.target.conn
+        self.on_check = on_check
+        self.reboot_timeout = reboot_timeout
+        self.verify_timeout = verify_timeout
+        self.allow_reboot = "reboot" in hh.fixes
+        self.journal = Journal(self.conn, JOURNAL)
+        self.leftover: tuple[list[str], list[str]] = ([], [])  # what a cut run left: units, persistence
+        self.leftover_by_gpu: Any = ({}, {})
+        self.plans: list[GpuReset] = []
+        self.owed: set[str] = set()  # the buses that owe a reset
+        self.rows: Any = {}
+        self.reboots: dict[str, list[str]] = {}
+        self.node = NodeHolders()
+        self.rebooted: reboot.Rebooted | None = None
+        self.left: dict[str, list[str]] | None = None  # what the reset did not clear, once settled
+
+    def check(self) -> Check:
+        facts = self.hh.gather()
+        old = self.journal.read()
+        theirs = self.journal.cut_run(old)
         units_left, gpus_left = cutrun.leftover(theirs)
-        box["leftover"] = (units_left, gpus_left)
-        box["leftover_by_gpu"] = cutrun.by_gpu(theirs)
-        owed = owed_resets(facts, hh.thresholds)
+        self.leftover = (units_left, gpus_left)
+        self.leftover_by_gpu = cutrun.by_gpu(theirs)
+        owed = owed_resets(facts, self.hh.thresholds)
         gpus = gpu_rows(facts)
         missing = [
             f"{bus}: owes a reset ({'; '.join(why)}) but nvidia-smi does not list it"
             for bus, why in sorted(owed.items())
             if bus not in gpus
         ]
-        plans = plan_resets(conn, owed, gpus, units(hh.thresholds), facts)
-        box["plans"] = plans
-        box["owed"] = {m.bus for p in plans for m in p.members if m.bus in owed}
-        box["rows"] = gpus
-        reboots = reboot.owed_reboots(facts, hh.thresholds)
-        node = plan_node(conn, units(hh.thresholds)) if reboots else NodeHolders()
-        box["reboots"], box["node"] = reboots, node
+        plans = plan_resets(self.conn, owed, gpus, units(self.hh.thresholds), facts)
+        self.plans = plans
+        self.owed = {m.bus for p in plans for m in p.members if m.bus in owed}
+        self.rows = gpus
+        reboots = reboot.owed_reboots(facts, self.hh.thresholds)
+        node = plan_node(self.conn, units(self.hh.thresholds)) if reboots else NodeHolders()
+        self.reboots, self.node = reboots, node
         state = {
             "gpus": [
                 {
@@ -166,25 +184,25 @@ def remediation(
             refused = [r for p in plans for r in p.refused]
             if refused:
                 parts.append("not reset: " + "; ".join(refused))
-            if reboots and not allow_reboot:
-                parts.append(reboot_not_allowed(hh))
+            if reboots and not self.allow_reboot:
+                parts.append(reboot_not_allowed(self.hh))
             elif node.refused:
                 parts.append("not rebooted: " + "; ".join(node.refused))
             first = Check(ok=False, summary="; ".join(parts), state=state)
-        if on_check is not None:
-            on_check(first)
+        if self.on_check is not None:
+            self.on_check(first)
         return first
 
-    def refusals(before: Check) -> list[str]:
-        if box["reboots"] and allow_reboot:  # the reboot pays every debt: only its holders count
-            return list(box["node"].refused)
-        return [r for p in box["plans"] for r in p.refused] + list(before.state.get("not_listed") or [])
+    def _refusals(self, before: Check) -> list[str]:
+        if self.reboots and self.allow_reboot:  # the reboot pays every debt: only its holders count
+            return list(self.node.refused)
+        return [r for p in self.plans for r in p.refused] + list(before.state.get("not_listed") or [])
 
-    def plan(before: Check) -> list[Action]:
-        plans: list[GpuReset] = box["plans"]
-        units_left, gpus_left = box["leftover"]
+    def plan(self, before: Check) -> list[Action]:
+        plans: list[GpuReset] = self.plans
+        units_left, gpus_left = self.leftover
         first: list[Action] = []
-        if (units_left or gpus_left) and box["reboots"] and allow_reboot and not refusals(before):
+        if (units_left or gpus_left) and self.reboots and self.allow_reboot and not self._refusals(before):
             first.append(
                 Action(
                     "complete the cut reset run: what it stopped "
@@ -203,17 +221,17 @@ def remediation(
                     " && ".join(shlex.join(c) for c in cmds),
                 )
             )
-        if refusals(before):
+        if self._refusals(before):
             return first  # no reset: the check's summary says who holds the GPU
-        if box["reboots"] and allow_reboot:
-            node: NodeHolders = box["node"]
-            why = "; ".join(f"{b} owes a reboot ({', '.join(w)})" for b, w in box["reboots"].items())
+        if self.reboots and self.allow_reboot:
+            node: NodeHolders = self.node
+            why = "; ".join(f"{b} owes a reboot ({', '.join(w)})" for b, w in self.reboots.items())
             cmds = [["systemctl", "stop", "--", u] for u in node.units] + [["systemctl", "reboot"]]
             return first + [
                 Action(
                     f"reboot the node: {why}; no GPU reset (it does not pay this debt); "
                     f"stop {', '.join(node.units) or 'no unit'} first (bounded), wait up to "
-                    f"{reboot_timeout:g} s for SSH with a new boot id, then start any stopped unit "
+                    f"{self.reboot_timeout:g} s for SSH with a new boot id, then start any stopped unit "
                     "that systemd did not",
                     " && ".join(shlex.join(c) for c in cmds),
                 )
@@ -230,39 +248,44 @@ def remediation(
             )
             for p in plans
         ]
-        if allow_reboot and plans:
+        if self.allow_reboot and plans:
             actions.append(
                 Action(
                     "reboot the node, only if a GPU still owes a reset after its reset (its holders "
-                    f"read again first); wait up to {reboot_timeout:g} s for SSH with a new boot id, "
+                    f"read again first); wait up to {self.reboot_timeout:g} s for SSH with a new boot id, "
                     "then start any stopped unit that systemd did not",
                     shlex.join(["systemctl", "reboot"]),
                 )
             )
         return actions
 
-    def fix(actions: list[Action], before: Check) -> None:
+    def fix(self, actions: list[Action], before: Check) -> None:
         try:
-            journal.acquire(wait=LOCK_WAIT, owner={"procedure": "health reset"})
+            self.journal.acquire(wait=LOCK_WAIT, owner={"procedure": "health reset"})
         except LockBusy as exc:
             raise ProcedureError(str(exc)) from None
         try:
-            units_left, gpus_left = box["leftover"]
-            refused = refusals(before)
-            if box["reboots"] and allow_reboot and not refused:
+            units_left, gpus_left = self.leftover
+            refused = self._refusals(before)
+            if self.reboots and self.allow_reboot and not refused:
                 # The node owes a reboot: what a cut run stopped (for a reset, or for the reboot it
                 # did not get to) stays stopped through this one and is started after the boot,
                 # journaled again before anything else is done, so a second cut loses nothing.
-                box["rebooted"] = reboot.reboot_owed(
-                    hh, box["reboots"], reboot_timeout, journal, kept=units_left, kept_persistence=gpus_left
+                self.rebooted = reboot.reboot_owed(
+                    self.hh,
+                    self.reboots,
+                    self.reboot_timeout,
+                    self.journal,
+                    kept=units_left,
+                    kept_persistence=gpus_left,
                 )
                 return
             if units_left or gpus_left:
                 # A GPU the cut run was resetting, that still owes its reset, is reset with what
                 # the cut run stopped still stopped (each unit journaled again by reset_one, so
                 # a second cut loses nothing); whatever else it left is put back now.
-                by_gpu, pers = box["leftover_by_gpu"]
-                plans = [] if refused else box["plans"]
+                by_gpu, pers = self.leftover_by_gpu
+                plans = [] if refused else self.plans
                 planned = {i for p in plans for i in p.ids}
                 for p in plans:
                     p.units = list(dict.fromkeys([*(u for i in p.ids for u in by_gpu.get(i, [])), *p.units]))
@@ -270,68 +293,68 @@ def remediation(
                         m.persistence = m.persistence or bool(pers.get(m.smi_id))
                 covered = {u for g in planned for u in by_gpu.get(g, [])}
                 rest = [u for u in units_left if u not in covered]
-                for note in cutrun.complete(conn, rest, [g for g in gpus_left if g not in planned]):
+                for note in cutrun.complete(self.conn, rest, [g for g in gpus_left if g not in planned]):
                     evidence.current().note(f"reset: cut run completed: {note}")
-                if not box["plans"] or refused:
-                    journal.retire()
+                if not self.plans or refused:
+                    self.journal.retire()
             if refused:
                 raise ProcedureError(
-                    ("no reboot: " if box["reboots"] and allow_reboot else "no GPU reset: ")
+                    ("no reboot: " if self.reboots and self.allow_reboot else "no GPU reset: ")
                     + "; ".join(refused)
                     + " (stop it, or name its unit in the inventory's `service`)"
                 )
-            for p in box["plans"]:
-                reset_one(conn, p, journal)
-            box["left"] = left = settle()
-            if left and allow_reboot:
-                box["rebooted"] = reboot.reboot_node(
-                    hh, box["plans"], box["rows"], left, reboot_timeout, journal
+            for p in self.plans:
+                reset_one(self.conn, p, self.journal)
+            self.left = left = self._settle()
+            if left and self.allow_reboot:
+                self.rebooted = reboot.reboot_node(
+                    self.hh, self.plans, self.rows, left, self.reboot_timeout, self.journal
                 )
         finally:
             try:
-                if journal.data and cutrun.leftover(journal.data) == ([], []):
-                    journal.retire()  # nothing of this run is left to put back
+                if self.journal.data and cutrun.leftover(self.journal.data) == ([], []):
+                    self.journal.retire()  # nothing of this run is left to put back
             finally:
-                journal.release()
+                self.journal.release()
 
-    def settle() -> dict[str, list[str]]:
+    def _settle(self) -> dict[str, list[str]]:
         """Re-read the GPUs' signals (bounded) until none of the reset ones asks for a reset."""
-        deadline = time.monotonic() + verify_timeout
-        want = box["owed"]
+        deadline = time.monotonic() + self.verify_timeout
+        want = self.owed
         while True:
-            fresh = hh._facts(parts=["gpus", "remap"])
+            fresh = self.hh._facts(parts=["gpus", "remap"])
             left = {bus: why for bus, why in owed_resets_signals(fresh).items() if bus in want}
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(1)
-        if hh.facts is not None:
-            hh.facts.update({k: fresh[k] for k in ("gpus", "remap") if k in fresh})
-            hh.verdicts.clear()
+        if self.hh.facts is not None:
+            self.hh.facts.update({k: fresh[k] for k in ("gpus", "remap") if k in fresh})
+            self.hh.verdicts.clear()
         return left
 
-    def verify() -> Check:
-        want = box["owed"]
-        units_left, _ = box["leftover"]
-        down = [u for u in units_left if not Service(conn, u).state().running]
+    def verify(self) -> Check:
+        want = self.owed
+        units_left, _ = self.leftover
+        down = [u for u in units_left if not Service(self.conn, u).state().running]
         if down:
             return Check(ok=False, summary=f"the cut run's units are not active again: {', '.join(down)}")
-        if box["reboots"]:
-            return verify_reboot()
+        if self.reboots:
+            return self._verify_reboot()
         if not want:
             return Check(
                 ok=True, summary=f"the cut reset run completed: {', '.join(units_left)} active again"
             )
-        done: reboot.Rebooted | None = box.get("rebooted")
+        done: reboot.Rebooted | None = self.rebooted
         if done is not None:
             # every fact again, after the reboot: the GPUs' signals and the Xids still owed
-            left = owed_resets(hh.gather(), hh.thresholds)
+            left = owed_resets(self.hh.gather(), self.hh.thresholds)
             if left:
                 return Check(
                     ok=False,
                     summary=f"still owed after the reset and a reboot (boot id {done.new}): "
                     + "; ".join(f"{b}: {', '.join(w)}" for b, w in left.items()),
                 )
-            fine, line = recovered([i for p in box["plans"] for i in p.ids], fresh=True)
+            fine, line = self._recovered([i for p in self.plans for i in p.ids], fresh=True)
             return Check(
                 ok=fine,
                 summary=f"{len(want)} GPU(s) reset, then the node rebooted ({done.seconds:.0f} s to "
@@ -341,14 +364,14 @@ def remediation(
                     "reboot_s": round(done.seconds, 1),
                 },
             )
-        left = box["left"] if "left" in box else settle()
-        if left and not allow_reboot:
-            shown = {m.bus: m.smi_id for p in box["plans"] for m in p.members}
+        left = self.left if self.left is not None else self._settle()
+        if left and not self.allow_reboot:
+            shown = {m.bus: m.smi_id for p in self.plans for m in p.members}
             gpus = ", ".join(f"{shown.get(b, b)} ({', '.join(w)})" for b, w in left.items())
             return Check(
                 ok=False,
                 summary=f"reset did not clear GPU {gpus}; reboot not allowed (--fix=reset,reboot "
-                f"allows it); {drain.reset_note(hh)}",
+                f"allows it); {drain.reset_note(self.hh)}",
             )
         if left:
             return Check(
@@ -356,40 +379,40 @@ def remediation(
                 summary="still owed after the reset: "
                 + "; ".join(f"{b}: {', '.join(w)}" for b, w in left.items()),
             )
-        fine, line = recovered([i for p in box["plans"] for i in p.ids])
-        peers = sum(len(p.peers) for p in box["plans"])
+        fine, line = self._recovered([i for p in self.plans for i in p.ids])
+        peers = sum(len(p.peers) for p in self.plans)
         also = f" (with {peers} NVLink peer(s) in the same command)" if peers else ""
         return Check(
             ok=fine, summary=f"{len(want)} GPU(s) reset{also}; their signals no longer ask for one; {line}"
         )
 
-    def recovered(gpus: list[str], fresh: bool = False) -> tuple[bool, str]:
+    def _recovered(self, gpus: list[str], fresh: bool = False) -> tuple[bool, str]:
         """The compute check on the recovered GPUs, then the node returned (drain.return_node).
 
         `fresh`: every fact was read after a reboot; the return judges the node on them.
         """
-        fine, line = compute.compute_check(conn, gpus)
+        fine, line = compute.compute_check(self.conn, gpus)
         if not fine:
-            return False, f"{line}; {drain.reset_note(hh)}"
-        back_ok, back = drain.return_node(hh, fresh=fresh)
+            return False, f"{line}; {drain.reset_note(self.hh)}"
+        back_ok, back = drain.return_node(self.hh, fresh=fresh)
         return back_ok, f"{line}; {back}" if back else line
 
-    def verify_reboot() -> Check:
+    def _verify_reboot(self) -> Check:
         """The re-check of a node that owed a reboot: every fact again, every debt paid."""
-        done: reboot.Rebooted | None = box.get("rebooted")
-        if not allow_reboot:  # the GPUs that owed a reset were reset all the same
-            still = box.get("left") or {}
+        done: reboot.Rebooted | None = self.rebooted
+        if not self.allow_reboot:  # the GPUs that owed a reset were reset all the same
+            still = self.left or {}
             also = ""
-            if "left" in box:
-                also = f"; {len(box['plans']) - len(still)} of {len(box['plans'])} GPU(s) owing a reset cleared by it"
-            return Check(ok=False, summary=f"{reboot_not_allowed(hh)}{also}")
+            if self.left is not None:
+                also = f"; {len(self.plans) - len(still)} of {len(self.plans)} GPU(s) owing a reset cleared by it"
+            return Check(ok=False, summary=f"{reboot_not_allowed(self.hh)}{also}")
         if done is None:
             return Check(ok=False, summary="the node owes a reboot and was not rebooted")
-        facts = hh.gather()
-        left = {**owed_resets(facts, hh.thresholds)}
-        for b, w in reboot.owed_reboots(facts, hh.thresholds).items():
+        facts = self.hh.gather()
+        left = {**owed_resets(facts, self.hh.thresholds)}
+        for b, w in reboot.owed_reboots(facts, self.hh.thresholds).items():
             left.setdefault(b, []).extend(w)
-        down = [u for u in done.units if not Service(conn, u).state().running]
+        down = [u for u in done.units if not Service(self.conn, u).state().running]
         if left or down:
             return Check(
                 ok=False,
@@ -399,8 +422,8 @@ def remediation(
                     + ([f"not active again: {', '.join(down)}"] if down else [])
                 ),
             )
-        paid = ", ".join(sorted(box["reboots"]))
-        fine, line = recovered(sorted(box["reboots"]), fresh=True)
+        paid = ", ".join(sorted(self.reboots))
+        fine, line = self._recovered(sorted(self.reboots), fresh=True)
         return Check(
             ok=fine,
             summary=f"the node rebooted ({done.seconds:.0f} s to a new boot id) for {paid}; no GPU "
@@ -411,8 +434,6 @@ def remediation(
                 "units": done.units,
             },
         )
-
-    return {"name": "reset", "check": check, "plan": plan, "fix": fix, "verify": verify}
 
 
 def reboot_not_allowed(hh: Any) -> str:

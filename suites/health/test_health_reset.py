@@ -28,10 +28,10 @@ def test_reset(health: Any, remediate: Any, request: Any) -> None:
         )
 
     config = request.config
-    rem = reset.remediation(
+    rem = reset.ResetRemediation(
         health,
         on_check=record,
         reboot_timeout=options.reboot_timeout(config),
         verify_timeout=options.reset_verify_timeout(config),
     )
-    remediate(**rem)
+    remediate(rem)
