@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from importlib import import_module
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import pytest
@@ -333,6 +334,19 @@ class Suite(Generic[O, P]):
         problems = self.preconditions(ctx) if self.preconditions is not None else []
         if problems:
             raise pytest.UsageError("\n".join(f"gpuhost: {p}" for p in problems))
+
+    def in_run(self, config: pytest.Config) -> bool:
+        """Whether pytest was pointed at this suite: its conftest (`<name>/conftest.py`) is loaded.
+
+        pytest loads the conftests of its path arguments before configure (suites/pyargs.py does
+        the same for `--pyargs`); every suite's `check` runs in every run, so a precondition that
+        only this suite's run needs (accept's order file) asks this first.
+        """
+        for plugin in config.pluginmanager.get_plugins():
+            path = getattr(plugin, "__file__", None)
+            if path and Path(path).name == "conftest.py" and Path(path).parent.name == self.name:
+                return True
+        return False
 
     def settings(self, config: pytest.Config, target_vars: dict[str, Any] | None = None) -> O:
         """The options read at configure (defaults when the suite was not configured), for a target."""

@@ -56,8 +56,8 @@ def _procedure(target: Any, opts: AcceptOptions, check_only: bool, config: pytes
 
 def _preconditions(ctx: Configured[AcceptOptions]) -> list[str]:
     """Every reason the run cannot start, one line each: no order, or each of its problems."""
-    if not ctx.targets or ctx.config.option.collectonly:
-        return []  # no target: nothing runs; --co touches nothing
+    if not ctx.targets or ctx.config.option.collectonly or not SUITE.in_run(ctx.config):
+        return []  # no target: nothing runs; --co touches nothing; another suite's run needs no order
     if not ctx.options.order:
         return [NO_ORDER]
     return list(ctx.options.order_problems)
