@@ -11,6 +11,7 @@ from pytest_gpuhost.errors import GpuhostError
 from pytest_gpuhost.exec.targets import TargetOptions
 from pytest_gpuhost.run import options, settings
 from suites.accept import options as accept_options
+from suites.accept.options import AcceptOptions
 from suites.decommission import options as decommission_options
 from suites.health import options as health_options
 from suites.p2p import options as p2p_options
@@ -60,7 +61,7 @@ def test_defaults_come_from_the_dataclasses_that_use_them() -> None:
     assert by_flag["--p2p-min-fraction"].default == p2p.fraction
     assert by_flag["--health-port"].default == p2p.health_port
     assert by_flag["--health-timeout"].default == p2p.health_timeout
-    accept = accept_options.AcceptOptions()
+    accept = AcceptOptions()
     for opt in accept_options.OPTIONS:  # every default written once, in the dataclass
         assert opt.default == getattr(accept, opt.name.removeprefix("accept_")), opt.name
     assert by_flag["--p2p-unbind-timeout"].default == p2p.unbind_timeout
@@ -116,7 +117,8 @@ def test_given_nothing_every_value_is_its_tables_default(pytester: pytest.Pytest
         """
         from dataclasses import replace
         from pytest_gpuhost.run import settings
-        from suites.accept import options as accept_options
+        from suites.accept.options import AcceptOptions
+        from suites.accept.suite import SUITE as ACCEPT
         from suites.decommission import options as decommission_options
         from suites.health import options as health_options
         from suites.decommission.suite import SUITE as DECOMMISSION
@@ -138,7 +140,7 @@ def test_given_nothing_every_value_is_its_tables_default(pytester: pytest.Pytest
                 assert getattr(decom, opt.name.removeprefix("decommission_")) == opt.default
             assert decom.backup_dir == "backups/{host}" and decom.fixes == ()
             assert health_options.fixes(pytestconfig) == []
-            assert accept_options.options(pytestconfig) == accept_options.AcceptOptions()
+            assert ACCEPT.settings(pytestconfig) == AcceptOptions()
         """
     )
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)

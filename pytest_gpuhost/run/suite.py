@@ -31,6 +31,10 @@ A suite (suites/p2p, ...) declares one `Suite`:
 - `verdict`: `(procedure) -> (ok, sentence, details) | None`, said once per target at the end
   (the module fixture's teardown, after `finish()`), through `evidence.answer`
   (report/answer.py prints it first).
+- `blocking`: a failed step skips the steps after it (the module is marked `gpuhost_procedure`),
+  as a repair must; False for a suite of checks whose every step runs whatever the others
+  found (accept). A check-only step is an `Observation`; `run_step` records every step's
+  outcome (and a failed or blind step's one line) on the procedure for the final step.
 
 The conftest of the suite holds one line: `procedure = SUITE.fixture()`. The suites' conftest
 (suites/conftest.py) reads every registered suite through `registered()`, the one place that
@@ -44,23 +48,25 @@ from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from importlib import import_module
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import pytest
 
 from pytest_gpuhost.modules.journal import Journal
+from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.options import Kind, Option, Parse, Source, read, register
 from pytest_gpuhost.run.procedure import Procedure
-from pytest_gpuhost.run.remediation import Remediation, WouldFix
+from pytest_gpuhost.run.remediation import Action, Check, Remediation, WouldFix
 
 __all__ = [
     "ENTRY_POINTS",
     "Configured",
+    "Observation",
     "StepSpec",
     "Suite",
     "SuiteProcedure",
-    "Unported",
     "option",
     "registered",
     "run_step",
@@ -148,7 +154,8 @@ class SuiteProcedure(Procedure):
     `journal_name` is the file under the target's state directory (modules/journal.py), None
     for a suite that keeps its state elsewhere (decommission: in the backup directory);
     `outcomes` holds each step's outcome by remediation name ("passed", "fixed", "would fix",
-    "skipped", "failed"), for a final step that judges the others.
+    "skipped", "cannot see", "failed"), for a final step that judges the others; `summaries`
+    the one line of a step that failed or could not see (redacted), for the same.
     """
 
     def __init__(self, target: Any, *, check_only: bool, journal_name: str | None) -> None:
@@ -157,6 +164,7 @@ class SuiteProcedure(Procedure):
         super().__init__(host, check_only=check_only, container=container, journal=journal)
         self.old_journal: dict[str, Any] | None = None  # what an interrupted run left (resume)
         self.outcomes: dict[str, str] = {}
+        self.summaries: dict[str, str] = {}
 
     def take_lock(self, *, wait: float, stale_s: float, owner: dict[str, Any]) -> dict[str, Any]:
         """Take the run lock on the target (waiting up to `wait`); note a stale lock taken over."""
@@ -195,19 +203,60 @@ class StepSpec(Generic[P]):
         return "test_" + self.name.replace(" ", "_")
 
 
+class Observation(Remediation):
+    """A check-only step: read once (the engine's re-check reads the same answer), never a fix.
+
+    A failed check fails the test with its one line (plan raises, as a health check with no
+    fix allowed does): there is nothing to plan and nothing "would fix". A check that cannot
+    see skips, and `run_step` records it as "cannot see": nothing was proved.
+    """
+
+    def __init__(self, name: str, read: Callable[[], Check]) -> None:
+        self.name = name
+        self._read = read
+        self._seen: Check | None = None
+
+    @property
+    def seen(self) -> Check | None:
+        """The check's result once it ran."""
+        return self._seen
+
+    def check(self) -> Check:
+        if self._seen is None:
+            self._seen = self._read()
+        return self._seen
+
+    def plan(self, before: Check) -> list[Action]:
+        pytest.fail(f"failed: {self.name}: {before.summary}", pytrace=False)
+
+    def fix(self, actions: list[Action], before: Check) -> None:  # never reached: plan fails
+        raise AssertionError(f"{self.name} has no fix")
+
+
 def run_step(proc: SuiteProcedure, remediate: Any, rem: Remediation) -> Any:
-    """Run one step's remediation for this test; remember its outcome in `proc.outcomes`."""
+    """Run one step's remediation for this test; remember its outcome in `proc.outcomes`.
+
+    An `Observation` that could not see is "cannot see", its reason in `proc.summaries`; a
+    failure's first line (redacted) goes to `proc.summaries` unless the step said its own.
+    """
     name = rem.name
     try:
         out = remediate(rem)
     except pytest.skip.Exception:
-        proc.outcomes[name] = "skipped"
+        seen = rem.seen if isinstance(rem, Observation) else None
+        if seen is not None and seen.cannot_see:
+            proc.outcomes[name] = "cannot see"
+            proc.summaries.setdefault(name, seen.cannot_see)
+        else:
+            proc.outcomes[name] = "skipped"
         raise
     except WouldFix:
         proc.outcomes[name] = "would fix"
         raise
-    except BaseException:
+    except BaseException as exc:
         proc.outcomes[name] = "failed"
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        proc.summaries.setdefault(name, printable(redact(first))[:300])
         raise
     proc.outcomes[name] = out.outcome
     return out
@@ -244,6 +293,7 @@ class Suite(Generic[O, P]):
     preconditions: Callable[[Configured[O]], list[str]] | None = None
     refusals: Callable[[P], list[str]] | None = None
     verdict: Callable[[P], tuple[bool, str, list[str]] | None] | None = None
+    blocking: bool = True  # a failed step skips the later ones (False: each step runs regardless)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_key", pytest.StashKey[Any]())
@@ -285,6 +335,19 @@ class Suite(Generic[O, P]):
         if problems:
             raise pytest.UsageError("\n".join(f"gpuhost: {p}" for p in problems))
 
+    def in_run(self, config: pytest.Config) -> bool:
+        """Whether pytest was pointed at this suite: its conftest (`<name>/conftest.py`) is loaded.
+
+        pytest loads the conftests of its path arguments before configure (suites/pyargs.py does
+        the same for `--pyargs`); every suite's `check` runs in every run, so a precondition that
+        only this suite's run needs (accept's order file) asks this first.
+        """
+        for plugin in config.pluginmanager.get_plugins():
+            path = getattr(plugin, "__file__", None)
+            if path and Path(path).name == "conftest.py" and Path(path).parent.name == self.name:
+                return True
+        return False
+
     def settings(self, config: pytest.Config, target_vars: dict[str, Any] | None = None) -> O:
         """The options read at configure (defaults when the suite was not configured), for a target."""
         ctx = config.stash.get(self._key, None)  # type: ignore[attr-defined]
@@ -314,7 +377,8 @@ class Suite(Generic[O, P]):
 
     def tests(self, namespace: MutableMapping[str, Any]) -> None:
         """Put one `test_<step>` per declared step into a test module's `namespace`, in order."""
-        namespace["pytestmark"] = pytest.mark.gpuhost_procedure
+        if self.blocking:
+            namespace["pytestmark"] = pytest.mark.gpuhost_procedure
         for spec in self.steps:
             namespace[spec.test_name] = self._test_of(spec, namespace.get("__name__", __name__))
 
@@ -337,7 +401,7 @@ class Suite(Generic[O, P]):
 # ------------------------------------------------------------------ registration
 
 
-def registered(package: str) -> list[Suite[Any, Any] | Unported]:
+def registered(package: str) -> list[Suite[Any, Any]]:
     """Every suite of the `gpuhost.suites` entry points, in name order, imported from `package`.
 
     The entry points name the installed package (`gpuhost_suites.p2p.suite:SUITE`); a checkout
@@ -345,35 +409,14 @@ def registered(package: str) -> list[Suite[Any, Any] | Unported]:
     the caller's `package`, so that the suite's tests and its conftest share one module object
     (one StashKey) whichever name pytest imported the conftest by.
     """
-    out: list[Suite[Any, Any] | Unported] = []
+    out: list[Suite[Any, Any]] = []
     for ep in sorted(entry_points(group=ENTRY_POINTS), key=lambda e: e.name):
         module, _, attr = ep.value.partition(":")
         head, _, rest = module.partition(".")
         obj: Any = import_module(f"{package}.{rest}" if head == "gpuhost_suites" and rest else module)
         for part in attr.split(".") if attr else ():
             obj = getattr(obj, part)
-        out.append(obj if isinstance(obj, Suite) else Unported(ep.name, obj))
+        if not isinstance(obj, Suite):
+            raise TypeError(f"entry point {ep.name} = {ep.value}: not a Suite")
+        out.append(obj)
     return out
-
-
-class Unported:
-    """A registered suite not declared as a `Suite` yet: a module with addoption and validate.
-
-    Its options are added and read as a `Suite`'s are; it has no settle or preconditions of the
-    contract's (its own conftest checks what it needs).
-    """
-
-    def __init__(self, name: str, module: Any) -> None:
-        self.name = name
-        self.module = module
-
-    def addoption(self, parser: pytest.Parser) -> None:
-        """Register the module's options."""
-        self.module.addoption(parser)
-
-    def configure(self, config: pytest.Config) -> None:
-        """Read and check the module's option values."""
-        self.module.validate(config)
-
-    def check(self, config: pytest.Config) -> None:
-        """Nothing: the module's conftest checks its own preconditions."""

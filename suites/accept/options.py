@@ -1,45 +1,26 @@
-"""Command-line options and ini values of suites/accept (registered by suites/conftest.py).
+"""The options of suites/accept, declared once: `AcceptOptions`, one field per setting (run/suite.py).
 
-Every default is `AcceptOptions`'s, written once there; the table takes it from the dataclass
-and help texts show it through `{default}`. `validate` reads every value once and stashes one
-`AcceptOptions`; `options(config)` hands it out. The order file itself is read by the suite's
-preconditions (suites/accept/conftest.py), where each of its problems is one line.
+Each field declared with `option()` is a flag with an ini twin (`accept_<field>`); its default
+is written in the field only, and help texts show it through `{default}`. The values are read
+once at configure and stashed (`SUITE.settings(config)` returns them). The order file itself is
+read by `settle` (`loaded`, or `order_problems`: one line per problem), and the suite's
+preconditions list those problems (suites/accept/suite.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from pytest_gpuhost.modules import p2p
-from pytest_gpuhost.run.options import BadValue, Option, number, read, register
+from pytest_gpuhost.redact import printable
+from pytest_gpuhost.run.options import BadValue, Option, number
+from pytest_gpuhost.run.suite import Configured, option, table_of
 
-__all__ = ["OPTIONS", "AcceptOptions", "addoption", "options", "validate"]
+from .order import Order, OrderError, load_order
 
-
-@dataclass(frozen=True)
-class AcceptOptions:
-    """The suite's settings, each default written here once."""
-
-    #: the order file (YAML or JSON): what the provider promised (suites/accept/order.py)
-    order: str | None = None
-    #: size of the scratch file written, fsync'd, read back and removed on the data volume
-    scratch_mib: int = 256
-    #: bound on the scratch file's write and read together, enforced on the node
-    disk_timeout: float = 120.0
-    #: a GPU pair passes at this fraction of what its link should give (modules/p2p.py)
-    p2p_fraction: float = p2p.DEFAULT_FRACTION
-    #: bound on each arm of the NCCL all-reduce, enforced on the node
-    nccl_timeout: float = 120.0
-    #: where the promised-vs-found JSON goes; {host} is the target's name
-    evidence: str = "accept-{host}.json"
-
-
-_D = AcceptOptions
-_stash_key = pytest.StashKey[AcceptOptions]()
+__all__ = ["OPTIONS", "AcceptOptions", "settle"]
 
 
 def _order(raw: Any) -> str:
@@ -56,78 +37,67 @@ def _evidence(raw: Any) -> str:
     return value
 
 
-def _opt(name: str, flag: str, metavar: str | None, help: str, **kw: Any) -> Option:
-    return Option(f"accept_{name}", flag, "suites/accept: " + help, metavar=metavar, **kw)
+@dataclass(frozen=True)
+class AcceptOptions:
+    """The suite's settings, each default written here once."""
 
-
-ORDER = _opt(
-    "order", "--order", "PATH", "the order file: what the provider promised (docs/accept.md)", parse=_order
-)
-SCRATCH_MIB = _opt(
-    "scratch_mib",
-    "--accept-scratch-mib",
-    "MIB",
-    "size of the scratch file written and read on the data volume, then removed (default {default})",
-    parse=number(1, 65536, integer=True),
-    default=_D.scratch_mib,
-)
-DISK_TIMEOUT = _opt(
-    "disk_timeout",
-    "--accept-disk-timeout",
-    "SECONDS",
-    "bound on the scratch file's write and read, enforced on the node (default {default})",
-    parse=number(5, 3600),
-    default=_D.disk_timeout,
-)
-P2P_FRACTION = _opt(
-    "p2p_fraction",
-    "--accept-p2p-fraction",
-    "FRACTION",
-    "a GPU pair passes at this fraction of what its link should give (default {default})",
-    parse=number(0.01, 1.0),
-    default=_D.p2p_fraction,
-)
-NCCL_TIMEOUT = _opt(
-    "nccl_timeout",
-    "--accept-nccl-timeout",
-    "SECONDS",
-    "bound on each arm of the NCCL all-reduce, enforced on the node (default {default})",
-    parse=number(5, 3600),
-    default=_D.nccl_timeout,
-)
-EVIDENCE = _opt(
-    "evidence",
-    "--accept-evidence",
-    "PATH",
-    "the JSON of promised vs found per item; {host} is the target's name (default {default})",
-    parse=_evidence,
-    default=_D.evidence,
-)
-
-OPTIONS: tuple[Option, ...] = (ORDER, SCRATCH_MIB, DISK_TIMEOUT, P2P_FRACTION, NCCL_TIMEOUT, EVIDENCE)
-
-
-def addoption(parser: pytest.Parser) -> None:
-    """Register this suite's options in the gpuhost group, each with an ini twin."""
-    register(parser, OPTIONS)
-
-
-def validate(config: pytest.Config) -> None:
-    """Read and check this suite's option values once; raise pytest.UsageError naming a bad one."""
-
-    def value(opt: Option) -> Any:
-        return read(config, opt)[0]
-
-    config.stash[_stash_key] = AcceptOptions(
-        order=value(ORDER),
-        scratch_mib=int(value(SCRATCH_MIB)),
-        disk_timeout=float(value(DISK_TIMEOUT)),
-        p2p_fraction=float(value(P2P_FRACTION)),
-        nccl_timeout=float(value(NCCL_TIMEOUT)),
-        evidence=str(value(EVIDENCE)),
+    order: str | None = option(
+        None,
+        flag="--order",
+        metavar="PATH",
+        help="the order file: what the provider promised (docs/accept.md)",
+        parse=_order,
     )
+    scratch_mib: int = option(
+        256,
+        flag="--accept-scratch-mib",
+        metavar="MIB",
+        help="size of the scratch file written and read on the data volume, then removed (default {default})",
+        parse=number(1, 65536, integer=True),
+    )
+    disk_timeout: float = option(
+        120.0,
+        flag="--accept-disk-timeout",
+        metavar="SECONDS",
+        help="bound on the scratch file's write and read, enforced on the node (default {default})",
+        parse=number(5, 3600),
+    )
+    p2p_fraction: float = option(
+        p2p.DEFAULT_FRACTION,
+        flag="--accept-p2p-fraction",
+        metavar="FRACTION",
+        help="a GPU pair passes at this fraction of what its link should give (default {default})",
+        parse=number(0.01, 1.0),
+    )
+    nccl_timeout: float = option(
+        120.0,
+        flag="--accept-nccl-timeout",
+        metavar="SECONDS",
+        help="bound on each arm of the NCCL all-reduce, enforced on the node (default {default})",
+        parse=number(5, 3600),
+    )
+    evidence: str = option(
+        "accept-{host}.json",
+        flag="--accept-evidence",
+        metavar="PATH",
+        help="the JSON of promised vs found per item; {host} is the target's name (default {default})",
+        parse=_evidence,
+    )
+    #: the order, read by `settle` (None before, or when it cannot be used)
+    loaded: Order | None = None
+    #: why the order cannot be used, one line each (`settle`), listed by the preconditions
+    order_problems: tuple[str, ...] = ()
 
 
-def options(config: pytest.Config) -> AcceptOptions:
-    """Return the options `validate` read (the defaults where it did not run)."""
-    return config.stash.get(_stash_key, None) or AcceptOptions()
+OPTIONS: tuple[Option, ...] = table_of(AcceptOptions, "accept")
+
+
+def settle(ctx: Configured[AcceptOptions]) -> AcceptOptions:
+    """Read the order file once (every worker reads it too); keep its problems for the preconditions."""
+    opts = ctx.options
+    if not opts.order:
+        return opts
+    try:
+        return replace(opts, loaded=load_order(opts.order))
+    except OrderError as exc:
+        return replace(opts, order_problems=tuple(printable(p) for p in exc.problems))

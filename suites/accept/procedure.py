@@ -1,6 +1,6 @@
 """One acceptance of one rented node: the order, what the node showed, and each item promised vs found.
 
-`AcceptProcedure` reads the node once for the health facts (the same agent request
+`AcceptProcedure` (a `SuiteProcedure`, run/suite.py: it keeps no journal) reads the node once for the health facts (the same agent request
 suites/health makes: modules/health/facts.py) and keeps every item it compared, promised vs
 found, for the verdict and the evidence JSON. It changes nothing on the node but the data
 volume's scratch file (suites/accept/disk.py), and that one only without --check-only.
@@ -9,23 +9,20 @@ volume's scratch file (suites/accept/disk.py), and that one only without --check
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from pytest_gpuhost.modules.health import checks as hm
 from pytest_gpuhost.modules.health import facts as health_facts
 from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run import evidence
-from pytest_gpuhost.run.remediation import Action, Check, Remediation
+from pytest_gpuhost.run.suite import SuiteProcedure
 
 from .options import AcceptOptions
 from .order import Order
 
-__all__ = ["AcceptProcedure", "Item", "Observation"]
+__all__ = ["AcceptProcedure", "Item"]
 
 
 @dataclass
@@ -39,23 +36,25 @@ class Item:
     ok: bool
 
 
-class AcceptProcedure:
-    """The acceptance of one target against one order (module scope: shared by every step)."""
+class AcceptProcedure(SuiteProcedure):
+    """The acceptance of one target against one order (module scope: shared by every step).
+
+    `outcomes` and `summaries` (each step's outcome and one line) are the contract's, filled by
+    `run_step` and by each step's check; the verdict reads them.
+    """
 
     def __init__(
         self, target: Any, order: Order, opts: AcceptOptions, *, check_only: bool, root: Path = Path(".")
     ) -> None:
+        super().__init__(target, check_only=check_only, journal_name=None)
         self.target = target
         self.name: str = str(target.name)
         self.conn = target.conn
         self.order = order
         self.opts = opts
-        self.check_only = check_only
         self.root = root  # where a relative --accept-evidence path starts (the invocation directory)
         self.thresholds = hm.Thresholds.from_vars(target.vars)
         self.items: list[Item] = []
-        self.outcomes: dict[str, str] = {}  # step -> passed / failed / skipped / cannot see
-        self.summaries: dict[str, str] = {}  # step -> its one line, for the verdict
         self.notes: list[str] = []  # said with the verdict, not reasons to reject
         self._facts: dict[str, Any] | None = None
         self._facts_error: Exception | None = None
@@ -120,36 +119,3 @@ class AcceptProcedure:
 
 def _plain(value: Any) -> Any:
     return value if value is None or isinstance(value, int | float | str) else str(value)
-
-
-class Observation(Remediation):
-    """A check-only step: read once (the engine's re-check reads the same answer), never a fix.
-
-    A failed check fails the test with its one line (plan raises, as a health check with no
-    fix allowed does): there is nothing to plan and nothing "would fix".
-    """
-
-    def __init__(self, name: str, read: Callable[[], Check]) -> None:
-        self.name = name
-        self._read = read
-        self._seen: Check | None = None
-
-    @property
-    def seen(self) -> Check | None:
-        """The check's result once it ran."""
-        return self._seen
-
-    def check(self) -> Check:
-        if self._seen is None:
-            self._seen = self._read()
-        return self._seen
-
-    def plan(self, before: Check) -> list[Action]:
-        pytest.fail(f"failed: {self.name}: {before.summary}", pytrace=False)
-
-    def fix(self, actions: list[Action], before: Check) -> None:  # never reached: plan fails
-        raise AssertionError(f"{self.name} has no fix")
-
-
-#: A step: its procedure in, a Remediation out (suites/accept/steps.py).
-StepFactory = Callable[[AcceptProcedure], Any]

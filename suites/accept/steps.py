@@ -1,9 +1,9 @@
-"""The steps of an acceptance, declared once in `STEPS`: each a check, none with a fix.
+"""The steps of an acceptance: each a check (an `Observation`, run/suite.py), none with a fix.
 
 Every step reads the node and compares what it found with what the order promised; none
 changes anything (the data volume's scratch file is the one thing written, and removed, and
-not even that under --check-only). suites/accept/test_accept.py makes one `test_<name>` per
-entry of `STEPS`, in its order; the verdict (suites/accept/verdict.py) is the last.
+not even that under --check-only). They are declared, in order, in suites/accept/suite.py
+(`STEPS`); the verdict (suites/accept/verdict.py) is the last.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from pytest_gpuhost.modules.nccl_run import NO_TOOL, cuda_order, find_tool, run_
 from pytest_gpuhost.redact import printable, redact
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Check, Remediation
+from pytest_gpuhost.run.suite import Observation
 
 from .disk import read_volume
-from .procedure import AcceptProcedure, Observation, StepFactory
-from .verdict import step_verdict
+from .procedure import AcceptProcedure
 
-__all__ = ["STEPS", "step_data_volume", "step_gpus", "step_health", "step_interconnect", "step_s3"]
+__all__ = ["step_data_volume", "step_gpus", "step_health", "step_interconnect", "step_s3"]
 
 GIB = 1024**3
 
@@ -241,18 +241,3 @@ def step_s3(proc: AcceptProcedure) -> Remediation:
         return _check(proc, "s3", items)
 
     return Observation("s3", check)
-
-
-#: The steps in order: (name, what holds when it passes, its factory). The verdict is last.
-STEPS: tuple[tuple[str, str, StepFactory], ...] = (
-    ("gpus", "The GPUs and driver the order promised: model, count, memory, driver and CUDA.", step_gpus),
-    ("health", "Every health check passes, judged from one facts request.", step_health),
-    (
-        "interconnect",
-        "P2P bandwidth per GPU pair meets its link's expectation; NCCL all-reduce works.",
-        step_interconnect,
-    ),  # fmt: skip
-    ("data_volume", "The data volume has the free space and write throughput promised.", step_data_volume),
-    ("s3", "The order's S3 bucket answers with the credentials given (nothing written).", step_s3),
-    ("verdict", "ACCEPT, or REJECT naming every promise the node does not keep.", step_verdict),
-)

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from pytest_gpuhost.run import evidence
 from pytest_gpuhost.run.remediation import Check, Remediation
+from pytest_gpuhost.run.suite import Observation
 
-from .procedure import AcceptProcedure, Observation
+from .procedure import AcceptProcedure
 
 __all__ = ["reasons", "step_verdict", "verdict_line"]
 
