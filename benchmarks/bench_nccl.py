@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gpulab.host.lab import Lab, LabHost  # noqa: E402
-from tests.test_p2p_suite import run_suite  # noqa: E402
+from tests.p2p.test_p2p_suite import run_suite  # noqa: E402
 
 STEP = "test_p2p_collective"
 TOOL = "/usr/bin/all_reduce_perf"

@@ -34,7 +34,7 @@ from gpulab.host.lab import CLIENT_KEY, Lab  # noqa: E402
 from gpulab.profiles import p2p_variants  # noqa: E402
 from pytest_gpuhost.exec.targets import TargetOptions, open_connection, parse_host_url  # noqa: E402
 from pytest_gpuhost.modules import p2p_causes, p2p_reports  # noqa: E402
-from tests.test_p2p_suite import NVIDIA, run_suite  # noqa: E402
+from tests.p2p.test_p2p_suite import NVIDIA, run_suite  # noqa: E402
 
 BUDGET_S = 1.0
 LINKS = [

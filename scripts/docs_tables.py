@@ -7,7 +7,7 @@ and `<!-- /generated: NAME -->`; what lies between is replaced. Today: the healt
 docs/fleet.md, and the module indexes: every module of `pytest_gpuhost/exec/` in docs/EXEC.md,
 every other module of `pytest_gpuhost/`, `suites/` and `gpulab/` in docs/INTERNALS.md, each with
 the first line of its docstring (the module's own one-line summary is the one home of what it
-holds). `--check` exits 1 naming each stale table, so a test (tests/test_docs_tables.py) fails
+holds). `--check` exits 1 naming each stale table, so a test (tests/project/test_docs_tables.py) fails
 when the code changed and the doc did not.
 """
 

@@ -40,10 +40,10 @@ class Mutation:
 
 
 ROOM_TEST = (
-    "tests/test_decommission_preflight_lab.py::"
+    "tests/decommission/test_decommission_preflight_lab.py::"
     "test_a_backup_dir_without_room_for_the_node_refuses_at_step_one_with_servers_running"
 )
-CHECK_ONLY_TEST = "tests/test_check_only_writes_nothing_lab.py::"
+CHECK_ONLY_TEST = "tests/engine/test_check_only_writes_nothing_lab.py::"
 
 MUTATIONS = (
     Mutation(
@@ -52,7 +52,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/writer.py",
         "if digest != node_sha:",
         "if False:",
-        ("tests/test_backup_writer.py",),
+        ("tests/backup/test_backup_writer.py",),
     ),
     Mutation(
         "reserved-category-names",
@@ -60,7 +60,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/manifest.py",
         "elif name.casefold() in {r.casefold() for r in RESERVED}:",
         "elif False:",
-        ("tests/test_backup_manifest.py",),
+        ("tests/backup/test_backup_manifest.py",),
     ),
     Mutation(
         "s3-object-proof",
@@ -68,7 +68,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/s3.py",
         'elif rec is None or rec.get("sha256") != item.sha256:',
         "elif False:",
-        ("tests/test_backup_s3.py::test_an_object_this_backup_did_not_verify_is_not_counted",),
+        ("tests/backup/test_backup_s3.py::test_an_object_this_backup_did_not_verify_is_not_counted",),
     ),
     Mutation(
         "uvm-kernel-holder",
@@ -76,7 +76,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/gpu.py",
         "if isinstance(held, dict) and uvm > 2 * fds:",
         "if False:",
-        ("tests/test_p2p_kernel_refusals.py",),
+        ("tests/p2p/test_p2p_kernel_refusals.py",),
     ),
     Mutation(
         "uvm-one-ref-per-file",
@@ -84,7 +84,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/gpu.py",
         "if isinstance(held, dict) and uvm > 2 * fds:",
         "if isinstance(held, dict) and uvm > fds:",
-        ("tests/test_p2p_kernel_refusals.py",),
+        ("tests/p2p/test_p2p_kernel_refusals.py",),
     ),
     Mutation(
         "multi-device-group-5.11-6.3",
@@ -92,7 +92,7 @@ MUTATIONS = (
         "suites/p2p/plan.py",
         "multi = [g for g in plan.groups_to_fix if len(g.members) > 1 and not g.identity]",
         "multi = [g for g in plan.groups_to_fix if len(g.functions) > 1 and not g.identity]",
-        ("tests/test_p2p_plan.py",),
+        ("tests/p2p/test_p2p_plan.py",),
     ),
     Mutation(
         "snp-amd-iommu-pt",
@@ -100,7 +100,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/iommu.py",
         'return "iommu=pt" in (cmdline or "").split()',
         'return any(w in ("iommu=pt", "amd_iommu=pt") for w in (cmdline or "").split())',
-        ("tests/test_p2p_kernel_refusals.py",),
+        ("tests/p2p/test_p2p_kernel_refusals.py",),
     ),
     Mutation(
         "in-place-bytes-compared",
@@ -108,7 +108,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/inplace.py",
         "        if got != need.expect:",
         "        if False:",
-        ("tests/test_backup_inplace.py",),
+        ("tests/backup/test_backup_inplace.py",),
     ),
     Mutation(
         "in-place-sse-etag",
@@ -116,7 +116,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/inplace.py",
         "    if obj.sse is None and _MD5.match(obj.etag):",
         "    if _MD5.match(obj.etag):",
-        ("tests/test_backup_inplace.py",),
+        ("tests/backup/test_backup_inplace.py",),
     ),
     Mutation(
         "in-place-verdict",
@@ -124,7 +124,7 @@ MUTATIONS = (
         "suites/decommission/notes.py",
         '    problems += [f"not proved where it already is in S3: {md(p)} ({md(why)})" for p, why in in_place_missing]',
         "",
-        ("tests/test_decommission_verdict.py",),
+        ("tests/decommission/test_decommission_verdict.py",),
     ),
     Mutation(
         "verdict-step-outcomes",
@@ -132,7 +132,7 @@ MUTATIONS = (
         "suites/decommission/notes.py",
         '        if outcome not in ("passed", "fixed"):',
         "        if False:",
-        ("tests/test_decommission_verdict.py",),
+        ("tests/decommission/test_decommission_verdict.py",),
     ),
     Mutation(
         "verdict-still-running",
@@ -140,7 +140,7 @@ MUTATIONS = (
         "suites/decommission/notes.py",
         '    problems += [f"still running: {md(p)}" for p in running]',
         "",
-        ("tests/test_decommission_verdict.py",),
+        ("tests/decommission/test_decommission_verdict.py",),
     ),
     Mutation(
         "verdict-local-missing",
@@ -148,7 +148,7 @@ MUTATIONS = (
         "suites/decommission/notes.py",
         '    problems += [f"not in the local backup: {md(p)} ({md(why)})" for p, why in local_missing]',
         "",
-        ("tests/test_decommission_verdict.py",),
+        ("tests/decommission/test_decommission_verdict.py",),
     ),
     Mutation(
         "verdict-s3-missing",
@@ -156,7 +156,7 @@ MUTATIONS = (
         "suites/decommission/notes.py",
         '    problems += [f"not in S3: {md(p)} ({md(why)})" for p, why in s3_missing]',
         "",
-        ("tests/test_decommission_verdict.py",),
+        ("tests/decommission/test_decommission_verdict.py",),
     ),
     Mutation(
         "verdict-s3-unconfigured",
@@ -164,7 +164,7 @@ MUTATIONS = (
         "suites/decommission/notes.py",
         "    if s3_categories and not s3_configured:",
         "    if False:",
-        ("tests/test_decommission_verdict.py",),
+        ("tests/decommission/test_decommission_verdict.py",),
     ),
     Mutation(
         "verdict-s3-unreadable",
@@ -173,7 +173,7 @@ MUTATIONS = (
         '    problems += [f"S3 not readable: {md(line)}" for line in s3_unreadable]',
         "",
         (
-            "tests/test_decommission_preflight.py::test_the_verdict_lists_an_unreadable_destination_as_one_problem",
+            "tests/decommission/test_decommission_preflight.py::test_the_verdict_lists_an_unreadable_destination_as_one_problem",
         ),
     ),
     Mutation(
@@ -182,7 +182,7 @@ MUTATIONS = (
         "suites/decommission/notes.py",
         '    problems += [f"open multipart upload: {md(k)}" for k in open_uploads]',
         "",
-        ("tests/test_decommission_verdict.py",),
+        ("tests/decommission/test_decommission_verdict.py",),
     ),
     Mutation(
         "in-s3-send-to-backup-to",
@@ -190,7 +190,9 @@ MUTATIONS = (
         "suites/decommission/node.py",
         "            items, unverified = [*items, *more], [*unverified, *missing]",
         "            pass",
-        ("tests/test_decommission_inplace.py::test_misses_go_under_backup_to_when_asked_on_local",),
+        (
+            "tests/decommission/test_decommission_inplace.py::test_misses_go_under_backup_to_when_asked_on_local",
+        ),
     ),
     Mutation(
         "destination-owner",
@@ -199,7 +201,7 @@ MUTATIONS = (
         "    if not local.usable:",
         "    if False:",
         (
-            "tests/test_decommission_preflight.py::test_a_destination_of_another_node_is_refused_before_anything_stops",
+            "tests/decommission/test_decommission_preflight.py::test_a_destination_of_another_node_is_refused_before_anything_stops",
         ),
     ),
     Mutation(
@@ -208,7 +210,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/ownership.py",
         "    rec, why = read_record(folder / OWNER_NAME)",
         '    rec, why = read_record(folder / OWNER_NAME)\n    rec = rec if not why else None\n    why = ""',
-        ("tests/test_backup_ownership.py::test_a_corrupt_owner_record_is_refused_not_claimed",),
+        ("tests/backup/test_backup_ownership.py::test_a_corrupt_owner_record_is_refused_not_claimed",),
     ),
     Mutation(
         "owner-record-lost",
@@ -216,7 +218,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/ownership.py",
         '    if targets == {me.get("target")}:',
         "    if True:",
-        ("tests/test_backup_ownership.py::test_a_lost_record_of_another_node_is_refused",),
+        ("tests/backup/test_backup_ownership.py::test_a_lost_record_of_another_node_is_refused",),
     ),
     Mutation(
         "owner-identity-clash",
@@ -224,7 +226,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/ownership.py",
         "    differ = [f for f in shared if str(theirs.get(f)) != me.get(f)]",
         '    differ = [f for f in shared if f == "machine_id" and str(theirs.get(f)) != me.get(f)]',
-        ("tests/test_backup_ownership.py::test_a_cloned_machine_is_refused_by_its_other_name",),
+        ("tests/backup/test_backup_ownership.py::test_a_cloned_machine_is_refused_by_its_other_name",),
     ),
     Mutation(
         "owner-s3-foreign-objects",
@@ -232,7 +234,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/ownership.py",
         "            if verdict.status == FREE and s3_foreign:",
         "            if False:",
-        ("tests/test_backup_ownership.py::test_objects_without_an_owner_record_are_not_claimed",),
+        ("tests/backup/test_backup_ownership.py::test_objects_without_an_owner_record_are_not_claimed",),
     ),
     Mutation(
         "places-by-components",
@@ -240,7 +242,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/ownership.py",
         "        return self.parts[:n] == other.parts[:n]",
         "        return self.parts == other.parts",
-        ("tests/test_backup_ownership.py",),
+        ("tests/backup/test_backup_ownership.py",),
     ),
     Mutation(
         "places-overlap-refused",
@@ -249,7 +251,7 @@ MUTATIONS = (
         "    if overlaps:",
         "    if False:",
         (
-            "tests/test_backup_ownership.py::test_backup_to_inside_an_in_s3_location_is_refused_before_anything",
+            "tests/backup/test_backup_ownership.py::test_backup_to_inside_an_in_s3_location_is_refused_before_anything",
         ),
     ),
     Mutation(
@@ -259,7 +261,7 @@ MUTATIONS = (
         '        if (head.get("Metadata") or {}).get(OWNER_META) == tag:',
         "        if True:",
         (
-            "tests/test_backup_ownership.py::test_an_object_at_an_in_s3_location_is_overwritten_only_when_this_node_wrote_it",
+            "tests/backup/test_backup_ownership.py::test_an_object_at_an_in_s3_location_is_overwritten_only_when_this_node_wrote_it",
         ),
     ),
     Mutation(
@@ -268,7 +270,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/s3.py",
         "        return [(key, uid) for key, uid in self.all_open_uploads() if mine.get(uid) == key]",
         "        return self.all_open_uploads()",
-        ("tests/test_backup_s3.py::test_upload_verify_rerun_and_multipart_hygiene",),
+        ("tests/backup/test_backup_s3.py::test_upload_verify_rerun_and_multipart_hygiene",),
     ),
     Mutation(
         "in-place-min-proof",
@@ -276,7 +278,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/inplace.py",
         "    if found and STRENGTH[found[0].strength] >= STRENGTH[min_proof]:",
         "    if found:",
-        ("tests/test_backup_inplace_proofs.py",),
+        ("tests/backup/test_backup_inplace_proofs.py",),
     ),
     Mutation(
         "in-place-object-replaced",
@@ -284,7 +286,9 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/inplace.py",
         '                and (old.quick[:2] == (f.size, f.mtime_ns) and old.etag == obj["etag"] and old.url == url)',
         "                and (old.quick[:2] == (f.size, f.mtime_ns) and old.url == url)",
-        ("tests/test_backup_inplace_proofs.py::test_an_object_replaced_after_the_proof_is_proved_again",),
+        (
+            "tests/backup/test_backup_inplace_proofs.py::test_an_object_replaced_after_the_proof_is_proved_again",
+        ),
     ),
     Mutation(
         "journal-delete-replay",
@@ -292,7 +296,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/state.py",
         '                    self.items.pop(rec["k"], None)',
         "                    pass",
-        ("tests/test_backup_state_journal.py",),
+        ("tests/backup/test_backup_state_journal.py",),
     ),
     Mutation(
         "journal-torn-tail",
@@ -300,7 +304,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/state.py",
         "        if good != size:",
         "        if False:",
-        ("tests/test_backup_state_journal.py",),
+        ("tests/backup/test_backup_state_journal.py",),
     ),
     Mutation(
         "root-link",
@@ -308,7 +312,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/roots.py",
         '        if r["kind"] == "link":',
         "        if False:",
-        ("tests/test_decommission_roots.py::test_root_problems_of_a_walk",),
+        ("tests/decommission/test_decommission_roots.py::test_root_problems_of_a_walk",),
     ),
     Mutation(
         "root-empty",
@@ -316,7 +320,9 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/roots.py",
         '        elif r["n"] == 0 and r["e"] == 0 and r["kind"] in ("dir", "file") and not cat.expected_empty:',
         "        elif False:",
-        ("tests/test_decommission_roots.py::test_an_empty_or_missing_root_is_a_problem_unless_expected",),
+        (
+            "tests/decommission/test_decommission_roots.py::test_an_empty_or_missing_root_is_a_problem_unless_expected",
+        ),
     ),
     Mutation(
         "root-verdict",
@@ -324,7 +330,9 @@ MUTATIONS = (
         "suites/decommission/notes.py",
         "        problems += root_problems(run.manifest, full)",
         "        pass",
-        ("tests/test_decommission_roots.py::test_a_root_that_is_a_link_is_a_problem_until_followed",),
+        (
+            "tests/decommission/test_decommission_roots.py::test_a_root_that_is_a_link_is_a_problem_until_followed",
+        ),
     ),
     Mutation(
         "kernel-log-new-boot",
@@ -332,7 +340,7 @@ MUTATIONS = (
         "pytest_gpuhost/exec/agent/probe_health_kernel.py",
         "    if new_boot:\n        since, seen = None, set()",
         "    if False:\n        since, seen = None, set()",
-        ("tests/test_health_probe.py::test_probe_parses_the_tools_and_keeps_a_kernel_log_cursor",),
+        ("tests/health/test_health_probe.py::test_probe_parses_the_tools_and_keeps_a_kernel_log_cursor",),
     ),
     Mutation(
         "reset-cut-run-completed",
@@ -340,7 +348,9 @@ MUTATIONS = (
         "suites/health/reset.py",
         "        units_left, gpus_left = cutrun.leftover(theirs)",
         "        units_left, gpus_left = [], []",
-        ("tests/test_health_reset_lab.py::test_a_run_cut_while_the_gpu_is_reset_is_completed_by_the_next",),
+        (
+            "tests/health/test_health_reset_lab.py::test_a_run_cut_while_the_gpu_is_reset_is_completed_by_the_next",
+        ),
     ),
     Mutation(
         "p2p-unset-env-only-when-proven",
@@ -348,7 +358,7 @@ MUTATIONS = (
         "suites/p2p/collective.py",
         "        if not base.ok or base.skip:",
         "        if False:",
-        ("tests/test_p2p_service_env_lab.py::test_option_does_not_unset_when_the_collective_fails",),
+        ("tests/p2p/test_p2p_service_env_lab.py::test_option_does_not_unset_when_the_collective_fails",),
     ),
     Mutation(
         "health-nccl-wrong-data",
@@ -356,7 +366,7 @@ MUTATIONS = (
         "suites/health/test_health_nccl.py",
         "    if first.failure() or wrong:",
         "    if first.failure():",
-        ("tests/test_health_nccl.py",),
+        ("tests/health/test_health_nccl.py",),
     ),
     Mutation(
         "listing-unlisted-paths",
@@ -364,7 +374,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/verdict.py",
         "    missing = listing.unlisted()",
         "    missing = []",
-        ("tests/test_backup_hostile.py::test_unreadable_paths_are_items_and_excludes_drop_them",),
+        ("tests/backup/test_backup_hostile.py::test_unreadable_paths_are_items_and_excludes_drop_them",),
     ),
     Mutation(
         "listing-vanished-paths",
@@ -373,7 +383,7 @@ MUTATIONS = (
         '            missing.append(Item(f.display, f"not copied: {why}" if why else "never copied"))',
         "            pass",
         (
-            "tests/test_backup_hostile.py::test_a_file_that_vanishes_after_the_listing_is_an_item_until_the_rerun",
+            "tests/backup/test_backup_hostile.py::test_a_file_that_vanishes_after_the_listing_is_an_item_until_the_rerun",
         ),
     ),
     Mutation(
@@ -382,7 +392,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/verdict.py",
         '    return (rec.get("c"), rec.get("i")) == f.identity',
         "    return True",
-        ("tests/test_backup_metadata_put_back.py",),
+        ("tests/backup/test_backup_metadata_put_back.py",),
     ),
     Mutation(
         "local-ctime-check",
@@ -390,7 +400,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/backup/verdict.py",
         '    return (rec.get("lc"), rec.get("li")) == (st.st_ctime_ns, st.st_ino)',
         "    return True",
-        ("tests/test_backup_metadata_put_back.py",),
+        ("tests/backup/test_backup_metadata_put_back.py",),
     ),
     Mutation(
         "sender-ctime-changed",
@@ -398,7 +408,7 @@ MUTATIONS = (
         "pytest_gpuhost/exec/agent/probe_backup.py",
         "            or after.st_ctime_ns != st.st_ctime_ns\n        )",
         "        )",
-        ("tests/test_backup_metadata_put_back.py",),
+        ("tests/backup/test_backup_metadata_put_back.py",),
     ),
     Mutation(
         "p2p-foreign-holder",
@@ -407,7 +417,7 @@ MUTATIONS = (
         '        if holders:\n            parts.append("held by "',
         '        if False:\n            parts.append("held by "',
         (
-            "tests/test_p2p_causes_lab.py::"
+            "tests/p2p/test_p2p_causes_lab.py::"
             "test_a_holder_the_run_did_not_start_fails_gpus_released_and_nothing_is_unbound",
         ),
     ),
@@ -418,7 +428,7 @@ MUTATIONS = (
         "        elif not ok_unit:",
         "        elif False:",
         (
-            "tests/test_health_reset_lab.py::test_a_holder_outside_the_inventorys_services_is_named_and_nothing_is_reset",
+            "tests/health/test_health_reset_lab.py::test_a_holder_outside_the_inventorys_services_is_named_and_nothing_is_reset",
         ),
     ),
     Mutation(
@@ -428,7 +438,7 @@ MUTATIONS = (
         "            if value == 1:\n                out.setdefault(key(bus), []).append(_SIGNAL_TEXT.get(name, name))\n    return out",
         "            pass\n    return out",
         (
-            "tests/test_health_reset_lab.py::test_a_reset_that_returns_0_but_leaves_the_gpu_in_error_is_not_counted",
+            "tests/health/test_health_reset_lab.py::test_a_reset_that_returns_0_but_leaves_the_gpu_in_error_is_not_counted",
         ),
     ),
     Mutation(
@@ -438,7 +448,7 @@ MUTATIONS = (
         "        if left and self.allow_reboot:",
         "        if left:",
         (
-            "tests/test_health_reset_lab.py::test_a_reset_that_returns_0_but_leaves_the_gpu_in_error_is_not_counted",
+            "tests/health/test_health_reset_lab.py::test_a_reset_that_returns_0_but_leaves_the_gpu_in_error_is_not_counted",
         ),
     ),
     Mutation(
@@ -448,7 +458,7 @@ MUTATIONS = (
         "        out.refused.append(",
         "        [].append(",  # the refusal recorded nowhere
         (
-            "tests/test_health_reboot_lab.py::test_xid_79_on_gpu_3_reboots_the_node_with_its_servers_stopped_and_started",
+            "tests/health/test_health_reboot_lab.py::test_xid_79_on_gpu_3_reboots_the_node_with_its_servers_stopped_and_started",
         ),
     ),
     Mutation(
@@ -458,7 +468,7 @@ MUTATIONS = (
         "            if self.reboots and self.allow_reboot and not refused:\n",
         "            if self.reboots and not refused:\n",
         (
-            "tests/test_health_reboot_lab.py::test_xid_79_on_gpu_3_reboots_the_node_with_its_servers_stopped_and_started",
+            "tests/health/test_health_reboot_lab.py::test_xid_79_on_gpu_3_reboots_the_node_with_its_servers_stopped_and_started",
         ),
     ),
     Mutation(
@@ -468,7 +478,7 @@ MUTATIONS = (
         "    stopped = list(dict.fromkeys([*kept, *node.units]))",
         "    stopped = list(node.units)",
         (
-            "tests/test_health_reboot_lab.py::test_a_run_cut_between_the_stops_and_the_reboot_is_completed_by_the_next",
+            "tests/health/test_health_reboot_lab.py::test_a_run_cut_between_the_stops_and_the_reboot_is_completed_by_the_next",
         ),
     ),
     Mutation(
@@ -478,7 +488,7 @@ MUTATIONS = (
         '            ok=fine, summary=f"{len(want)} GPU(s) reset{also}; their signals',
         '            ok=True, summary=f"{len(want)} GPU(s) reset{also}; their signals',
         (
-            "tests/test_health_reset_lab.py::test_a_reset_whose_gpu_then_fails_the_compute_check_is_not_counted",
+            "tests/health/test_health_reset_lab.py::test_a_reset_whose_gpu_then_fails_the_compute_check_is_not_counted",
         ),
     ),
     Mutation(
@@ -487,7 +497,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/health/reset_set.py",
         "    if arch in BEFORE_AMPERE:",
         "    if False:",
-        ("tests/test_health_reset_set.py",),
+        ("tests/health/test_health_reset_set.py",),
     ),
     Mutation(
         "reset-nvlink-peers-without-fm",
@@ -495,7 +505,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/health/reset_set.py",
         "    if node.fabric_manager or node.nvswitch is False:",
         "    if True:",
-        ("tests/test_health_reset_set.py",),
+        ("tests/health/test_health_reset_set.py",),
     ),
     Mutation(
         "reset-set-peer-holder",
@@ -503,7 +513,7 @@ MUTATIONS = (
         "suites/health/holders.py",
         "        lead.refused = list(dict.fromkeys(r for m in lead.members for r in m.refused))",
         "        lead.refused = list(dict.fromkeys(r for m in [lead] for r in m.refused))",
-        ("tests/test_health_reset_nvlink_lab.py",),
+        ("tests/health/test_health_reset_nvlink_lab.py",),
     ),
     Mutation(
         "reset-set-no-compute-elsewhere",
@@ -511,7 +521,7 @@ MUTATIONS = (
         "suites/health/holders.py",
         "            for o in others\n            for r in o.refused\n",
         "            for o in others\n            for r in ()\n",
-        ("tests/test_health_reset_nvlink_lab.py",),
+        ("tests/health/test_health_reset_nvlink_lab.py",),
     ),
     Mutation(
         "reset-resume-only-its-drain",
@@ -520,7 +530,7 @@ MUTATIONS = (
         "    if hh.drained_here is None:",
         "    if False:",
         (
-            "tests/test_nodecheck_slurm_lab.py::test_fix_reset_drains_resets_and_resumes_only_the_drain_it_made",
+            "tests/nodecheck/test_nodecheck_slurm_lab.py::test_fix_reset_drains_resets_and_resumes_only_the_drain_it_made",
         ),
     ),
     Mutation(
@@ -530,7 +540,7 @@ MUTATIONS = (
         '    if not node.ours:\n        return True, f"node drained by someone else',
         '    if False:\n        return True, f"node drained by someone else',
         (
-            "tests/test_nodecheck_slurm_lab.py::test_fix_reset_drains_resets_and_resumes_only_the_drain_it_made",
+            "tests/nodecheck/test_nodecheck_slurm_lab.py::test_fix_reset_drains_resets_and_resumes_only_the_drain_it_made",
         ),
     ),
     Mutation(
@@ -539,7 +549,7 @@ MUTATIONS = (
         "pytest_gpuhost/redact.py",
         'return "remember" if _secret_shaped(v) else ""',
         'return ""',
-        ("tests/test_redact.py",),
+        ("tests/report/test_redact.py",),
     ),
     Mutation(
         "scrub-authorized-keys-agent",
@@ -547,7 +557,7 @@ MUTATIONS = (
         "pytest_gpuhost/exec/agent/probe_credentials.py",
         "    if name in PROTECTED:",
         "    if False:",
-        ("tests/test_credentials.py::test_scrub_never_touches_authorized_keys",),
+        ("tests/decommission/test_credentials.py::test_scrub_never_touches_authorized_keys",),
     ),
     Mutation(
         "scrub-authorized-keys-plan",
@@ -555,7 +565,7 @@ MUTATIONS = (
         "pytest_gpuhost/modules/credentials.py",
         '        if i["path"].rsplit("/", 1)[-1] not in _LOGIN',
         "        if True",
-        ("tests/test_credentials.py::test_scrub_items_never_name_authorized_keys",),
+        ("tests/decommission/test_credentials.py::test_scrub_items_never_name_authorized_keys",),
     ),
     Mutation(
         "scrub-only-after-safe",
@@ -563,7 +573,7 @@ MUTATIONS = (
         "suites/decommission/credentials.py",
         "        if refusal is not None:",
         "        if False:",
-        ("tests/test_decommission_credentials_lab.py::test_scrub_waits_for_a_safe_node",),
+        ("tests/decommission/test_decommission_credentials_lab.py::test_scrub_waits_for_a_safe_node",),
     ),
     Mutation(
         "accept-check-only-writes-nothing",
@@ -571,7 +581,7 @@ MUTATIONS = (
         "suites/accept/steps.py",
         "        write = o.write_mb_s is not None and not proc.check_only",
         "        write = o.write_mb_s is not None",
-        ("tests/test_accept_lab.py::test_check_only_writes_nothing_on_the_node",),
+        ("tests/accept/test_accept_lab.py::test_check_only_writes_nothing_on_the_node",),
     ),
     Mutation(
         "accept-scratch-removed",
@@ -579,7 +589,9 @@ MUTATIONS = (
         "suites/accept/disk.py",
         "        os.unlink(name)",
         "        pass",
-        ("tests/test_accept_lab.py::test_a_really_slow_data_volume_is_rejected_naming_the_throughput",),
+        (
+            "tests/accept/test_accept_lab.py::test_a_really_slow_data_volume_is_rejected_naming_the_throughput",
+        ),
     ),
     Mutation(
         "decommission-room-preflight",
@@ -588,7 +600,7 @@ MUTATIONS = (
         "    if needed * (1 + margin) > free:",
         "    if False:",
         (
-            "tests/test_decommission_preflight.py::"
+            "tests/decommission/test_decommission_preflight.py::"
             "test_room_at_the_backup_dir_is_the_bytes_to_copy_against_its_filesystems_free_space",
         ),
     ),

@@ -17,7 +17,7 @@ if ((${#need_apt[@]})); then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-# Slurm and munge for the lab's real Slurm cluster (gpulab/slurm/cluster.py, tests/test_slurm_lab.py).
+# Slurm and munge for the lab's real Slurm cluster (gpulab/slurm/cluster.py, tests/nodecheck/test_slurm_lab.py).
 # Optional: where they cannot be installed, the Slurm tests skip and say so. Installing must not
 # start or enable any daemon on this machine (the lab runs its own with its own config and key):
 # a policy-rc.d that denies every start (invoke-rc.d(8)) while apt runs, then the units disabled.
@@ -54,7 +54,7 @@ if ! .venv/bin/python -c "import pytest_gpuhost, mfusepy, moto, testinfra, pytes
 fi
 
 # torch's CPU build, for the tests that run the torch all-reduce program with real torch processes
-# (tests/test_nccl_torch.py; pytest_gpuhost/modules/nccl_torch.py). Only from a wheel pip finds
+# (tests/p2p/test_nccl_torch.py; pytest_gpuhost/modules/nccl_torch.py). Only from a wheel pip finds
 # without an index (find-links: this kind of machine keeps the CPU build on disk): PyPI's torch for
 # Linux x86_64 is a CUDA build of several GB. Not in the dev extra for that reason. Without it
 # those tests skip and say so. Measured here: about 46 s and 754 MB in .venv.
@@ -65,7 +65,7 @@ if ! .venv/bin/python -c "import torch.distributed" 2>/dev/null; then
     .venv/bin/python -m pip install -q "$TORCH" 2>&1 | grep -Ev '^WARNING: Location|^ *$' || true
   else
     echo "setup: WARNING: no local wheel of $TORCH ($(printf '%s' "$out" | grep -v '^WARNING: Location' | tail -n 1)):" \
-      "tests/test_nccl_torch.py will skip its runs" >&2
+      "tests/p2p/test_nccl_torch.py will skip its runs" >&2
   fi
 fi
 

@@ -26,7 +26,7 @@ pytest_plugins = [
 
 def pytest_configure(config: pytest.Config) -> None:
     # local:// is named after the machine (exec/nodename.py); the plugin's own tests expect one
-    # name on every machine. tests/test_nodecheck_name.py checks the host-name default without it.
+    # name on every machine. tests/nodecheck/test_nodecheck_name.py checks the host-name default without it.
     os.environ.setdefault("GPUHOST_NODE_NAME", "local")
     if not os.environ.get("GPUHOST_CONTROLLER_STATE_DIR"):
         # what a --check-only health run keeps on the controller (modules/health/controller_state.py)

@@ -148,7 +148,7 @@ def install_tools(root: Path, container: bool, driver: bool = True) -> None:
             shutil.copytree(src, site / pkg, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
             # Compiled into the layer, as a distribution's package ships its .pyc: otherwise the
             # first nvidia-smi of a run writes its cache into the host's own files, and a run that
-            # must write nothing (--check-only, tests/test_check_only_writes_nothing_lab.py) would
+            # must write nothing (--check-only, tests/engine/test_check_only_writes_nothing_lab.py) would
             # be blamed for the lab's own write.
             compileall.compile_dir(site / pkg, quiet=1)
     lib = root / "usr/local/lib/gpulab"

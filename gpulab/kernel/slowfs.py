@@ -5,7 +5,7 @@ Every file operation passes through to ``DIR``; each write is held until the vol
 allows it (one token bucket for the whole volume, what a throttled or failing device gives),
 so a writer measures ``N`` bytes/s whatever the page cache would have given: mounted with
 ``direct_io``, "the page cache is completely bypassed for reads and writes" (the kernel's
-Documentation/filesystems/fuse-io.rst), each write(2) waits for the daemon. Used by tests/test_accept_lab.py
+Documentation/filesystems/fuse-io.rst), each write(2) waits for the daemon. Used by tests/accept/test_accept_lab.py
 ("a really slow data volume"), mounted under a lab host's root so the host sees it (docs/accept.md).
 """
 

@@ -32,7 +32,7 @@ all-reduce (``AllReduceGetBw`` in src/all_reduce.cu); the time is the slowest ra
 
 Exit status: 0 when every result was right, 1 when an element was wrong (as nccl-tests), 2 when
 a rank failed (``# error: rank R: ...``). ``--probe`` prints one JSON line about torch instead.
-``--device cpu --backend gloo`` and ``--fault`` exist for the tests only (tests/test_nccl_torch.py):
+``--device cpu --backend gloo`` and ``--fault`` exist for the tests only (tests/p2p/test_nccl_torch.py):
 they run the same launcher, store, sweep and data check with real torch processes on a machine
 without a GPU; a ``--fault`` run is never correct.
 """

@@ -63,7 +63,7 @@ picked up by its name; nothing else needs registering.
   `probe_program("probe_x", "entry()")`: the core, that probe, then the call, no protocol loop.
 * Tests: import the probe as a normal module (`from pytest_gpuhost.exec.agent import probe_x`)
   and call its functions against files under `tmp_path`; test what goes over the wire through a
-  real agent (`open_connection(parse_host_url("local://"))`, or the lab).  tests/test_agent.py
+  real agent (`open_connection(parse_host_url("local://"))`, or the lab).  tests/exec/test_agent.py
   checks every probe's imports and that the assembled program parses as Python 3.6.
 """
 

@@ -116,8 +116,8 @@ class HealthCheck:
     lab: str = ""
 
 
-_LAB_GPUS = "tests/test_health_lab_gpus.py::"
-_LAB_FLEET = "tests/test_health_lab.py::test_fleet_verdicts_across_two_runs"
+_LAB_GPUS = "tests/health/test_health_lab_gpus.py::"
+_LAB_FLEET = "tests/health/test_health_lab.py::test_fleet_verdicts_across_two_runs"
 
 #: The checks, in the order the suite runs them.
 DECLARED: tuple[HealthCheck, ...] = (

@@ -5,7 +5,7 @@ nvidia-smi otherwise (facts.py). Both read the same driver, so on a healthy driv
 where they do not, one of the two readers (ours) is wrong for that driver. `read_both` asks the
 agent twice on one connection, once with the `health_nvml` fact and once without, and
 `differences` lists every disagreement, one line each. scripts/gpu_check.py runs it on a real GPU;
-tests/test_health_crosscheck.py runs it on lab hosts and on made-up disagreements.
+tests/health/test_health_crosscheck.py runs it on lab hosts and on made-up disagreements.
 
 What is compared: per GPU (by bus id) the identity, ECC, retired-page, remap, recovery and PCIe
 link fields; per GPU the NVLinks each side lists as up and down, and the non-zero NVLink error
