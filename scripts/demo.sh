@@ -20,14 +20,14 @@ cleanup() {
 trap cleanup EXIT
 $PY -m gpulab down --all --match demo- >/dev/null 2>&1 || true   # a crashed demo's leftovers
 
-echo "== 1/3 Proxmox host: restore GPU peer-to-peer DMA (suites/p2p)"
+echo "== 1/4 Proxmox host: restore GPU peer-to-peer DMA (suites/p2p)"
 $PY -m gpulab up proxmox-rtx6000 --name demo-pve
 read -r -a P2P_ARGS <<<"$($PY -m gpulab pytest-args demo-pve)"
 $PY -m pytest suites/p2p "${P2P_ARGS[@]}" --stop-timeout=5 --report-name="p2p-demo-pve-$STAMP" -p no:cacheprovider || P2P_RC=$?
 echo "   second run on the repaired host (everything should pass, nothing stopped):"
 $PY -m pytest suites/p2p "${P2P_ARGS[@]}" --report-name="p2p-demo-pve-rerun-$STAMP" -p no:cacheprovider -q || P2P_RC=$?
 
-echo "== 2/3 B200 node: decommission with backup to a local folder and to S3 (suites/decommission)"
+echo "== B200 node: booted, with an S3 endpoint on loopback"
 PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 export AWS_ACCESS_KEY_ID=demo AWS_SECRET_ACCESS_KEY=demo AWS_DEFAULT_REGION=us-east-1
 .venv/bin/moto_server -H 127.0.0.1 -p "$PORT" >/tmp/gpuhost-demo-moto.log 2>&1 &
@@ -39,11 +39,15 @@ boto3.client("s3", endpoint_url=f"http://127.0.0.1:{sys.argv[1]}").create_bucket
 PYEOF
 $PY -m gpulab up b200-nvl8 --name demo-b200
 read -r -a B200_ARGS <<<"$($PY -m gpulab pytest-args demo-b200)"
+echo "== 2/4 B200 node: acceptance against what the order promised (suites/accept, before the job)"
+$PY -m pytest suites/accept "${B200_ARGS[@]}" --order=fixtures/orders/b200-order.yaml \
+  --report-name="accept-demo-b200-$STAMP" -p no:cacheprovider -q || ACC_RC=$?
+echo "== 3/4 B200 node: decommission with backup to a local folder and to S3 (suites/decommission)"
 $PY -m pytest suites/decommission "${B200_ARGS[@]}" --manifest=fixtures/manifests/b200-node-backup.yaml \
   --backup-dir="backups/demo-b200-$STAMP" --backup-to="s3://node-handback/demo-b200" \
   --s3-endpoint="http://127.0.0.1:$PORT" --report-name="decommission-demo-b200-$STAMP" -p no:cacheprovider || DEC_RC=$?
 
-echo "== 3/3 Fleet health check of both hosts (suites/health, check only, two workers)"
+echo "== 4/4 Fleet health check of both hosts (suites/health, check only, two workers)"
 KH=$(mktemp); cat /run/gpulab/demo-pve/known_hosts /run/gpulab/demo-b200/known_hosts >"$KH"
 HOSTS=()
 for a in "${P2P_ARGS[@]}" "${B200_ARGS[@]}"; do [[ $a == --host=* ]] && HOSTS+=("$a"); done
@@ -55,4 +59,4 @@ echo
 echo "Reports:"
 ls -1 reports/*"$STAMP"*.html 2>/dev/null | sed 's/^/  /'
 echo "Backup: backups/demo-b200-$STAMP"
-exit $(( ${P2P_RC:-0} || ${DEC_RC:-0} ))
+exit $(( ${P2P_RC:-0} || ${ACC_RC:-0} || ${DEC_RC:-0} ))
