@@ -77,7 +77,7 @@ class AcceptOptions:
         parse=number(5, 3600),
     )
     evidence: str = option(
-        "accept-{host}.json",
+        "reports/accept-{host}.json",
         flag="--accept-evidence",
         metavar="PATH",
         help="the JSON of promised vs found per item; {host} is the target's name (default {default})",
