@@ -37,6 +37,8 @@ def _extras(tmp: Path, *args: str) -> list[list]:
             "no:cacheprovider",
             "-n",
             "2",
+            # one target runs in the controller unless told: the path under test crosses a worker
+            "--gpuhost-scheduling=workers",
             "--host=local://",
             *args,
             "test_x.py",
