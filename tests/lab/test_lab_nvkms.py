@@ -19,6 +19,7 @@ import yaml
 
 from gpulab.profiles.load import PROFILE_DIR, load_profile
 from tests.helpers.gate import wait_blocked
+from tests.helpers.sysfs_io import rd
 
 StandaloneMount = pytest.importorskip(
     "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
@@ -38,11 +39,6 @@ def variant(tmp: Path, **changes: Any) -> str:
     out = tmp / "variant.yaml"
     out.write_text(yaml.safe_dump(data))
     return str(out)
-
-
-def rd(p: str | Path) -> str:
-    with open(p) as f:
-        return f.read().strip()
 
 
 def unbind_in_thread(m: Any, bdf: str) -> tuple[threading.Thread, dict[str, int]]:

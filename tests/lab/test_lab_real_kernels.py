@@ -22,6 +22,7 @@ from gpulab.kernel import acs
 from gpulab.kernel.model import find_holders
 from gpulab.profiles.load import PROFILE_DIR, ProfileError, load_profile, parse_profile
 from tests.helpers.gate import wait_blocked
+from tests.helpers.sysfs_io import errno_of, rd, sysw
 
 StandaloneMount = pytest.importorskip(
     "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
@@ -36,28 +37,6 @@ INTEL = "proxmox-rtx6000"
 GPU0, AUD0, GPU1 = "0000:17:00.0", "0000:17:00.1", "0000:18:00.0"
 DSP0, ROOT_PORT = "0000:16:00.0", "0000:14:01.0"
 VFIO_GPU, VFIO_GROUP = "0000:9a:00.0", 34
-
-
-def sysw(p: str | Path, value: str) -> None:
-    """Write like ``echo value > p``: one write(2), errors as OSError."""
-    fd = os.open(p, os.O_WRONLY)
-    try:
-        os.write(fd, (value + "\n").encode())
-    finally:
-        os.close(fd)
-
-
-def errno_of(p: str | Path, value: str) -> int:
-    try:
-        sysw(p, value)
-    except OSError as e:
-        return e.errno or -1
-    return 0
-
-
-def rd(p: str | Path) -> str:
-    with open(p) as f:
-        return f.read().strip()
 
 
 def kmsg(m: StandaloneMount) -> list[str]:

@@ -20,6 +20,7 @@ import yaml
 from gpulab.profiles.load import load_profile
 from gpulab.profiles.snp_variants import BACKPORT_LABEL, SNP_LINE, epyc_snp_backport
 from gpulab.profiles.types import Profile
+from tests.helpers.sysfs_io import rd
 
 StandaloneMount = pytest.importorskip(
     "gpulab.kernel.sysfs", reason="the lab's sysfs needs mfusepy and libfuse", exc_type=ImportError
@@ -43,11 +44,6 @@ def sysw(p: str | Path, value: str) -> None:
         os.write(fd, (value + "\n").encode())
     finally:
         os.close(fd)
-
-
-def rd(p: str | Path) -> str:
-    with open(p) as f:
-        return f.read().strip()
 
 
 def as_file(prof: Profile, tmp: Path) -> str:
